@@ -1,0 +1,1 @@
+"""Private implementation of jaxact; import from `jaxact` instead."""
