@@ -63,8 +63,16 @@ def _elementwise(rule: _Rule, x: Array, *dynamic: Array) -> Array:
 
 def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   y = _forward(rule, x, dynamic)
-  kept = {"output": y, "input": x, "none": None}[rule.residual]
-  return y, (kept, dynamic)
+  if rule.residual == "none":
+    return y, (None, dynamic)
+  # The barrier hides the residual's origin from XLA. Without it XLA (a) fuses a cheap forward
+  # formula into the backward's consumers, recomputing y from x and so keeping x alive too, and
+  # (b) CSEs the backward's intermediates (exp, sigmoid of x) with the forward's, keeping those
+  # alive as extra activation-sized buffers. Either way the saving this rule exists for is lost.
+  if rule.residual == "output":
+    y = jax.lax.optimization_barrier(y)
+    return y, (y, dynamic)
+  return y, (jax.lax.optimization_barrier(x), dynamic)
 
 
 def _elementwise_bwd(rule: _Rule, res, g: Array):
@@ -126,8 +134,8 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
     if traced:
       residual = "input"
     elif spec.output_ok is not None:
-      concrete = dict(static) | dict(zip(names, dynamic, strict=True))
-      if not spec.output_ok(**{p.name: concrete[p.name] for p in spec.params}):
+      concrete = {p.name: values[p.name] for p in spec.params}
+      if not spec.output_ok(**concrete):
         residual = "input"
   return _Rule(spec.name, residual, tuple(static), tuple(names)), dynamic
 

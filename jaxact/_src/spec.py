@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 
 # Beyond |x| = _BIG every sigmoid/erfc/sech^2 factor used below is exactly 0 or 1 in float32 and
@@ -142,12 +143,16 @@ class ActivationSpec:
 # ----------------------------------------------------------------------------- parameter checks
 
 
+# Checks run on concrete values only (Python numbers, NumPy arrays, non-traced jax arrays), with
+# NumPy, so that they never stage operations into a surrounding trace.
+
+
 def _nonzero(v) -> str | None:
-  return "must be nonzero" if (jnp.asarray(v) == 0).any() else None
+  return "must be nonzero" if (np.asarray(v) == 0).any() else None
 
 
 def _nonnegative(v) -> str | None:
-  return "must be >= 0" if (jnp.asarray(v) < 0).any() else None
+  return "must be >= 0" if (np.asarray(v) < 0).any() else None
 
 
 def _is_bool(v) -> str | None:
@@ -155,11 +160,11 @@ def _is_bool(v) -> str | None:
 
 
 def _all_positive(v) -> bool:
-  return bool((jnp.asarray(v) > 0).all())
+  return bool((np.asarray(v) > 0).all())
 
 
 def _all_nonnegative(v) -> bool:
-  return bool((jnp.asarray(v) >= 0).all())
+  return bool((np.asarray(v) >= 0).all())
 
 
 # --------------------------------------------------------------------------------- the formulas
