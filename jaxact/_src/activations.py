@@ -72,7 +72,8 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   if rule.residual == "output":
     y = jax.lax.optimization_barrier(y)
     return y, (y, dynamic)
-  return y, (jax.lax.optimization_barrier(x), dynamic)
+  y, x = jax.lax.optimization_barrier((y, x))
+  return y, (x, dynamic)
 
 
 def _elementwise_bwd(rule: _Rule, res, g: Array):
