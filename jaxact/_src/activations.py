@@ -29,7 +29,16 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jaxact._src import validation
-from jaxact._src.spec import ALIASES, SPEC_BY_NAME, SPECS, ActivationSpec, Param, Residual
+from jaxact._src.spec import (
+  ALIASES,
+  SPEC_BY_NAME,
+  SPECS,
+  ActivationSpec,
+  Param,
+  Residual,
+  _sigmoid,
+  _sigmoid_pair,
+)
 
 # ------------------------------------------------------------------ the elementwise custom_vjp rule
 
@@ -69,6 +78,9 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   # formula into the backward's consumers, recomputing y from x and so keeping x alive too, and
   # (b) CSEs the backward's intermediates (exp, sigmoid of x) with the forward's, keeping those
   # alive as extra activation-sized buffers. Either way the saving this rule exists for is lost.
+  # y goes through the barrier with the residual: the residual must be the very array returned
+  # (a second buffer would double what the pullback holds), and an unbarriered forward lets XLA's
+  # CPU reduction fusions pull the formula in and materialise its broadcast constants.
   if rule.residual == "output":
     y = jax.lax.optimization_barrier(y)
     return y, (y, dynamic)
@@ -169,18 +181,15 @@ def _glu_fwd(axis, x):
 def _glu_bwd(axis, x, g):
   cdt = validation.compute_dtype(x.dtype)
   a, b = jnp.split(x.astype(cdt), 2, axis)
-  g32, s = g.astype(cdt), _sigmoid(b)
+  g32 = g.astype(cdt)
+  s, s_neg = _sigmoid_pair(b)
   da = g32 * s
-  db = g32 * a * s * _sigmoid(-b)
+  db = g32 * a * s * s_neg
   return (jnp.concatenate([da, db], axis).astype(x.dtype),)
 
 
 _glu.defvjp(_glu_fwd, _glu_bwd)
 _glu_jit = jax.jit(_glu, static_argnums=0)
-
-
-def _sigmoid(x):
-  return SPEC_BY_NAME["sigmoid"].fn(x)
 
 
 def _shifted(x: Array, axes: tuple[int, ...], where: Array | None) -> Array:

@@ -44,11 +44,19 @@ _GELU_QUICK_SCALE = 1.702
 Residual = Literal["output", "input", "none"]
 
 
-def _sigmoid(x: Array) -> Array:
-  """Logistic function with no NaN/inf in either branch for any input (including ±inf)."""
+def _sigmoid_pair(x: Array) -> tuple[Array, Array]:
+  """(sigmoid(x), sigmoid(-x)) from one exp and one reciprocal, each accurate in relative terms.
+
+  No branch produces NaN or inf for any input, ±inf included.
+  """
   e = jnp.exp(-jnp.abs(x))
   r = 1.0 / (1.0 + e)
-  return jnp.where(x >= 0, r, e * r)
+  pos = x >= 0
+  return jnp.where(pos, r, e * r), jnp.where(pos, e * r, r)
+
+
+def _sigmoid(x: Array) -> Array:
+  return _sigmoid_pair(x)[0]
 
 
 def _softplus(x: Array) -> Array:
@@ -225,13 +233,15 @@ def _gelu(x, approximate):
 
 
 def _gelu_d_input(x, approximate):
+  # Past |x| = _BIG every sigmoid/exp factor below is exactly 0 or 1, so the clamped x gives the
+  # same derivative and no inf * 0.
   xc = _clamp(x)
   if approximate:
-    z = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
-    zc = _SQRT_2_OVER_PI * (xc + _GELU_CUBIC * xc * xc * xc)
     # d/dx [x sigmoid(2z)] = sigmoid(2z) + x * 2 sigmoid(2z) sigmoid(-2z) * dz/dx
+    z = _SQRT_2_OVER_PI * (xc + _GELU_CUBIC * xc * xc * xc)
     dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * xc * xc)
-    return _sigmoid(2.0 * z) + 2.0 * xc * _sigmoid(2.0 * zc) * _sigmoid(-2.0 * zc) * dz
+    s, s_neg = _sigmoid_pair(2.0 * z)
+    return s + 2.0 * xc * s * s_neg * dz
   return 0.5 * lax.erfc(-x * math.sqrt(0.5)) + xc * _INV_SQRT_2PI * jnp.exp(-0.5 * xc * xc)
 
 
@@ -240,8 +250,9 @@ def _swish_like(x, scale):
 
 
 def _swish_like_d_input(x, scale):
-  s = _sigmoid(scale * x)
-  return s + scale * _clamp(x) * s * _sigmoid(-scale * x)
+  xc = _clamp(x)
+  s, s_neg = _sigmoid_pair(scale * xc)
+  return s + scale * xc * s * s_neg
 
 
 def _mish(x):
@@ -249,8 +260,9 @@ def _mish(x):
 
 
 def _mish_d_input(x):
-  t = jnp.tanh(_softplus(x))
-  return t + _clamp(x) * (1.0 - t * t) * _sigmoid(x)
+  xc = _clamp(x)
+  t = jnp.tanh(_softplus(xc))
+  return t + xc * (1.0 - t * t) * _sigmoid(xc)
 
 
 def _hard_sigmoid(x):

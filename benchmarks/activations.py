@@ -1,0 +1,142 @@
+"""Per-activation measurements: MLP training memory, arrays kept by the pullback, step time, NaNs.
+
+Every figure is a ratio or a count measured in one run against jax.nn on the same machine:
+
+* ``mlp_memory``: an L-layer MLP ``h = act(h @ w)`` under ``jit(grad(loss))``; XLA's compiled
+  ``temp_size_in_bytes`` divided by one activation buffer (batch x width x 4 bytes).
+* ``mlp_kept``: activation-sized arrays held by ``jax.vjp``'s pullback of the same MLP, parameters
+  and input excluded.
+* ``step_time``: ``jit(value_and_grad(sum(act(x))))`` on 2**22 float32 elements, the two libraries
+  run alternately, medians compared.
+* ``nan_counts``: NaN in values and NaN/inf in gradients over the extreme-input grid, finite inputs
+  only (±inf and NaN inputs are excluded: their limits are tested in tests/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxact
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def reference(name: str) -> Callable | None:
+  """The jax.nn function jaxact's `name` replaces (None for jaxact's own gelu_quick)."""
+  return getattr(jax.nn, name) if jaxact.get_spec(name).jax_nn else None
+
+
+def _mlp_params(layers: int, width: int, batch: int):
+  keys = jax.random.split(jax.random.key(0), layers + 1)
+  scale = float(np.sqrt(width))  # a Python float: a NumPy float64 would promote to float64 under x64
+  ws = [jax.random.normal(k, (width, width), jnp.float32) / scale for k in keys[:-1]]
+  x = jax.random.normal(keys[-1], (batch, width), jnp.float32)
+  return ws, x
+
+
+def _mlp(act: Callable):
+  def forward(ws, x):
+    h = x
+    for w in ws:
+      h = act(h @ w)
+    return h
+
+  return forward
+
+
+@dataclasses.dataclass
+class MemoryRow:
+  name: str
+  residual: str
+  temp_jaxnn: float | None
+  temp_jaxact: float
+  kept_jaxnn: float | None
+  kept_jaxact: float
+
+
+def mlp_memory(name: str, layers: int = 8, width: int = 512, batch: int = 8192) -> MemoryRow:
+  ws, x = _mlp_params(layers, width, batch)
+  buffer = batch * width * 4
+  out = {}
+  for lib, act in (("jax.nn", reference(name)), ("jaxact", getattr(jaxact, name))):
+    if act is None:
+      out[lib] = (None, None)
+      continue
+    forward = _mlp(act)
+    loss = lambda ws, x, forward=forward: jnp.sum(forward(ws, x))  # noqa: E731
+    compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes / buffer
+    _, pullback = jax.vjp(forward, ws, x)
+    inputs = {id(a) for a in [*ws, x]}
+    kept = [
+      a
+      for a in jax.tree.leaves(pullback)
+      if hasattr(a, "shape") and a.size == batch * width and id(a) not in inputs
+    ]
+    out[lib] = (temp, len(kept) / layers)
+  return MemoryRow(
+    name,
+    jaxact.get_spec(name).residual,
+    out["jax.nn"][0],
+    out["jaxact"][0],
+    out["jax.nn"][1],
+    out["jaxact"][1],
+  )
+
+
+def step_time(name: str, size: int = 1 << 22, reps: int = 30) -> tuple[float, float] | None:
+  """Median seconds of jit(value_and_grad) for (jax.nn, jaxact), alternating runs."""
+  ref = reference(name)
+  if ref is None:
+    return None
+  x = jax.random.normal(jax.random.key(1), (size,), jnp.float32) * 3
+  fns = [
+    jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(f(x)))) for f in (ref, getattr(jaxact, name))
+  ]
+  for f in fns:
+    jax.block_until_ready(f(x))
+  times: list[list[float]] = [[], []]
+  for r in range(reps):
+    for i in (0, 1) if r % 2 else (1, 0):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fns[i](x))
+      times[i].append(time.perf_counter() - t0)
+  return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def extreme_grid(dtype) -> np.ndarray:
+  """Finite extremes of the issue's grid, in `dtype` (values that overflow it are dropped)."""
+  info = jnp.finfo(dtype)
+  mags = [1e30, float(info.max), 88.8, 548.0, 300.0, 17.0, float(info.tiny), float(info.smallest_subnormal), 1.0]
+  vals = sorted({s * m for m in mags for s in (1.0, -1.0)} | {0.0})
+  with np.errstate(over="ignore"):
+    arr = np.asarray(vals, np.float64).astype(jnp.dtype(dtype))
+  return arr[np.isfinite(arr)]
+
+
+def nan_counts(name: str, dtype: str) -> dict[str, tuple[int, int] | None]:
+  """{lib: (NaN values, NaN/inf gradients)} on the finite extreme grid."""
+  x = jnp.asarray(extreme_grid(dtype))
+  if name == "glu":  # pair every grid value with every other (a, b) halves
+    a, b = jnp.meshgrid(x, x)
+    x = jnp.concatenate([a.reshape(-1, 1), b.reshape(-1, 1)], axis=-1)
+  elif name in ("softmax", "log_softmax"):  # rows of extremes, and each value against the rest
+    x = jnp.stack([x, jnp.roll(x, 1), jnp.flip(x)])
+  out: dict[str, tuple[int, int] | None] = {}
+  for lib, f in (("jax.nn", reference(name)), ("jaxact", getattr(jaxact, name))):
+    if f is None:
+      out[lib] = None
+      continue
+    y = f(x)
+    # An upstream gradient of ones in x's dtype; sum in float32 so the loss itself cannot overflow.
+    g = jax.grad(lambda v, f=f: jnp.sum(f(v).astype(jnp.float32)))(x)
+    nan_y = int(jnp.sum(jnp.isnan(y)))
+    bad_g = int(jnp.sum(~jnp.isfinite(g)))
+    out[lib] = (nan_y, bad_g)
+  return out
