@@ -280,9 +280,13 @@ def _docstring(spec: ActivationSpec) -> str:
     "none": "nothing",
   }[spec.residual]
   lines = [spec.summary, "", "Computes", "", ".. math::", f"  {spec.formula}", ""]
+  if spec.derivative:
+    lines += ["and differentiates as", "", ".. math::", f"  {spec.derivative}", ""]
   if spec.notes:
     lines += [spec.notes, ""]
   lines += [f"Saved residual: {residual}."]
+  if spec.fallback:
+    lines += [f"The input is kept instead when {spec.fallback}."]
   if spec.kinks:
     kinks = ", ".join(f"f'({k:g}) = {v:g}" for k, v in spec.kinks.items())
     lines += [f"Derivative at kinks: {kinks}."]

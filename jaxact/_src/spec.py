@@ -106,7 +106,10 @@ class ActivationSpec:
     params: parameters after ``x``, in signature order.
     kinks: ``{x0: f'(x0)}`` for the points where the derivative is a convention, as jaxact
       computes it; ``jax_nn_kinks`` lists the points where jax.nn's autodiff gives another value.
-    formula: LaTeX for the docstring's ``.. math::`` block.
+    formula: LaTeX of the forward, for the docstring's ``.. math::`` block.
+    derivative: LaTeX of the derivative the backward pass uses, in terms of ``y`` for output
+      residuals (``\bar x`` / ``\bar y`` are cotangents where the rule is not elementwise).
+    fallback: when an output-residual activation keeps the input instead (parameter conditions).
     summary: one-line docstring summary.
     jax_nn: whether ``jax.nn`` has a function of this name (gelu_quick is jaxact's own).
     elementwise: False for glu/softmax/log_softmax, whose rules are written in activations.py.
@@ -119,6 +122,8 @@ class ActivationSpec:
   summary: str
   formula: str
   residual: Residual
+  derivative: str = ""
+  fallback: str = ""
   fn: Callable[..., Array] | None = None
   d_output: Callable[..., Array] | None = None
   d_input: Callable[..., Array] | None = None
@@ -299,8 +304,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="sigmoid",
     summary="Sigmoid activation function.",
-    formula=r"\mathrm{sigmoid}(x) = \frac{1}{1 + e^{-x}}, \quad "
-    r"\mathrm{sigmoid}'(x) = y (1 - y)",
+    formula=r"\mathrm{sigmoid}(x) = \frac{1}{1 + e^{-x}}",
+    derivative=r"y (1 - y)",
     residual="output",
     fn=_sigmoid,
     d_output=lambda y: y * (1.0 - y),
@@ -311,7 +316,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="tanh",
     summary="Hyperbolic tangent activation function.",
-    formula=r"\tanh(x), \quad \tanh'(x) = 1 - y^2",
+    formula=r"\tanh(x) = \frac{e^x - e^{-x}}{e^x + e^{-x}}",
+    derivative=r"1 - y^2",
     residual="output",
     fn=jnp.tanh,
     d_output=lambda y: 1.0 - y * y,
@@ -321,7 +327,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="relu",
     summary="Rectified linear unit activation function.",
-    formula=r"\mathrm{relu}(x) = \max(x, 0), \quad \mathrm{relu}'(x) = [y > 0]",
+    formula=r"\mathrm{relu}(x) = \max(x, 0)",
+    derivative=r"[y > 0]",
     residual="output",
     fn=_relu,
     d_output=lambda y: jnp.where(y > 0, 1.0, 0.0),
@@ -331,7 +338,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="relu6",
     summary="Rectified linear unit 6 activation function.",
-    formula=r"\mathrm{relu6}(x) = \min(\max(x, 0), 6), \quad \mathrm{relu6}'(x) = [0 < y < 6]",
+    formula=r"\mathrm{relu6}(x) = \min(\max(x, 0), 6)",
+    derivative=r"[0 < y < 6]",
     residual="output",
     fn=_relu6,
     d_output=lambda y: _between(y, 0.0, 6.0, 1.0),
@@ -343,40 +351,41 @@ SPECS: tuple[ActivationSpec, ...] = (
     summary="Leaky rectified linear unit activation function.",
     formula=r"\mathrm{leaky\_relu}(x) = \begin{cases} x, & x \ge 0\\ \alpha x, & x < 0 \end{cases}"
     r", \quad \alpha = \mathrm{negative\_slope}",
+    derivative=r"1 \text{ if } y \ge 0 \text{ else } \alpha",
     residual="output",
     fn=_leaky_relu,
     d_output=lambda y, negative_slope: jnp.where(y >= 0, 1.0, negative_slope),
     d_input=lambda x, negative_slope: jnp.where(x >= 0, 1.0, negative_slope),
     output_ok=lambda negative_slope: _all_positive(negative_slope),
+    fallback="`negative_slope <= 0` or traced",
     params=(Param("negative_slope", 0.01, "scalar or array of slopes for x < 0 (default 0.01)"),),
     kinks={0.0: 1.0},
-    notes="The output determines the derivative only when ``negative_slope > 0``; with a slope "
-    "<= 0, or a traced slope, the input is kept instead.",
     example=(_X, "[-0.02, -0.005, 0.0, 0.5, 2.0]"),
   ),
   ActivationSpec(
     name="elu",
     summary="Exponential linear unit activation function.",
     formula=r"\mathrm{elu}(x) = \begin{cases} x, & x > 0\\ \alpha (e^x - 1), & x \le 0 "
-    r"\end{cases}, \quad \mathrm{elu}'(x) = \begin{cases} 1, & y > 0\\ y + \alpha, & y \le 0 "
     r"\end{cases}",
+    derivative=r"1 \text{ if } y > 0 \text{ else } y + \alpha",
     residual="output",
     fn=_elu,
     d_output=lambda y, alpha: jnp.where(y > 0, 1.0, y + alpha),
     d_input=lambda x, alpha: jnp.where(x > 0, 1.0, alpha * jnp.exp(jnp.minimum(x, 0.0))),
     output_ok=lambda alpha: _all_nonnegative(alpha),
+    fallback="`alpha < 0` or traced",
     params=(Param("alpha", 1.0, "scalar or array of alpha values (default 1.0)"),),
     kinks={0.0: 1.0},  # = alpha, the x <= 0 side, as jax.nn; 1.0 for the default alpha
-    notes="The output determines the derivative when ``alpha >= 0``; a negative or traced "
-    "``alpha`` keeps the input instead. At 0 the derivative is ``alpha`` (jax.nn's value).",
+    notes="At 0 the derivative is ``alpha`` (jax.nn's value). A traced ``alpha`` keeps the input "
+    "so that its own gradient can be computed.",
     example=(_X, "[-0.8647, -0.3935, 0.0, 0.5, 2.0]"),
   ),
   ActivationSpec(
     name="selu",
     summary="Scaled exponential linear unit activation.",
     formula=r"\mathrm{selu}(x) = \lambda \begin{cases} x, & x > 0\\ \alpha e^x - \alpha, & x \le 0"
-    r"\end{cases}, \quad \mathrm{selu}'(x) = \begin{cases} \lambda, & y > 0\\ y + \lambda\alpha,"
-    r" & y \le 0 \end{cases}",
+    r"\end{cases}",
+    derivative=r"\lambda \text{ if } y > 0 \text{ else } y + \lambda\alpha",
     residual="output",
     fn=lambda x: _SELU_SCALE * _elu(x, _SELU_ALPHA),
     d_output=lambda y: jnp.where(y > 0, _SELU_SCALE, y + _SELU_SCALE * _SELU_ALPHA),
@@ -388,20 +397,21 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="celu",
     summary="Continuously-differentiable exponential linear unit activation.",
-    formula=r"\mathrm{celu}(x) = \max(x, 0) + \alpha \left(e^{\min(x, 0) / \alpha} - 1\right), "
-    r"\quad \mathrm{celu}'(x) = \begin{cases} 1, & y > 0\\ y / \alpha + 1, & y \le 0 \end{cases}",
+    formula=r"\mathrm{celu}(x) = \max(x, 0) + \alpha \left(e^{\min(x, 0) / \alpha} - 1\right)",
+    derivative=r"1 \text{ if } y > 0 \text{ else } y / \alpha + 1",
     residual="output",
     fn=_celu,
     d_output=lambda y, alpha: jnp.where(y > 0, 1.0, y / alpha + 1.0),
+    fallback="`alpha` traced",
     params=(Param("alpha", 1.0, "array or scalar, nonzero (default 1.0)", check=_nonzero),),
     kinks={0.0: 1.0},
-    notes="A traced ``alpha`` keeps the input (so its gradient can be computed).",
     example=(_X, "[-0.8647, -0.3935, 0.0, 0.5, 2.0]"),
   ),
   ActivationSpec(
     name="softplus",
     summary="Softplus activation function.",
-    formula=r"\mathrm{softplus}(x) = \log(1 + e^x), \quad \mathrm{softplus}'(x) = 1 - e^{-y}",
+    formula=r"\mathrm{softplus}(x) = \log(1 + e^x)",
+    derivative=r"1 - e^{-y}",
     residual="output",
     fn=_softplus,
     d_output=lambda y: -jnp.expm1(-y),
@@ -410,8 +420,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="log_sigmoid",
     summary="Log-sigmoid activation function.",
-    formula=r"\mathrm{log\_sigmoid}(x) = -\log(1 + e^{-x}), \quad "
-    r"\mathrm{log\_sigmoid}'(x) = 1 - e^{y}",
+    formula=r"\mathrm{log\_sigmoid}(x) = -\log(1 + e^{-x})",
+    derivative=r"1 - e^{y}",
     residual="output",
     fn=lambda x: -_softplus(-x),
     d_output=lambda y: -jnp.expm1(y),
@@ -420,8 +430,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="soft_sign",
     summary="Soft-sign activation function.",
-    formula=r"\mathrm{soft\_sign}(x) = \frac{x}{|x| + 1}, \quad "
-    r"\mathrm{soft\_sign}'(x) = (1 - |y|)^2",
+    formula=r"\mathrm{soft\_sign}(x) = \frac{x}{\lvert x \rvert + 1}",
+    derivative=r"(1 - \lvert y \rvert)^2",
     residual="output",
     fn=_soft_sign,
     d_output=lambda y: jnp.square(1.0 - jnp.abs(y)),
@@ -430,22 +440,23 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="squareplus",
     summary="Squareplus activation function.",
-    formula=r"\mathrm{squareplus}(x) = \frac{x + \sqrt{x^2 + b}}{2}, \quad "
-    r"\mathrm{squareplus}'(x) = \frac{y^2}{y^2 + b/4}",
+    formula=r"\mathrm{squareplus}(x) = \frac{x + \sqrt{x^2 + b}}{2}",
+    derivative=r"\frac{y^2}{y^2 + b/4}",
     residual="output",
     fn=_squareplus,
     d_output=_squareplus_d_output,
+    fallback="`b` traced",
     params=(Param("b", 4, "smoothness parameter, >= 0 (default 4)", check=_nonnegative),),
     kinks={0.0: 0.5},  # b = 4; with b = 0 squareplus is relu and the kink's derivative is 0
-    notes="Computed without overflow up to ``±finfo.max``. A traced ``b`` keeps the input.",
+    notes="Computed without overflow up to ``±finfo.max``.",
     example=(_X, "[0.4142, 0.7808, 1.0, 1.2808, 2.4142]"),
   ),
   ActivationSpec(
     name="sparse_plus",
     summary="Sparse plus function.",
     formula=r"\mathrm{sparse\_plus}(x) = \begin{cases} 0, & x \le -1\\ \frac{1}{4}(x+1)^2, & "
-    r"-1 < x < 1\\ x, & 1 \le x \end{cases}, \quad \mathrm{sparse\_plus}'(x) = "
-    r"\sqrt{\min(y, 1)}",
+    r"-1 < x < 1\\ x, & 1 \le x \end{cases}",
+    derivative=r"\sqrt{\min(y, 1)}",
     residual="output",
     fn=_sparse_plus,
     d_output=lambda y: _safe_sqrt(jnp.minimum(y, 1.0)),
@@ -455,8 +466,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="sparse_sigmoid",
     summary="Sparse sigmoid activation function.",
-    formula=r"\mathrm{sparse\_sigmoid}(x) = \tfrac{1}{2}\,\mathrm{clip}(x + 1, 0, 2), \quad "
-    r"\mathrm{sparse\_sigmoid}'(x) = \tfrac{1}{2} [0 < y < 1]",
+    formula=r"\mathrm{sparse\_sigmoid}(x) = \tfrac{1}{2}\,\mathrm{clip}(x + 1, 0, 2)",
+    derivative=r"\tfrac{1}{2} [0 < y < 1]",
     residual="output",
     fn=lambda x: 0.5 * jnp.minimum(jnp.maximum(x + 1.0, 0.0), 2.0),
     d_output=lambda y: _between(y, 0.0, 1.0, 0.5),
@@ -468,8 +479,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="hard_tanh",
     summary="Hard tanh activation function.",
-    formula=r"\mathrm{hard\_tanh}(x) = \mathrm{clip}(x, -1, 1), \quad "
-    r"\mathrm{hard\_tanh}'(x) = [|y| < 1]",
+    formula=r"\mathrm{hard\_tanh}(x) = \mathrm{clip}(x, -1, 1)",
+    derivative=r"[\lvert y \rvert < 1]",
     residual="output",
     fn=lambda x: jnp.minimum(jnp.maximum(x, -1.0), 1.0),
     d_output=lambda y: jnp.where(jnp.abs(y) < 1.0, 1.0, 0.0),
@@ -481,8 +492,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="hard_sigmoid",
     summary="Hard sigmoid activation function.",
-    formula=r"\mathrm{hard\_sigmoid}(x) = \frac{\mathrm{relu6}(x + 3)}{6}, \quad "
-    r"\mathrm{hard\_sigmoid}'(x) = \tfrac{1}{6} [0 < y < 1]",
+    formula=r"\mathrm{hard\_sigmoid}(x) = \frac{\mathrm{relu6}(x + 3)}{6}",
+    derivative=r"\tfrac{1}{6} [0 < y < 1]",
     residual="output",
     fn=_hard_sigmoid,
     d_output=lambda y: _between(y, 0.0, 1.0, 1.0 / 6.0),
@@ -574,8 +585,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="softmax",
     summary="Softmax function.",
-    formula=r"\mathrm{softmax}(x)_i = \frac{e^{x_i}}{\sum_j e^{x_j}}, \quad "
-    r"\bar x = y \odot (\bar y - \langle \bar y, y \rangle)",
+    formula=r"\mathrm{softmax}(x)_i = \frac{e^{x_i}}{\sum_j e^{x_j}}",
+    derivative=r"\bar x = y \odot (\bar y - \langle \bar y, y \rangle)",
     residual="output",
     elementwise=False,
     params=(
@@ -590,8 +601,8 @@ SPECS: tuple[ActivationSpec, ...] = (
   ActivationSpec(
     name="log_softmax",
     summary="Log-Softmax function.",
-    formula=r"\mathrm{log\_softmax}(x)_i = x_i - \log \sum_j e^{x_j}, \quad "
-    r"\bar x = \bar y - e^{y} \sum_j \bar y_j",
+    formula=r"\mathrm{log\_softmax}(x)_i = x_i - \log \sum_j e^{x_j}",
+    derivative=r"\bar x = \bar y - e^{y} \sum_j \bar y_j",
     residual="output",
     elementwise=False,
     params=(
