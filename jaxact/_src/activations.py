@@ -167,15 +167,25 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
 # ------------------------------------------------------------------------------ glu, softmaxes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _glu(axis: int, x: Array) -> Array:
+# The custom_vjp functions below call plain `_impl` functions from their fwd rules, never
+# themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp, which a
+# nested custom_vjp call would refuse.
+
+
+def _glu_impl(axis: int, x: Array) -> Array:
   cdt = validation.compute_dtype(x.dtype)
   a, b = jnp.split(x.astype(cdt), 2, axis)
   return (a * _sigmoid(b)).astype(x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _glu(axis: int, x: Array) -> Array:
+  return _glu_impl(axis, x)
+
+
 def _glu_fwd(axis, x):
-  return _glu(axis, x), x
+  y, x = jax.lax.optimization_barrier((_glu_impl(axis, x), x))  # see _elementwise_fwd
+  return y, x
 
 
 def _glu_bwd(axis, x, g):
@@ -206,8 +216,7 @@ def _shifted(x: Array, axes: tuple[int, ...], where: Array | None) -> Array:
   return jnp.where(x_max == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf), finite_shift)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _softmax(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) -> Array:
+def _softmax_impl(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) -> Array:
   cdt = validation.compute_dtype(x.dtype)
   shifted = _shifted(x.astype(cdt), axes, where)
   e = jnp.exp(shifted)
@@ -217,8 +226,13 @@ def _softmax(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) ->
   return y.astype(x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _softmax(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) -> Array:
+  return _softmax_impl(log, axes, x, where)
+
+
 def _softmax_fwd(log, axes, x, where):
-  y = _softmax(log, axes, x, where)
+  y = jax.lax.optimization_barrier(_softmax_impl(log, axes, x, where))  # see _elementwise_fwd
   return y, (y, where)
 
 
