@@ -34,7 +34,8 @@ def _machine() -> str:
   dev = jax.devices()[0]
   return (
     f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
-    f"{jax.device_count()} x {dev.device_kind} ({dev.platform}); Python {platform.python_version()}, "
+    f"{jax.device_count()} x {dev.device_kind} ({dev.platform}); "
+    f"Python {platform.python_version()}, "
     f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, jaxact {jaxact.__version__}"
   )
 
@@ -53,9 +54,9 @@ def run(quick: bool, out: pathlib.Path) -> str:
     "## Training memory: 8-layer MLP, 8192 x 512 float32 activations, `jit(grad(loss))`",
     "",
     "`temp` is XLA's compiled `temp_size_in_bytes` in activation buffers (16 MiB each); `kept` is",
-    "activation-sized arrays held by `jax.vjp`'s pullback per layer (parameters and input excluded).",
-    "Targets: temp <= 9 (L+1) for output-residual activations, <= 17 (2L+1) for input-residual ones,",
-    "never above jax.nn; kept = 1 per layer (output residual) or 2 (input residual).",
+    "activation-sized arrays held by `jax.vjp`'s pullback per layer (parameters and input",
+    "excluded). Targets: temp <= 9 (L+1) for output-residual activations, <= 17 (2L+1) for",
+    "input-residual ones, never above jax.nn; kept = 1 per layer (output residual) or 2 (input residual).",
     "",
     "| activation | residual | temp jax.nn | temp jaxact | ratio | kept jax.nn | kept jaxact |",
     "|---|---|---:|---:|---:|---:|---:|",
@@ -66,7 +67,8 @@ def run(quick: bool, out: pathlib.Path) -> str:
     ratio = None if row.temp_jaxnn is None else row.temp_jaxact / row.temp_jaxnn
     lines.append(
       f"| {name} | {row.residual} | {_fmt(row.temp_jaxnn)} | {_fmt(row.temp_jaxact)} | "
-      f"{_fmt(ratio, '{:.2f}')} | {_fmt(row.kept_jaxnn, '{:.2f}')} | {_fmt(row.kept_jaxact, '{:.2f}')} |"
+      f"{_fmt(ratio, '{:.2f}')} | {_fmt(row.kept_jaxnn, '{:.2f}')} | "
+      f"{_fmt(row.kept_jaxact, '{:.2f}')} |"
     )
     print(f"  [{i}/{len(elementwise)}] {name}", file=sys.stderr)
 
@@ -132,8 +134,12 @@ def run(quick: bool, out: pathlib.Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="fewer timing repetitions (~2 min on 2 cores)")
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
+  parser.add_argument(
+    "--quick", action="store_true", help="fewer timing repetitions (~2 min on 2 cores)"
+  )
+  parser.add_argument(
+    "--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder"
+  )
   args = parser.parse_args(argv)
   print(run(args.quick, args.out))
   print(f"wrote {args.out / 'results.md'}", file=sys.stderr)

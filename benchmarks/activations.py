@@ -34,7 +34,9 @@ def reference(name: str) -> Callable | None:
 
 def _mlp_params(layers: int, width: int, batch: int):
   keys = jax.random.split(jax.random.key(0), layers + 1)
-  scale = float(np.sqrt(width))  # a Python float: a NumPy float64 would promote to float64 under x64
+  scale = float(
+    np.sqrt(width)
+  )  # a Python float: a NumPy float64 would promote to float64 under x64
   ws = [jax.random.normal(k, (width, width), jnp.float32) / scale for k in keys[:-1]]
   x = jax.random.normal(keys[-1], (batch, width), jnp.float32)
   return ws, x
@@ -69,7 +71,7 @@ def mlp_memory(name: str, layers: int = 8, width: int = 512, batch: int = 8192) 
       out[lib] = (None, None)
       continue
     forward = _mlp(act)
-    loss = lambda ws, x, forward=forward: jnp.sum(forward(ws, x))  # noqa: E731
+    loss = lambda ws, x, forward=forward: jnp.sum(forward(ws, x))
     compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes / buffer
     _, pullback = jax.vjp(forward, ws, x)
@@ -113,7 +115,17 @@ def step_time(name: str, size: int = 1 << 22, reps: int = 30) -> tuple[float, fl
 def extreme_grid(dtype) -> np.ndarray:
   """Finite extremes of the issue's grid, in `dtype` (values that overflow it are dropped)."""
   info = jnp.finfo(dtype)
-  mags = [1e30, float(info.max), 88.8, 548.0, 300.0, 17.0, float(info.tiny), float(info.smallest_subnormal), 1.0]
+  mags = [
+    1e30,
+    float(info.max),
+    88.8,
+    548.0,
+    300.0,
+    17.0,
+    float(info.tiny),
+    float(info.smallest_subnormal),
+    1.0,
+  ]
   vals = sorted({s * m for m in mags for s in (1.0, -1.0)} | {0.0})
   with np.errstate(over="ignore"):
     arr = np.asarray(vals, np.float64).astype(jnp.dtype(dtype))

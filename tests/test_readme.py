@@ -40,5 +40,7 @@ def test_ci_runs_the_readme_test_command():
   # .ci/run's extraction must find exactly the second Quick start block.
   script = (ROOT / ".ci" / "run").read_text()
   awk = re.search(r"cmd=\$\(awk '(.*?)' README.md\)", script, re.S).group(1)
-  out = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+  out = subprocess.run(
+    ["awk", awk, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True
+  )
   assert out.stdout.strip() == _quick_start_blocks()[1].strip()

@@ -1,4 +1,4 @@
-"""Activations as ``jax.custom_vjp`` functions that keep their output (or input) for the backward pass.
+"""Activations as ``jax.custom_vjp`` functions that keep their output (or input) for backward.
 
 The public functions are generated from the spec table (``spec.py``): one rule serves every
 elementwise activation, and glu / softmax / log_softmax have rules of their own at the bottom.
@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
@@ -135,9 +134,7 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
       )
     arr = jnp.asarray(v)
     if not (validation.is_floating(arr.dtype) or jnp.issubdtype(arr.dtype, jnp.integer)):
-      raise TypeError(
-        f"jaxact.{spec.name}: `{p.name}` must be real-valued, got dtype {arr.dtype}"
-      )
+      raise TypeError(f"jaxact.{spec.name}: `{p.name}` must be real-valued, got dtype {arr.dtype}")
     validation.check_broadcasts_to(spec.name, p.name, arr.shape, x.shape)
     traced |= isinstance(v, jax.core.Tracer)
     names.append(p.name)
@@ -168,8 +165,8 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
 
 
 # The custom_vjp functions below call plain `_impl` functions from their fwd rules, never
-# themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp, which a
-# nested custom_vjp call would refuse.
+# themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp,
+# which a nested custom_vjp call would refuse.
 
 
 def _glu_impl(axis: int, x: Array) -> Array:
@@ -406,4 +403,12 @@ def get_spec(name: str) -> ActivationSpec:
 
 ACTIVATIONS: tuple[str, ...] = tuple(s.name for s in SPECS)
 
-__all__ = ["ACTIVATIONS", "Param", "get_activation", "get_spec", *ACTIVATIONS, "hard_swish", "swish"]
+__all__ = [
+  "ACTIVATIONS",
+  "Param",
+  "get_activation",
+  "get_spec",
+  *ACTIVATIONS,
+  "hard_swish",
+  "swish",
+]

@@ -9,8 +9,8 @@ this table, so adding an activation is adding one entry here (plus its re-export
 
 Numerical conventions shared by every formula below:
 
-* Formulas receive ``x`` already in the *compute dtype* (float32 for float16/bfloat16/float32 inputs,
-  float64 for float64) and may assume parameters were validated.
+* Formulas receive ``x`` already in the *compute dtype* (float32 for float16, bfloat16 and float32
+  inputs, float64 for float64) and may assume parameters were validated.
 * No branch of a ``jnp.where`` may produce NaN or inf for a finite input, even a branch that is
   discarded: JAX differentiates discarded branches too (second-order gradients go through these
   formulas), and ``0 * nan`` is ``nan``.
