@@ -34,6 +34,8 @@ from jaxact._src.activations import log_softmax as log_softmax
 from jaxact._src.activations import get_activation as get_activation
 from jaxact._src.activations import get_spec as get_spec
 from jaxact._src.activations import ACTIVATIONS as ACTIVATIONS
+from jaxact._src.fused import dense_bias_act as dense_bias_act
+from jaxact._src.fused import conv_bias_act as conv_bias_act
 
 __version__ = "0.1.0.dev0"
 
@@ -68,4 +70,6 @@ __all__ = [
   "get_activation",
   "get_spec",
   "ACTIVATIONS",
+  "dense_bias_act",
+  "conv_bias_act",
 ]

@@ -87,26 +87,34 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   return y, (x, dynamic)
 
 
-def _elementwise_bwd(rule: _Rule, res, g: Array):
-  kept, dynamic = res
+def rule_cotangents(rule: _Rule, kept: Array | None, g: Array, dynamic) -> tuple[Array, list]:
+  """``g * f'(x)`` from the kept residual, and the array parameters' cotangents (None if zero).
+
+  `kept` and `g` must already be in the compute dtype. Shared by every op built on a rule (this
+  module's elementwise op and the fused layers), so the backward formula exists once.
+  """
   if rule.residual == "none":
-    return (g, *(None for _ in dynamic))
+    return g, [None] * len(dynamic)
   spec, params = rule.spec, rule.params(dynamic)
-  cdt = validation.compute_dtype(g.dtype)
-  g32, kept32 = g.astype(cdt), kept.astype(cdt)
   if rule.residual == "output":
     # Output mode is chosen only for concrete parameters, which have no cotangent consumer.
-    dx = g32 * spec.d_output(kept32, **params)
-    return (dx.astype(g.dtype), *(None for _ in dynamic))
-  dx = g32 * spec.derivative_from_input(kept32, **params)
-  d_dynamic = ()
-  if dynamic:
-    # Parameter gradients (traced alpha, slope, b) come from autodiff of the forward formula.
-    def fn_of_params(*p):
-      return spec.fn(kept32, **rule.params(p))
+    return g * spec.d_output(kept, **params), [None] * len(dynamic)
+  dx = g * spec.derivative_from_input(kept, **params)
+  if not dynamic:
+    return dx, []
 
-    _, pull = jax.vjp(fn_of_params, *dynamic)
-    d_dynamic = pull(g32)
+  # Parameter gradients (traced alpha, slope, b) come from autodiff of the forward formula.
+  def fn_of_params(*p):
+    return spec.fn(kept, **rule.params(p))
+
+  return dx, list(jax.vjp(fn_of_params, *dynamic)[1](g))
+
+
+def _elementwise_bwd(rule: _Rule, res, g: Array):
+  kept, dynamic = res
+  cdt = validation.compute_dtype(g.dtype)
+  kept = None if kept is None else kept.astype(cdt)
+  dx, d_dynamic = rule_cotangents(rule, kept, g.astype(cdt), dynamic)
   return (dx.astype(g.dtype), *d_dynamic)
 
 
