@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
@@ -129,6 +130,15 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
   cdt = validation.compute_dtype(x.dtype)
   for p in spec.params:
     v = values[p.name]
+    if not p.static:
+      if not validation.is_arraylike(v) or isinstance(v, (bool, np.bool_)):
+        raise TypeError(
+          f"jaxact.{spec.name}: `{p.name}` must be a real number or array, got "
+          f"{type(v).__name__} {v!r}"
+        )
+      dtype = np.result_type(v) if not isinstance(v, jax.Array) else v.dtype
+      if not (validation.is_floating(dtype) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"jaxact.{spec.name}: `{p.name}` must be real-valued, got dtype {dtype}")
     if p.check is not None and not isinstance(v, jax.core.Tracer):
       msg = p.check(v)
       if msg is not None:
@@ -136,13 +146,7 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
     if p.static or isinstance(v, (int, float)):
       static.append((p.name, v))
       continue
-    if not validation.is_arraylike(v):
-      raise TypeError(
-        f"jaxact.{spec.name}: `{p.name}` must be a number or an array, got {type(v).__name__}"
-      )
     arr = jnp.asarray(v)
-    if not (validation.is_floating(arr.dtype) or jnp.issubdtype(arr.dtype, jnp.integer)):
-      raise TypeError(f"jaxact.{spec.name}: `{p.name}` must be real-valued, got dtype {arr.dtype}")
     validation.check_broadcasts_to(spec.name, p.name, arr.shape, x.shape)
     traced |= isinstance(v, jax.core.Tracer)
     names.append(p.name)

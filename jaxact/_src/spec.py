@@ -209,12 +209,17 @@ def _soft_sign(x):
 
 
 def _squareplus(x, b):
-  # (x + sqrt(x^2 + b)) / 2 overflows x^2 past 1.8e19 (float32) and cancels catastrophically for
-  # x << 0. hypot avoids the overflow; for x < 0 the conjugate form b / (2 (sqrt(x^2+b) - x)) has no
-  # cancellation. Halves are taken before adding so that x near finfo.max does not overflow.
-  s = jnp.hypot(x, jnp.sqrt(b))
-  neg = (0.25 * b) / jnp.where(x < 0, 0.5 * s - 0.5 * x, 1.0)
-  return jnp.where(x >= 0, 0.5 * x + 0.5 * s, neg)
+  # (x + s) / 2 with s = sqrt(x^2 + b) equals max(x, 0) + (b/2) / (s + |x|) for either sign of x:
+  # that form has no cancellation for x << 0, no overflow of x + s near finfo.max (the fraction
+  # just goes to 0; XLA may re-associate 0.5x + 0.5s into 0.5(x + s), so halving first is not
+  # enough) and no branch, so NaN propagates. s is taken as m sqrt((|x|/m)^2 + b/m^2) with
+  # m = max(|x|, 1) (|x|/m is min(|x|, 1), which stays defined at |x| = inf) so x^2 never
+  # overflows and d/db stays finite at b = 0 (hypot(x, sqrt(b))'s is not).
+  ax = jnp.abs(x)
+  m = jnp.maximum(ax, 1.0)
+  s = m * jnp.sqrt(jnp.square(jnp.minimum(ax, 1.0)) + b / (m * m))
+  den = s + ax
+  return jnp.maximum(x, 0.0) + (0.5 * b) / jnp.where(den > 0, den, 1.0)
 
 
 def _squareplus_d_output(y, b):
@@ -266,8 +271,10 @@ def _mish(x):
 
 def _mish_d_input(x):
   xc = _clamp(x)
-  t = jnp.tanh(_softplus(xc))
-  return t + xc * (1.0 - t * t) * _sigmoid(xc)
+  s = _softplus(xc)
+  # sech^2(s) = 4 sigmoid(2s) sigmoid(-2s): 1 - tanh(s)^2 cancels (and doubles tanh's own error).
+  p, q = _sigmoid_pair(2.0 * s)
+  return jnp.tanh(s) + xc * (4.0 * p * q) * _sigmoid(xc)
 
 
 def _hard_sigmoid(x):
@@ -354,7 +361,9 @@ SPECS: tuple[ActivationSpec, ...] = (
     derivative=r"1 \text{ if } y \ge 0 \text{ else } \alpha",
     residual="output",
     fn=_leaky_relu,
-    d_output=lambda y, negative_slope: jnp.where(y >= 0, 1.0, negative_slope),
+    # The sign bit, not y >= 0: slope * x underflows to -0.0 for tiny negative x (|x| < ~1e-36 in
+    # float32 with flush-to-zero), and the sign survives the flush.
+    d_output=lambda y, negative_slope: jnp.where(jnp.signbit(y), negative_slope, 1.0),
     d_input=lambda x, negative_slope: jnp.where(x >= 0, 1.0, negative_slope),
     output_ok=lambda negative_slope: _all_positive(negative_slope),
     fallback="`negative_slope <= 0` or traced",
