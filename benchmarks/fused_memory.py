@@ -14,9 +14,11 @@ median ``jit(value_and_grad)`` step times (fused / composition, the two alternat
 sigmoid, softplus and <= 2L+1 = 17 for gelu; the CNN likewise against its composition (L = 6: 7 and
 13); step time no slower than the composition.
 
-On CPU, XLA computes a convolution's kernel gradient from copies of x and dz in another layout
-(activation-sized, made in the backward pass), so one layer's backward holds the L - 1 kept outputs
-below it, dz, and those two copies: the CNN's floor there is L + 2, one buffer above the target.
+On CPU, XLA computes a convolution's kernel gradient from copies of x and dz in another layout.
+Made whole, those copies would be two activation buffers alive next to the L - 1 kept outputs below
+the top layer and its dz (L + 2 = 8 for the CNN); ``conv_bias_act`` therefore sums the kernel
+gradient over two batch halves on CPU, one after the other, so that one half's copies take one
+buffer, no more than the dx allocated next: the CNN's peak is the L - 1 kept outputs, dz and dx.
 """
 
 from __future__ import annotations
