@@ -22,6 +22,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
+from benchmarks import fused_memory as fused  # noqa: E402
 
 QUICK_TIMED = ("sigmoid", "tanh", "relu", "elu", "softplus", "gelu", "silu", "softmax")
 
@@ -56,7 +57,8 @@ def run(quick: bool, out: pathlib.Path) -> str:
     "`temp` is XLA's compiled `temp_size_in_bytes` in activation buffers (16 MiB each); `kept` is",
     "activation-sized arrays held by `jax.vjp`'s pullback per layer (parameters and input",
     "excluded). Targets: temp <= 9 (L+1) for output-residual activations, <= 17 (2L+1) for",
-    "input-residual ones, never above jax.nn; kept = 1 per layer (output residual) or 2 (input residual).",
+    "input-residual ones, never above jax.nn; kept = 1 per layer (output residual) or 2 (input",
+    "residual).",
     "",
     "| activation | residual | temp jax.nn | temp jaxact | ratio | kept jax.nn | kept jaxact |",
     "|---|---|---:|---:|---:|---:|---:|",
@@ -91,6 +93,34 @@ def run(quick: bool, out: pathlib.Path) -> str:
     lines.append(f"| {name} | {t_ref * 1e3:.2f} | {t_ours * 1e3:.2f} | {t_ours / t_ref:.2f} |")
     print(f"  [{i}/{len(timed)}] {name}", file=sys.stderr)
   lines.append(f"| **geometric mean** | | | **{math.exp(sum(logs) / len(logs)):.2f}** |")
+
+  fused_runs = 5 if quick else 15
+  lines += [
+    "",
+    "## Fused layers: `dense_bias_act` / `conv_bias_act` against `act(x @ w + b)` / "
+    "`act(lax.conv(x, w) + b)` with jax.nn",
+    "",
+    "8-layer MLP (8192 x 512 float32, 512 x 512 kernels) and 6-layer CNN (NHWC 32x32x32x64,",
+    "3x3x64x64 kernels, SAME), `jit(grad)`: compiled temp in activation buffers, and the median",
+    f"step time of `jit(value_and_grad)` over {fused_runs} alternated runs (ratio fused /",
+    "composition). Targets: L+1 buffers for output-residual activations, 2L+1 for gelu;",
+    "ratio <= 1.",
+    "",
+    "| model | activation | temp jax.nn | temp fused | target | jax.nn ms | fused ms | ratio |",
+    "|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  print("measuring fused layers ...", file=sys.stderr)
+  for label, model, layers in (("MLP", fused._mlp, 8), ("CNN", fused._cnn, 6)):
+    for activation in fused.ACTIVATIONS:
+      temp_f = fused.temp_buffers(model, activation, True)
+      temp_c = fused.temp_buffers(model, activation, False)
+      target = layers + 1 if activation in fused.OUTPUT_RESIDUAL else 2 * layers + 1
+      t_f, t_c, ratio = fused.time_ratio(model, activation, fused_runs)
+      lines.append(
+        f"| {label} | {activation} | {temp_c:.1f} | {temp_f:.1f} | {target} | {t_c * 1e3:.1f} | "
+        f"{t_f * 1e3:.1f} | {ratio:.2f} |"
+      )
+      print(f"  {label} {activation}", file=sys.stderr)
 
   lines += [
     "",

@@ -99,8 +99,9 @@ def time_ratio(model, activation: str, runs: int) -> tuple[float, float, float]:
     jax.block_until_ready(step(params, x))  # compile and warm up
     steps.append((step, params, x))
   times: list[list[float]] = [[], []]
-  for _ in range(runs):
-    for i, (step, params, x) in enumerate(steps):
+  for r in range(runs):
+    for i in (0, 1) if r % 2 else (1, 0):  # alternate which goes first
+      step, params, x = steps[i]
       start = time.perf_counter()
       jax.block_until_ready(step(params, x))
       times[i].append(time.perf_counter() - start)
