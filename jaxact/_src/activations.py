@@ -88,6 +88,16 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   return y, (x, dynamic)
 
 
+def _after_cotangent(kept, g):
+  """Tie the residual to the incoming cotangent, so no part of the derivative runs before it.
+
+  Otherwise XLA's scheduler may compute the g-independent part of the derivative (say exp(x) in
+  mish') as soon as the residual exists, in the forward pass, and keep it alive until the backward
+  pass: extra activation-sized buffers per layer.
+  """
+  return jax.lax.optimization_barrier((kept, g))[0], g
+
+
 def rule_cotangents(rule: _Rule, kept: Array | None, g: Array, dynamic) -> tuple[Array, list]:
   """``g * f'(x)`` from the kept residual, and the array parameters' cotangents (None if zero).
 
@@ -96,6 +106,7 @@ def rule_cotangents(rule: _Rule, kept: Array | None, g: Array, dynamic) -> tuple
   """
   if rule.residual == "none":
     return g, [None] * len(dynamic)
+  kept, g = _after_cotangent(kept, g)
   spec, params = rule.spec, rule.params(dynamic)
   if rule.residual == "output":
     # Output mode is chosen only for concrete parameters, which have no cotangent consumer.
@@ -198,6 +209,7 @@ def _glu_fwd(axis, x):
 
 
 def _glu_bwd(axis, x, g):
+  x, g = _after_cotangent(x, g)
   cdt = validation.compute_dtype(x.dtype)
   a, b = jnp.split(x.astype(cdt), 2, axis)
   g32 = g.astype(cdt)
@@ -247,6 +259,7 @@ def _softmax_fwd(log, axes, x, where):
 
 def _softmax_bwd(log, axes, res, g):
   y, where = res
+  y, g = _after_cotangent(y, g)
   cdt = validation.compute_dtype(y.dtype)
   y32, g32 = y.astype(cdt), g.astype(cdt)
   if not log:
