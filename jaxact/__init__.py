@@ -4,38 +4,38 @@ Every function is a drop-in for the ``jax.nn`` function of the same name (plus `
 See the README for the residual each one keeps and the numerical guarantees.
 """
 
-from jaxact._src.activations import identity as identity
-from jaxact._src.activations import sigmoid as sigmoid
-from jaxact._src.activations import tanh as tanh
-from jaxact._src.activations import relu as relu
-from jaxact._src.activations import relu6 as relu6
-from jaxact._src.activations import leaky_relu as leaky_relu
-from jaxact._src.activations import elu as elu
-from jaxact._src.activations import selu as selu
+from jaxact._src.activations import ACTIVATIONS as ACTIVATIONS
 from jaxact._src.activations import celu as celu
-from jaxact._src.activations import softplus as softplus
-from jaxact._src.activations import log_sigmoid as log_sigmoid
-from jaxact._src.activations import soft_sign as soft_sign
-from jaxact._src.activations import squareplus as squareplus
-from jaxact._src.activations import sparse_plus as sparse_plus
-from jaxact._src.activations import sparse_sigmoid as sparse_sigmoid
-from jaxact._src.activations import hard_tanh as hard_tanh
+from jaxact._src.activations import elu as elu
+from jaxact._src.activations import gelu as gelu
+from jaxact._src.activations import gelu_quick as gelu_quick
+from jaxact._src.activations import get_activation as get_activation
+from jaxact._src.activations import get_spec as get_spec
+from jaxact._src.activations import glu as glu
 from jaxact._src.activations import hard_sigmoid as hard_sigmoid
 from jaxact._src.activations import hard_silu as hard_silu
 from jaxact._src.activations import hard_swish as hard_swish
-from jaxact._src.activations import gelu as gelu
-from jaxact._src.activations import gelu_quick as gelu_quick
-from jaxact._src.activations import silu as silu
-from jaxact._src.activations import swish as swish
-from jaxact._src.activations import mish as mish
-from jaxact._src.activations import glu as glu
-from jaxact._src.activations import softmax as softmax
+from jaxact._src.activations import hard_tanh as hard_tanh
+from jaxact._src.activations import identity as identity
+from jaxact._src.activations import leaky_relu as leaky_relu
+from jaxact._src.activations import log_sigmoid as log_sigmoid
 from jaxact._src.activations import log_softmax as log_softmax
-from jaxact._src.activations import get_activation as get_activation
-from jaxact._src.activations import get_spec as get_spec
-from jaxact._src.activations import ACTIVATIONS as ACTIVATIONS
-from jaxact._src.fused import dense_bias_act as dense_bias_act
+from jaxact._src.activations import mish as mish
+from jaxact._src.activations import relu as relu
+from jaxact._src.activations import relu6 as relu6
+from jaxact._src.activations import selu as selu
+from jaxact._src.activations import sigmoid as sigmoid
+from jaxact._src.activations import silu as silu
+from jaxact._src.activations import soft_sign as soft_sign
+from jaxact._src.activations import softmax as softmax
+from jaxact._src.activations import softplus as softplus
+from jaxact._src.activations import sparse_plus as sparse_plus
+from jaxact._src.activations import sparse_sigmoid as sparse_sigmoid
+from jaxact._src.activations import squareplus as squareplus
+from jaxact._src.activations import swish as swish
+from jaxact._src.activations import tanh as tanh
 from jaxact._src.fused import conv_bias_act as conv_bias_act
+from jaxact._src.fused import dense_bias_act as dense_bias_act
 
 __version__ = "0.1.0.dev0"
 

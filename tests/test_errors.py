@@ -164,10 +164,7 @@ def test_parameter_that_does_not_broadcast_is_a_value_error(spec, name):
 
 @pytest.mark.parametrize(
   "spec, name",
-  [
-    pytest.param(*p.values, id=p.id)
-    for p in _ARRAY_PARAMS
-  ],
+  [pytest.param(*p.values, id=p.id) for p in _ARRAY_PARAMS],
 )
 def test_string_parameter_is_a_type_error(spec, name):
   with pytest.raises(TypeError, match=rf"jaxact\.{spec.name}.*`{name}`.*str"):

@@ -248,7 +248,6 @@ def test_sigmoid_gradient_saturates_where_documented():
 # --------------------------------------------------------- tiny inputs on either side of a kink
 
 
-
 def _tiny_cases():
   out = []
   for s in OUTPUT_RESIDUAL:
