@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import pathlib
 import platform
 import sys
@@ -35,6 +36,7 @@ def _machine() -> str:
   dev = jax.devices()[0]
   return (
     f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
+    f"{os.cpu_count()} cores, "
     f"{jax.device_count()} x {dev.device_kind} ({dev.platform}); "
     f"Python {platform.python_version()}, "
     f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, jaxact {jaxact.__version__}"
