@@ -70,10 +70,13 @@ def _elementwise(rule: _Rule, x: Array, *dynamic: Array) -> Array:
   return _forward(rule, x, dynamic)
 
 
-def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
-  y = _forward(rule, x, dynamic)
-  if rule.residual == "none":
-    return y, (None, dynamic)
+def barrier_residual(residual: Residual, y: Array, x: Array) -> tuple[Array, Array | None]:
+  """``(y, kept)``: the output and the residual the backward reads, behind one barrier.
+
+  Shared by every op built on a rule (the elementwise op here and the fused layers).
+  """
+  if residual == "none":
+    return y, None
   # The barrier hides the residual's origin from XLA. Without it XLA (a) fuses a cheap forward
   # formula into the backward's consumers, recomputing y from x and so keeping x alive too, and
   # (b) CSEs the backward's intermediates (exp, sigmoid of x) with the forward's, keeping those
@@ -81,11 +84,15 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   # y goes through the barrier with the residual: the residual must be the very array returned
   # (a second buffer would double what the pullback holds), and an unbarriered forward lets XLA's
   # CPU reduction fusions pull the formula in and materialise its broadcast constants.
-  if rule.residual == "output":
+  if residual == "output":
     y = jax.lax.optimization_barrier(y)
-    return y, (y, dynamic)
-  y, x = jax.lax.optimization_barrier((y, x))
-  return y, (x, dynamic)
+    return y, y
+  return jax.lax.optimization_barrier((y, x))
+
+
+def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
+  y, kept = barrier_residual(rule.residual, _forward(rule, x, dynamic), x)
+  return y, (kept, dynamic)
 
 
 def _after_cotangent(kept, g):

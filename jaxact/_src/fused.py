@@ -235,16 +235,10 @@ def _fused_fwd(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array
   else:
     spec, params = act.rule.spec, act.rule.params(dynamic)
     y = spec.fn(z, **params).astype(plan.out_dtype)
-  # The barrier hides the residual's origin from XLA; see activations._elementwise_fwd. Without it
+  # The barrier hides the residual's origin from XLA (see activations.barrier_residual): without it
   # XLA recomputes y from z in the backward pass (keeping z alive as well) or shares the backward's
   # intermediates with the forward's, and the saving this rule exists for is lost.
-  if act.residual == "output":
-    y = lax.optimization_barrier(y)
-    kept = y
-  elif act.residual == "input":
-    y, kept = lax.optimization_barrier((y, z.astype(plan.out_dtype)))
-  else:
-    kept = None
+  y, kept = activations.barrier_residual(act.residual, y, z.astype(plan.out_dtype))
   return y, (x, w, kept, dynamic)
 
 
@@ -295,11 +289,10 @@ def _kernel_grad(plan: _Plan, x: Array, w: Array, dz: Array) -> Array:
     n = x.shape[dn.lhs_spec[0]]
     dw = None
     for i in range(chunks):
-      lo, hi = n * i // chunks, n * (i + 1) // chunks
       if dw is not None:
         x, dz, dw = lax.optimization_barrier((x, dz, dw))
-      xi = lax.slice_in_dim(x, lo, hi, axis=dn.lhs_spec[0])
-      dzi = lax.slice_in_dim(dz, lo, hi, axis=dn.out_spec[0])
+      xi = lax.slice_in_dim(x, i, n, stride=chunks, axis=dn.lhs_spec[0])
+      dzi = lax.slice_in_dim(dz, i, n, stride=chunks, axis=dn.out_spec[0])
       dwi = transpose(xi, dzi)
       dw = dwi if dw is None else dw + dwi
     return dw
