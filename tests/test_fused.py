@@ -217,10 +217,16 @@ def test_half_precision_accumulates_in_float32():
   jaxpr = str(
     jax.make_jaxpr(
       lambda *a: jax.grad(
-        lambda *a: jaxact.dense_bias_act(*a, activation="tanh").astype(jnp.float32).sum(), (0, 1, 2)
+        lambda *a: (
+          jaxact.dense_bias_act(*a, activation="tanh", implementation="xla")
+          .astype(jnp.float32)
+          .sum()
+        ),
+        (0, 1, 2),
       )(*a)
     )(x, w, b)
   )
+  # The XLA path; None also holds the Pallas branch for CUDA lowering (tests/test_pallas.py).
   assert jaxpr.count("dot_general[") == 3  # forward, dx, dw
   assert jaxpr.count("preferred_element_type=float32") == 3
 
@@ -254,8 +260,9 @@ def test_dense_dtypes(x_dtype, w_dtype, preferred, out):
 
 def test_precision_reaches_every_dot():
   x, w, b = dense_args(seed=7)
+  # The XLA path; None also holds the Pallas branch for CUDA lowering (tests/test_pallas.py).
   loss = lambda x, w, b: jaxact.dense_bias_act(
-    x, w, b, activation="tanh", precision=lax.Precision.HIGHEST
+    x, w, b, activation="tanh", precision=lax.Precision.HIGHEST, implementation="xla"
   ).sum()
   jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, w, b))
   assert jaxpr.count("dot_general[") == 3  # forward, dx, dw
@@ -631,9 +638,14 @@ XC, WC = ones((1, 5, 5, 4)), ones((3, 3, 4, 6))
       r"`preferred_element_type` .* is not a floating-point dtype",
     ),
     (
-      lambda: dense(X, W, implementation="pallas"),
+      lambda: dense(X, W, activation=jax.nn.relu, implementation="pallas"),
       NotImplementedError,
-      r"implementation='pallas' is not available yet",
+      r"implementation='pallas' does not support this call: the activation is a plain callable",
+    ),
+    (
+      lambda: conv(ones((1, 4, 4, 3)), ones((3, 3, 3, 2)), implementation="pallas"),
+      NotImplementedError,
+      r"implementation='pallas' has kernels only for 1x1 convolutions",
     ),
     (
       lambda: dense(X, W, implementation="cuda"),

@@ -34,6 +34,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxact._src import activations, validation
+from jaxact._src import pallas as kernel_dispatch
 from jaxact._src.spec import ActivationSpec
 
 Implementation = Literal["xla", "pallas"]
@@ -212,6 +213,9 @@ class _Plan:
   acc_dtype: np.dtype  # accumulation and activation dtype
   out_dtype: np.dtype
   has_bias: bool
+  # "xla"; "auto": the Pallas kernels when lowered for CUDA, XLA elsewhere; "pallas": the kernels
+  # everywhere (interpret mode off CUDA). Only for calls the kernels support (see _src.pallas).
+  implementation: str = "xla"
 
   def bias_shape(self, ndim: int, features: int) -> tuple[int, ...]:
     shape = [1] * ndim
@@ -226,7 +230,8 @@ def _preactivation(plan: _Plan, x: Array, w: Array, b: Array | None) -> Array:
   return z
 
 
-def _fused_fwd(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
+def _xla_forward(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
+  """``(y, z)``, z in the output dtype and only where the backward reads it (input residuals)."""
   z = _preactivation(plan, x, w, b)
   act = plan.act
   if act.fn is not None:
@@ -235,10 +240,21 @@ def _fused_fwd(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array
   else:
     spec, params = act.rule.spec, act.rule.params(dynamic)
     y = spec.fn(z, **params).astype(plan.out_dtype)
+  return y, (z.astype(plan.out_dtype) if act.residual == "input" else None)
+
+
+def _fused_fwd(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
+  act = plan.act
+  if plan.implementation == "xla":
+    y, z = _xla_forward(plan, x, w, b, *dynamic)
+  else:  # only calls without array parameters get here: `dynamic` is empty
+    y, z = kernel_dispatch.forward(
+      plan, plan.implementation, x, w, b, functools.partial(_xla_forward, plan)
+    )
   # The barrier hides the residual's origin from XLA (see activations.barrier_residual): without it
   # XLA recomputes y from z in the backward pass (keeping z alive as well) or shares the backward's
   # intermediates with the forward's, and the saving this rule exists for is lost.
-  y, kept = activations.barrier_residual(act.residual, y, z.astype(plan.out_dtype))
+  y, kept = activations.barrier_residual(act.residual, y, z)
   return y, (x, w, kept, dynamic)
 
 
@@ -253,15 +269,19 @@ def _batch_chunks(plan: _Plan, x: Array, dz: Array) -> int:
   XLA:CPU computes a convolution's kernel gradient from copies of x and dz in another layout. The
   copies of one chunk, ``(|x| + |dz|) / chunks``, should fit in the space of the dx that the
   backward pass allocates next, ``|x|``, so that the kernel gradient does not raise the peak: for
-  equal sizes, two chunks. Chunks may differ in size by one example; there are at most 16 (and at
-  most one per example), since each is a convolution of its own.
+  equal sizes, two chunks. The count is a power of two (or the cap below): under data parallelism
+  a strided chunk stays on each device only if the per-device batch is a multiple of it, and
+  per-device batches are powers of two far more often than multiples of 3. Chunks may differ in
+  size by one example; there are at most 16 (and at most one per example), since each is a
+  convolution of its own.
   """
   dn = plan.linear.dimension_numbers
   n = x.shape[dn.lhs_spec[0]]
   x_bytes, dz_bytes = x.size * x.dtype.itemsize, dz.size * dz.dtype.itemsize
+  most = min(n, 16)
   chunks = 1
-  while chunks < min(n, 16) and -(-n // chunks) * (x_bytes + dz_bytes) > n * x_bytes:
-    chunks += 1
+  while chunks < most and -(-n // chunks) * (x_bytes + dz_bytes) > n * x_bytes:
+    chunks = min(2 * chunks, most)
   return chunks
 
 
@@ -284,7 +304,11 @@ def _kernel_grad(plan: _Plan, x: Array, w: Array, dz: Array) -> Array:
   def by_chunks(x, dz):
     # The examples are independent, so dw is the sum of the chunks' kernel gradients. Unrolled:
     # a convolution inside a while loop runs ~30x slower on XLA:CPU. The barriers order the chunks
-    # one after another, so that one chunk's copies are alive at a time.
+    # one after another, so that one chunk's copies are alive at a time. Chunk i takes every
+    # chunks-th example from i on, not a contiguous range: with the batch sharded over devices
+    # (data parallelism), each device holds consecutive examples, so a strided chunk is a local
+    # slice of every shard (when the per-device batch is a multiple of `chunks`), where a
+    # contiguous half would move half of the activations between devices.
     dn = plan.linear.dimension_numbers
     n = x.shape[dn.lhs_spec[0]]
     dw = None
@@ -302,6 +326,17 @@ def _kernel_grad(plan: _Plan, x: Array, w: Array, dz: Array) -> Array:
 
 
 def _fused_bwd(plan: _Plan, res, g):
+  if plan.implementation == "xla":
+    return _xla_bwd(plan, res, g)
+  x, w, kept, _ = res
+
+  def xla(x, w, kept, g):
+    return _xla_bwd(plan, (x, w, kept, ()), g)
+
+  return kernel_dispatch.backward(plan, plan.implementation, x, w, kept, g, xla)
+
+
+def _xla_bwd(plan: _Plan, res, g):
   x, w, kept, dynamic = res
   act, acc = plan.act, plan.acc_dtype
   d_dynamic: Sequence[Any]
@@ -331,18 +366,13 @@ _fused_jit = jax.jit(_fused, static_argnums=0)
 
 
 def _select_implementation(fn_name: str, implementation) -> str:
-  """The one dispatch point: which backend runs this call."""
+  """The one dispatch point: which backend runs this call ("auto" for None; see `_run`)."""
   if implementation is None:
-    return "xla"  # the Pallas path, once it exists, is chosen here when it supports the call
+    return "auto"
   if not isinstance(implementation, str) or implementation not in _IMPLEMENTATIONS:
     raise ValueError(
       f"jaxact.{fn_name}: `implementation` {implementation!r} is not known; choose one of: "
       f"None (best available), {', '.join(repr(i) for i in _IMPLEMENTATIONS)}"
-    )
-  if implementation == "pallas":
-    raise NotImplementedError(
-      f"jaxact.{fn_name}: implementation='pallas' is not available yet; use "
-      "implementation='xla' or None"
     )
   return implementation
 
@@ -393,10 +423,21 @@ def _check_bias(fn_name: str, b: Array | None, features: int, w: Array) -> None:
     )
 
 
-def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype) -> Array:
+def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation="xla"):
   z = jax.eval_shape(functools.partial(linear, acc_dtype=acc_dtype), x, w)
   act, dynamic = _resolve_activation(fn_name, activation, z, out_dtype)
   plan = _Plan(linear, act, acc_dtype, out_dtype, b is not None)
+  if implementation != "xla":
+    # The kernels' half of the dispatch: "pallas" raises for what they do not support, None falls
+    # back to XLA silently (also on CUDA GPUs older than Ampere).
+    why = kernel_dispatch.unsupported(plan, isinstance(linear, _Dense), x, w)
+    if why is not None and implementation == "pallas":
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
+        "implementation='xla' or None"
+      )
+    if why is None and (implementation == "pallas" or kernel_dispatch.cuda_capable()):
+      plan = dataclasses.replace(plan, implementation=implementation)
   # A closure-converted callable is a new object on every call; jit would retrace each time.
   run = _fused_jit if act.fn is None else _fused
   return run(plan, x, w, b, *dynamic)
@@ -407,7 +448,7 @@ def _hashable_precision(precision):
   return tuple(precision) if isinstance(precision, list) else precision
 
 
-def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype) -> Array:
+def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl="xla") -> Array:
   if x.ndim < 1 or w.ndim != 2:
     raise ValueError(
       f"jaxact.{fn_name}: `x` must have rank >= 1 and `w` rank 2 (in, out); got "
@@ -420,7 +461,7 @@ def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype) -> Arr
     )
   _check_bias(fn_name, b, w.shape[1], w)
   linear = _Dense(_hashable_precision(precision))
-  return _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype)
+  return _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, impl)
 
 
 # ------------------------------------------------------------------------- public functions
@@ -473,8 +514,9 @@ def dense_bias_act(
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result; accumulation is at least float32 and at least
       this wide. Default: the (promoted) input dtype.
-    implementation: ``None`` (the best available), ``"xla"``, or ``"pallas"`` (not available yet:
-      raises ``NotImplementedError``).
+    implementation: ``None`` (the best available: the Pallas kernels when lowered for a CUDA GPU,
+      for the calls they support, XLA otherwise), ``"xla"``, or ``"pallas"`` (the kernels; in
+      interpret mode off CUDA; ``NotImplementedError`` for calls they do not support).
 
   Returns:
     ``activation(x @ w + b)``, of shape ``(..., out)``.
@@ -488,9 +530,9 @@ def dense_bias_act(
   """
   fn_name = "dense_bias_act"
   with jax.named_scope(f"jaxact.{fn_name}"):
-    _select_implementation(fn_name, implementation)
+    impl = _select_implementation(fn_name, implementation)
     x, w, b, acc, out = _prepare(fn_name, x, w, b, preferred_element_type)
-    return _dense(fn_name, x, w, b, activation, precision, acc, out)
+    return _dense(fn_name, x, w, b, activation, precision, acc, out, impl)
 
 
 def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
@@ -609,7 +651,8 @@ def conv_bias_act(
       layouts (NWC/WIO, NHWC/HWIO, NDHWC/DHWIO). The bias is added along the output's feature dim.
     precision: passed to the convolution in the forward and backward passes.
     preferred_element_type: dtype of the result; accumulation is at least float32.
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (not available yet).
+    implementation: ``None``, ``"xla"`` or ``"pallas"`` (kernels for 1x1 convolutions only so far;
+      ``NotImplementedError`` for the others).
 
   Returns:
     ``activation(conv(x, w) + b)``.
@@ -627,7 +670,7 @@ def conv_bias_act(
   """
   fn_name = "conv_bias_act"
   with jax.named_scope(f"jaxact.{fn_name}"):
-    _select_implementation(fn_name, implementation)
+    impl = _select_implementation(fn_name, implementation)
     x, w, b, acc, out = _prepare(fn_name, x, w, b, preferred_element_type)
     if x.ndim != w.ndim or x.ndim < 3:
       raise ValueError(
@@ -679,6 +722,12 @@ def conv_bias_act(
     ):
       # A 1x1 kernel is a matmul over the channels; rhs_dilation of a size-1 window is a no-op.
       w2 = w.reshape(w.shape[-2], w.shape[-1])
-      return _dense(fn_name, x, w2, b, activation, precision, acc, out)
+      return _dense(fn_name, x, w2, b, activation, precision, acc, out, impl)
+    if impl == "pallas":
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation='pallas' has kernels only for 1x1 convolutions with "
+        "unit strides, no padding or dilation and one feature group (a matmul) so far; use "
+        "implementation='xla' or None"
+      )
     linear = _Conv(strides, pads, lhs_dil, rhs_dil, dn, groups, _hashable_precision(precision))
     return _run(fn_name, linear, x, w, b, activation, acc, out)

@@ -1,0 +1,452 @@
+"""Fused ``act(x @ w + b)`` and its gradient as Pallas kernels (Triton backend).
+
+Forward: one tiled matmul per ``(block_m, block_n)`` output tile, accumulated in float32 over
+``block_k`` steps of the contraction, then the epilogue in registers: ``z = acc + b``,
+``y = fn(z)``; ``y`` is stored, and ``z`` too only when the activation's derivative needs its input.
+
+Backward, from the cotangent ``g`` and the kept residual ``r`` (``y`` or ``z``, none for identity):
+
+* ``dx = dz @ w^T``: one kernel per ``(block_m, block_k)`` tile of ``dx``, looping over ``n``;
+* ``dw = x^T @ dz`` and ``db = sum_m dz``: one kernel per ``(block_k, block_n)`` tile of ``dw``,
+  looping over ``m``; the programs of the first ``k`` tile also reduce ``db`` from the same tiles.
+
+``dz = g * act'(r)`` is never an array in memory: each kernel loads tiles of ``g`` and ``r`` and
+forms the tile of ``dz`` in registers right before the dot that consumes it (the elementwise work is
+done twice, once per kernel, which costs far less than writing and re-reading ``dz``).
+
+Ragged shapes are masked, not padded: every tile is a power of two (Triton's requirement), loads
+outside the array read 0 and stores outside it are dropped, so no input is copied. Masked ``dz``
+entries are forced to 0, whatever the epilogue gives at 0.
+
+Precision: the dots accumulate in float32. float32 operands use TF32 exactly when
+:func:`allow_tf32` says the caller's ``precision`` allows it (as XLA on GPU does); bfloat16 and
+float16 operands run on the tensor cores as they are, and the backward kernels round the ``dz``
+tile to the operands' dtype before its dot (what cuBLAS does with a half-precision cotangent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from pallas_kernels._triton import CompilerParams, load, pl, store
+
+Residual = Literal["output", "input", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+  """The activation, as the kernels apply it (always to float32 values).
+
+  Attributes:
+    fn: ``y = fn(z)``, elementwise.
+    derivative: ``act'`` from the residual: ``derivative(y)`` for ``residual="output"``,
+      ``derivative(z)`` for ``"input"``; ignored (may be None) for ``"none"`` (identity).
+    residual: what the forward keeps for the backward pass: ``"output"`` (``y``), ``"input"``
+      (``z``, stored by the forward kernel as a second output) or ``"none"``.
+  """
+
+  fn: Callable[[Array], Array]
+  derivative: Callable[[Array], Array] | None
+  residual: Residual
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """One kernel's tiling: a ``(rows, cols)`` output tile, reduced over ``step`` at a time."""
+
+  rows: int
+  cols: int
+  step: int
+  num_warps: int
+  num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  fwd: Tiles  # y (M, N): rows=block_m, cols=block_n, step over K
+  dx: Tiles  # dx (M, K): rows=block_m, cols=block_k, step over N
+  dw: Tiles  # dw (K, N): rows=block_k, cols=block_n, step over M
+
+
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def supported_dtypes() -> tuple[np.dtype, ...]:
+  return _DTYPES
+
+
+# ---------------------------------------------------------------------------------- tiling
+
+
+def _tile(d: int) -> int:
+  return 16 if d <= 16 else 64 if d <= 64 else 128
+
+
+def _block_config(shape: tuple[int, int, int], dtype) -> BlockConfig:
+  """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``.
+
+  Reasoning:
+  * Output tiles are 128 x 128 where the dimension allows: a float32 accumulator of that size is
+    64 registers a thread over 8 warps, and 128-wide tiles keep the tensor cores' operand reuse high
+    (the usual Triton matmul configuration on A100/H100). Dimensions of at most 64 (or 16) get 64
+    (or 16) so that small layers do not compute mostly masked tiles; 16 is the smallest ``tl.dot``
+    operand side. Three sizes per dimension keep the set of compiled kernels small.
+  * The forward's reduction step is 64 for 16-bit and 32 for float32 operands: both are 32 KiB of
+    shared memory per pipeline stage ((128 + 128) x step x itemsize), so three stages (96 KiB) fit
+    the A100's 164 KiB and leave room for Triton's epilogue scratch.
+  * The backward kernels load three tiles per step (g and the residual beside x or w), so their
+    step is 32: 24 KiB a stage in 16-bit (three stages), 48 KiB in float32 (two stages, 96 KiB).
+  * A contraction of at most 16 uses a step of 16 (no wasted masked work).
+  * 8 warps for 128 x 128 tiles, 4 below; Triton's defaults for these sizes.
+  """
+  m, k, n = shape
+  half = np.dtype(dtype).itemsize == 2
+
+  def tiles(rows: int, cols: int, step: int, stages: int) -> Tiles:
+    warps = 8 if rows * cols >= 128 * 128 else 4
+    return Tiles(rows, cols, step, warps, stages)
+
+  def step(d: int, cap: int) -> int:
+    return 16 if d <= 16 else cap
+
+  bwd_stages = 3 if half else 2
+  return BlockConfig(
+    fwd=tiles(_tile(m), _tile(n), step(k, 64 if half else 32), 3),
+    dx=tiles(_tile(m), _tile(k), step(n, 32), bwd_stages),
+    dw=tiles(_tile(k), _tile(n), step(m, 32), bwd_stages),
+  )
+
+
+def allow_tf32(precision: Any) -> bool:
+  """Whether float32 dots may use TF32 under `precision` (a ``lax.dot_general`` precision).
+
+  The mapping XLA uses on GPU: TF32 unless an operand asks for more than ``HIGH``. ``None`` defers
+  to ``jax_default_matmul_precision`` (unset: TF32, as XLA's default on Ampere and newer);
+  ``"highest"``/``"float32"``/``Precision.HIGHEST`` give exact float32 (IEEE) dots. Dot algorithm
+  presets are not supported by these kernels.
+  """
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+    if precision is None:
+      return True
+  if isinstance(precision, (str, lax.Precision)):
+    precision = (precision, precision)
+  if not isinstance(precision, (tuple, list)) or len(precision) != 2:
+    raise NotImplementedError(f"precision {precision!r} is not supported by the Pallas kernels")
+  allowed = (lax.Precision.DEFAULT, lax.Precision.HIGH)
+  return all(lax.Precision(p) in allowed for p in precision if p is not None)
+
+
+# --------------------------------------------------------------------------------- kernels
+
+
+def _iota(n: int) -> Array:
+  return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _dot(a: Array, b: Array, *, tf32: bool, trans_a: bool = False, trans_b: bool = False) -> Array:
+  """float32-accumulated ``a @ b`` (optionally of transposes), as the Triton backend lowers it.
+
+  ``lax.dot_general`` directly, not ``pl.dot`` (removed in JAX 0.12): the backend maps the
+  precision pair ``DEFAULT`` to TF32 and ``HIGHEST`` to IEEE float32 for float32 operands.
+  """
+  p = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=(p, p), preferred_element_type=jnp.float32)
+
+
+def _load_tile(ref, r0, c0, rows: int, cols: int) -> Array:
+  """The ``(rows, cols)`` tile of a 2-D ref at ``(r0, c0)``; zeros outside the array."""
+  n_rows, n_cols = ref.shape
+  mask = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
+  block = ref.at[pl.ds(r0, rows), pl.ds(c0, cols)]
+  return load(block, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _store_tile(ref, r0, c0, value: Array) -> None:
+  rows, cols = value.shape
+  n_rows, n_cols = ref.shape
+  mask = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
+  store(ref.at[pl.ds(r0, rows), pl.ds(c0, cols)], value.astype(ref.dtype), mask=mask)
+
+
+def _dz_tile(g_ref, r_ref, r0, c0, rows: int, cols: int, epilogue: Epilogue) -> Array:
+  """The float32 ``(rows, cols)`` tile of ``dz = g * act'(r)``, formed in registers."""
+  g = _load_tile(g_ref, r0, c0, rows, cols).astype(jnp.float32)
+  if epilogue.residual == "none":
+    return g  # out-of-range entries loaded as 0 already
+  r = _load_tile(r_ref, r0, c0, rows, cols).astype(jnp.float32)
+  n_rows, n_cols = g_ref.shape
+  inside = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
+  return jnp.where(inside, g * epilogue.derivative(r), 0.0)
+
+
+def _dense_fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref, *, epilogue, tiles, tf32):
+  """y (and z) tile ``(i, j)``: ``fn(x[i, :] @ w[:, j] + b[j])``."""
+  bm, bn, bk = tiles.rows, tiles.cols, tiles.step
+  r0 = pl.multiple_of(pl.program_id(0) * bm, bm)
+  c0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+
+  def body(s, acc):
+    k0 = pl.multiple_of(s * bk, bk)
+    xt = _load_tile(x_ref, r0, k0, bm, bk)
+    wt = _load_tile(w_ref, k0, c0, bk, bn)
+    return acc + _dot(xt, wt, tf32=tf32)
+
+  acc = lax.fori_loop(0, pl.cdiv(x_ref.shape[1], bk), body, jnp.zeros((bm, bn), jnp.float32))
+  if b_ref is not None:
+    cols = c0 + _iota(bn)
+    bias = load(b_ref.at[pl.ds(c0, bn)], mask=cols < b_ref.shape[0], other=0)
+    acc = acc + bias.astype(jnp.float32)[None, :]
+  _store_tile(y_ref, r0, c0, epilogue.fn(acc))
+  if z_ref is not None:
+    _store_tile(z_ref, r0, c0, acc)
+
+
+def _dense_dx_kernel(g_ref, r_ref, w_ref, dx_ref, *, epilogue, tiles, tf32):
+  """dx tile ``(i, j)``: ``sum_n dz[i, n] w[j, n]``, dz formed per step in registers."""
+  bm, bk, bn = tiles.rows, tiles.cols, tiles.step
+  r0 = pl.multiple_of(pl.program_id(0) * bm, bm)
+  c0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+
+  def body(s, acc):
+    n0 = pl.multiple_of(s * bn, bn)
+    dz = _dz_tile(g_ref, r_ref, r0, n0, bm, bn, epilogue)
+    wt = _load_tile(w_ref, c0, n0, bk, bn)
+    return acc + _dot(dz.astype(wt.dtype), wt, trans_b=True, tf32=tf32)
+
+  acc = lax.fori_loop(0, pl.cdiv(g_ref.shape[1], bn), body, jnp.zeros((bm, bk), jnp.float32))
+  _store_tile(dx_ref, r0, c0, acc)
+
+
+def _dense_dw_kernel(x_ref, g_ref, r_ref, dw_ref, db_ref, *, epilogue, tiles, tf32):
+  """dw tile ``(i, j)``: ``sum_m x[m, i] dz[m, j]``; the ``i = 0`` programs also store db[j]."""
+  bk, bn, bm = tiles.rows, tiles.cols, tiles.step
+  r0 = pl.multiple_of(pl.program_id(0) * bk, bk)
+  c0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+
+  def body(s, carry):
+    acc, db = carry
+    m0 = pl.multiple_of(s * bm, bm)
+    xt = _load_tile(x_ref, m0, r0, bm, bk)
+    dz = _dz_tile(g_ref, r_ref, m0, c0, bm, bn, epilogue)
+    acc = acc + _dot(xt, dz.astype(xt.dtype), trans_a=True, tf32=tf32)
+    if db_ref is not None:
+      db = db + jnp.sum(dz, axis=0)
+    return acc, db
+
+  init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn,), jnp.float32))
+  acc, db = lax.fori_loop(0, pl.cdiv(x_ref.shape[0], bm), body, init)
+  _store_tile(dw_ref, r0, c0, acc)
+  if db_ref is not None:
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      cols = c0 + _iota(bn)
+      store(db_ref.at[pl.ds(c0, bn)], db.astype(db_ref.dtype), mask=cols < db_ref.shape[0])
+
+
+# --------------------------------------------------------------------------- pallas_calls
+
+
+def _slots(kernel: Callable[..., None], present: tuple[bool, ...], **static):
+  """`kernel` taking one ref per slot, called with the refs of the present slots (None else)."""
+
+  def wrapped(*refs):
+    it = iter(refs)
+    kernel(*(next(it) if p else None for p in present), **static)
+
+  return wrapped
+
+
+def _params(t: Tiles) -> CompilerParams:
+  return CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def _check(x: Array, w: Array, b: Array | None) -> None:
+  if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(
+      f"pallas_kernels.dense: `x` must be (..., in) and `w` (in, out); got x.shape={x.shape}, "
+      f"w.shape={w.shape}"
+    )
+  if b is not None and b.shape != (w.shape[1],):
+    raise ValueError(
+      f"pallas_kernels.dense: `b` must have shape ({w.shape[1]},); got b.shape={b.shape}"
+    )
+  for name, v in (("x", x), ("w", w), ("b", b)):
+    if v is not None and np.dtype(v.dtype) not in _DTYPES:
+      raise TypeError(
+        f"pallas_kernels.dense: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
+      )
+  if x.dtype != w.dtype:
+    raise TypeError(
+      f"pallas_kernels.dense: `x` and `w` must have one dtype; got {x.dtype} and {w.dtype}"
+    )
+
+
+def dense_bias_act_fwd(
+  x: Array,
+  w: Array,
+  b: Array | None,
+  *,
+  epilogue: Epilogue,
+  out_dtype=None,
+  precision: Any = None,
+  interpret: bool = False,
+) -> tuple[Array, Array | None]:
+  """``(y, z)``: ``y = fn(x @ w + b)`` in `out_dtype` (default x's), and ``z`` (same dtype) when
+  ``epilogue.residual == "input"``, else None. `x` may have batch dimensions."""
+  _check(x, w, b)
+  out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+  if out_dtype not in _DTYPES:
+    raise TypeError(f"pallas_kernels.dense: `out_dtype` {out_dtype} is not supported")
+  batch, (k, n) = x.shape[:-1], w.shape
+  x2 = x.reshape(-1, k)
+  m = x2.shape[0]
+  t = _block_config((m, k, n), x.dtype).fwd
+  keep_z = epilogue.residual == "input"
+  out = jax.ShapeDtypeStruct((m, n), out_dtype)
+  kernel = _slots(
+    _dense_fwd_kernel,
+    (True, True, b is not None, True, keep_z),
+    epilogue=epilogue,
+    tiles=t,
+    tf32=allow_tf32(precision),
+  )
+  outs = pl.pallas_call(
+    kernel,
+    out_shape=(out, out) if keep_z else (out,),
+    grid=(pl.cdiv(m, t.rows), pl.cdiv(n, t.cols)),
+    compiler_params=_params(t),
+    interpret=interpret,
+    name="jaxact_dense_fwd",
+  )(*(v for v in (x2, w, b) if v is not None))
+  y = outs[0].reshape(*batch, n)
+  z = outs[1].reshape(*batch, n) if keep_z else None
+  return y, z
+
+
+def dense_bias_act_bwd(
+  x: Array,
+  w: Array,
+  residual: Array | None,
+  g: Array,
+  *,
+  epilogue: Epilogue,
+  has_bias: bool,
+  precision: Any = None,
+  interpret: bool = False,
+) -> tuple[Array, Array, Array | None]:
+  """``(dx, dw, db)`` for the cotangent `g` of ``y``; `residual` is what the forward kept.
+
+  ``dx`` has x's dtype, ``dw`` w's; ``db`` (None unless `has_bias`) has x's dtype.
+  """
+  _check(x, w, None)
+  k, n = w.shape
+  if g.shape != (*x.shape[:-1], n):
+    raise ValueError(
+      f"pallas_kernels.dense: `g` must have shape {(*x.shape[:-1], n)}; got {g.shape}"
+    )
+  needs_r = epilogue.residual != "none"
+  if needs_r and (residual is None or residual.shape != g.shape):
+    raise ValueError(
+      f"pallas_kernels.dense: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"{g.shape}; got {None if residual is None else residual.shape}"
+    )
+  x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+  r2 = residual.reshape(-1, n) if needs_r else None
+  m = x2.shape[0]
+  cfg = _block_config((m, k, n), x.dtype)
+  tf32 = allow_tf32(precision)
+
+  dx = pl.pallas_call(
+    _slots(
+      _dense_dx_kernel, (True, needs_r, True, True), epilogue=epilogue, tiles=cfg.dx, tf32=tf32
+    ),
+    out_shape=jax.ShapeDtypeStruct((m, k), x.dtype),
+    grid=(pl.cdiv(m, cfg.dx.rows), pl.cdiv(k, cfg.dx.cols)),
+    compiler_params=_params(cfg.dx),
+    interpret=interpret,
+    name="jaxact_dense_bwd_dx",
+  )(*(v for v in (g2, r2, w) if v is not None))
+
+  out_shape = [jax.ShapeDtypeStruct((k, n), w.dtype)]
+  if has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((n,), x.dtype))
+  outs = pl.pallas_call(
+    _slots(
+      _dense_dw_kernel,
+      (True, True, needs_r, True, has_bias),
+      epilogue=epilogue,
+      tiles=cfg.dw,
+      tf32=tf32,
+    ),
+    out_shape=tuple(out_shape),
+    grid=(pl.cdiv(k, cfg.dw.rows), pl.cdiv(n, cfg.dw.cols)),
+    compiler_params=_params(cfg.dw),
+    interpret=interpret,
+    name="jaxact_dense_bwd_dw",
+  )(*(v for v in (x2, g2, r2) if v is not None))
+  return dx.reshape(x.shape), outs[0], outs[1] if has_bias else None
+
+
+# ------------------------------------------------------------------------------ custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense_bias_act(x, w, b, epilogue, precision, interpret):
+  return dense_bias_act_fwd(x, w, b, epilogue=epilogue, precision=precision, interpret=interpret)[0]
+
+
+def _dense_bias_act_vjp_fwd(x, w, b, epilogue, precision, interpret):
+  y, z = dense_bias_act_fwd(x, w, b, epilogue=epilogue, precision=precision, interpret=interpret)
+  kept = y if epilogue.residual == "output" else z
+  return y, (x, w, kept, b is not None)
+
+
+def _dense_bias_act_vjp_bwd(epilogue, precision, interpret, res, g):
+  x, w, kept, has_bias = res
+  return dense_bias_act_bwd(
+    x, w, kept, g, epilogue=epilogue, has_bias=has_bias, precision=precision, interpret=interpret
+  )
+
+
+_dense_bias_act.defvjp(_dense_bias_act_vjp_fwd, _dense_bias_act_vjp_bwd)
+
+
+def dense_bias_act(
+  x: Array,
+  w: Array,
+  b: Array | None = None,
+  *,
+  epilogue: Epilogue,
+  precision: Any = None,
+  interpret: bool = False,
+) -> Array:
+  """``epilogue.fn(x @ w + b)`` with the fused kernels forward and backward (standalone use).
+
+  jaxact's ``dense_bias_act(..., implementation="pallas")`` calls the fwd/bwd functions above from
+  its own ``custom_vjp`` instead; this one exists for users of this package alone.
+  """
+  return _dense_bias_act(x, w, b, epilogue, precision, interpret)
+
+
+# ------------------------------------------------------------------------------- reference
+
+
+def dense_bias_act_reference(
+  x: Array, w: Array, b: Array | None = None, *, epilogue: Epilogue, precision: Any = None
+) -> Array:
+  """Pure-jnp ``fn(x @ w + b)``: float32 accumulation and epilogue, x's dtype out."""
+  z = jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32)
+  if b is not None:
+    z = z + b.astype(jnp.float32)
+  return epilogue.fn(z).astype(x.dtype)

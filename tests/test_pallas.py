@@ -1,0 +1,256 @@
+"""Tests of the Pallas (Triton backend) kernels behind ``implementation="pallas"`` / ``None``.
+
+On CPU the kernels run in Pallas interpret mode: values and the gradients of x, w and b are compared
+with the XLA path for every residual family, the three dtypes, ragged and tiny shapes, batch
+dimensions and no bias. Every tile configuration ``_block_config`` can return is lowered for CUDA
+(abstract H100 and A100 devices: no GPU needed), forward and backward, and the lowered module must
+hold the Triton custom calls; ``implementation=None`` must hold them when lowered for CUDA only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import jaxact
+import pallas_kernels
+from pallas_kernels import dense as kernels
+
+TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
+
+# pallas_kernels filters the Triton backend's deprecation warning (emitted at each lowering) for its
+# users; pytest re-enables DeprecationWarnings per test, so the filter is repeated here.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+# The kernels and the XLA path differ by summation order (tiles of 16..128 against XLA:CPU's) and,
+# in half precision, by dz being rounded to the operands' dtype before the backward dots.
+TOL = {
+  jnp.float32: dict(atol=2e-5, rtol=2e-5),
+  jnp.bfloat16: dict(atol=5e-2, rtol=3e-2),
+  jnp.float16: dict(atol=8e-3, rtol=4e-3),
+}
+
+ACTIVATIONS = {
+  "relu": "relu",  # output residual, kinked
+  "tanh": "tanh",  # output residual
+  "elu": "elu",  # output residual with a (static) parameter
+  "gelu": "gelu",  # input residual: the forward kernel stores z as well
+  "silu": "silu",  # input residual
+  "identity": "identity",  # no residual
+  "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
+}
+
+
+def args(shape, dtype, seed=0, bias=True):
+  """x (batch..., K), w (K, N), b (N,), scaled so that z is of unit size (not saturated)."""
+  *batch, k, n = shape
+  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (*batch, k), jnp.float32)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  b = jax.random.normal(kb, (n,), jnp.float32) if bias else None
+  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
+
+
+def value_and_grads(impl, activation, x, w, b):
+  """y and (dx, dw[, db]) for a fixed random cotangent, one jit per implementation."""
+
+  @jax.jit
+  def f(x, w, b):
+    fn = lambda *a: jaxact.dense_bias_act(*a, activation=activation, implementation=impl)
+    primals = (x, w) if b is None else (x, w, b)
+    y, pull = jax.vjp(fn, *primals)
+    g = jax.random.normal(jax.random.key(99), y.shape, jnp.float32).astype(y.dtype)
+    return y, pull(g)
+
+  return f(x, w, b)
+
+
+def assert_matches_xla(activation, x, w, b, dtype):
+  got = value_and_grads("pallas", activation, x, w, b)
+  want = value_and_grads("xla", activation, x, w, b)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  chex.assert_tree_all_finite(got)
+  up = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)
+  chex.assert_trees_all_close(up(got), up(want), **TOL[dtype])
+
+
+# ------------------------------------------------------------------- interpret mode, values
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activations_float32_ragged(name):
+  x, w, b = args((37, 19, 23), jnp.float32, seed=1)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["tanh", "gelu", "identity"])
+def test_half_precision(name, dtype):
+  x, w, b = args((37, 19, 23), dtype, seed=2)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, dtype)
+
+
+@pytest.mark.parametrize(
+  "shape",
+  [(1, 1, 1), (2, 5, 17, 23), (130, 70, 140)],
+  ids=["1x1x1", "batch-dims", "multi-tile"],
+)
+@pytest.mark.parametrize("name", ["relu", "silu"])
+def test_shapes(shape, name):
+  # 130 x 70 x 140 spans several tiles of each kernel, each ragged at the far edge.
+  x, w, b = args(shape, jnp.float32, seed=3)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "identity"])
+def test_no_bias(name):
+  x, w, _ = args((37, 19, 23), jnp.float32, seed=4, bias=False)
+  assert_matches_xla(ACTIVATIONS[name], x, w, None, jnp.float32)
+
+
+def test_one_by_one_convolution_uses_the_dense_kernels():
+  x, w, b = args((2, 3, 5, 7, 6), jnp.float32, seed=5)  # NHWC with C=7, reshaped kernel below
+  w4 = w.reshape(1, 1, 7, 6)
+  conv = lambda impl: jaxact.conv_bias_act(x, w4, b, activation="gelu", implementation=impl)
+  chex.assert_trees_all_close(conv("pallas"), conv("xla"), **TOL[jnp.float32])
+
+
+def test_standalone_kernels_against_reference():
+  """pallas_kernels on its own: its custom_vjp against autodiff of its pure-jnp reference."""
+  ep = kernels.Epilogue(fn=jnp.tanh, derivative=lambda y: 1.0 - y * y, residual="output")
+  x, w, b = args((21, 33, 17), jnp.float32, seed=6)
+  run = functools.partial(pallas_kernels.dense_bias_act, epilogue=ep, interpret=True)
+  ref = functools.partial(pallas_kernels.dense_bias_act_reference, epilogue=ep)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+  chex.assert_trees_all_close(run(x, w, b), ref(x, w, b), atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(
+    jax.grad(loss(run), (0, 1, 2))(x, w, b),
+    jax.grad(loss(ref), (0, 1, 2))(x, w, b),
+    atol=1e-5,
+    rtol=1e-5,
+  )
+
+
+def test_unsupported_calls_fall_back_or_raise():
+  x, w, b = args((4, 3, 2), jnp.float64, seed=7)
+  with pytest.raises(NotImplementedError, match=r"x dtype float64"):
+    jaxact.dense_bias_act(x, w, b, activation="relu", implementation="pallas")
+  slopes = jnp.linspace(0.1, 0.2, 2, dtype=jnp.float32)
+  x32, w32, b32 = (v.astype(jnp.float32) for v in (x, w, b))
+  leaky = functools.partial(jaxact.leaky_relu, negative_slope=slopes)
+  with pytest.raises(NotImplementedError, match=r"parameters given as arrays \(negative_slope\)"):
+    jaxact.dense_bias_act(x32, w32, b32, activation=leaky, implementation="pallas")
+  # None falls back to XLA silently for the same calls.
+  jaxact.dense_bias_act(x, w, b, activation="relu")
+  jaxact.dense_bias_act(x32, w32, b32, activation=leaky)
+
+
+# ------------------------------------------------------------------------- CUDA lowering
+
+GPUS = {"H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB"}
+
+
+def cuda_mesh(kind: str) -> AbstractMesh:
+  device = AbstractDevice(device_kind=GPUS[kind], num_cores=None, platform="cuda")
+  return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+
+
+def lowered_text(fn, arg_shapes, platform: str, kind: str = "H100") -> str:
+  with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
+    traced = jax.jit(fn).trace(*arg_shapes)
+    try:
+      return traced.lower(lowering_platforms=(platform,)).as_text()
+    except Exception as e:  # pragma: no cover - depends on the installed jaxlib
+      if platform == "cuda" and "cuda" in str(e).lower() and "platform" in str(e).lower():
+        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+      raise
+
+
+def train_step(activation, implementation, bias=True):
+  def loss(x, w, b):
+    y = jaxact.dense_bias_act(x, w, b, activation=activation, implementation=implementation)
+    return jnp.sum(y.astype(jnp.float32))
+
+  # value_and_grad: with identity (no residual) the forward is otherwise dead code.
+  return jax.value_and_grad(loss, (0, 1, 2) if bias else (0, 1))
+
+
+def shapes(m, k, n, dtype):
+  return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
+
+
+# Probe shapes covering every size class of _block_config (<= 16, <= 64, > 64 per dimension) and
+# every dtype: the configurations it can return, deduplicated.
+_PROBES = [
+  ((m, k, n), dt)
+  for m, k, n in itertools.product((3, 40, 200), repeat=3)
+  for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
+]
+CONFIGS = {kernels._block_config(s, dt): (s, dt) for s, dt in _PROBES}
+
+
+def test_block_configs_are_powers_of_two_and_fit_shared_memory():
+  for cfg in CONFIGS:
+    for t, (_, dt) in ((t, CONFIGS[cfg]) for t in (cfg.fwd, cfg.dx, cfg.dw)):
+      assert all(v >= 16 and v & (v - 1) == 0 for v in (t.rows, t.cols, t.step)), t
+      # Operand tiles per pipeline stage, against the A100's 164 KiB of shared memory.
+      loads = (t.rows + t.cols) * t.step if t is cfg.fwd else (t.rows + 2 * t.cols) * t.step
+      assert loads * np.dtype(dt).itemsize * t.num_stages <= 128 * 1024, (t, dt)
+
+
+@pytest.mark.parametrize("kind", list(GPUS))
+def test_every_block_config_lowers_for_cuda(kind):
+  """Forward and backward of every configuration, for every residual family, hold Triton calls."""
+  assert len(CONFIGS) >= 20
+  families = ("tanh", "gelu", "identity")  # output, input and no residual, in turn
+  for i, ((m, k, n), dt) in enumerate(CONFIGS.values()):
+    activation = families[i % 3]
+    text = lowered_text(train_step(activation, "pallas"), shapes(m, k, n, dt), "cuda", kind)
+    # forward, dx, dw(+db)
+    assert text.count(f"custom_call @{TRITON}(") == 3, (m, k, n, dt, activation)
+
+
+@pytest.mark.parametrize("name", [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise])
+def test_every_spec_activation_lowers_for_cuda(name):
+  """Every activation of the spec table works as an epilogue of the Triton kernels."""
+  text = lowered_text(train_step(name, "pallas"), shapes(40, 40, 40, jnp.bfloat16), "cuda")
+  assert text.count(f"custom_call @{TRITON}(") == 3
+
+
+def test_auto_picks_kernels_only_when_lowered_for_cuda():
+  step = train_step("gelu", None)
+  args_ = shapes(64, 32, 48, jnp.bfloat16)
+  assert text_has_triton(lowered_text(step, args_, "cuda"))
+  assert not text_has_triton(lowered_text(step, args_, "cpu"))
+  # "xla" never uses them.
+  assert not text_has_triton(lowered_text(train_step("gelu", "xla"), args_, "cuda"))
+
+
+def text_has_triton(text: str) -> bool:
+  return TRITON in text
+
+
+def test_f32_precision_reaches_the_kernels():
+  """TF32 only where `precision` allows it: HIGHEST gives IEEE dots in the kernels' jaxprs."""
+  assert pallas_kernels.allow_tf32(None) and pallas_kernels.allow_tf32("default")
+  assert not pallas_kernels.allow_tf32("highest")
+  assert not pallas_kernels.allow_tf32(jax.lax.Precision.HIGHEST)
+  x, w, b = args((8, 8, 8), jnp.float32)
+  for precision, want in ((None, "DEFAULT"), (jax.lax.Precision.HIGHEST, "HIGHEST")):
+    jaxpr = str(
+      jax.make_jaxpr(
+        lambda x, w, b, p=precision: jaxact.dense_bias_act(
+          x, w, b, activation="relu", precision=p, implementation="pallas"
+        )
+      )(x, w, b)
+    )
+    assert f"precision=(Precision.{want}, Precision.{want})" in jaxpr
