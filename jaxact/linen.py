@@ -1,0 +1,20 @@
+"""Flax linen layers whose bias and activation are fused: drop-ins for ``nn.Dense`` / ``nn.Conv``.
+
+``DenseAct`` and ``ConvAct`` take exactly the attributes of ``flax.linen.Dense`` and
+``flax.linen.Conv`` plus ``activation``, create the same ``kernel`` and ``bias`` parameters, and
+compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
+:func:`jaxact.conv_bias_act`. This module imports Flax; ``import jaxact`` alone does not::
+
+  import jaxact.linen as jnn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = jnn.DenseAct(512, activation="gelu")(x)  # was: nn.gelu(nn.Dense(512)(x))
+      return jnn.DenseAct(10)(x)
+"""
+
+from jaxact._src.linen import ConvAct as ConvAct
+from jaxact._src.linen import DenseAct as DenseAct
+
+__all__ = ["DenseAct", "ConvAct"]

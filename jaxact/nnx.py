@@ -1,0 +1,18 @@
+"""Flax nnx layers whose bias and activation are fused: drop-ins for ``nnx.Linear`` / ``nnx.Conv``.
+
+``LinearAct`` and ``ConvAct`` take exactly the arguments of ``flax.nnx.Linear`` and
+``flax.nnx.Conv`` plus ``activation``, create the same ``kernel`` and ``bias`` parameters (sharding
+metadata included), and compute ``activation(nnx.Linear(...)(x))`` as one
+:func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. This module imports Flax;
+``import jaxact`` alone does not::
+
+  from flax import nnx
+  from jaxact import nnx as jnnx
+
+  layer = jnnx.LinearAct(784, 512, activation="relu", rngs=nnx.Rngs(0))
+"""
+
+from jaxact._src.nnx import ConvAct as ConvAct
+from jaxact._src.nnx import LinearAct as LinearAct
+
+__all__ = ["LinearAct", "ConvAct"]

@@ -1,0 +1,290 @@
+"""Sharded training of jaxact Flax layers on 8 virtual CPU devices: run as a script.
+
+``python tests/sharding_cases.py [case ...]`` prints one JSON object per case
+(tests/test_sharding.py runs it in a subprocess and asserts on them). It needs 8 devices, which
+XLA:CPU gives only if ``--xla_force_host_platform_device_count=8`` is in ``XLA_FLAGS`` before JAX
+initialises its backend, so, run as a script, it sets that flag itself before importing JAX.
+
+Every case builds a block of jaxact layers, shards it with JAX's own tools (``jax.jit`` with
+``NamedSharding`` on a ``jax.sharding.Mesh``; Flax's partitioning metadata decides the parameter
+shardings) and reports, against the same program on one device:
+
+* ``loss_err`` / ``grad_err``: the largest relative difference of the loss and of every gradient
+  leaf at the initial parameters (relative to the leaf's largest magnitude);
+* ``losses`` / ``losses_1dev``: the losses of a few optax (adam) steps, sharded and on one device;
+* ``param_specs``: the partition spec each parameter ends up with;
+* ``fwd_collectives``: the collectives in the compiled forward of the first (column-parallel)
+  layer alone, and ``step_collectives`` those of the compiled training step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+# Only when run: pytest's --doctest-modules imports this file too, and must not get 8 devices.
+if __name__ == "__main__" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxact.linen
+import jaxact.nnx
+
+BATCH, IN, HIDDEN, OUT = 32, 16, 64, 16
+STEPS = 3
+COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(")
+
+
+def collectives(compiled) -> list[str]:
+  return sorted(COLLECTIVE.findall(compiled.as_text()))
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def tree_err(a, b) -> float:
+  # Leaf by leaf: the reference's nnx Params lack the sharding metadata, the values are the same.
+  return max(rel_err(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def data():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((BATCH, IN)).astype(np.float32)
+  y = rng.standard_normal((BATCH, OUT)).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def one_device(tree):
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def train(loss_fn, params, x, y, **jit_kw):
+  """Gradients at `params`, then the losses of STEPS adam steps; (loss, grads, losses, step)."""
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, grads
+
+  step = jax.jit(step, **jit_kw)
+  opt_state = tx.init(params)
+  losses, first = [], None
+  for _ in range(STEPS):
+    params, opt_state, loss, grads = step(params, opt_state, x, y)
+    losses.append(float(loss))
+    first = first or (loss, grads)
+  return first[0], first[1], losses, step.lower(params, opt_state, x, y).compile()
+
+
+def report(name, sharded, single, param_specs, fwd) -> None:
+  loss, grads, losses, compiled = sharded
+  loss1, grads1, losses1, _ = single
+  result = dict(
+    case=name,
+    devices=jax.device_count(),
+    loss_err=rel_err(loss, loss1),
+    grad_err=tree_err(grads, grads1),
+    losses=losses,
+    losses_1dev=losses1,
+    param_specs=param_specs,
+    fwd_collectives=fwd,
+    step_collectives=collectives(compiled),
+  )
+  print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------- linen
+
+
+class LinenBlock(nn.Module):
+  """Column-parallel DenseAct (kernel split over its outputs), then row-parallel DenseAct."""
+
+  tensor_parallel: bool
+
+  @nn.compact
+  def __call__(self, x):
+    def part(init, names):
+      return nn.with_partitioning(init, names) if self.tensor_parallel else init
+
+    lecun, zeros = nn.initializers.lecun_normal(), nn.initializers.zeros_init()
+    x = jaxact.linen.DenseAct(
+      HIDDEN,
+      activation="gelu",
+      kernel_init=part(lecun, (None, "model")),
+      bias_init=part(zeros, ("model",)),
+      name="column",
+    )(x)
+    return jaxact.linen.DenseAct(
+      OUT,
+      activation="tanh",
+      kernel_init=part(lecun, ("model", None)),
+      bias_init=part(zeros, (None,)),
+      name="row",
+    )(x)
+
+
+def linen_case(name: str, mesh, tensor_parallel: bool) -> None:
+  model = LinenBlock(tensor_parallel)
+  x, y = data()
+  batch = NamedSharding(mesh, P("data"))
+  # The partitioning metadata decides the parameter shardings (replicated without it).
+  abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+  specs = nn.get_partition_spec(abstract)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
+  params = nn.meta.unbox(params)
+  param_specs = {
+    jax.tree_util.keystr(k): str(v.sharding.spec)
+    for k, v in jax.tree_util.tree_leaves_with_path(params)
+  }
+
+  def loss_fn(params, x, y):
+    return jnp.mean((model.apply(params, x) - y) ** 2)
+
+  xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+  sharded = train(loss_fn, params, xs, ys)
+  single = train(loss_fn, one_device(params), one_device(x), one_device(y))
+
+  column = jaxact.linen.DenseAct(HIDDEN, activation="gelu")
+  fwd = jax.jit(column.apply).lower({"params": params["params"]["column"]}, xs).compile()
+  report(name, sharded, single, param_specs, collectives(fwd))
+
+
+# --------------------------------------------------------------------------------------- nnx
+
+
+class NnxBlock(nnx.Module):
+  """Column-parallel LinearAct, then row-parallel LinearAct (out_sharding metadata)."""
+
+  def __init__(self, tensor_parallel: bool, rngs: nnx.Rngs, row_out_sharding=None):
+    self.row_out_sharding = row_out_sharding
+
+    def meta(*names):
+      return {"out_sharding": names} if tensor_parallel else {}
+
+    self.column = jaxact.nnx.LinearAct(
+      IN,
+      HIDDEN,
+      activation="relu",
+      kernel_metadata=meta(None, "model"),
+      bias_metadata=meta("model"),
+      rngs=rngs,
+    )
+    self.row = jaxact.nnx.LinearAct(
+      HIDDEN,
+      OUT,
+      activation="identity",
+      kernel_metadata=meta("model", None),
+      bias_metadata=meta(None),
+      rngs=rngs,
+    )
+
+  def __call__(self, x):
+    # Under explicit sharding the row-parallel matmul (contracting the sharded dimension) needs
+    # its output sharding; with one, LinearAct runs Flax's dot_general(out_sharding=), then the
+    # activation.
+    return self.row(self.column(x), out_sharding=self.row_out_sharding)
+
+
+def nnx_case(name: str, mesh, tensor_parallel: bool, row_out_sharding=None) -> None:
+  x, y = data()
+
+  def loss_fn(graphdef):
+    return lambda state, x, y: jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+  # The reference first, outside any mesh context (JAX caches constants made inside one), from the
+  # same Rngs: the same parameter values, without sharding metadata.
+  graphdef1, state1 = nnx.split(NnxBlock(False, nnx.Rngs(0)))
+  single = train(loss_fn(graphdef1), one_device(state1), one_device(x), one_device(y))
+
+  with jax.set_mesh(mesh):
+    # Flax shards each Param with `out_sharding` metadata as it creates it (eager sharding).
+    graphdef, state = nnx.split(NnxBlock(tensor_parallel, nnx.Rngs(0), row_out_sharding))
+    if not tensor_parallel:
+      state = jax.device_put(state, NamedSharding(mesh, P()))
+    param_specs = {
+      jax.tree_util.keystr(k): str(v.sharding.spec)
+      for k, v in jax.tree_util.tree_leaves_with_path(state)
+    }
+    batch = NamedSharding(mesh, P("data"))
+    xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+    sharded = train(loss_fn(graphdef), state, xs, ys)
+    col_def, col_state = nnx.split(nnx.merge(graphdef, state).column)
+    fwd = jax.jit(lambda s, x: nnx.merge(col_def, s)(x)).lower(col_state, xs).compile()
+  report(name, sharded, single, param_specs, collectives(fwd))
+
+
+# -------------------------------------------------------------------------------------- conv
+
+
+class ConvNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = jaxact.linen.ConvAct(6, (3, 3), activation="relu")(x)
+    x = jaxact.linen.ConvAct(8, (3, 3), activation="elu")(x)
+    return jnp.mean(x, axis=(1, 2))
+
+
+def conv_dp_case(name: str, mesh) -> None:
+  """Data-parallel ConvAct: XLA:CPU's batch-chunked kernel gradient must stay device-local.
+
+  4 examples per device; 4 -> 6 -> 8 channels, where the kernel gradient is summed over 4 strided
+  batch chunks (a contiguous split, or 3 chunks, would move activations between devices).
+  """
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((32, 8, 8, 4)).astype(np.float32))
+  y = jnp.asarray(rng.standard_normal((32, 8)).astype(np.float32))
+  model = ConvNet()
+  params = model.init(jax.random.key(0), x[:1])
+  replicated = jax.device_put(params, NamedSharding(mesh, P()))
+
+  def loss_fn(params, x, y):
+    return jnp.mean((model.apply(params, x) - y) ** 2)
+
+  batch = NamedSharding(mesh, P("data"))
+  sharded = train(loss_fn, replicated, jax.device_put(x, batch), jax.device_put(y, batch))
+  single = train(loss_fn, one_device(params), one_device(x), one_device(y))
+  report(name, sharded, single, {}, [])
+
+
+def main(names) -> None:
+  auto = AxisType.Auto
+  cases = {
+    "linen_dp": lambda: linen_case("linen_dp", jax.make_mesh((8,), ("data",), (auto,)), False),
+    "linen_tp": lambda: linen_case(
+      "linen_tp", jax.make_mesh((2, 4), ("data", "model"), (auto, auto)), True
+    ),
+    # jax.make_mesh's default axis type is Explicit: the sharding is part of the array types.
+    "nnx_dp_explicit": lambda: nnx_case("nnx_dp_explicit", jax.make_mesh((8,), ("data",)), False),
+    "nnx_tp": lambda: nnx_case(
+      "nnx_tp", jax.make_mesh((2, 4), ("data", "model"), (auto, auto)), True
+    ),
+    "nnx_tp_explicit": lambda: nnx_case(
+      "nnx_tp_explicit", jax.make_mesh((2, 4), ("data", "model")), True, P("data", None)
+    ),
+    "conv_dp": lambda: conv_dp_case("conv_dp", jax.make_mesh((8,), ("data",), (auto,))),
+  }
+  for name in names or cases:
+    try:
+      cases[name]()
+    except Exception as e:  # reported, so that the other cases still run
+      print(json.dumps(dict(case=name, error=f"{type(e).__name__}: {e}"[:3000])), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,101 @@
+"""Sharded training of jaxact's Flax layers on 8 virtual CPU devices (JAX's own SPMD engine).
+
+The cases live in ``tests/sharding_cases.py`` and run in a subprocess: XLA:CPU offers 8 devices only
+if ``--xla_force_host_platform_device_count=8`` is in ``XLA_FLAGS`` when JAX initialises its
+backend, and in this pytest process the backend is already up with one device (tests/conftest.py
+imports JAX, other tests run first). A subprocess gets its own backend whatever the test order,
+selection or plugins, and leaves this process's devices alone. The script runs once per session
+(about 15 s) and prints one JSON result per case; the tests below assert on them.
+
+Cases: a data-parallel and a tensor-parallel (column-parallel then row-parallel) MLP block of
+``jaxact.linen.DenseAct`` (Auto mesh, ``nn.with_partitioning`` metadata), the same with
+``jaxact.nnx.LinearAct`` (``kernel_metadata={"out_sharding": ...}``; data-parallel on an Explicit
+mesh, tensor-parallel on an Auto mesh and on an Explicit one with ``out_sharding`` for the
+row-parallel layer), and a data-parallel ``ConvAct`` network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).with_name("sharding_cases.py")
+CASES = ["linen_dp", "linen_tp", "nnx_dp_explicit", "nnx_tp", "nnx_tp_explicit", "conv_dp"]
+TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
+
+# The sharded programs sum the batch (and, tensor-parallel, the hidden features) in another order:
+# float32 rounding, relative to each gradient's largest entry.
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+    [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+  )
+  out = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{"):
+      result = json.loads(line)
+      out[result["case"]] = result
+  if proc.returncode != 0 or not out:
+    pytest.fail(f"{SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return out
+
+
+def get(results, name: str) -> dict:
+  result = results.get(name)
+  assert result is not None, f"{SCRIPT.name} gave no result for {name}"
+  assert "error" not in result, f"{name}: {result['error']}"
+  assert result["devices"] == 8
+  return result
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_loss_and_gradients_as_one_device(results, name):
+  result = get(results, name)
+  assert result["loss_err"] < RTOL, result["loss_err"]
+  assert result["grad_err"] < RTOL, result["grad_err"]
+  np.testing.assert_allclose(result["losses"], result["losses_1dev"], rtol=RTOL)
+  assert result["losses"][-1] < result["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+def test_partitioning_metadata_is_honoured(results, name):
+  specs = get(results, name)["param_specs"]
+  prefix = "['params']" if name.startswith("linen") else ""
+  suffix = "" if name.startswith("linen") else ".value"
+  want = {
+    "['column']['kernel']": "P(None, 'model')",
+    "['column']['bias']": "P('model',)",
+    "['row']['kernel']": "P('model', None)",
+    "['row']['bias']": "P(None,)",
+  }
+  assert specs == {f"{prefix}{k}{suffix}": v for k, v in want.items()}
+
+
+@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+def test_column_parallel_layer_gathers_no_weights(results, name):
+  """The compiled forward of the column-parallel layer alone holds no collective at all; the
+  training step of the block only all-reduces (the row-parallel output, gradients, the loss)."""
+  result = get(results, name)
+  assert result["fwd_collectives"] == []
+  assert set(result["step_collectives"]) == {"all-reduce"}
+
+
+@pytest.mark.parametrize("name", ["linen_dp", "nnx_dp_explicit", "conv_dp"])
+def test_data_parallel_step_only_all_reduces(results, name):
+  """Data parallelism all-reduces gradients and nothing else: no activation moves between devices
+  (for the convolution: XLA:CPU's batch-chunked kernel gradient takes device-local chunks)."""
+  result = get(results, name)
+  assert result["fwd_collectives"] == []
+  assert set(result["step_collectives"]) == {"all-reduce"}
