@@ -394,8 +394,10 @@ def _prepare(fn_name, x, w, b, preferred_element_type):
   if b is not None:
     b = _as_float_array(fn_name, b, "b")
   dtype = jnp.result_type(*(v for v in (x, w, b) if v is not None))
-  x, w = x.astype(dtype), w.astype(dtype)
-  if b is not None:
+  # Convert only what differs: outside jit, astype to the same dtype still makes a new array, and
+  # jax.vjp's pullback would then hold that copy of x next to the caller's x.
+  x, w = (v if v.dtype == dtype else v.astype(dtype) for v in (x, w))
+  if b is not None and b.dtype != dtype:
     b = b.astype(dtype)
   out_dtype = dtype
   if preferred_element_type is not None:

@@ -23,7 +23,10 @@ def as_real_array(fn_name: str, x, arg: str = "x") -> jax.Array:
       f"{type(x).__module__}.{type(x).__qualname__}"
       + (" (wrap it with jnp.asarray)" if isinstance(x, (list, tuple)) else "")
     )
-  x = jnp.asarray(x)
+  # jnp.asarray of a traced jax.Array is a new value (under eager jax.vjp, a copy the pullback would
+  # keep next to the caller's array), so arrays pass through untouched.
+  if not isinstance(x, jax.Array):
+    x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     raise TypeError(
       f"jaxact.{fn_name}: `{arg}` has complex dtype {x.dtype}; jaxact activations accept real "
