@@ -15,7 +15,6 @@ Every figure is a ratio or a count measured in one run against jax.nn on the sam
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
+from benchmarks import timing
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -52,6 +52,21 @@ def _mlp(act: Callable):
   return forward
 
 
+def kept_arrays(pullback, size: int, exclude=()) -> int:
+  """Distinct arrays of `size` elements a `jax.vjp` pullback holds, those in `exclude` not counted.
+
+  The pullback's leaves are the residuals of the linearized function; an array that two rules keep
+  (a layer's output, kept by its activation and as the next matmul's input) is counted once.
+  """
+  excluded = {id(a) for a in exclude}
+  kept = {
+    id(a): a
+    for a in jax.tree.leaves(pullback)
+    if hasattr(a, "shape") and a.size == size and id(a) not in excluded
+  }
+  return len(kept)
+
+
 @dataclasses.dataclass
 class MemoryRow:
   name: str
@@ -75,13 +90,7 @@ def mlp_memory(name: str, layers: int = 8, width: int = 512, batch: int = 8192) 
     compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes / buffer
     _, pullback = jax.vjp(forward, ws, x)
-    inputs = {id(a) for a in [*ws, x]}
-    kept = [
-      a
-      for a in jax.tree.leaves(pullback)
-      if hasattr(a, "shape") and a.size == batch * width and id(a) not in inputs
-    ]
-    out[lib] = (temp, len(kept) / layers)
+    out[lib] = (temp, kept_arrays(pullback, batch * width, exclude=[*ws, x]) / layers)
   return MemoryRow(
     name,
     jaxact.get_spec(name).residual,
@@ -101,15 +110,8 @@ def step_time(name: str, size: int = 1 << 22, reps: int = 30) -> tuple[float, fl
   fns = [
     jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(f(x)))) for f in (ref, getattr(jaxact, name))
   ]
-  for f in fns:
-    jax.block_until_ready(f(x))
-  times: list[list[float]] = [[], []]
-  for r in range(reps):
-    for i in (0, 1) if r % 2 else (1, 0):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fns[i](x))
-      times[i].append(time.perf_counter() - t0)
-  return float(np.median(times[0])), float(np.median(times[1]))
+  t_ref, t_ours = timing.alternated_medians([lambda f=f: f(x) for f in fns], reps)
+  return t_ref, t_ours
 
 
 def extreme_grid(dtype) -> np.ndarray:

@@ -24,14 +24,13 @@ buffer, no more than the dx allocated next: the CNN's peak is the L - 1 kept out
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import jaxact
+from benchmarks import timing
 
 ACTIVATIONS = ("relu", "elu", "tanh", "sigmoid", "softplus", "gelu")
 OUTPUT_RESIDUAL = ("relu", "elu", "tanh", "sigmoid", "softplus")
@@ -96,16 +95,9 @@ def time_ratio(model, activation: str, runs: int) -> tuple[float, float, float]:
   for fused in (True, False):
     forward, params, x, _ = model(activation, fused)
     step = jax.jit(jax.value_and_grad(_loss(forward)))
-    jax.block_until_ready(step(params, x))  # compile and warm up
     steps.append((step, params, x))
-  times: list[list[float]] = [[], []]
-  for r in range(runs):
-    for i in (0, 1) if r % 2 else (1, 0):  # alternate which goes first
-      step, params, x = steps[i]
-      start = time.perf_counter()
-      jax.block_until_ready(step(params, x))
-      times[i].append(time.perf_counter() - start)
-  fused_t, comp_t = statistics.median(times[0]), statistics.median(times[1])
+  calls = [lambda step=step, params=params, x=x: step(params, x) for step, params, x in steps]
+  fused_t, comp_t = timing.alternated_medians(calls, runs)
   return fused_t, comp_t, fused_t / comp_t
 
 

@@ -1,0 +1,117 @@
+"""PNG figures of a benchmark run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+COLORS = {
+  "jax.nn": "#9e9e9e",
+  "Flax": "#5b8bd0",
+  "Flax + remat": "#8e6cc2",
+  "jaxact": "#e4572e",
+}
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float | None]], fmt="{:.0f}"):
+  """Grouped vertical bars, one group per label, one bar per series; None leaves a gap."""
+  width = 0.8 / len(series)
+  x = np.arange(len(groups))
+  for i, (label, values) in enumerate(series.items()):
+    heights = [np.nan if v is None else v for v in values]
+    pos = x + (i - (len(series) - 1) / 2) * width
+    bars = ax.bar(pos, heights, width, label=label, color=COLORS.get(label))
+    ax.bar_label(bars, [("" if v is None else fmt.format(v)) for v in values], fontsize=7)
+  ax.set_xticks(x, groups)
+
+
+def memory_models(rows: dict[str, dict[str, dict[str, float | None]]], path: pathlib.Path) -> None:
+  """(a) Compiled temp memory of the MLP and CNN training steps, per implementation.
+
+  rows: {model: {activation: {series label: buffers}}}.
+  """
+  fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
+  for ax, (model, by_act) in zip(axes[0], rows.items(), strict=True):
+    acts = list(by_act)
+    labels = list(next(iter(by_act.values())))
+    _bars(ax, acts, {label: [by_act[a][label] for a in acts] for label in labels})
+    ax.set_title(f"{model}: compiled temp memory of jit(grad(loss))")
+    ax.set_ylabel("activation-sized buffers")
+    ax.margins(y=0.1)
+    ax.legend(fontsize=8, loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def memory_activations(rows, layers: int, path: pathlib.Path) -> None:
+  """(b) Per-activation MLP temp memory, jaxact against jax.nn. rows: benchmarks MemoryRow list."""
+  names = [r.name for r in rows]
+  fig, ax = plt.subplots(figsize=(12, 4))
+  _bars(
+    ax,
+    names,
+    {"jax.nn": [r.temp_jaxnn for r in rows], "jaxact": [r.temp_jaxact for r in rows]},
+  )
+  ax.axhline(layers + 1, color="k", lw=0.8, ls="--", label=f"L+1 = {layers + 1}")
+  ax.axhline(2 * layers + 1, color="k", lw=0.8, ls=":", label=f"2L+1 = {2 * layers + 1}")
+  ax.set_xticks(range(len(names)), names, rotation=60, ha="right")
+  ax.set_ylabel("activation-sized buffers")
+  ax.set_title(f"{layers}-layer MLP, compiled temp memory of jit(grad(loss)) per activation")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def step_time(
+  activations: dict[str, float],
+  models: dict[str, dict[str, float]],
+  path: pathlib.Path,
+) -> None:
+  """(c) Step-time ratios: per activation (jaxact / jax.nn), per model (against Flax).
+
+  activations: {name: ratio}; models: {"MLP relu": {series label: ratio against Flax}}.
+  """
+  fig, axes = plt.subplots(2, 1, figsize=(12, 7.5))
+  ax = axes[0]
+  names = list(activations)
+  ratios = [activations[n] for n in names]
+  bars = ax.bar(names, ratios, color=[COLORS["jaxact"] if r <= 1 else "#f2a65a" for r in ratios])
+  ax.bar_label(bars, [f"{r:.2f}" for r in ratios], fontsize=7)
+  ax.axhline(1, color="k", lw=0.8)
+  ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+  ax.set_ylabel("jaxact / jax.nn")
+  ax.set_title("step time of jit(value_and_grad(sum(act(x)))), 2**22 float32 (below 1: faster)")
+  ax = axes[1]
+  groups = list(models)
+  labels = list(next(iter(models.values()))) if models else []
+  _bars(ax, groups, {label: [models[g].get(label) for g in groups] for label in labels}, "{:.2f}")
+  ax.axhline(1, color="k", lw=0.8)
+  ax.set_ylabel("step time / Flax")
+  ax.set_title("MLP and CNN training step, jit(value_and_grad(loss)), against Flax + jax.nn")
+  ax.margins(y=0.15)
+  ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def nan_counts(counts: dict[str, dict[str, int]], path: pathlib.Path) -> None:
+  """(d) Non-finite gradients on the extreme-input grid. counts: {dtype: {library: count}}."""
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  dtypes = list(counts)
+  libs = list(next(iter(counts.values())))
+  _bars(ax, dtypes, {lib: [counts[d][lib] for d in dtypes] for lib in libs})
+  ax.set_ylabel("non-finite gradients")
+  ax.set_title("all activations, finite extreme inputs")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
