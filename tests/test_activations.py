@@ -37,14 +37,12 @@ from cases import (
 )
 
 
-def _params_with_marks(specs, marks_for):
-  out = []
-  for p in spec_params(specs):
-    spec, params = p.values
-    for dtype in DTYPES:
-      marks = marks_for(spec, params, dtype)
-      out.append(pytest.param(spec, params, dtype, id=f"{p.id}-{dtype_id(dtype)}", marks=marks))
-  return out
+def _params_by_dtype(specs):
+  return [
+    pytest.param(*p.values, dtype, id=f"{p.id}-{dtype_id(dtype)}")
+    for p in spec_params(specs)
+    for dtype in DTYPES
+  ]
 
 
 def test_tables_cover_every_spec():
@@ -72,7 +70,7 @@ def _assert_overflows_to_inf(got, want, dtype, what):
   np.testing.assert_array_equal(np.asarray(got, np.float64)[big], np.sign(want[big]) * np.inf, what)
 
 
-@pytest.mark.parametrize("spec, params, dtype", _params_with_marks(SPECS, lambda *a: ()))
+@pytest.mark.parametrize("spec, params, dtype", _params_by_dtype(SPECS))
 def test_values_match_float64_reference_and_jax_nn(spec, params, dtype):
   x = moderate(spec, dtype)
   y = public(spec)(x, **params)
@@ -104,14 +102,7 @@ def _full_params(spec, params):
   return {p.name: p.default for p in spec.params} | params
 
 
-def _spec_derivative_cases():
-  out = []
-  for p in spec_params(ELEMENTWISE):
-    out.append(pytest.param(*p.values, id=p.id))
-  return out
-
-
-@pytest.mark.parametrize("spec, params", _spec_derivative_cases())
+@pytest.mark.parametrize("spec, params", spec_params(ELEMENTWISE))
 def test_spec_derivatives_match_autodiff_of_reference(spec, params):
   """d_output(fn(x)) and derivative_from_input(x) equal jax.grad of the float64 reference."""
   x = moderate(spec, F64)
@@ -132,11 +123,7 @@ def test_spec_derivatives_match_autodiff_of_reference(spec, params):
 # ---------------------------------------------------------------------------- public gradients
 
 
-def _grad_marks(spec, params, dtype):
-  return ()
-
-
-@pytest.mark.parametrize("spec, params, dtype", _params_with_marks(SPECS, _grad_marks))
+@pytest.mark.parametrize("spec, params, dtype", _params_by_dtype(SPECS))
 def test_gradient_matches_float64_reference(spec, params, dtype):
   """jax.grad of the public function is within a few ulps of max(1, |f'(x)|) of the truth."""
   x = moderate(spec, dtype)

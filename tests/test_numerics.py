@@ -2,7 +2,7 @@
 
 The grid, for every activation and dtype: ±1e30 (±inf after the cast in float16), ±finfo.max,
 ±88.8 (exp overflows float32 past 88.7), ±548, ±smallest subnormal, ±finfo.tiny, 0, ±inf; NaN has
-a test of its own. Each known jaxact bug is an xfail(strict=True) on the narrowest test showing it.
+a test of its own.
 """
 
 from __future__ import annotations
