@@ -1,31 +1,54 @@
-"""Check the Pallas dense kernels against the XLA path on a GPU, and time both.
+"""Check the Pallas kernels against the XLA path on a GPU, time both, and measure memory.
 
-    python -m benchmarks.gpu_check [--runs 50] [--activation gelu]
+    python -m benchmarks.gpu_check [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
 
-For each (M, K, N) in bfloat16: the values and gradients (dx, dw, db) of
-``jaxact.dense_bias_act(..., implementation="pallas")`` are compared with ``implementation="xla"``;
-then the forward and the forward+backward (one jitted ``value_and_grad``) of both are timed: the
-median of ``--runs`` calls after warm-up, each ended by ``block_until_ready``, rotating over several
-input sets so that no call reads what the last one left in L2. Prints a markdown table with the
-device name and date. Needs a CUDA GPU (compute capability >= 8.0); elsewhere it exits, saying so.
+Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and ``.json``):
+
+* ``env``: device, jax version, and the two ceilings measured here: device-to-device copy bandwidth
+  (a jitted copy of 1 GiB, bytes read + written) and the bfloat16 matmul rate of ``jnp.dot``
+  (8192 x 8192 x 8192).
+* ``check``: ``jaxact.dense_bias_act(..., implementation="pallas")`` and ``"xla"`` against a float32
+  reference (upcast inputs, ``precision=HIGHEST``, JAX autodiff of the spec table's plain formula),
+  for the value and dx, dw, db; ``‖got - ref‖ / ‖ref‖`` of each. Every elementwise activation in
+  bfloat16 on a ragged shape; identity/relu/gelu in float32, bfloat16 and float16 on tiny,
+  ragged, batched and large shapes. Fresh random inputs for every case (never zeros). Fails when the
+  kernels' error exceeds ``max(2 x XLA's, 1e-5)`` plus the dtype's rounding tolerance, or is
+  not finite.
+* ``time``: forward and forward+backward (``jit`` of ``jax.vjp`` and its pullback) of the jax.nn
+  composition, jaxact ``"xla"`` and jaxact ``"pallas"`` in bfloat16 for the issue's shapes; the
+  median over ``--runs`` repetitions of 5 back-to-back calls (each repetition ended by
+  ``block_until_ready``), cycling through 4 input sets so no call reads what the last left in L2.
+* ``memory``: compiled ``memory_analysis()`` of the jitted training step (temp bytes; and temp +
+  outputs) for the same three paths.
+* ``sweep``: each kernel's candidate tilings timed alone, for tuning ``_block_config``.
+
+Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
+import math
+import os
 import statistics
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import jaxact
+from pallas_kernels import dense as pk_dense
 
 SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096))
-ROTATE = 4  # input sets cycled through by the timed calls
+ROTATE = 4
+INNER = 5
 
 
 def _gpu():
@@ -36,47 +59,304 @@ def _gpu():
   return devices[0] if devices else None
 
 
-def _inputs(m, k, n, dtype, seed):
+def _block(tree):
+  return jax.block_until_ready(tree)
+
+
+def median_seconds(fn, arg_sets, runs: int) -> float:
+  """Median wall time of one call of `fn`, from `runs` repetitions of INNER queued calls."""
+  for args in arg_sets:
+    _block(fn(*args))
+  times = []
+  for r in range(runs):
+    t0 = time.perf_counter()
+    outs = [fn(*arg_sets[(r * INNER + i) % len(arg_sets)]) for i in range(INNER)]
+    _block(outs)
+    times.append((time.perf_counter() - t0) / INNER)
+  return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------- env
+
+
+def section_env(gpu, runs):
+  n = 1 << 28  # 1 GiB of float32
+  sets = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+  copy = jax.jit(lambda a: a * 1.0)  # read once, write once
+  t_copy = median_seconds(copy, [(s,) for s in sets], runs)
+  gbps = 2 * 4 * n / t_copy / 1e9
+  del sets
+  d = 8192
+  mats = [
+    (
+      jax.random.normal(jax.random.key(2 * i), (d, d), jnp.bfloat16),
+      jax.random.normal(jax.random.key(2 * i + 1), (d, d), jnp.bfloat16),
+    )
+    for i in range(2)
+  ]
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+  t_dot = median_seconds(dot, mats, runs)
+  tflops = 2 * d**3 / t_dot / 1e12
+  info = {
+    "device": gpu.device_kind,
+    "compute_capability": getattr(gpu, "compute_capability", "?"),
+    "jax": jax.__version__,
+    "date": datetime.date.today().isoformat(),
+    "copy_GBps": gbps,
+    "bf16_matmul_TFLOPs": tflops,
+  }
+  lines = [
+    f"device: {info['device']} (compute capability {info['compute_capability']}), "
+    f"jax {info['jax']}, {info['date']}",
+    f"device-to-device copy (1 GiB, read + write): {gbps:.0f} GB/s",
+    f"bf16 jnp.dot 8192^3: {tflops:.0f} TFLOP/s",
+  ]
+  return info, lines
+
+
+# ----------------------------------------------------------------------------------- check
+
+
+def _param_defaults(spec):
+  return {p.name: p.default for p in spec.params}
+
+
+def _reference(name):
+  spec = jaxact.get_spec(name)
+  params = _param_defaults(spec)
+
+  def f(x, w, b):
+    z = jnp.dot(x, w, precision=lax.Precision.HIGHEST) + b
+    return spec.fn(z, **params)
+
+  return f
+
+
+def _inputs(shape, dtype, seed):
+  *batch, k, n = shape
   kx, kw, kb, kg = jax.random.split(jax.random.key(seed), 4)
-  x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+  x = jax.random.normal(kx, (*batch, k), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
   b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype)
-  g = jax.random.normal(kg, (m, n), jnp.float32).astype(dtype)
+  g = jax.random.normal(kg, (*batch, n), jnp.float32).astype(dtype)
   return x, w, b, g
 
 
-def _fns(impl, activation):
-  def fwd(x, w, b):
-    return jaxact.dense_bias_act(x, w, b, activation=activation, implementation=impl)
-
+def _step(f):
   def step(x, w, b, g):
-    y, pull = jax.vjp(fwd, x, w, b)
-    return y, pull(g)
+    y, pull = jax.vjp(f, x, w, b)
+    return (y, *pull(g))
 
-  return jax.jit(fwd), jax.jit(step)
-
-
-def _median_ms(fn, arg_sets, runs):
-  for args in arg_sets:  # compile and warm up
-    jax.block_until_ready(fn(*args))
-  times = []
-  for i in range(runs):
-    args = arg_sets[i % len(arg_sets)]
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+  return jax.jit(step)
 
 
-def _max_rel_err(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+def _jaxact(name, impl, precision=None):
+  def f(x, w, b):
+    return jaxact.dense_bias_act(x, w, b, activation=name, implementation=impl, precision=precision)
+
+  return f
+
+
+def _rel(got, ref):
+  got = np.asarray(got, np.float64)
+  ref = np.asarray(ref, np.float64)
+  if not np.all(np.isfinite(got)):
+    return math.inf
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+_TOL = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 5e-3}  # TF32 / half-precision operands
+
+
+def check_cases():
+  elementwise = [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise]
+  cases = [(n, "bfloat16", (1000, 300, 513)) for n in elementwise]
+  shapes = ((1, 1, 1), (37, 19, 23), (130, 70, 140), (4, 33, 100, 65), (4096, 1024, 1024))
+  for dtype in ("float32", "bfloat16", "float16"):
+    for name in ("identity", "relu", "gelu"):
+      for shape in shapes:
+        cases.append((name, dtype, shape))
+  return cases
+
+
+def section_check(cases, seed=0):
+  rows = []
+  failed = []
+  for i, (name, dtype, shape) in enumerate(cases):
+    x, w, b, g = _inputs(shape, jnp.dtype(dtype), seed + i)
+    up = [a.astype(jnp.float32) for a in (x, w, b, g)]
+    ref = _step(_reference(name))(*up)
+    try:
+      got = _step(_jaxact(name, "pallas"))(x, w, b, g)
+      errs = [_rel(a, r) for a, r in zip(got, ref, strict=False)]
+    except Exception as e:
+      errs = [math.inf] * 4
+      traceback.print_exc()
+      print(f"{name} {dtype} {shape}: {type(e).__name__}: {e}"[:2000], file=sys.stderr)
+    xla = [_rel(a, r) for a, r in zip(_step(_jaxact(name, "xla"))(x, w, b, g), ref, strict=False)]
+    ok = all(
+      math.isfinite(e) and e <= max(2 * xe, 1e-5) + _TOL[dtype]
+      for e, xe in zip(errs, xla, strict=False)
+    )
+    rows.append((name, dtype, shape, errs, xla, ok))
+    print(f"check {name} {dtype} {shape}: {errs} (xla {xla}) {ok}", flush=True)
+    if not ok:
+      failed.append((name, dtype, shape))
+  lines = [
+    "| activation | dtype | shape (…, K, N) | pallas rel. err y, dx, dw, db | xla rel. err | ok |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, dtype, shape, errs, xla, ok in rows:
+    lines.append(
+      f"| {name} | {dtype} | {shape} | {', '.join(f'{e:.1e}' for e in errs)} | "
+      f"{', '.join(f'{e:.1e}' for e in xla)} | {'yes' if ok else '**NO**'} |"
+    )
+  return {"rows": [list(map(str, r)) for r in rows], "failed": [str(f) for f in failed]}, lines
+
+
+# ------------------------------------------------------------------------------------ time
+
+
+def _paths(name):
+  act = getattr(jax.nn, name)
+
+  def composition(x, w, b):
+    return act(jnp.dot(x, w) + b)
+
+  return {
+    "jax.nn": composition,
+    "jaxact xla": _jaxact(name, "xla"),
+    "jaxact pallas": _jaxact(name, "pallas"),
+  }
+
+
+def section_time(runs, activations=("relu", "gelu"), shapes=SHAPES):
+  out = []
+  lines = [
+    "| M, K, N | activation | path | fwd (ms) | fwd TFLOP/s | fwd+bwd (ms) | fwd+bwd TFLOP/s |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for m, k, n in shapes:
+    sets = [_inputs((m, k, n), jnp.bfloat16, s) for s in range(ROTATE)]
+    flops = 2 * m * k * n
+    for name in activations:
+      for path, f in _paths(name).items():
+        t_f = median_seconds(jax.jit(f), [s[:3] for s in sets], runs)
+        t_s = median_seconds(_step(f), sets, runs)
+        out.append(
+          {"shape": [m, k, n], "activation": name, "path": path, "fwd_s": t_f, "step_s": t_s}
+        )
+        lines.append(
+          f"| {m}, {k}, {n} | {name} | {path} | {1e3 * t_f:.3f} | {flops / t_f / 1e12:.0f} | "
+          f"{1e3 * t_s:.3f} | {3 * flops / t_s / 1e12:.0f} |"
+        )
+  return out, lines
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def section_memory(activations=("relu", "gelu"), shapes=SHAPES):
+  out = []
+  lines = [
+    "| M, K, N | activation | path | step temp (MiB) | temp + outputs (MiB) |",
+    "|---|---|---|---|---|",
+  ]
+  for m, k, n in shapes:
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,), (m, n))]
+    for name in activations:
+      for path, f in _paths(name).items():
+        ma = _step(f).lower(*args).compile().memory_analysis()
+        temp = ma.temp_size_in_bytes / 2**20
+        total = (ma.temp_size_in_bytes + ma.output_size_in_bytes) / 2**20
+        out.append({"shape": [m, k, n], "activation": name, "path": path, "temp_MiB": temp})
+        lines.append(f"| {m}, {k}, {n} | {name} | {path} | {temp:.0f} | {total:.0f} |")
+  return out, lines
+
+
+# ----------------------------------------------------------------------------------- sweep
+
+_CANDIDATES = (
+  # rows, cols, step, warps, stages
+  (128, 128, 64, 8, 3),
+  (128, 128, 64, 4, 4),
+  (128, 128, 32, 4, 4),
+  (128, 256, 64, 8, 3),
+  (256, 128, 64, 8, 3),
+  (128, 256, 32, 8, 4),
+  (64, 128, 64, 4, 4),
+  (128, 64, 64, 4, 4),
+  (64, 256, 64, 8, 3),
+)
+
+
+def section_sweep(runs, name="gelu", shapes=SHAPES):
+  from pallas_kernels import Tiles
+
+  spec_epi = _epilogue(name)
+  lines = [
+    "| M, K, N | kernel | rows, cols, step, warps, stages | ms | TFLOP/s |",
+    "|---|---|---|---|---|",
+  ]
+  out = []
+  for m, k, n in shapes:
+    sets = [_inputs((m, k, n), jnp.bfloat16, s) for s in range(ROTATE)]
+    base = pk_dense._block_config((m, k, n), jnp.bfloat16)
+    flops = 2 * m * k * n
+    for kernel in ("fwd", "dx", "dw"):
+      for cand in _CANDIDATES:
+        cfg = dataclasses.replace(base, **{kernel: Tiles(*cand)})
+        if kernel == "fwd":
+
+          def f(x, w, b, g, cfg=cfg):
+            return pk_dense.dense_bias_act_fwd(x, w, b, epilogue=spec_epi, block_config=cfg)[0]
+
+        else:
+
+          def f(x, w, b, g, cfg=cfg):
+            # g stands in for the (m, n) residual: the kernels' work does not depend on its values
+            return pk_dense.dense_bias_act_bwd(
+              x, w, g, g, epilogue=spec_epi, has_bias=True, block_config=cfg
+            )
+
+        try:
+          t = median_seconds(jax.jit(f), sets, runs)
+          msg = f"{1e3 * t:.3f} | {flops / t / 1e12 * (1 if kernel == 'fwd' else 2):.0f}"
+        except Exception as e:
+          t = None
+          msg = f"failed: {type(e).__name__} | -"
+          print(f"sweep {kernel} {cand}: {e}"[:1500], file=sys.stderr)
+        out.append({"shape": [m, k, n], "kernel": kernel, "tiles": cand, "s": t})
+        print(f"sweep {m},{k},{n} {kernel} {cand}: {msg}", flush=True)
+        lines.append(f"| {m}, {k}, {n} | {kernel} (bwd total) | {cand} | {msg} |")
+  lines.append("")
+  lines.append(
+    "dx and dw rows time the whole backward (both kernels) with only that kernel's tiles changed; "
+    "their TFLOP/s count both products."
+  )
+  return out, lines
+
+
+def _epilogue(name):
+  from pallas_kernels import Epilogue
+
+  spec = jaxact.get_spec(name)
+  params = _param_defaults(spec)
+  if spec.residual == "output":
+    return Epilogue(lambda z: spec.fn(z, **params), lambda y: spec.d_output(y, **params), "output")
+  return Epilogue(
+    lambda z: spec.fn(z, **params), lambda z: spec.derivative_from_input(z, **params), "input"
+  )
+
+
+# ------------------------------------------------------------------------------------ main
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--runs", type=int, default=50)
-  parser.add_argument("--activation", default="gelu")
+  parser.add_argument("--runs", type=int, default=30)
+  parser.add_argument("--sections", default="env,check,time,memory")
+  parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   gpu = _gpu()
   if gpu is None:
@@ -93,48 +373,42 @@ def main(argv=None) -> int:
       f"{gpu.device_kind} has compute capability {cc}; the kernels need >= 8.0", file=sys.stderr
     )
     return 2
-  dtype = jnp.bfloat16
-  rows = []
-  for m, k, n in SHAPES:
-    sets = [_inputs(m, k, n, dtype, seed) for seed in range(ROTATE)]
-    fwd_p, step_p = _fns("pallas", args.activation)
-    fwd_x, step_x = _fns("xla", args.activation)
-    x, w, b, g = sets[0]
-    got, want = step_p(x, w, b, g), step_x(x, w, b, g)
-    errs = jax.tree.map(_max_rel_err, got, want)
-    y_err, (dx_err, dw_err, db_err) = errs
-    worst = max(y_err, dx_err, dw_err, db_err)
-    ms = {
-      name: _median_ms(fn, [s[:3] if name.startswith("fwd") else s for s in sets], args.runs)
-      for name, fn in (
-        ("fwd_p", fwd_p),
-        ("fwd_x", fwd_x),
-        ("step_p", step_p),
-        ("step_x", step_x),
-      )
-    }
-    rows.append((m, k, n, worst, ms, (y_err, dx_err, dw_err, db_err)))
-
-  print(f"## Pallas dense kernels vs XLA: {gpu.device_kind}, {datetime.date.today().isoformat()}")
-  print(
-    f"bfloat16, activation={args.activation}, median of {args.runs} runs, jax {jax.__version__}"
-  )
-  print()
-  print(
-    "| M, K, N | fwd pallas (ms) | fwd xla (ms) | fwd+bwd pallas (ms) | fwd+bwd xla (ms) "
-    "| fwd+bwd speed-up | max rel. err (y, dx, dw, db) |"
-  )
-  print("|---|---|---|---|---|---|---|")
+  sections = args.sections.split(",")
+  results, report = {}, []
   ok = True
-  for m, k, n, worst, ms, errs in rows:
-    ok &= worst < 2e-2
-    print(
-      f"| {m}, {k}, {n} | {ms['fwd_p']:.3f} | {ms['fwd_x']:.3f} | {ms['step_p']:.3f} | "
-      f"{ms['step_x']:.3f} | {ms['step_x'] / ms['step_p']:.2f}x | "
-      f"{', '.join(f'{e:.1e}' for e in errs)} |"
-    )
-  if not ok:
-    print("\nFAILED: the kernels differ from the XLA path by more than 2e-2 (relative)")
+
+  def emit(title, data, lines):
+    results[title] = data
+    report.extend([f"### {title}", "", *lines, ""])
+    print("\n".join([f"### {title}", "", *lines, ""]), flush=True)
+    if args.out:
+      os.makedirs(args.out, exist_ok=True)
+      with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
+        fh.write("\n".join(report))
+      with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
+        json.dump(results, fh, indent=1, default=str)
+
+  for section in sections:
+    t0 = time.perf_counter()
+    try:
+      if section == "env":
+        emit("env", *section_env(gpu, args.runs))
+      elif section == "check":
+        data, lines = section_check(check_cases())
+        ok &= not data["failed"]
+        emit("check", data, lines)
+      elif section == "time":
+        emit("time", *section_time(args.runs))
+      elif section == "memory":
+        emit("memory", *section_memory())
+      elif section == "sweep":
+        emit("sweep", *section_sweep(args.runs))
+      else:
+        parser.error(f"unknown section {section!r}")
+    except Exception:
+      ok = False
+      traceback.print_exc()
+    print(f"[{section}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
   return 0 if ok else 1
 
 

@@ -300,10 +300,13 @@ def dense_bias_act_fwd(
   epilogue: Epilogue,
   out_dtype=None,
   precision: Any = None,
+  block_config: BlockConfig | None = None,
   interpret: bool = False,
 ) -> tuple[Array, Array | None]:
   """``(y, z)``: ``y = fn(x @ w + b)`` in `out_dtype` (default x's), and ``z`` (same dtype) when
-  ``epilogue.residual == "input"``, else None. `x` may have batch dimensions."""
+  ``epilogue.residual == "input"``, else None. `x` may have batch dimensions.
+
+  `block_config` replaces :func:`_block_config`'s choice (for tuning; only ``.fwd`` is read)."""
   _check(x, w, b)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
   if out_dtype not in _DTYPES:
@@ -311,7 +314,7 @@ def dense_bias_act_fwd(
   batch, (k, n) = x.shape[:-1], w.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
-  t = _block_config((m, k, n), x.dtype).fwd
+  t = (block_config or _block_config((m, k, n), x.dtype)).fwd
   keep_z = epilogue.residual == "input"
   out = jax.ShapeDtypeStruct((m, n), out_dtype)
   kernel = _slots(
@@ -343,11 +346,13 @@ def dense_bias_act_bwd(
   epilogue: Epilogue,
   has_bias: bool,
   precision: Any = None,
+  block_config: BlockConfig | None = None,
   interpret: bool = False,
 ) -> tuple[Array, Array, Array | None]:
   """``(dx, dw, db)`` for the cotangent `g` of ``y``; `residual` is what the forward kept.
 
   ``dx`` has x's dtype, ``dw`` w's; ``db`` (None unless `has_bias`) has x's dtype.
+  `block_config` replaces :func:`_block_config`'s choice (for tuning).
   """
   _check(x, w, None)
   k, n = w.shape
@@ -364,7 +369,7 @@ def dense_bias_act_bwd(
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
   r2 = residual.reshape(-1, n) if needs_r else None
   m = x2.shape[0]
-  cfg = _block_config((m, k, n), x.dtype)
+  cfg = block_config or _block_config((m, k, n), x.dtype)
   tf32 = allow_tf32(precision)
 
   dx = pl.pallas_call(
