@@ -7,6 +7,10 @@ they are tested; lowered for CUDA they become Triton custom calls (:data:`CUSTOM
 """
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
+from pallas_kernels.bias_act import EltwiseTiles as EltwiseTiles
+from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
+from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
+from pallas_kernels.bias_act import bias_act_reference as bias_act_reference
 from pallas_kernels.dense import BlockConfig as BlockConfig
 from pallas_kernels.dense import Epilogue as Epilogue
 from pallas_kernels.dense import Tiles as Tiles
@@ -20,9 +24,13 @@ from pallas_kernels.dense import supported_dtypes as supported_dtypes
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
   "BlockConfig",
+  "EltwiseTiles",
   "Epilogue",
   "Tiles",
   "allow_tf32",
+  "bias_act_bwd",
+  "bias_act_fwd",
+  "bias_act_reference",
   "dense_bias_act",
   "dense_bias_act_bwd",
   "dense_bias_act_fwd",

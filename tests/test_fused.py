@@ -669,9 +669,15 @@ XC, WC = ones((1, 5, 5, 4)), ones((3, 3, 4, 6))
       r"implementation='pallas' does not support this call: the activation is a plain callable",
     ),
     (
-      lambda: conv(ones((1, 4, 4, 3)), ones((3, 3, 3, 2)), implementation="pallas"),
+      lambda: conv(
+        ones((1, 3, 4, 4)),
+        ones((2, 3, 3, 3)),
+        dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        implementation="pallas",
+      ),
       NotImplementedError,
-      r"implementation='pallas' has kernels only for 1x1 convolutions",
+      r"implementation='pallas' does not support this call: the convolution's output is not "
+      r"channels-last",
     ),
     (
       lambda: dense(X, W, implementation="cuda"),
@@ -715,7 +721,11 @@ XC, WC = ones((1, 5, 5, 4)), ones((3, 3, 4, 6))
     (lambda: conv(XC, WC, rhs_dilation=0), ValueError, r"`rhs_dilation` must be a positive int"),
     (lambda: conv(XC, WC, dimension_numbers=("NCHW", "OIHW")), ValueError, r"`dimension_numbers`"),
     (lambda: conv(XC.astype(jnp.int8), WC), TypeError, r"`x` has dtype int8"),
-    (lambda: conv(XC, WC, implementation="pallas"), NotImplementedError, r"conv_bias_act"),
+    (
+      lambda: conv(XC.astype(jnp.float64), WC, implementation="pallas"),
+      NotImplementedError,
+      r"conv_bias_act: implementation='pallas' does not support this call: x dtype float64",
+    ),
     (
       lambda: conv(XC, WC, lhs_dilation=2),
       ValueError,

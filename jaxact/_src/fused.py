@@ -272,7 +272,13 @@ def _fused_fwd(plan: _Plan, x: Array, w: Array, b: Array | None, *dynamic: Array
     y, z = _xla_forward(plan, x, w, b, *dynamic)
   else:  # only calls without array parameters get here: `dynamic` is empty
     y, z = kernel_dispatch.forward(
-      plan, plan.implementation, x, w, b, functools.partial(_xla_forward, plan)
+      plan,
+      plan.implementation,
+      x,
+      w,
+      b,
+      functools.partial(_xla_forward, plan),
+      lambda x, w: plan.linear(x, w, _forward_matmul_dtype(plan, x.dtype)),
     )
   # The barrier hides the residual's origin from XLA (see activations.barrier_residual): without it
   # XLA recomputes y from z in the backward pass (keeping z alive as well) or shares the backward's
@@ -355,7 +361,17 @@ def _fused_bwd(plan: _Plan, res, g):
   def xla(x, w, kept, g):
     return _xla_bwd(plan, (x, w, kept, ()), g)
 
-  return kernel_dispatch.backward(plan, plan.implementation, x, w, kept, g, xla)
+  return kernel_dispatch.backward(
+    plan,
+    plan.implementation,
+    x,
+    w,
+    kept,
+    g,
+    xla,
+    functools.partial(_transposes, plan),
+    _backward_matmul_dtype(plan, x.dtype),
+  )
 
 
 def _xla_bwd(plan: _Plan, res, g):
@@ -373,12 +389,17 @@ def _xla_bwd(plan: _Plan, res, g):
   if plan.has_bias:
     feature = plan.linear.feature_axis(dz.ndim)
     db = jnp.sum(dz, tuple(a for a in range(dz.ndim) if a != feature)).astype(x.dtype)
-  dz = dz.astype(_backward_matmul_dtype(plan, x.dtype))
+  dx, dw = _transposes(plan, x, w, dz.astype(_backward_matmul_dtype(plan, x.dtype)))
+  return (dx, dw, db, *d_dynamic)
+
+
+def _transposes(plan: _Plan, x: Array, w: Array, dz: Array) -> tuple[Array, Array]:
+  """``(dx, dw)`` from dz (in the backward matmul dtype): the linear op's two transposes."""
   dw = _kernel_grad(plan, x, w, dz)
   # dx waits for the kernel gradient, whose operand copies would otherwise be alive next to it.
   dz, w, _ = lax.optimization_barrier((dz, w, dw))
   (dx,) = jax.linear_transpose(lambda x_: plan.linear(x_, w, dz.dtype), x)(dz)
-  return (dx, dw, db, *d_dynamic)
+  return dx, dw
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -676,8 +697,9 @@ def conv_bias_act(
       layouts (NWC/WIO, NHWC/HWIO, NDHWC/DHWIO). The bias is added along the output's feature dim.
     precision: passed to the convolution in the forward and backward passes.
     preferred_element_type: dtype of the result; accumulation is at least float32.
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (kernels for 1x1 convolutions only so far;
-      ``NotImplementedError`` for the others).
+    implementation: ``None``, ``"xla"`` or ``"pallas"``: with the Pallas kernels, the
+      convolution and its transposes stay with XLA and the bias + activation epilogue and its
+      backward (dz and db in one pass) are kernels; channels-last outputs only.
 
   Returns:
     ``activation(conv(x, w) + b)``.
@@ -748,11 +770,5 @@ def conv_bias_act(
       # A 1x1 kernel is a matmul over the channels; rhs_dilation of a size-1 window is a no-op.
       w2 = w.reshape(w.shape[-2], w.shape[-1])
       return _dense(fn_name, x, w2, b, activation, precision, acc, out, impl)
-    if impl == "pallas":
-      raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation='pallas' has kernels only for 1x1 convolutions with "
-        "unit strides, no padding or dilation and one feature group (a matmul) so far; use "
-        "implementation='xla' or None"
-      )
     linear = _Conv(strides, pads, lhs_dil, rhs_dil, dn, groups, _hashable_precision(precision))
-    return _run(fn_name, linear, x, w, b, activation, acc, out)
+    return _run(fn_name, linear, x, w, b, activation, acc, out, impl)

@@ -31,7 +31,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
   """Why the kernels cannot run this fused call, or None when they can."""
   if not dense:
-    return "only dense layers (and 1x1 convolutions) have kernels yet"
+    out_spec = plan.linear.dimension_numbers.out_spec
+    if out_spec[1] != len(out_spec) - 1:
+      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
   rule = plan.act.rule
   if rule is None:
     return "the activation is a plain callable, not a jaxact spec activation"
@@ -47,12 +49,13 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
   if _explicitly_sharded(x, w):
     # A pallas_call cannot be partitioned by XLA; the kernels need a shard_map wrapper first.
     return "inputs sharded over a mesh (per-shard kernels are not written yet)"
-  from pallas_kernels import allow_tf32
+  if dense:
+    from pallas_kernels import allow_tf32
 
-  try:
-    allow_tf32(plan.linear.precision)
-  except NotImplementedError as e:
-    return str(e)
+    try:
+      allow_tf32(plan.linear.precision)
+    except NotImplementedError as e:
+      return str(e)
   return None
 
 
@@ -130,12 +133,16 @@ def _switch(args, kernels: Callable[..., Any], xla: Callable[..., Any], implemen
   return lax.platform_dependent(*args, cuda=gpu, default=xla)
 
 
-def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any]):
-  """``(y, z)`` as the XLA forward returns them (z only read for input residuals)."""
-  from pallas_kernels import dense_bias_act_fwd
+def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any], linear):
+  """``(y, z)`` as the XLA forward returns them (z only read for input residuals).
 
-  def kernels(x, w, b, *, interpret):
-    y, z = dense_bias_act_fwd(
+  Dense layers run the fused matmul kernel; convolutions run ``linear(x, w)`` (XLA's convolution)
+  followed by the one-pass bias + activation kernel, in place.
+  """
+  from pallas_kernels import bias_act_fwd, dense_bias_act_fwd
+
+  def dense_kernels(x, w, b, *, interpret):
+    return dense_bias_act_fwd(
       x,
       w,
       b,
@@ -144,16 +151,28 @@ def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any]):
       precision=plan.linear.precision,
       interpret=interpret,
     )
-    return y, z
 
+  def conv_kernels(x, w, b, *, interpret):
+    z = linear(x, w)
+    return bias_act_fwd(
+      z, b, epilogue=_epilogue(plan), out_dtype=plan.out_dtype, interpret=interpret
+    )
+
+  kernels = dense_kernels if _is_dense(plan) else conv_kernels
   return _switch((x, w, b), kernels, xla, implementation)
 
 
-def backward(plan: Any, implementation: str, x, w, kept, g, xla: Callable[..., Any]):
-  """``(dx, dw, db)``; `kept` is the residual the forward kept (None for identity)."""
-  from pallas_kernels import dense_bias_act_bwd
+def backward(
+  plan: Any, implementation: str, x, w, kept, g, xla: Callable[..., Any], transposes, dz_dtype
+):
+  """``(dx, dw, db)``; `kept` is the residual the forward kept (None for identity).
 
-  def kernels(x, w, kept, g, *, interpret):
+  Dense layers run the two fused backward matmul kernels; convolutions run the one-pass dz + db
+  kernel, then ``transposes(x, w, dz)`` (XLA's transposed convolutions) for ``(dx, dw)``.
+  """
+  from pallas_kernels import bias_act_bwd, dense_bias_act_bwd
+
+  def dense_kernels(x, w, kept, g, *, interpret):
     return dense_bias_act_bwd(
       x,
       w,
@@ -165,4 +184,21 @@ def backward(plan: Any, implementation: str, x, w, kept, g, xla: Callable[..., A
       interpret=interpret,
     )
 
+  def conv_kernels(x, w, kept, g, *, interpret):
+    dz, db = bias_act_bwd(
+      g,
+      kept,
+      epilogue=_epilogue(plan),
+      has_bias=plan.has_bias,
+      dz_dtype=dz_dtype,
+      interpret=interpret,
+    )
+    dx, dw = transposes(x, w, dz)
+    return dx, dw, None if db is None else db.astype(x.dtype)
+
+  kernels = dense_kernels if _is_dense(plan) else conv_kernels
   return _switch((x, w, kept, g), kernels, xla, implementation)
+
+
+def _is_dense(plan: Any) -> bool:
+  return not hasattr(plan.linear, "dimension_numbers")

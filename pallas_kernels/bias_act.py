@@ -1,0 +1,187 @@
+"""The epilogue of a convolution and its gradient, as one-pass Pallas kernels (Triton backend).
+
+The convolution and its transposes stay with XLA (cuDNN on GPUs); what these kernels replace are
+the elementwise passes around them, each of which would otherwise be one or more XLA fusions:
+
+* forward, :func:`bias_act_fwd`: ``y = fn(z + b)`` over the convolution's output ``z``, written in
+  place of ``z`` when their dtypes agree (``input_output_aliases``); for input-residual activations
+  the biased pre-activation ``z + b`` is written in place of ``z`` and ``y`` beside it;
+* backward, :func:`bias_act_bwd`: ``dz = g * act'(r)`` and the bias gradient ``db = sum dz`` in one
+  read of ``g`` and ``r`` (``r`` is what the forward kept: ``y`` or ``z + b``); ``dz`` is written in
+  place of ``g`` when their dtypes agree, and each program adds its rows of ``dz`` into a float32
+  row of per-block partial sums, which a tiny XLA reduction finishes (``rows / block_rows`` by
+  ``C`` values).
+
+Arrays are channels-last, ``(..., C)``, seen as ``(rows, C)``; tiles are ``(block_rows,
+block_cols)`` with ragged edges masked. Every activation of the spec table works, as an
+:class:`pallas_kernels.Epilogue`. The elementwise arithmetic is float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from pallas_kernels._triton import CompilerParams, pl
+from pallas_kernels.dense import _DTYPES, Epilogue, _dz_tile, _load_tile, _slots, _store_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class EltwiseTiles:
+  rows: int
+  cols: int
+  num_warps: int
+
+
+def _block_config(shape: tuple[int, int], dtype) -> EltwiseTiles:
+  """Tile of a ``(rows, C)`` elementwise pass.
+
+  Reasoning: the kernels are bound by memory bandwidth, so a program should keep many bytes in
+  flight; 8192 elements a tile (16 KiB per 16-bit array, three or four arrays per tile) over 8 warps
+  is 32 elements a thread, 16-byte vectors for 16-bit data, and leaves hundreds of programs for the
+  132 SMs of an H100 at the sizes where the pass costs anything. The columns are the channels
+  rounded up to a power of two (Triton's requirement) up to 256, so a row of the tile is one
+  contiguous run of memory and the bias tile is loaded once per program; the rows fill the rest.
+  Tiny arrays get one tile (at least 16 rows) and 4 warps.
+  """
+  rows, cols = shape
+  del dtype  # 8192 elements suit 16- and 32-bit storage alike (a float32 tile is 32 KiB)
+  block_cols = min(256, max(1, 1 << math.ceil(math.log2(max(cols, 1)))))
+  block_rows = max(16, min(8192 // block_cols, 1 << math.ceil(math.log2(max(rows, 1)))))
+  warps = 8 if block_rows * block_cols >= 8192 else 4
+  return EltwiseTiles(block_rows, block_cols, warps)
+
+
+def _fwd_kernel(z_ref, b_ref, y_ref, zb_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
+  r0 = pl.program_id(0) * tiles.rows
+  c0 = pl.program_id(1) * tiles.cols
+  z = _load_tile(z_ref, r0, c0, tiles.rows, tiles.cols).astype(jnp.float32)
+  if b_ref is not None:
+    bias = _load_tile(b_ref, 0, c0, 1, tiles.cols).astype(jnp.float32)
+    z = z + bias
+  _store_tile(y_ref, r0, c0, epilogue.fn(z))
+  if zb_ref is not None:
+    _store_tile(zb_ref, r0, c0, z)
+
+
+def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
+  i = pl.program_id(0)
+  r0 = i * tiles.rows
+  c0 = pl.program_id(1) * tiles.cols
+  dz = _dz_tile(g_ref, r_ref, r0, c0, tiles.rows, tiles.cols, epilogue)  # 0 outside the array
+  _store_tile(dz_ref, r0, c0, dz)
+  if db_ref is not None:
+    _store_tile(db_ref, i, c0, jnp.sum(dz, axis=0, keepdims=True))
+
+
+def _check(name: str, v: Array) -> None:
+  if np.dtype(v.dtype) not in _DTYPES:
+    raise TypeError(
+      f"pallas_kernels.bias_act: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
+    )
+
+
+def _params(t: EltwiseTiles) -> CompilerParams:
+  return CompilerParams(num_warps=t.num_warps, num_stages=1)
+
+
+def bias_act_fwd(
+  z: Array,
+  b: Array | None,
+  *,
+  epilogue: Epilogue,
+  out_dtype=None,
+  block_config: EltwiseTiles | None = None,
+  interpret: bool = False,
+) -> tuple[Array, Array | None]:
+  """``(y, zb)``: ``y = fn(z + b)`` in `out_dtype` (default z's) and, when
+  ``epilogue.residual == "input"``, ``zb = z + b`` in `out_dtype` (else None).
+
+  `z` is channels-last ``(..., C)``; `b` is ``(C,)`` or None. The output that can take `z`'s
+  buffer (``zb`` for input residuals, else ``y``) does so when the dtypes agree.
+  """
+  _check("z", z)
+  if b is not None:
+    _check("b", b)
+    if b.shape != z.shape[-1:]:
+      raise ValueError(
+        f"pallas_kernels.bias_act: `b` must have shape ({z.shape[-1]},); got b.shape={b.shape}"
+      )
+  out_dtype = np.dtype(z.dtype if out_dtype is None else out_dtype)
+  if out_dtype not in _DTYPES:
+    raise TypeError(f"pallas_kernels.bias_act: `out_dtype` {out_dtype} is not supported")
+  c = z.shape[-1]
+  z2 = z.reshape(-1, c)
+  rows = z2.shape[0]
+  t = block_config or _block_config((rows, c), z.dtype)
+  keep_zb = epilogue.residual == "input"
+  out = jax.ShapeDtypeStruct((rows, c), out_dtype)
+  # The output written last from each tile (zb, else y) may share z's buffer.
+  aliases = {0: 1 if keep_zb else 0} if out_dtype == z.dtype else {}
+  outs = pl.pallas_call(
+    _slots(_fwd_kernel, (True, b is not None, True, keep_zb), epilogue=epilogue, tiles=t),
+    out_shape=(out, out) if keep_zb else (out,),
+    grid=(pl.cdiv(rows, t.rows), pl.cdiv(c, t.cols)),
+    input_output_aliases=aliases,
+    compiler_params=_params(t),
+    interpret=interpret,
+    name="jaxact_bias_act_fwd",
+  )(*(v for v in (z2, None if b is None else b.reshape(1, c)) if v is not None))
+  y = outs[0].reshape(z.shape)
+  return y, (outs[1].reshape(z.shape) if keep_zb else None)
+
+
+def bias_act_bwd(
+  g: Array,
+  residual: Array | None,
+  *,
+  epilogue: Epilogue,
+  has_bias: bool,
+  dz_dtype=None,
+  block_config: EltwiseTiles | None = None,
+  interpret: bool = False,
+) -> tuple[Array, Array | None]:
+  """``(dz, db)``: ``dz = g * act'(residual)`` in `dz_dtype` (default g's), and the float32
+  ``db = sum dz`` over every axis but the last (None unless `has_bias`). ``dz`` takes `g`'s buffer
+  when the dtypes agree."""
+  _check("g", g)
+  needs_r = epilogue.residual != "none"
+  if needs_r and (residual is None or residual.shape != g.shape):
+    raise ValueError(
+      f"pallas_kernels.bias_act: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"{g.shape}; got {None if residual is None else residual.shape}"
+    )
+  dz_dtype = np.dtype(g.dtype if dz_dtype is None else dz_dtype)
+  c = g.shape[-1]
+  g2 = g.reshape(-1, c)
+  rows = g2.shape[0]
+  r2 = residual.reshape(-1, c) if needs_r else None
+  t = block_config or _block_config((rows, c), g.dtype)
+  blocks = pl.cdiv(rows, t.rows)
+  out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)]
+  if has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((blocks, c), jnp.float32))
+  outs = pl.pallas_call(
+    _slots(_bwd_kernel, (True, needs_r, True, has_bias), epilogue=epilogue, tiles=t),
+    out_shape=tuple(out_shape),
+    grid=(blocks, pl.cdiv(c, t.cols)),
+    input_output_aliases={0: 0} if dz_dtype == g.dtype else {},
+    compiler_params=_params(t),
+    interpret=interpret,
+    name="jaxact_bias_act_bwd",
+  )(*(v for v in (g2, r2) if v is not None))
+  dz = outs[0].reshape(g.shape)
+  return dz, (jnp.sum(outs[1], axis=0) if has_bias else None)
+
+
+def bias_act_reference(z: Array, b: Array | None, *, epilogue: Epilogue, out_dtype=None) -> Array:
+  """Pure-jnp ``fn(z + b)`` in float32, `out_dtype` (default z's) out."""
+  v = z.astype(jnp.float32)
+  if b is not None:
+    v = v + b.astype(jnp.float32)
+  return epilogue.fn(v).astype(z.dtype if out_dtype is None else out_dtype)

@@ -1,0 +1,247 @@
+"""Tests of the convolution epilogue kernels (``pallas_kernels.bias_act``) behind conv_bias_act.
+
+With ``implementation="pallas"`` the convolution and its transposes stay with XLA and the bias +
+activation epilogue (forward, in place) and the one-pass ``dz``/``db`` backward are Pallas kernels.
+On CPU they run in interpret mode and are compared with the XLA path (values and the gradients of
+x, w and b) across residual families, dtypes, layouts, strides, groups and ragged tile edges; the
+standalone kernels are compared with autodiff of their jnp reference; and lowering for CUDA on
+abstract H100/A100 devices must hold the two Triton calls (in place) for every tile configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import jaxact
+import pallas_kernels
+from pallas_kernels import bias_act
+
+TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
+
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+# Both paths run the same convolution; the kernels add the bias in float32 to the convolution's
+# output where XLA may fuse it, so half precision differs by a rounding of z.
+TOL = {
+  jnp.float32: dict(atol=2e-5, rtol=2e-5),
+  jnp.bfloat16: dict(atol=6e-2, rtol=3e-2),
+  jnp.float16: dict(atol=8e-3, rtol=4e-3),
+}
+
+ACTIVATIONS = {
+  "relu": "relu",
+  "tanh": "tanh",
+  "elu": "elu",
+  "gelu": "gelu",
+  "silu": "silu",
+  "identity": "identity",
+  "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
+}
+
+
+def conv_args(x_shape, w_shape, dtype, seed=0, bias=True):
+  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, x_shape, jnp.float32)
+  fan_in = int(np.prod(w_shape[:-1]))
+  w = jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(fan_in)
+  b = jax.random.normal(kb, (w_shape[-1],), jnp.float32) if bias else None
+  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
+
+
+def value_and_grads(impl, activation, x, w, b, **conv_kw):
+  @jax.jit
+  def f(x, w, b):
+    fn = lambda *a: jaxact.conv_bias_act(*a, activation=activation, implementation=impl, **conv_kw)
+    primals = (x, w) if b is None else (x, w, b)
+    y, pull = jax.vjp(fn, *primals)
+    g = jax.random.normal(jax.random.key(99), y.shape, jnp.float32).astype(y.dtype)
+    return y, pull(g)
+
+  return f(x, w, b)
+
+
+def assert_matches_xla(activation, x, w, b, dtype, **conv_kw):
+  got = value_and_grads("pallas", activation, x, w, b, **conv_kw)
+  want = value_and_grads("xla", activation, x, w, b, **conv_kw)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  chex.assert_tree_all_finite(got)
+  up = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)
+  chex.assert_trees_all_close(up(got), up(want), **TOL[dtype])
+
+
+# ------------------------------------------------------------------- interpret mode, values
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activations_float32(name):
+  # 23 output channels: a ragged column tile; stride 2 with SAME padding.
+  x, w, b = conv_args((2, 9, 9, 5), (3, 3, 5, 23), jnp.float32, seed=1)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32, window_strides=2, padding="SAME")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["tanh", "gelu", "identity"])
+def test_half_precision(name, dtype):
+  x, w, b = conv_args((2, 8, 8, 6), (3, 3, 6, 16), dtype, seed=2)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, dtype, padding="SAME")
+
+
+@pytest.mark.parametrize(
+  "x_shape, w_shape, conv_kw",
+  [
+    ((3, 17, 4), (5, 4, 9), dict(padding="VALID")),  # 1-D
+    ((1, 4, 5, 6, 3), (2, 2, 2, 3, 8), dict(padding="SAME")),  # 3-D
+    ((2, 7, 7, 8), (3, 3, 4, 6), dict(padding="SAME", feature_group_count=2)),
+    ((2, 6, 6, 3), (3, 3, 3, 5), dict(padding=((1, 2), (2, 1)), lhs_dilation=2, rhs_dilation=2)),
+    ((4, 20, 20, 3), (3, 3, 3, 70), dict(padding="SAME")),  # 1600 rows: several row tiles
+    ((2, 5, 5, 3), (1, 1, 3, 300), dict(padding=1)),  # 300 channels: two column tiles
+  ],
+  ids=["1d", "3d", "groups", "dilations", "row-tiles", "column-tiles"],
+)
+@pytest.mark.parametrize("name", ["relu", "gelu"])
+def test_layouts_and_shapes(x_shape, w_shape, conv_kw, name):
+  x, w, b = conv_args(x_shape, w_shape, jnp.float32, seed=3)
+  assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32, **conv_kw)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "identity"])
+def test_no_bias(name):
+  x, w, _ = conv_args((2, 8, 8, 4), (3, 3, 4, 12), jnp.float32, seed=4, bias=False)
+  assert_matches_xla(ACTIVATIONS[name], x, w, None, jnp.float32, padding="SAME")
+
+
+def test_channels_first_output_falls_back_or_raises():
+  x, w, _ = conv_args((2, 4, 6, 6), (5, 4, 3, 3), jnp.float32, seed=5)
+  b = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32)
+  dn = ("NCHW", "OIHW", "NCHW")
+  with pytest.raises(NotImplementedError, match=r"not channels-last \(out_spec=\(0, 1, 2, 3\)\)"):
+    jaxact.conv_bias_act(x, w, b, activation="relu", dimension_numbers=dn, implementation="pallas")
+  y = jaxact.conv_bias_act(x, w, b, activation="relu", dimension_numbers=dn)  # None: XLA
+  want = jaxact.conv_bias_act(
+    x, w, b, activation="relu", dimension_numbers=dn, implementation="xla"
+  )
+  chex.assert_trees_all_equal(y, want)
+
+
+def test_standalone_kernels_against_reference():
+  """pallas_kernels.bias_act on its own, every residual family, small tiles (many programs)."""
+  z = jax.random.normal(jax.random.key(6), (3, 7, 37), jnp.float32) * 3
+  b = jax.random.normal(jax.random.key(7), (37,), jnp.float32)
+  g = jax.random.normal(jax.random.key(8), z.shape, jnp.float32)
+  tiles = bias_act.EltwiseTiles(rows=16, cols=16, num_warps=4)
+  epilogues = {
+    "output": pallas_kernels.Epilogue(jnp.tanh, lambda y: 1.0 - y * y, "output"),
+    "input": pallas_kernels.Epilogue(jax.nn.softplus, jax.nn.sigmoid, "input"),
+    "none": pallas_kernels.Epilogue(lambda v: v, None, "none"),
+  }
+  for residual, ep in epilogues.items():
+    run = functools.partial(bias_act.bias_act_fwd, epilogue=ep, block_config=tiles, interpret=True)
+    y, zb = jax.jit(run)(z, b)
+    ref, pull = jax.vjp(lambda z, b, ep=ep: bias_act.bias_act_reference(z, b, epilogue=ep), z, b)
+    chex.assert_trees_all_close(y, ref, atol=1e-6, rtol=1e-6)
+    if residual == "input":
+      chex.assert_trees_all_close(zb, z + b, atol=1e-6, rtol=1e-6)
+    else:
+      assert zb is None
+    kept = {"output": y, "input": zb, "none": None}[residual]
+    dz, db = jax.jit(
+      functools.partial(
+        bias_act.bias_act_bwd, epilogue=ep, has_bias=True, block_config=tiles, interpret=True
+      )
+    )(g, kept)
+    want_dz, want_db = pull(g)
+    chex.assert_trees_all_close(dz, want_dz, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(db, want_db, atol=1e-4, rtol=1e-5)
+    assert db.dtype == jnp.float32
+
+
+def test_standalone_kernels_check_their_arguments():
+  ep = pallas_kernels.Epilogue(jnp.tanh, lambda y: 1.0 - y * y, "output")
+  z = jnp.zeros((4, 3), jnp.float32)
+  with pytest.raises(ValueError, match=r"`b` must have shape \(3,\); got b.shape=\(4,\)"):
+    bias_act.bias_act_fwd(z, jnp.zeros(4, jnp.float32), epilogue=ep, interpret=True)
+  with pytest.raises(TypeError, match=r"`z` has dtype int32"):
+    bias_act.bias_act_fwd(z.astype(jnp.int32), None, epilogue=ep, interpret=True)
+  with pytest.raises(ValueError, match=r"needs the residual of shape \(4, 3\); got None"):
+    bias_act.bias_act_bwd(z, None, epilogue=ep, has_bias=False, interpret=True)
+
+
+# ------------------------------------------------------------------------- CUDA lowering
+
+GPUS = {"H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB"}
+
+
+def lowered_text(fn, arg_shapes, kind: str = "H100", platform: str = "cuda") -> str:
+  device = AbstractDevice(device_kind=GPUS[kind], num_cores=None, platform="cuda")
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*arg_shapes).lower(lowering_platforms=(platform,)).as_text()
+
+
+def conv_step(activation, implementation, bias=True):
+  def loss(x, w, b):
+    y = jaxact.conv_bias_act(
+      x, w, b, activation=activation, padding="SAME", implementation=implementation
+    )
+    return jnp.sum(y.astype(jnp.float32))
+
+  return jax.value_and_grad(loss, (0, 1, 2) if bias else (0, 1))
+
+
+def conv_shapes(n, hw, c_in, c_out, dtype):
+  shapes = ((n, hw, hw, c_in), (3, 3, c_in, c_out), (c_out,))
+  return [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+
+
+# (rows, channels) probes covering _block_config's classes: tiny, one tile, many tiles; channel
+# counts below, at and above the 256-column cap; every dtype.
+_PROBES = [
+  ((n, hw, c_out), dt)
+  for (n, hw), c_out in itertools.product(((1, 2), (2, 8), (8, 32)), (3, 64, 300))
+  for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
+]
+CONFIGS = {
+  bias_act._block_config((n * hw * hw, c), dt): ((n, hw, c), dt) for (n, hw, c), dt in _PROBES
+}
+
+
+def test_block_configs_are_powers_of_two():
+  assert len(CONFIGS) >= 5
+  for t in CONFIGS:
+    assert all(v >= 1 and v & (v - 1) == 0 for v in (t.rows, t.cols)), t
+    assert t.rows >= 16 and t.rows * t.cols <= 8192 and t.cols <= 256, t
+
+
+@pytest.mark.parametrize("kind", list(GPUS))
+def test_every_block_config_lowers_for_cuda(kind):
+  families = ("tanh", "gelu", "identity")
+  for i, ((n, hw, c), dt) in enumerate(CONFIGS.values()):
+    activation = families[i % 3]
+    text = lowered_text(conv_step(activation, "pallas"), conv_shapes(n, hw, 4, c, dt), kind)
+    assert text.count(f"custom_call @{TRITON}(") == 2, (n, hw, c, dt, activation)  # fwd, bwd
+    # In place: dz over the cotangent; the epilogue over the convolution's output, except in
+    # float16, whose convolution result is float32 (see fused._forward_matmul_dtype).
+    assert text.count("output_operand_aliases") == (1 if dt == jnp.float16 else 2)
+
+
+@pytest.mark.parametrize("name", [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise])
+def test_every_spec_activation_lowers_for_cuda(name):
+  text = lowered_text(conv_step(name, "pallas"), conv_shapes(2, 8, 4, 24, jnp.bfloat16))
+  assert text.count(f"custom_call @{TRITON}(") == 2
+
+
+def test_auto_follows_the_lowering_platform():
+  args_ = conv_shapes(2, 8, 4, 24, jnp.bfloat16)
+  assert TRITON in lowered_text(conv_step("gelu", None), args_, platform="cuda")
+  assert TRITON not in lowered_text(conv_step("gelu", None), args_, platform="cpu")
+  assert TRITON not in lowered_text(conv_step("gelu", "xla"), args_, platform="cuda")
