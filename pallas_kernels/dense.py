@@ -90,7 +90,27 @@ def _tile(d: int) -> int:
   return 16 if d <= 16 else 64 if d <= 64 else 128
 
 
-def _block_config(shape: tuple[int, int, int], dtype) -> BlockConfig:
+def target_device_kind() -> str | None:
+  """The GPU the program is being built for: the abstract mesh's device, else the first CUDA
+  device this process sees, else None (unknown: the kernels then assume an Ampere-class GPU)."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and device.platform in ("cuda", "gpu"):
+    return device.device_kind
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return None
+  return devices[0].device_kind if devices else None
+
+
+def is_hopper(device_kind: str | None) -> bool:
+  """Whether `device_kind` names a Hopper GPU (compute capability 9.x: 228 KiB shared memory)."""
+  return device_kind is not None and any(
+    name in device_kind for name in ("H100", "H200", "H800", "H20", "GH200")
+  )
+
+
+def _block_config(shape: tuple[int, int, int], dtype, hopper: bool | None = None) -> BlockConfig:
   """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``.
 
   Reasoning:
@@ -106,9 +126,20 @@ def _block_config(shape: tuple[int, int, int], dtype) -> BlockConfig:
     step is 32: 24 KiB a stage in 16-bit (three stages), 48 KiB in float32 (two stages, 96 KiB).
   * A contraction of at most 16 uses a step of 16 (no wasted masked work).
   * 8 warps for 128 x 128 tiles, 4 below; Triton's defaults for these sizes.
+  * Hopper (`hopper`; default: :func:`is_hopper` of :func:`target_device_kind`), 16-bit operands
+    and dimensions over 128: measured on an H100 (benchmarks/RESULTS.md, tile sweep of 2026-11-22,
+    9 candidates per kernel) the fastest tiles were 128 x 256 x 64 for the forward and dx and
+    256 x 128 x 64 for dw, 8 warps, 3 stages: (128 + 256) x 64 x 2 B = 48 KiB a forward stage,
+    64 KiB a backward stage, 192 KiB over three, which fits Hopper's 228 KiB but not the A100's.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
+  if hopper is None:
+    hopper = is_hopper(target_device_kind())
+  if hopper and half and min(m, k, n) > 128:
+    return BlockConfig(
+      fwd=Tiles(128, 256, 64, 8, 3), dx=Tiles(128, 256, 64, 8, 3), dw=Tiles(256, 128, 64, 8, 3)
+    )
 
   def tiles(rows: int, cols: int, step: int, stages: int) -> Tiles:
     warps = 8 if rows * cols >= 128 * 128 else 4

@@ -188,31 +188,56 @@ def shapes(m, k, n, dtype):
   return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
 
 
-# Probe shapes covering every size class of _block_config (<= 16, <= 64, > 64 per dimension) and
-# every dtype: the configurations it can return, deduplicated.
+# Probe shapes covering every size class of _block_config (<= 16, <= 64, > 64, > 128 per dimension)
+# and every dtype, for Ampere-class and Hopper targets: the configurations it can return.
 _PROBES = [
   ((m, k, n), dt)
   for m, k, n in itertools.product((3, 40, 200), repeat=3)
   for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
 ]
-CONFIGS = {kernels._block_config(s, dt): (s, dt) for s, dt in _PROBES}
 
 
-def test_block_configs_are_powers_of_two_and_fit_shared_memory():
-  for cfg in CONFIGS:
-    for t, (_, dt) in ((t, CONFIGS[cfg]) for t in (cfg.fwd, cfg.dx, cfg.dw)):
+def configs(hopper: bool):
+  return {kernels._block_config(s, dt, hopper=hopper): (s, dt) for s, dt in _PROBES}
+
+
+# Shared memory per SM: A100 164 KiB, H100 228 KiB; Triton needs some for its epilogue.
+SMEM = {False: 128 * 1024, True: 200 * 1024}
+
+
+@pytest.mark.parametrize("hopper", [False, True], ids=["ampere", "hopper"])
+def test_block_configs_are_powers_of_two_and_fit_shared_memory(hopper):
+  found = configs(hopper)
+  for cfg, (_, dt) in found.items():
+    for name, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dw", cfg.dw)):
       assert all(v >= 16 and v & (v - 1) == 0 for v in (t.rows, t.cols, t.step)), t
-      # Operand tiles per pipeline stage, against the A100's 164 KiB of shared memory.
-      loads = (t.rows + t.cols) * t.step if t is cfg.fwd else (t.rows + 2 * t.cols) * t.step
-      assert loads * np.dtype(dt).itemsize * t.num_stages <= 128 * 1024, (t, dt)
+      # Operand tiles per pipeline stage: x and w forward; g, the residual and x or w backward.
+      loads = {
+        "fwd": t.rows + t.cols,  # x (rows x step), w (step x cols)
+        "dx": 2 * t.rows + t.cols,  # g and residual (rows x step), w (cols x step)
+        "dw": t.rows + 2 * t.cols,  # x (step x rows), g and residual (step x cols)
+      }[name] * t.step
+      assert loads * np.dtype(dt).itemsize * t.num_stages <= SMEM[hopper], (t, dt)
+  # Hopper differs only for 16-bit operands and every dimension over 128.
+  assert set(configs(True)) - set(configs(False)) == {
+    kernels._block_config((200, 200, 200), jnp.bfloat16, hopper=True)
+  }
+
+
+def test_hopper_is_detected_from_the_target_device():
+  assert kernels.is_hopper("NVIDIA H100 80GB HBM3") and kernels.is_hopper("NVIDIA H200")
+  assert not kernels.is_hopper("NVIDIA A100-SXM4-80GB") and not kernels.is_hopper(None)
+  with jax.sharding.use_abstract_mesh(cuda_mesh("H100")):
+    assert kernels.target_device_kind() == GPUS["H100"]
 
 
 @pytest.mark.parametrize("kind", list(GPUS))
 def test_every_block_config_lowers_for_cuda(kind):
   """Forward and backward of every configuration, for every residual family, hold Triton calls."""
-  assert len(CONFIGS) >= 20
+  found = configs(hopper=kind == "H100")
+  assert len(found) >= 20
   families = ("tanh", "gelu", "identity")  # output, input and no residual, in turn
-  for i, ((m, k, n), dt) in enumerate(CONFIGS.values()):
+  for i, ((m, k, n), dt) in enumerate(found.values()):
     activation = families[i % 3]
     text = lowered_text(train_step(activation, "pallas"), shapes(m, k, n, dt), "cuda", kind)
     # forward, dx, dw(+db)
