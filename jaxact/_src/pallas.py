@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax import Array, lax
 
+from jaxact._src import pallas_sharding
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -44,9 +46,9 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
     return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
   if 0 in x.shape or 0 in w.shape:
     return "zero-size operands"
-  if _explicitly_sharded(x, w):
-    # A pallas_call cannot be partitioned by XLA; the kernels need a shard_map wrapper first.
-    return "inputs sharded over a mesh (per-shard kernels are not written yet)"
+  sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for the patterns it knows
+  if sharded is not None:
+    return f"inputs sharded over a mesh: {sharded}"
   from pallas_kernels import allow_tf32
 
   try:
@@ -54,16 +56,6 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
   except NotImplementedError as e:
     return str(e)
   return None
-
-
-def _explicitly_sharded(*arrays: Array) -> bool:
-  """Whether any array's type carries a non-replicated sharding (Explicit-axis meshes)."""
-  for a in arrays:
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty and any(p is not None for p in sharding.spec):
-      return True
-  return False
 
 
 def cuda_capable() -> bool:
@@ -146,7 +138,7 @@ def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any]):
     )
     return y, z
 
-  return _switch((x, w, b), kernels, xla, implementation)
+  return _switch((x, w, b), pallas_sharding.dense_forward(kernels), xla, implementation)
 
 
 def backward(plan: Any, implementation: str, x, w, kept, g, xla: Callable[..., Any]):
@@ -165,4 +157,4 @@ def backward(plan: Any, implementation: str, x, w, kept, g, xla: Callable[..., A
       interpret=interpret,
     )
 
-  return _switch((x, w, kept, g), kernels, xla, implementation)
+  return _switch((x, w, kept, g), pallas_sharding.dense_backward(kernels), xla, implementation)
