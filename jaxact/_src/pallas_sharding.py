@@ -286,12 +286,11 @@ def elementwise_forward(kernel: Callable[..., Any], feature_axis: int = -1) -> C
     if plan is None:
       return kernel(z, b, **static)
     mesh, spec = plan
-    shapes = jax.eval_shape(lambda z, b: kernel(z, b, **static), z, b)
-    if not isinstance(shapes, tuple):  # one array
-      return per_shard(
-        lambda z, b: (kernel(z, b, **static),), (z, b), (spec, ((),)), (spec,), mesh=mesh
-      )[0]
-    return per_shard(kernel, (z, b), (spec, ((),)), (spec,) * len(shapes), mesh=mesh, **static)
+    # One output, the kernel's whole result (an array or a tuple), so that one spec covers it all:
+    # its structure is not known before the kernel runs (a pallas_call on sharded global arrays,
+    # even under eval_shape, is an error).
+    whole = lambda z, b: (kernel(z, b, **static),)
+    return per_shard(whole, (z, b), (spec, ((),)), (spec,), mesh=mesh)[0]
 
   return run
 
