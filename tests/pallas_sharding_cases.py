@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxact
@@ -232,6 +232,18 @@ def main(names) -> None:
       dense_args((4, 2, 8), 12, 8, seed=2),
       jax.make_mesh((2, 2, 2), ("data", "seq", "model")),
       [P("data", "seq", None), P(None, "model"), P("model")],
+    ),
+    # Replicated operands on an Explicit mesh: each device runs the whole layer.
+    "dense_replicated": lambda: run_case(
+      "dense_replicated", dense("silu"), dense_args((8,), 12, 8, seed=10), data8(), [P(), P(), P()]
+    ),
+    # An Explicit "data" axis beside an Auto "model" one: the kernels are manual over "data" only.
+    "dense_dp_auto_axis": lambda: run_case(
+      "dense_dp_auto_axis",
+      dense("gelu"),
+      dense_args((16,), 12, 20, seed=11),
+      jax.make_mesh((2, 4), ("data", "model"), (AxisType.Explicit, AxisType.Auto)),
+      [P("data"), P(), P()],
     ),
     "forward_replicated_b": lambda: forward_replicated_b_case("forward_replicated_b", grid()),
     "dense_no_bias": lambda: run_case(

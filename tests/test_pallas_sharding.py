@@ -6,13 +6,15 @@ initialises its backend, and this pytest process already has one). All run
 ``implementation="pallas"`` (interpret mode on CPU): data-parallel dense on an 8-device mesh,
 data- and column-parallel dense on a 2x4 ``("data", "model")`` mesh, batch dimensions over two
 axes, no bias, a data-parallel 1x1 convolution, a data-parallel elementwise kernel pair (a
-convolution's bias-and-activation epilogue), and a pattern the kernels do not cover (the
-contraction dimension sharded). The CUDA lowering of sharded calls is checked in this process: an
-abstract mesh of 8 CUDA devices needs no GPU.
+convolution's bias-and-activation epilogue), replicated operands on an Explicit mesh, an Explicit
+axis beside an Auto one, and a pattern the kernels do not cover (the contraction dimension
+sharded). The CUDA lowering of sharded calls and the reasons given for unsupported patterns are
+checked in this process: an abstract mesh of 8 CUDA devices needs no GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxact
 import pallas_kernels
+from jaxact._src import pallas_sharding
 
 SCRIPT = Path(__file__).with_name("pallas_sharding_cases.py")
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
@@ -40,24 +43,30 @@ pytestmark = pytest.mark.filterwarnings(
 RTOL = 1e-6
 XLA_RTOL = 2e-5  # as tests/test_pallas.py: the kernels against XLA:CPU
 
-# case: (the partition spec of the value and of each gradient, the per-shard shape of the first
-# operand of the first kernel, how many kernels: forward and backward, in the CUDA and the
-# interpret-mode branch of lax.platform_dependent; the elementwise pair has no branches)
+
+@dataclasses.dataclass(frozen=True)
+class Want:
+  specs: list[str]  # the partition spec of the value and of each gradient
+  shard: list[int]  # the per-shard shape of the first operand of the first kernel
+  kernels: int = 6  # forward, dx, dw; in the CUDA and the interpret branch of platform_dependent
+  collectives: tuple[str, ...] = ("all-reduce",)  # dw, db (and, column-parallel, dx) are summed
+
+
 CASES = {
-  "dense_dp": (["P()", "P('data', None)", "P(None, None)", "P(None,)"], [2, 12], 6),
-  "dense_dp_tp": (["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [8, 12], 6),
-  "dense_batch_dims": (
-    ["P()", "P('data', 'seq', None, None)", "P(None, 'model')", "P('model',)"],
-    [16, 12],
-    6,
+  "dense_dp": Want(["P()", "P('data', None)", "P(None, None)", "P(None,)"], [2, 12]),
+  "dense_dp_tp": Want(["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [8, 12]),
+  "dense_batch_dims": Want(
+    ["P()", "P('data', 'seq', None, None)", "P(None, 'model')", "P('model',)"], [16, 12]
   ),
-  "dense_no_bias": (["P()", "P('data', None)", "P(None, 'model')"], [8, 12], 6),
-  "conv1x1_dp": (
-    ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"],
-    [9, 6],
-    6,
+  "dense_no_bias": Want(["P()", "P('data', None)", "P(None, 'model')"], [8, 12]),
+  "dense_replicated": Want(
+    ["P()", "P(None, None)", "P(None, None)", "P(None,)"], [8, 12], collectives=()
   ),
-  "elementwise_dp": (["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
+  "dense_dp_auto_axis": Want(["P()", "P('data', None)", "P(None, None)", "P(None,)"], [8, 12]),
+  "conv1x1_dp": Want(
+    ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [9, 6]
+  ),
+  "elementwise_dp": Want(["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
 }
 
 
@@ -93,22 +102,21 @@ def test_same_value_and_gradients_as_one_device(results, name):
   assert max(result["errs"]) < RTOL, result["errs"]
   assert max(result["xla_errs"]) < XLA_RTOL, result["xla_errs"]
   # The outputs keep the inputs' shardings: nothing is gathered to one device's full copy.
-  assert result["specs"] == CASES[name][0]
+  assert result["specs"] == CASES[name].specs
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_run_per_shard(results, name):
-  calls = get(results, name)["pallas_calls"]
-  _, shard_shape, count = CASES[name]
-  assert len(calls) == count
+  calls, want = get(results, name)["pallas_calls"], CASES[name]
+  assert len(calls) == want.kernels
   assert all(call["in_shard_map"] for call in calls), calls
-  assert calls[0]["shapes"][0] == shard_shape
+  assert calls[0]["shapes"][0] == want.shard
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_step_only_all_reduces(results, name):
   """Gradients of w and b (and, column-parallel, of x) are summed; no operand is gathered."""
-  assert get(results, name)["collectives"] == ["all-reduce"]
+  assert tuple(get(results, name)["collectives"]) == CASES[name].collectives
 
 
 def test_replicated_bias_is_sliced_not_gathered(results):
@@ -131,7 +139,7 @@ def test_unsupported_pattern_falls_back_or_raises(results):
   )
 
 
-# ------------------------------------------------------------------------- CUDA lowering
+# ------------------------------------------------------------- this process: abstract meshes
 
 
 def cuda_mesh(shape, names) -> AbstractMesh:
@@ -152,6 +160,34 @@ def manual_regions(text: str) -> list[list[str]]:
         body.append(inner)
       regions.append([line, *body])
   return regions
+
+
+def reasons(mesh, shapes_specs, reason):
+  """`reason` applied, at trace time, to arrays of these shapes and specs on `mesh`."""
+  got = []
+  with jax.sharding.use_abstract_mesh(mesh):
+    args = [
+      jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+      for shape, spec in shapes_specs
+    ]
+    jax.jit(lambda *a: got.append(reason(*a))).trace(*args)
+  return got[0]
+
+
+def test_reasons_for_patterns_the_kernels_do_not_cover():
+  mesh = cuda_mesh((2, 4), ("data", "model"))
+  dense = lambda xs, ws: reasons(mesh, [((8, 16), xs), ((16, 8), ws)], pallas_sharding.dense_reason)
+  assert dense(P("data", None), P(None, "model")) is None
+  assert dense(P(), P()) is None
+  assert "contraction dimension is sharded" in dense(P(None, "model"), P())
+  assert "contraction dimension is sharded" in dense(P(), P("model", None))
+  assert "same mesh axes" in dense(P("model", None), P(None, "model"))
+  elementwise = lambda spec, axis: reasons(
+    mesh, [((4, 8, 8, 8), spec)], lambda z: pallas_sharding.elementwise_reason(z, axis)
+  )
+  assert elementwise(P("data", "model"), -1) is None
+  assert "feature axis is sharded" in elementwise(P("data", None, None, "model"), -1)
+  assert "feature axis is sharded" in elementwise(P("data", "model"), 1)  # NCHW
 
 
 @pytest.mark.parametrize(

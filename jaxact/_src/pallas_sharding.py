@@ -9,8 +9,8 @@ forward and a backward kernel are wrapped separately.
 
 Interface. Every ``*_forward`` / ``*_backward`` function takes a per-shard kernel and returns a
 function with the kernel's own signature (arrays positionally, static options such as
-``interpret=`` by keyword) that runs it per shard. Unsharded calls (no array sharded over an
-Explicit mesh axis) run the kernel as it is. For a sharded call that the pattern does not cover,
+``interpret=`` by keyword) that runs it per shard. Calls on arrays whose types name no mesh with
+Explicit axes run the kernel as it is. For a sharded call that the pattern does not cover,
 the matching ``*_reason`` gives a string (the wrapped function raises ``NotImplementedError``):
 callers check it first and use another implementation.
 
@@ -92,11 +92,15 @@ def spec_of(a: Array, ndim: int | None = None) -> tuple[Axes, ...]:
 
 
 def _mesh(*arrays: Array | None):
-  """The one mesh the sharded arrays' types share, None if none is sharded, or a reason string."""
+  """The one mesh with Explicit axes in the arrays' types, None if there is none, or a reason.
+
+  Replicated arrays count: in interpret mode a pallas_call fails on operands typed over Explicit
+  axes (its buffers are not), so on such a mesh the kernels go under shard_map all the same.
+  """
   meshes = []
   for a in arrays:
     sharding = _sharding(a)
-    if sharding is not None and any(spec_of(a)):
+    if sharding is not None:
       meshes.append(sharding.mesh)
   if not meshes:
     return None
