@@ -40,12 +40,15 @@ Elementwise over a feature axis, e.g. a convolution's epilogue ``y = act(z + b)`
 Data-parallel only: ``z`` may be sharded over any axis but the feature axis; ``b`` is replicated and
 ``db`` is ``psum``-ed over the axes ``g`` is sharded over.
 
-Both are built on :func:`per_shard`, which runs any kernel per shard given partition specs for its
-inputs and outputs and the mesh axes to sum each output over.
+Both are built on ``per_shard(kernel, args, in_specs, out_specs, *, mesh, sum_over=None,
+**static)``, which runs any kernel per shard given the specs of its inputs and outputs (as
+:func:`spec_of` gives them: a tuple of mesh axes per dimension) and the mesh axes to sum each output
+over.
 
-The mesh is the one in the arrays' types (an ``AbstractMesh`` under ``jit``); the kernel is manual
-over its Explicit axes only, so that the shard_map nests inside a caller's ``shard_map`` and leaves
-Auto axes to XLA.
+The mesh is the one in the arrays' types (an ``AbstractMesh`` under ``jit``). On it, replicated
+operands go under ``shard_map`` too (each device runs the whole kernel). The kernel is manual over
+the Explicit axes only: Auto axes stay XLA's, and inside a caller's ``shard_map`` (Manual axes; it
+must have ``check_vma=False``, as kernels written for one device need) the wrapper nests.
 """
 
 from __future__ import annotations
@@ -83,12 +86,11 @@ def _sharding(a: Array | None) -> NamedSharding | None:
   return sharding
 
 
-def spec_of(a: Array, ndim: int | None = None) -> tuple[Axes, ...]:
+def spec_of(a: Array) -> tuple[Axes, ...]:
   """`a`'s partition spec from its type, one tuple of mesh axes per dimension (empty: unsharded)."""
-  ndim = a.ndim if ndim is None else ndim
   sharding = _sharding(a)
   spec = () if sharding is None else tuple(sharding.spec)
-  return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
+  return tuple(_axes(e) for e in spec) + ((),) * (a.ndim - len(spec))
 
 
 def _mesh(*arrays: Array | None):
@@ -129,8 +131,8 @@ def per_shard(
   """``kernel(*args, **static)`` run on each device's shards, inside ``jax.shard_map``.
 
   Args:
-    kernel: the per-shard function; returns a tuple of arrays (None entries allowed), one per
-      entry of `out_specs`.
+    kernel: the per-shard function; returns a tuple with one entry per entry of `out_specs`: an
+      array, None, or a pytree of arrays that the one spec covers.
     args: its array arguments (None passes through as None).
     in_specs, out_specs: one spec per argument and per output: a tuple of mesh axes per dimension
       (``()`` for an unsharded one). An argument whose type has another sharding is resharded
