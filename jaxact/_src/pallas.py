@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax import Array, lax
 
+from jaxact._src import pallas_sharding
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -46,9 +48,15 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
     return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
   if 0 in x.shape or 0 in w.shape:
     return "zero-size operands"
-  if _explicitly_sharded(x, w):
-    # A pallas_call cannot be partitioned by XLA; the kernels need a shard_map wrapper first.
-    return "inputs sharded over a mesh (per-shard kernels are not written yet)"
+  if dense:
+    sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for known patterns
+  else:
+    # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
+    sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
+    if sharded is None and any(pallas_sharding.spec_of(w)):
+      sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
+  if sharded is not None:
+    return f"inputs sharded over a mesh: {sharded}"
   if dense:
     from pallas_kernels import allow_tf32
 
@@ -57,16 +65,6 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
     except NotImplementedError as e:
       return str(e)
   return None
-
-
-def _explicitly_sharded(*arrays: Array) -> bool:
-  """Whether any array's type carries a non-replicated sharding (Explicit-axis meshes)."""
-  for a in arrays:
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty and any(p is not None for p in sharding.spec):
-      return True
-  return False
 
 
 def cuda_capable() -> bool:
@@ -154,12 +152,12 @@ def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any], li
 
   def conv_kernels(x, w, b, *, interpret):
     z = linear(x, w)
-    return bias_act_fwd(
-      z, b, epilogue=_epilogue(plan), out_dtype=plan.out_dtype, interpret=interpret
-    )
+    epilogue = pallas_sharding.elementwise_forward(bias_act_fwd)
+    return epilogue(z, b, epilogue=_epilogue(plan), out_dtype=plan.out_dtype, interpret=interpret)
 
-  kernels = dense_kernels if _is_dense(plan) else conv_kernels
-  return _switch((x, w, b), kernels, xla, implementation)
+  if _is_dense(plan):
+    return _switch((x, w, b), pallas_sharding.dense_forward(dense_kernels), xla, implementation)
+  return _switch((x, w, b), conv_kernels, xla, implementation)
 
 
 def backward(
@@ -185,7 +183,7 @@ def backward(
     )
 
   def conv_kernels(x, w, kept, g, *, interpret):
-    dz, db = bias_act_bwd(
+    dz, db = pallas_sharding.elementwise_backward(bias_act_bwd)(
       g,
       kept,
       epilogue=_epilogue(plan),
@@ -196,8 +194,10 @@ def backward(
     dx, dw = transposes(x, w, dz)
     return dx, dw, None if db is None else db.astype(x.dtype)
 
-  kernels = dense_kernels if _is_dense(plan) else conv_kernels
-  return _switch((x, w, kept, g), kernels, xla, implementation)
+  if _is_dense(plan):
+    kernels = pallas_sharding.dense_backward(dense_kernels)
+    return _switch((x, w, kept, g), kernels, xla, implementation)
+  return _switch((x, w, kept, g), conv_kernels, xla, implementation)
 
 
 def _is_dense(plan: Any) -> bool:

@@ -1,0 +1,228 @@
+"""The Pallas kernels per shard (``jax.shard_map``) under Explicit mesh axes, on 8 CPU devices.
+
+The cases live in ``tests/pallas_sharding_cases.py`` and run in a subprocess, as in
+tests/test_sharding.py (XLA:CPU offers 8 devices only if ``XLA_FLAGS`` asks for them before JAX
+initialises its backend, and this pytest process already has one). All run
+``implementation="pallas"`` (interpret mode on CPU): data-parallel dense on an 8-device mesh,
+data- and column-parallel dense on a 2x4 ``("data", "model")`` mesh, batch dimensions over two
+axes, no bias, a data-parallel 1x1 convolution, a data-parallel elementwise kernel pair (a
+convolution's bias-and-activation epilogue), replicated operands on an Explicit mesh, an Explicit
+axis beside an Auto one, and a pattern the kernels do not cover (the contraction dimension
+sharded). The CUDA lowering of sharded calls and the reasons given for unsupported patterns are
+checked in this process: an abstract mesh of 8 CUDA devices needs no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxact
+import pallas_kernels
+from jaxact._src import pallas_sharding
+
+SCRIPT = Path(__file__).with_name("pallas_sharding_cases.py")
+TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
+
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+# Sharded and one-device kernels differ only in the order partial sums are added (float32).
+RTOL = 1e-6
+XLA_RTOL = 2e-5  # as tests/test_pallas.py: the kernels against XLA:CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Want:
+  specs: list[str]  # the partition spec of the value and of each gradient
+  shard: list[int]  # the per-shard shape of the first operand of the first kernel
+  kernels: int = 6  # forward, dx, dw; in the CUDA and the interpret branch of platform_dependent
+  collectives: tuple[str, ...] = ("all-reduce",)  # dw, db (and, column-parallel, dx) are summed
+
+
+CASES = {
+  "dense_dp": Want(["P()", "P('data', None)", "P(None, None)", "P(None,)"], [2, 12]),
+  "dense_dp_tp": Want(["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [8, 12]),
+  "dense_batch_dims": Want(
+    ["P()", "P('data', 'seq', None, None)", "P(None, 'model')", "P('model',)"], [16, 12]
+  ),
+  "dense_no_bias": Want(["P()", "P('data', None)", "P(None, 'model')"], [8, 12]),
+  "dense_replicated": Want(
+    ["P()", "P(None, None)", "P(None, None)", "P(None,)"], [8, 12], collectives=()
+  ),
+  "dense_dp_auto_axis": Want(["P()", "P('data', None)", "P(None, None)", "P(None,)"], [8, 12]),
+  "conv1x1_dp": Want(
+    ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [9, 6]
+  ),
+  "elementwise_dp": Want(["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+    [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+  )
+  out = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{"):
+      result = json.loads(line)
+      out[result["case"]] = result
+  if proc.returncode != 0 or not out:
+    pytest.fail(f"{SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return out
+
+
+def get(results, name: str) -> dict:
+  result = results.get(name)
+  assert result is not None, f"{SCRIPT.name} gave no result for {name}"
+  assert "error" not in result, f"{name}: {result['error']}"
+  assert result["devices"] == 8
+  return result
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_value_and_gradients_as_one_device(results, name):
+  result = get(results, name)
+  assert max(result["errs"]) < RTOL, result["errs"]
+  assert max(result["xla_errs"]) < XLA_RTOL, result["xla_errs"]
+  # The outputs keep the inputs' shardings: nothing is gathered to one device's full copy.
+  assert result["specs"] == CASES[name].specs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_run_per_shard(results, name):
+  calls, want = get(results, name)["pallas_calls"], CASES[name]
+  assert len(calls) == want.kernels
+  assert all(call["in_shard_map"] for call in calls), calls
+  assert calls[0]["shapes"][0] == want.shard
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_only_all_reduces(results, name):
+  """Gradients of w and b (and, column-parallel, of x) are summed; no operand is gathered."""
+  assert tuple(get(results, name)["collectives"]) == CASES[name].collectives
+
+
+def test_replicated_bias_is_sliced_not_gathered(results):
+  result = get(results, "forward_replicated_b")
+  assert result["errs"] == [0.0]
+  assert result["specs"] == ["P('data', 'model')"]
+  calls = result["pallas_calls"]
+  assert calls and all(c["in_shard_map"] and c["shapes"][2] == [4] for c in calls), calls
+  assert result["collectives"] == []
+
+
+def test_unsupported_pattern_falls_back_or_raises(results):
+  """x sharded over the contraction dimension: None runs XLA (not a single pallas_call in the
+  program, even for CUDA), "pallas" raises with the reason."""
+  result = get(results, "unsupported_k")
+  assert result["err"] < RTOL
+  assert result["auto_pallas_calls"] == []
+  assert re.search(
+    r"does not support this call: .*contraction dimension is sharded", result["raised"]
+  )
+
+
+# ------------------------------------------------------------- this process: abstract meshes
+
+
+def cuda_mesh(shape, names) -> AbstractMesh:
+  device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+  return AbstractMesh(shape, names, (AxisType.Explicit,) * len(names), abstract_device=device)
+
+
+def manual_regions(text: str) -> list[list[str]]:
+  """The lines of each ``sdy.manual_computation`` region (the body of a shard_map)."""
+  lines, regions = text.splitlines(), []
+  for i, line in enumerate(lines):
+    if "sdy.manual_computation" in line:
+      indent = len(line) - len(line.lstrip())
+      body = []
+      for inner in lines[i + 1 :]:
+        if len(inner) - len(inner.lstrip()) <= indent:
+          break
+        body.append(inner)
+      regions.append([line, *body])
+  return regions
+
+
+def reasons(mesh, shapes_specs, reason):
+  """`reason` applied, at trace time, to arrays of these shapes and specs on `mesh`."""
+  got = []
+  with jax.sharding.use_abstract_mesh(mesh):
+    args = [
+      jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+      for shape, spec in shapes_specs
+    ]
+    jax.jit(lambda *a: got.append(reason(*a))).trace(*args)
+  return got[0]
+
+
+def test_reasons_for_patterns_the_kernels_do_not_cover():
+  mesh = cuda_mesh((2, 4), ("data", "model"))
+  dense = lambda xs, ws: reasons(mesh, [((8, 16), xs), ((16, 8), ws)], pallas_sharding.dense_reason)
+  assert dense(P("data", None), P(None, "model")) is None
+  assert dense(P(), P()) is None
+  assert "contraction dimension is sharded" in dense(P(None, "model"), P())
+  assert "contraction dimension is sharded" in dense(P(), P("model", None))
+  assert "same mesh axes" in dense(P("model", None), P(None, "model"))
+  elementwise = lambda spec, axis: reasons(
+    mesh, [((4, 8, 8, 8), spec)], lambda z: pallas_sharding.elementwise_reason(z, axis)
+  )
+  assert elementwise(P("data", "model"), -1) is None
+  assert "feature axis is sharded" in elementwise(P("data", None, None, "model"), -1)
+  assert "feature axis is sharded" in elementwise(P("data", "model"), 1)  # NCHW
+
+
+@pytest.mark.parametrize(
+  "mesh_shape, names, specs, shard_x",
+  [
+    ((8,), ("data",), [P("data", None), P(), P()], "8x32xbf16"),
+    ((2, 4), ("data", "model"), [P("data", None), P(None, "model"), P("model")], "32x32xbf16"),
+  ],
+  ids=["data-parallel", "data-and-column-parallel"],
+)
+def test_sharded_call_lowers_for_cuda_to_triton_per_shard(mesh_shape, names, specs, shard_x):
+  """``implementation=None`` lowered for CUDA: the Triton calls sit inside shard_map regions that
+  take the per-shard operands; gradients are all-reduced, nothing is all-gathered."""
+  mesh = cuda_mesh(mesh_shape, names)
+
+  def loss(x, w, b):
+    return jnp.sum(jaxact.dense_bias_act(x, w, b, activation="gelu").astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    args = [
+      jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+      for shape, spec in zip(((64, 32), (32, 48), (48,)), specs, strict=True)
+    ]
+    traced = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args)
+    try:
+      text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # pragma: no cover - depends on the installed jaxlib
+      if "cuda" in str(e).lower() and "platform" in str(e).lower():
+        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+      raise
+  regions = manual_regions(text)
+  assert len(regions) == 2  # the forward kernel; the backward's two
+  triton = [sum(f"custom_call @{TRITON}(" in line for line in r) for r in regions]
+  assert triton == [1, 2]
+  assert text.count(f"custom_call @{TRITON}(") == 3  # none outside
+  assert all(f"tensor<{shard_x}>" in r[0] for r in regions)
+  assert "all_reduce" in text
+  assert "all_gather" not in text
