@@ -168,7 +168,14 @@ def _rel(got, ref):
 _TOL = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 5e-3}  # TF32 / half-precision operands
 
 
-def check_cases():
+def check_cases(quick: bool = False):
+  if quick:  # the large-tile configurations only
+    return [
+      (n, d, s)
+      for n in ("identity", "relu", "gelu")
+      for d in ("bfloat16", "float16")
+      for s in ((4096, 1024, 1024), (2, 300, 257, 513))
+    ]
   elementwise = [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise]
   cases = [(n, "bfloat16", (1000, 300, 513)) for n in elementwise]
   shapes = ((1, 1, 1), (37, 19, 23), (130, 70, 140), (4, 33, 100, 65), (4096, 1024, 1024))
@@ -290,7 +297,7 @@ _CANDIDATES = (
 )
 
 
-def section_sweep(runs, name="gelu", shapes=SHAPES):
+def section_sweep(runs, name="gelu", shapes=SHAPES, candidates=None):
   from pallas_kernels import Tiles
 
   spec_epi = _epilogue(name)
@@ -304,7 +311,7 @@ def section_sweep(runs, name="gelu", shapes=SHAPES):
     base = pk_dense._block_config((m, k, n), jnp.bfloat16)
     flops = 2 * m * k * n
     for kernel in ("fwd", "dx", "dw"):
-      for cand in _CANDIDATES:
+      for cand in candidates or _CANDIDATES:
         cfg = dataclasses.replace(base, **{kernel: Tiles(*cand)})
         if kernel == "fwd":
 
@@ -349,6 +356,282 @@ def _epilogue(name):
   )
 
 
+# ------------------------------------------------------------------------------------ conv
+
+CONV_X, CONV_W = (128, 56, 56, 256), (3, 3, 256, 256)
+
+
+def _conv_inputs(x_shape, w_shape, dtype, seed):
+  kx, kw, kb, kg = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
+  fan_in = int(np.prod(w_shape[:-1]))
+  w = (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+  b = jax.random.normal(kb, (w_shape[-1],), jnp.float32).astype(dtype)
+  g = jax.random.normal(kg, (*x_shape[:-1], w_shape[-1]), jnp.float32).astype(dtype)
+  return x, w, b, g
+
+
+def _conv_paths(name):
+  act = getattr(jax.nn, name)
+  spec = jaxact.get_spec(name)
+  params = _param_defaults(spec)
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def composition(x, w, b):
+    return act(lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn) + b)
+
+  def reference(x, w, b):
+    z = lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=dn, precision=lax.Precision.HIGHEST
+    )
+    return spec.fn(z + b, **params)
+
+  def fused(impl):
+    return lambda x, w, b: jaxact.conv_bias_act(
+      x, w, b, activation=name, padding="SAME", implementation=impl
+    )
+
+  return reference, {
+    "jax.nn": composition,
+    "jaxact xla": fused("xla"),
+    "jaxact pallas": fused("pallas"),
+  }
+
+
+def section_conv(runs, copy_gbps=None):
+  from pallas_kernels import EltwiseTiles
+  from pallas_kernels import bias_act as pk_eltwise
+
+  lines = ["#### correctness (rel. err against float32 HIGHEST autodiff: y, dx, dw, db)", ""]
+  lines += ["| activation | dtype | x, w | pallas | xla | ok |", "|---|---|---|---|---|---|"]
+  failed = []
+  for i, (name, dtype, xs, ws) in enumerate(
+    [
+      (n, d, (8, 28, 28, 64), (3, 3, 64, 96))
+      for n in ("relu", "gelu", "tanh", "identity")
+      for d in ("float32", "bfloat16")
+    ]
+    + [(n, "bfloat16", (3, 13, 13, 5), (3, 3, 5, 37)) for n in ("relu", "gelu")]
+  ):
+    x, w, b, g = _conv_inputs(xs, ws, jnp.dtype(dtype), 100 + i)
+    reference, paths = _conv_paths(name)
+    ref = _step(reference)(*(a.astype(jnp.float32) for a in (x, w, b, g)))
+    got = [_rel(a, r) for a, r in zip(_step(paths["jaxact pallas"])(x, w, b, g), ref, strict=True)]
+    xla = [_rel(a, r) for a, r in zip(_step(paths["jaxact xla"])(x, w, b, g), ref, strict=True)]
+    ok = all(
+      math.isfinite(e) and e <= max(2 * xe, 1e-5) + _TOL[dtype]
+      for e, xe in zip(got, xla, strict=True)
+    )
+    if not ok:
+      failed.append((name, dtype, xs))
+    lines.append(
+      f"| {name} | {dtype} | {xs} {ws} | {', '.join(f'{e:.1e}' for e in got)} | "
+      f"{', '.join(f'{e:.1e}' for e in xla)} | {'yes' if ok else '**NO**'} |"
+    )
+    print(lines[-1], flush=True)
+
+  # The kernels alone, against XLA's fusion of the same pass, on the convolution's output size.
+  rows = int(np.prod(CONV_X[:-1]))
+  c = CONV_W[-1]
+  dt = jnp.bfloat16
+  item = jnp.dtype(dt).itemsize
+  zs = [
+    jax.random.normal(jax.random.key(200 + s), (rows, c), jnp.float32).astype(dt) for s in range(2)
+  ]
+  bs = jax.random.normal(jax.random.key(210), (c,), jnp.float32).astype(dt)
+  lines += ["", f"#### epilogue kernels alone, ({rows}, {c}) bfloat16; copy = {copy_gbps} GB/s", ""]
+  lines += [
+    "| pass | tiles (rows, cols, warps) | pallas ms | pallas GB/s | of copy | xla ms | xla GB/s |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  data = {"check_failed": [str(f) for f in failed], "kernels": []}
+  for name in ("relu", "gelu"):
+    ep = _epilogue(name)
+    spec = jaxact.get_spec(name)
+    params = _param_defaults(spec)
+    n_fwd = 3 if ep.residual == "input" else 2  # arrays read + written
+    n_bwd = 3
+
+    def xla_fwd(z, b, spec=spec, params=params, ep=ep):
+      v = z.astype(jnp.float32) + b.astype(jnp.float32)
+      y = spec.fn(v, **params).astype(z.dtype)
+      return (y, v.astype(z.dtype)) if ep.residual == "input" else y
+
+    def xla_bwd(g, r, ep=ep):
+      d = g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))
+      return d.astype(g.dtype), jnp.sum(d, axis=0)
+
+    t_xf = median_seconds(jax.jit(xla_fwd), [(z, bs) for z in zs], runs)
+    t_xb = median_seconds(jax.jit(xla_bwd), [(zs[0], zs[1]), (zs[1], zs[0])], runs)
+    candidates = [None] + [
+      EltwiseTiles(max(1, n // min(c, 256)), min(c, 256), wp)
+      for n in (2048, 4096, 16384, 32768)
+      for wp in (4, 8)
+    ]
+    for tiles in candidates:
+      fwd = jax.jit(
+        lambda z, b, t=tiles, ep=ep: pk_eltwise.bias_act_fwd(
+          z, b, epilogue=ep, block_config=t, in_place=False
+        )
+      )
+      bwd = jax.jit(
+        lambda g, r, t=tiles, ep=ep: pk_eltwise.bias_act_bwd(
+          g, r, epilogue=ep, has_bias=True, block_config=t, in_place=False
+        )
+      )
+      try:
+        t_f = median_seconds(fwd, [(z, bs) for z in zs], runs)
+        t_b = median_seconds(bwd, [(zs[0], zs[1]), (zs[1], zs[0])], runs)
+      except Exception as e:
+        print(f"eltwise {name} {tiles}: {e}"[:1500], file=sys.stderr)
+        continue
+      label = (
+        "default " + str(pk_eltwise._block_config((rows, c), dt))
+        if tiles is None
+        else str((tiles.rows, tiles.cols, tiles.num_warps))
+      )
+      for pas, t, n_arr, tx in (
+        ("fwd " + name, t_f, n_fwd, t_xf),
+        ("bwd " + name, t_b, n_bwd, t_xb),
+      ):
+        gbps = n_arr * rows * c * item / t / 1e9
+        xg = n_arr * rows * c * item / tx / 1e9
+        frac = f"{gbps / copy_gbps:.0%}" if copy_gbps else "-"
+        lines.append(
+          f"| {pas} | {label} | {1e3 * t:.3f} | {gbps:.0f} | {frac} | {1e3 * tx:.3f} | {xg:.0f} |"
+        )
+        data["kernels"].append({"pass": pas, "tiles": label, "s": t, "xla_s": tx, "GBps": gbps})
+        print(lines[-1], flush=True)
+
+  # The layer: fwd and fwd+bwd, and the training step's compiled temp memory.
+  lines += ["", f"#### conv layer 3x3 SAME, x {CONV_X}, w {CONV_W}, bfloat16", ""]
+  lines += ["| activation | path | fwd ms | fwd+bwd ms | step temp MiB |", "|---|---|---|---|---|"]
+  sets = [_conv_inputs(CONV_X, CONV_W, dt, 300 + s) for s in range(2)]
+  for name in ("relu", "gelu"):
+    _, paths = _conv_paths(name)
+    for path, f in paths.items():
+      t_f = median_seconds(jax.jit(f), [s_[:3] for s_ in sets], runs)
+      t_s = median_seconds(_step(f), sets, runs)
+      ma = _step(f).lower(*sets[0]).compile().memory_analysis()
+      lines.append(
+        f"| {name} | {path} | {1e3 * t_f:.3f} | {1e3 * t_s:.3f} | "
+        f"{ma.temp_size_in_bytes / 2**20:.0f} |"
+      )
+      data.setdefault("layer", []).append(
+        {
+          "activation": name,
+          "path": path,
+          "fwd_s": t_f,
+          "step_s": t_s,
+          "temp": ma.temp_size_in_bytes,
+        }
+      )
+      print(lines[-1], flush=True)
+  return data, lines
+
+
+def section_suite(runs):
+  """benchmarks/gpu.py's layer and elementwise tables (`python -m benchmarks` on a GPU)."""
+  from benchmarks import gpu as suite
+
+  lines = [
+    "| op | shape | activation | composition ms | jaxact xla ms | jaxact None ms | TFLOP/s |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for r in suite.layers(runs):
+    lines.append(
+      f"| {r.op} | {r.shape} | {r.activation} | {1e3 * r.composition:.3f} | "
+      f"{1e3 * r.xla:.3f} | {1e3 * r.default:.3f} | {r.tflops:.0f} |"
+    )
+  lines += [
+    "",
+    "| activation | size | jax.nn fwd+bwd ms | jaxact fwd+bwd ms | jaxact GB/s |",
+    "|---|---|---|---|---|",
+  ]
+  for r in suite.elementwise(runs):
+    lines.append(
+      f"| {r.activation} | {r.size} | {1e3 * r.jaxnn:.3f} | {1e3 * r.jaxact:.3f} | {r.gbps:.0f} |"
+    )
+  return {}, lines
+
+
+# ----------------------------------------------------------------------------- training step
+
+
+def section_train(runs, layers=8, m=8192, d=4096):
+  """An MLP of `layers` bf16 dense layers, one jitted value_and_grad: time and compiled temp."""
+  lines = [
+    f"MLP {layers} x ({m}, {d}) x ({d}, {d}) bfloat16, jit(value_and_grad)",
+    "",
+    "| activation | path | step ms | step temp MiB |",
+    "|---|---|---|---|",
+  ]
+  out = []
+  keys = jax.random.split(jax.random.key(7), layers + 2)
+  ws = [
+    (jax.random.normal(k, (d, d), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    for k in keys[:layers]
+  ]
+  bs = [jnp.zeros((d,), jnp.bfloat16) for _ in range(layers)]
+  xs = [jax.random.normal(k, (m, d), jnp.float32).astype(jnp.bfloat16) for k in keys[layers:]]
+  for name in ("relu", "gelu"):
+    act = getattr(jax.nn, name)
+    paths = {
+      "jax.nn": lambda h, w, b, act=act: act(jnp.dot(h, w) + b),
+      "jaxact xla": lambda h, w, b, a=name: jaxact.dense_bias_act(
+        h, w, b, activation=a, implementation="xla"
+      ),
+      "jaxact None": lambda h, w, b, a=name: jaxact.dense_bias_act(h, w, b, activation=a),
+      "jaxact pallas": lambda h, w, b, a=name: jaxact.dense_bias_act(
+        h, w, b, activation=a, implementation="pallas"
+      ),
+    }
+    for path, layer in paths.items():
+
+      def loss(params, x, layer=layer):
+        h = x
+        for w, b in params:
+          h = layer(h, w, b)
+        return jnp.sum(h.astype(jnp.float32))
+
+      step = jax.jit(jax.value_and_grad(loss))
+      params = list(zip(ws, bs, strict=True))
+      t = median_seconds(step, [(params, x) for x in xs], runs)
+      temp = step.lower(params, xs[0]).compile().memory_analysis().temp_size_in_bytes / 2**20
+      out.append({"activation": name, "path": path, "s": t, "temp_MiB": temp})
+      lines.append(f"| {name} | {path} | {1e3 * t:.3f} | {temp:.0f} |")
+      print(lines[-1], flush=True)
+  return out, lines
+
+
+def section_eltwise(runs, size=1 << 28):
+  """Each activation inside one jit(value_and_grad(sum(act(x) * c))), bf16, jax.nn vs jaxact."""
+  lines = [
+    "| activation | jax.nn ms | jaxact ms | ratio | step temp MiB jax.nn / jaxact |",
+    "|---|---|---|---|---|",
+  ]
+  out = []
+  xs = [
+    jax.random.normal(jax.random.key(i), (size,), jnp.float32).astype(jnp.bfloat16) * 3
+    for i in range(2)
+  ]
+  c = jax.random.normal(jax.random.key(9), (size,), jnp.float32).astype(jnp.bfloat16)
+  for name in ("relu", "sigmoid", "tanh", "softplus", "elu", "gelu", "silu"):
+    res = []
+    for f in (getattr(jax.nn, name), getattr(jaxact, name)):
+      step = jax.jit(jax.value_and_grad(lambda x, c, f=f: jnp.sum((f(x) * c).astype(jnp.float32))))
+      t = median_seconds(step, [(x, c) for x in xs], runs)
+      temp = step.lower(xs[0], c).compile().memory_analysis().temp_size_in_bytes / 2**20
+      res.append((t, temp))
+    (t0, m0), (t1, m1) = res
+    out.append({"activation": name, "jax.nn_s": t0, "jaxact_s": t1, "temp": [m0, m1]})
+    lines.append(
+      f"| {name} | {1e3 * t0:.3f} | {1e3 * t1:.3f} | {t1 / t0:.2f} | {m0:.0f} / {m1:.0f} |"
+    )
+    print(lines[-1], flush=True)
+  return out, lines
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -357,6 +640,7 @@ def main(argv=None) -> int:
   parser.add_argument("--runs", type=int, default=30)
   parser.add_argument("--sections", default="env,check,time,memory")
   parser.add_argument("--out", default=None)
+  parser.add_argument("--quick-check", action="store_true", help="check large tiles only")
   args = parser.parse_args(argv)
   gpu = _gpu()
   if gpu is None:
@@ -394,7 +678,7 @@ def main(argv=None) -> int:
       if section == "env":
         emit("env", *section_env(gpu, args.runs))
       elif section == "check":
-        data, lines = section_check(check_cases())
+        data, lines = section_check(check_cases(args.quick_check))
         ok &= not data["failed"]
         emit("check", data, lines)
       elif section == "time":
@@ -403,6 +687,16 @@ def main(argv=None) -> int:
         emit("memory", *section_memory())
       elif section == "sweep":
         emit("sweep", *section_sweep(args.runs))
+      elif section == "conv":
+        data, lines = section_conv(args.runs, results.get("env", {}).get("copy_GBps"))
+        ok &= not data["check_failed"]
+        emit("conv", data, lines)
+      elif section == "train":
+        emit("train", *section_train(args.runs))
+      elif section == "eltwise":
+        emit("eltwise", *section_eltwise(args.runs))
+      elif section == "suite":
+        emit("suite", *section_suite(args.runs))
       else:
         parser.error(f"unknown section {section!r}")
     except Exception:

@@ -67,6 +67,25 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
   return None
 
 
+# Where `implementation=None` keeps XLA although the kernels support the call, because XLA measured
+# faster there (benchmarks/RESULTS.md, H100 80GB HBM3, jax 0.11.2, 2026-11-22). On Hopper, XLA's
+# cuBLAS matmuls (wgmma) run at ~630 TFLOP/s in bf16 where the Triton dense kernels reach ~540
+# forward and ~190-370 forward+backward: (8192, 4096, 4096) fwd+bwd 2.22 ms (relu) / 4.47 ms (gelu)
+# against jax.nn's 1.27 / 1.33 and jaxact XLA's 1.46 / 1.59. (Their training-step temp is lower:
+# 0 / 64 MiB against jax.nn's 96; `implementation="pallas"` still gives that.) The conv epilogue
+# kernels are not affected: measured at or under jax.nn's step time.
+XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3.4x slower"),)
+
+
+def auto_prefers_xla(dense: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for a supported call on the target GPU, or None."""
+  from pallas_kernels.dense import is_hopper, target_device_kind
+
+  if dense and is_hopper(target_device_kind()):
+    return XLA_FASTER[0][1]
+  return None
+
+
 def cuda_capable() -> bool:
   """False when this process sees a CUDA GPU older than compute capability 8.0 (Ampere).
 
