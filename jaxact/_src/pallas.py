@@ -68,12 +68,12 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
 
 
 # Where `implementation=None` keeps XLA although the kernels support the call, because XLA measured
-# faster there (benchmarks/RESULTS.md, H100 80GB HBM3, jax 0.11.2, 2026-11-22). On Hopper, XLA's
-# cuBLAS matmuls (wgmma) run at ~630 TFLOP/s in bf16 where the Triton dense kernels reach ~540
-# forward and ~190-370 forward+backward: (8192, 4096, 4096) fwd+bwd 2.22 ms (relu) / 4.47 ms (gelu)
-# against jax.nn's 1.27 / 1.33 and jaxact XLA's 1.46 / 1.59. (Their training-step temp is lower:
-# 0 / 64 MiB against jax.nn's 96; `implementation="pallas"` still gives that.) The conv epilogue
-# kernels are not affected: measured at or under jax.nn's step time.
+# faster there (benchmarks/RESULTS.md, run 4: H100 80GB HBM3, jax 0.11.2, 2026-11-22). On Hopper,
+# XLA's cuBLAS matmuls (wgmma) run at ~625-700 TFLOP/s in bf16 where the Triton dense kernels reach
+# ~540-645 forward and 190-370 forward+backward: (8192, 4096, 4096) fwd+bwd 2.23 ms (relu) /
+# 4.42 ms (gelu) against jaxact XLA's 1.25 / 1.40 and jax.nn's 1.24 / 1.32. (Their training-step
+# temp is lower: 0 / 64 MiB against XLA's 96 / 192; `implementation="pallas"` still gives that.)
+# The conv epilogue kernels are not affected: 0.99x jax.nn's step time for a 3x3 conv layer.
 XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3.4x slower"),)
 
 
