@@ -267,6 +267,20 @@ def main(names) -> None:
       data8(),
       [P("data"), P(), P()],
     ),
+    # A 3x3 convolution: XLA's convolution, the epilogue kernels per shard; batch over 8 devices.
+    "conv3x3_dp": lambda: run_case(
+      "conv3x3_dp",
+      lambda x, w, b, *, implementation: jaxact.conv_bias_act(
+        x, w, b, activation="gelu", padding="SAME", implementation=implementation
+      ),
+      (
+        np.random.default_rng(9).standard_normal((8, 6, 6, 4)).astype(np.float32),
+        np.random.default_rng(10).standard_normal((3, 3, 4, 10)).astype(np.float32) / 6,
+        np.random.default_rng(11).standard_normal((10,)).astype(np.float32),
+      ),
+      data8(),
+      [P("data"), P(), P()],
+    ),
     # A convolution epilogue's elementwise kernel pair, batch over "data" (and H over "model").
     "elementwise_dp": lambda: run_case(
       "elementwise_dp",

@@ -66,6 +66,11 @@ CASES = {
   "conv1x1_dp": Want(
     ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [9, 6]
   ),
+  # Per shard: the epilogue over (1 x 6 x 6, 10) rows x channels, then its backward (x 2 branches).
+  # Also the XLA path on an Explicit mesh (the CPU kernel-gradient chunks must not slice shards).
+  "conv3x3_dp": Want(
+    ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [36, 10], 4
+  ),
   "elementwise_dp": Want(["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
 }
 

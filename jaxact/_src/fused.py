@@ -33,7 +33,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import activations, validation
+from jaxact._src import activations, pallas_sharding, validation
 from jaxact._src import pallas as kernel_dispatch
 from jaxact._src.spec import ActivationSpec
 
@@ -325,7 +325,11 @@ def _kernel_grad(plan: _Plan, x: Array, w: Array, dz: Array) -> Array:
   # convolution as soon as the input exists, in the forward pass, and keeps the copy next to it
   # until the backward pass (2L buffers instead of L). Tying x to dz keeps the copy in the backward.
   x, dz = lax.optimization_barrier((x, dz))
-  chunks = _batch_chunks(plan, x, dz) if isinstance(plan.linear, _Conv) else 1
+  chunks = 1
+  # Under Explicit mesh axes the sharding is in the types, which cannot express a strided slice of
+  # a sharded batch: there the kernel gradient stays one convolution (each device's is local).
+  if isinstance(plan.linear, _Conv) and not any(pallas_sharding.spec_of(x)):
+    chunks = _batch_chunks(plan, x, dz)
   if chunks == 1:
     return transpose(x, dz)
 
