@@ -164,11 +164,8 @@ def bias_relu_layer(z, b, *, implementation):
 
 
 def forward_replicated_b_case(name, mesh) -> None:
-  """Column-parallel w with a replicated b: the kernels take their slice of b (resharded).
-
-  Forward only: the gradient of a replicated b against column-sharded w fails in jaxact's
-  custom_vjp on the XLA path as well (db comes out sharded like w's columns).
-  """
+  """Column-parallel w with a replicated b: the kernels take their slice of b (resharded), and
+  db comes back replicated like b (on the kernel path and the XLA path)."""
   x, w, b = dense_args((8,), 12, 16, seed=9)
   specs = [P("data", None), P(None, "model"), P()]
   sharded = [
@@ -183,6 +180,13 @@ def forward_replicated_b_case(name, mesh) -> None:
     pallas_calls=pallas_calls(jax.make_jaxpr(fn)(*sharded).jaxpr),
     collectives=sorted(set(COLLECTIVE.findall(fn.lower(*sharded).compile().as_text()))),
   )
+  for impl in ("pallas", "xla"):
+    grad = jax.jit(
+      jax.grad(lambda *a, i=impl: jnp.sum(dense("elu")(*a, implementation=i) ** 2), (0, 1, 2))
+    )
+    got, want = grad(*sharded), grad(x, w, b)
+    result[f"grad_errs_{impl}"] = [rel_err(a, r) for a, r in zip(got, want, strict=True)]
+    result[f"db_spec_{impl}"] = str(got[2].sharding.spec)
   print(json.dumps(result), flush=True)
 
 

@@ -131,6 +131,10 @@ def test_replicated_bias_is_sliced_not_gathered(results):
   calls = result["pallas_calls"]
   assert calls and all(c["in_shard_map"] and c["shapes"][2] == [4] for c in calls), calls
   assert result["collectives"] == []
+  # Gradients too: db is resharded to b's (replicated) sharding, on both paths.
+  for impl in ("pallas", "xla"):
+    assert max(result[f"grad_errs_{impl}"]) < RTOL, result
+    assert result[f"db_spec_{impl}"] == "P(None,)"
 
 
 def test_unsupported_pattern_falls_back_or_raises(results):

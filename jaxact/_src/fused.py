@@ -216,6 +216,9 @@ class _Plan:
   # "xla"; "auto": the Pallas kernels when lowered for CUDA, XLA elsewhere; "pallas": the kernels
   # everywhere (interpret mode off CUDA). Only for calls the kernels support (see _src.pallas).
   implementation: str = "xla"
+  # b's sharding when its type carries one (Explicit mesh axes): db, summed from dz, is sharded like
+  # the output's features and must be resharded to match b (a replicated b with column-sharded w).
+  bias_sharding: Any = None
 
   def bias_shape(self, ndim: int, features: int) -> tuple[int, ...]:
     shape = [1] * ndim
@@ -358,6 +361,13 @@ def _kernel_grad(plan: _Plan, x: Array, w: Array, dz: Array) -> Array:
 
 
 def _fused_bwd(plan: _Plan, res, g):
+  dx, dw, db, *rest = _fused_bwd_unsharded(plan, res, g)
+  if db is not None and plan.bias_sharding is not None:
+    db = jax.sharding.reshard(db, plan.bias_sharding)
+  return (dx, dw, db, *rest)
+
+
+def _fused_bwd_unsharded(plan: _Plan, res, g):
   if plan.implementation == "xla":
     return _xla_bwd(plan, res, g)
   x, w, kept, _ = res
@@ -480,6 +490,8 @@ def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementat
   z = jax.eval_shape(functools.partial(linear, acc_dtype=acc_dtype), x, w)
   act, dynamic = _resolve_activation(fn_name, activation, z, out_dtype)
   plan = _Plan(linear, act, acc_dtype, out_dtype, b is not None)
+  if b is not None and pallas_sharding.typed_sharding(b) is not None:
+    plan = dataclasses.replace(plan, bias_sharding=pallas_sharding.typed_sharding(b))
   if implementation != "xla":
     # The kernels' half of the dispatch: "pallas" raises for what they do not support, None falls
     # back to XLA silently (also on CUDA GPUs older than Ampere).

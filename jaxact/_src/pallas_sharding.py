@@ -86,6 +86,11 @@ def _sharding(a: Array | None) -> NamedSharding | None:
   return sharding
 
 
+def typed_sharding(a: Array | None) -> NamedSharding | None:
+  """`a`'s sharding when its type holds one over a mesh with Explicit axes, else None."""
+  return _sharding(a)
+
+
 def spec_of(a: Array) -> tuple[Axes, ...]:
   """`a`'s partition spec from its type, one tuple of mesh axes per dimension (empty: unsharded)."""
   sharding = _sharding(a)
