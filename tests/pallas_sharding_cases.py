@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import eight_devices
 import jaxact
 from jaxact._src import pallas_sharding
 
@@ -298,11 +299,7 @@ def main(names) -> None:
     ),
     "unsupported_k": lambda: unsupported_case("unsupported_k", data8()),
   }
-  for name in names or cases:
-    try:
-      cases[name]()
-    except Exception as e:  # reported, so that the other cases still run
-      print(json.dumps(dict(case=name, error=f"{type(e).__name__}: {e}"[:3000])), flush=True)
+  eight_devices.run_cases(cases, names)
 
 
 if __name__ == "__main__":

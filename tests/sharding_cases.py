@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import eight_devices
 import jaxact.linen
 import jaxact.nnx
 
@@ -279,11 +280,7 @@ def main(names) -> None:
     ),
     "conv_dp": lambda: conv_dp_case("conv_dp", jax.make_mesh((8,), ("data",), (auto,))),
   }
-  for name in names or cases:
-    try:
-      cases[name]()
-    except Exception as e:  # reported, so that the other cases still run
-      print(json.dumps(dict(case=name, error=f"{type(e).__name__}: {e}"[:3000])), flush=True)
+  eight_devices.run_cases(cases, names)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,7 @@ checked in this process: an abstract mesh of 8 CUDA devices needs no GPU.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,16 +24,13 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import eight_devices
 import jaxact
 import pallas_kernels
 from jaxact._src import pallas_sharding
 
 SCRIPT = Path(__file__).with_name("pallas_sharding_cases.py")
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
-
-pytestmark = pytest.mark.filterwarnings(
-  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
-)
 
 # Sharded and one-device kernels differ only in the order partial sums are added (float32).
 RTOL = 1e-6
@@ -77,28 +70,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run(
-    [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
-  )
-  out = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      result = json.loads(line)
-      out[result["case"]] = result
-  if proc.returncode != 0 or not out:
-    pytest.fail(f"{SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-  return out
+  return eight_devices.run_script(SCRIPT)
 
 
 def get(results, name: str) -> dict:
-  result = results.get(name)
-  assert result is not None, f"{SCRIPT.name} gave no result for {name}"
-  assert "error" not in result, f"{name}: {result['error']}"
-  assert result["devices"] == 8
-  return result
+  return eight_devices.get(results, name, SCRIPT)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,14 +16,12 @@ row-parallel layer), and a data-parallel ``ConvAct`` network.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import eight_devices
 
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
 CASES = ["linen_dp", "linen_tp", "nnx_dp_explicit", "nnx_tp", "nnx_tp_explicit", "conv_dp"]
@@ -36,28 +34,11 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run(
-    [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
-  )
-  out = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      result = json.loads(line)
-      out[result["case"]] = result
-  if proc.returncode != 0 or not out:
-    pytest.fail(f"{SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-  return out
+  return eight_devices.run_script(SCRIPT)
 
 
 def get(results, name: str) -> dict:
-  result = results.get(name)
-  assert result is not None, f"{SCRIPT.name} gave no result for {name}"
-  assert "error" not in result, f"{name}: {result['error']}"
-  assert result["devices"] == 8
-  return result
+  return eight_devices.get(results, name, SCRIPT)
 
 
 @pytest.mark.parametrize("name", CASES)

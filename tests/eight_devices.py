@@ -1,0 +1,54 @@
+"""Running test cases in a subprocess with 8 virtual CPU devices (shared by the sharding tests).
+
+A case script (``sharding_cases.py``, ``pallas_sharding_cases.py``) runs its cases with
+:func:`run_cases`, one JSON line each; the test module runs the script with :func:`run_script`
+(JAX fixes its device count when the backend starts, which in the pytest process has happened
+already) and reads one case's line with :func:`get`. Imports nothing from JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+
+def run_cases(cases: dict[str, Callable[[], None]], names: Iterable[str]) -> None:
+  """Run the named cases (all when none is named); each prints its own JSON line, or an error."""
+  for name in names or cases:
+    try:
+      cases[name]()
+    except Exception as e:  # reported, so that the other cases still run
+      print(json.dumps(dict(case=name, error=f"{type(e).__name__}: {e}"[:3000])), flush=True)
+
+
+def run_script(script: Path) -> dict[str, dict]:
+  """The JSON result of every case `script` prints, by case name, run on 8 CPU devices."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+  )
+  out = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{"):
+      result = json.loads(line)
+      out[result["case"]] = result
+  if proc.returncode != 0 or not out:
+    pytest.fail(f"{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return out
+
+
+def get(results: dict[str, dict], name: str, script: Path) -> dict:
+  """Case `name`'s result, which must exist, hold no error and come from 8 devices."""
+  result = results.get(name)
+  assert result is not None, f"{script.name} gave no result for {name}"
+  assert "error" not in result, f"{name}: {result['error']}"
+  assert result["devices"] == 8
+  return result
