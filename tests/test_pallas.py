@@ -25,12 +25,6 @@ from pallas_kernels import dense as kernels
 
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 
-# pallas_kernels filters the Triton backend's deprecation warning (emitted at each lowering) for its
-# users; pytest re-enables DeprecationWarnings per test, so the filter is repeated here.
-pytestmark = pytest.mark.filterwarnings(
-  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
-)
-
 # The kernels and the XLA path differ by summation order (tiles of 16..128 against XLA:CPU's) and,
 # in half precision, by dz being rounded to the operands' dtype before the backward dots.
 TOL = {

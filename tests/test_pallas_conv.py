@@ -26,10 +26,6 @@ from pallas_kernels import bias_act
 
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 
-pytestmark = pytest.mark.filterwarnings(
-  "ignore:.*Pallas Triton backend is deprecated:DeprecationWarning"
-)
-
 # Both paths run the same convolution; the kernels add the bias in float32 to the convolution's
 # output where XLA may fuse it, so half precision differs by a rounding of z.
 TOL = {
