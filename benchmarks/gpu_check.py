@@ -21,6 +21,13 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
 * ``memory``: compiled ``memory_analysis()`` of the jitted training step (temp bytes; and temp +
   outputs) for the same three paths.
 * ``sweep``: each kernel's candidate tilings timed alone, for tuning ``_block_config``.
+* ``hopper``: the Mosaic GPU forward (``pallas_kernels.hopper``): its y and z against a float32
+  reference for every activation it accepts, its forward time against ``jnp.dot`` and the other
+  paths, a tile sweep, and one layer's training step with each backward option.
+* ``check-mosaic``: as ``check``, through ``jaxact.dense_bias_act(..., implementation="mosaic")``
+  (values and dx, dw, db) for the shapes the Hopper kernel takes.
+* ``conv``, ``train``, ``eltwise``, ``suite``: the conv epilogue kernels, an 8-layer MLP step, lone
+  activations, and the benchmark suite's GPU section.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
 """
@@ -186,7 +193,7 @@ def check_cases(quick: bool = False):
   return cases
 
 
-def section_check(cases, seed=0):
+def section_check(cases, seed=0, impl="pallas"):
   rows = []
   failed = []
   for i, (name, dtype, shape) in enumerate(cases):
@@ -194,7 +201,7 @@ def section_check(cases, seed=0):
     up = [a.astype(jnp.float32) for a in (x, w, b, g)]
     ref = _step(_reference(name))(*up)
     try:
-      got = _step(_jaxact(name, "pallas"))(x, w, b, g)
+      got = _step(_jaxact(name, impl))(x, w, b, g)
       errs = [_rel(a, r) for a, r in zip(got, ref, strict=False)]
     except Exception as e:
       errs = [math.inf] * 4
@@ -210,7 +217,7 @@ def section_check(cases, seed=0):
     if not ok:
       failed.append((name, dtype, shape))
   lines = [
-    "| activation | dtype | shape (…, K, N) | pallas rel. err y, dx, dw, db | xla rel. err | ok |",
+    f"| activation | dtype | shape (…, K, N) | {impl} rel. err y, dx, dw, db | xla rel. err | ok |",
     "|---|---|---|---|---|---|",
   ]
   for name, dtype, shape, errs, xla, ok in rows:
@@ -234,6 +241,7 @@ def _paths(name):
     "jax.nn": composition,
     "jaxact xla": _jaxact(name, "xla"),
     "jaxact pallas": _jaxact(name, "pallas"),
+    "jaxact None": _jaxact(name, None),
   }
 
 
@@ -632,6 +640,211 @@ def section_eltwise(runs, size=1 << 28):
   return out, lines
 
 
+# ---------------------------------------------------------------------------------- hopper
+
+HOPPER_SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192))
+
+
+def _hopper_layer(name, backward):
+  """``act(x @ w + b)`` with the Hopper forward kernel and one of the backward options.
+
+  backward: ``"xla"`` (dz by an XLA fusion, db summed from it, cuBLAS dx/dw), ``"eltwise"`` (dz and
+  db by the one-pass Triton kernel, in place over g, then cuBLAS dx/dw) or ``"triton"`` (the fused
+  Triton dx/dw kernels).
+  """
+  from pallas_kernels import bias_act_bwd, dense_bias_act_bwd
+  from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+
+  ep = _epilogue(name)
+
+  @jax.custom_vjp
+  def f(x, w, b):
+    return hopper_dense_bias_act_fwd(x, w, b, epilogue=ep)[0]
+
+  def f_fwd(x, w, b):
+    y, z = hopper_dense_bias_act_fwd(x, w, b, epilogue=ep)
+    return y, (x, w, y if z is None else z)
+
+  def f_bwd(res, g):
+    x, w, r = res
+    if backward == "triton":
+      return dense_bias_act_bwd(x, w, r, g, epilogue=ep, has_bias=True)
+    if backward == "xla":
+      dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
+      db = jnp.sum(dz, 0, dtype=jnp.float32)
+    else:
+      dz, db = bias_act_bwd(g, r, epilogue=ep, has_bias=True, dz_dtype=x.dtype)
+    dw = jnp.dot(x.T, dz)
+    dx = jnp.dot(dz, w.T)
+    return dx, dw, db.astype(x.dtype)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f
+
+
+def section_hopper(runs, dot_tflops=None, shapes=HOPPER_SHAPES, sweep=True):
+  """The Mosaic GPU forward (pallas_kernels.hopper): check, time, sweep; backward options."""
+  from pallas_kernels.hopper import HopperTiles, hopper_dense_bias_act_fwd, hopper_unsupported
+
+  out = {"check": [], "fwd": [], "sweep": [], "step": []}
+  lines = ["check: ‖got - ref‖/‖ref‖ of y (and z) against float32 HIGHEST, with XLA's error", ""]
+  lines += [
+    "| activation | dtype | M, K, N | hopper y | hopper z | xla y |",
+    "|---|---|---|---|---|---|",
+  ]
+  failed = []
+  elementwise = [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise]
+  cases = [(n, "bfloat16", (512, 320, 768)) for n in elementwise]
+  cases += [
+    (n, d, (1024, 1024, 2048))
+    for n in ("identity", "relu", "gelu")
+    for d in ("bfloat16", "float16")
+  ]
+  cases += [(n, "bfloat16", (2, 384, 256, 512)) for n in ("tanh", "gelu")]
+  for i, (name, dtype, shape) in enumerate(cases):
+    x, w, b, _ = _inputs(shape, jnp.dtype(dtype), 100 + i)
+    ep = _epilogue(name)
+    why = hopper_unsupported((int(np.prod(shape[:-2])), shape[-2], shape[-1]), x.dtype, x.dtype, ep)
+    if why is not None:
+      lines.append(f"| {name} | {dtype} | {shape} | unsupported: {why} | | |")
+      continue
+    up = [a.astype(jnp.float32) for a in (x, w, b)]
+    zr = jnp.dot(up[0], up[1], precision=lax.Precision.HIGHEST) + up[2]
+    yr = ep.fn(zr)
+    try:
+      y, z = jax.jit(lambda x, w, b, ep=ep: hopper_dense_bias_act_fwd(x, w, b, epilogue=ep))(
+        x, w, b
+      )
+      ey = _rel(y, yr)
+      ez = _rel(z, zr) if z is not None else 0.0
+    except Exception as e:
+      traceback.print_exc()
+      ey = ez = math.inf
+      print(f"hopper {name} {dtype} {shape}: {e}"[:2000], file=sys.stderr)
+    ex = _rel(jaxact.dense_bias_act(x, w, b, activation=name, implementation="xla"), yr)
+    ok = math.isfinite(ey) and ey <= max(2 * ex, 1e-5) + _TOL[dtype] and ez <= _TOL[dtype]
+    if not ok:
+      failed.append((name, dtype, shape))
+    out["check"].append([name, dtype, shape, ey, ez, ex, ok])
+    lines.append(
+      f"| {name} | {dtype} | {shape} | {ey:.1e} | {ez:.1e} | {ex:.1e} |{'' if ok else ' **NO**'}"
+    )
+    print(lines[-1], flush=True)
+  out["failed"] = [str(f) for f in failed]
+
+  lines += ["", "forward alone, bf16 (ms, TFLOP/s; % of jnp.dot's 8192^3 rate measured in env)", ""]
+  lines += [
+    "| M, K, N | path | relu ms | relu TFLOP/s | gelu ms | gelu TFLOP/s |",
+    "|---|---|---|---|---|---|",
+  ]
+  for m, k, n in shapes:
+    sets = [_inputs((m, k, n), jnp.bfloat16, s)[:3] for s in range(ROTATE)]
+    flops = 2 * m * k * n
+    row = {}
+    for path in ("jnp.dot (no epilogue)", "jax.nn", "jaxact xla", "hopper kernel", "triton kernel"):
+      cells = []
+      for name in ("relu", "gelu"):
+        ep = _epilogue(name)
+        act = getattr(jax.nn, name)
+        f = {
+          "jnp.dot (no epilogue)": lambda x, w, b: jnp.dot(x, w),
+          "jax.nn": lambda x, w, b, act=act: act(jnp.dot(x, w) + b),
+          "jaxact xla": _jaxact(name, "xla"),
+          "hopper kernel": lambda x, w, b, ep=ep: hopper_dense_bias_act_fwd(x, w, b, epilogue=ep),
+          "triton kernel": lambda x, w, b, ep=ep: pk_dense.dense_bias_act_fwd(x, w, b, epilogue=ep),
+        }[path]
+        try:
+          t = median_seconds(jax.jit(f), sets, runs)
+        except Exception as e:
+          print(f"fwd {path} {name}: {e}"[:1500], file=sys.stderr)
+          t = math.nan
+        row[(path, name)] = t
+        pct = f" ({100 * flops / t / 1e12 / dot_tflops:.0f}%)" if dot_tflops else ""
+        cells.append(f"{1e3 * t:.3f} | {flops / t / 1e12:.0f}{pct}")
+      out["fwd"].append(
+        {
+          "shape": [m, k, n],
+          "path": path,
+          "relu_s": row[(path, "relu")],
+          "gelu_s": row[(path, "gelu")],
+        }
+      )
+      lines.append(f"| {m}, {k}, {n} | {path} | {' | '.join(cells)} |")
+      print(lines[-1], flush=True)
+
+  if sweep:
+    lines += ["", "tile sweep (hopper forward, gelu: y and z written), bf16", ""]
+    lines += [
+      "| M, K, N | tile_m, tile_n, tile_k, stages, epi_m, epi_n, snake | ms | TFLOP/s |",
+      "|---|---|---|---|",
+    ]
+    cands = [
+      HopperTiles(128, 128, 64, 4, 64, 64, 8),
+      HopperTiles(128, 128, 64, 3, 64, 64, 8),
+      HopperTiles(128, 128, 64, 4, 64, 64, 4),
+      HopperTiles(128, 128, 64, 4, 64, 64, 16),
+      HopperTiles(128, 128, 64, 4, 64, 128, 8),
+      HopperTiles(128, 64, 64, 5, 64, 64, 8),
+      HopperTiles(64, 128, 64, 5, 64, 64, 8),
+      HopperTiles(128, 128, 32, 6, 64, 64, 8),
+    ]
+    for m, k, n in shapes[:2]:
+      sets = [_inputs((m, k, n), jnp.bfloat16, s)[:3] for s in range(ROTATE)]
+      for name in ("relu", "gelu"):
+        ep = _epilogue(name)
+        for c in cands:
+          f = lambda x, w, b, c=c, ep=ep: hopper_dense_bias_act_fwd(x, w, b, epilogue=ep, tiles=c)
+          try:
+            t = median_seconds(jax.jit(f), sets, runs)
+            msg = f"{1e3 * t:.3f} | {2 * m * k * n / t / 1e12:.0f}"
+          except Exception as e:
+            t, msg = None, f"failed: {type(e).__name__}: {str(e)[:80]} | -"
+          out["sweep"].append(
+            {"shape": [m, k, n], "act": name, "tiles": dataclasses.astuple(c), "s": t}
+          )
+          lines.append(f"| {m}, {k}, {n} {name} | {dataclasses.astuple(c)} | {msg} |")
+          print(lines[-1], flush=True)
+
+  lines += [
+    "",
+    "training step of one layer, bf16: forward + backward options (ms; step temp MiB)",
+    "",
+  ]
+  lines += [
+    "| M, K, N | activation | path | fwd+bwd ms | TFLOP/s | temp MiB |",
+    "|---|---|---|---|---|---|",
+  ]
+  for m, k, n in shapes[:2]:
+    sets = [_inputs((m, k, n), jnp.bfloat16, s) for s in range(ROTATE)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,), (m, n))]
+    for name in ("relu", "gelu"):
+      act = getattr(jax.nn, name)
+      paths = {
+        "jax.nn": lambda x, w, b, act=act: act(jnp.dot(x, w) + b),
+        "jaxact xla": _jaxact(name, "xla"),
+        "hopper fwd + xla bwd": _hopper_layer(name, "xla"),
+        "hopper fwd + eltwise kernel + cuBLAS": _hopper_layer(name, "eltwise"),
+        "hopper fwd + triton bwd": _hopper_layer(name, "triton"),
+      }
+      for path, f in paths.items():
+        try:
+          step = _step(f)
+          t = median_seconds(step, sets, runs)
+          temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+        except Exception as e:
+          print(f"step {path} {name}: {e}"[:1500], file=sys.stderr)
+          t, temp = math.nan, math.nan
+        out["step"].append(
+          {"shape": [m, k, n], "activation": name, "path": path, "s": t, "temp_MiB": temp}
+        )
+        lines.append(
+          f"| {m}, {k}, {n} | {name} | {path} | {1e3 * t:.3f} | "
+          f"{6 * m * k * n / t / 1e12:.0f} | {temp:.0f} |"
+        )
+        print(lines[-1], flush=True)
+  return out, lines
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -695,6 +908,22 @@ def main(argv=None) -> int:
         emit("train", *section_train(args.runs))
       elif section == "eltwise":
         emit("eltwise", *section_eltwise(args.runs))
+      elif section == "check-mosaic":
+        cases = [
+          (n, d, sh)
+          for n in ("identity", "relu", "tanh", "gelu", "silu", "hard_silu")
+          for d in ("bfloat16", "float16")
+          for sh in ((1024, 1024, 2048), (2, 512, 256, 768))
+        ]
+        data, lines = section_check(cases, impl="mosaic")
+        ok &= not data["failed"]
+        emit("check-mosaic", data, lines)
+      elif section == "hopper":
+        data, lines = section_hopper(
+          args.runs, results.get("env", {}).get("bf16_matmul_TFLOPs"), sweep=not args.quick_check
+        )
+        ok &= not data["failed"]
+        emit("hopper", data, lines)
       elif section == "suite":
         emit("suite", *section_suite(args.runs))
       else:

@@ -37,8 +37,8 @@ from jaxact._src import activations, pallas_sharding, validation
 from jaxact._src import pallas as kernel_dispatch
 from jaxact._src.spec import ActivationSpec
 
-Implementation = Literal["xla", "pallas"]
-_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas")
+Implementation = Literal["xla", "pallas", "mosaic"]
+_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas", "mosaic")
 
 # ------------------------------------------------------------------------ activation resolution
 
@@ -216,6 +216,10 @@ class _Plan:
   # "xla"; "auto": the Pallas kernels when lowered for CUDA, XLA elsewhere; "pallas": the kernels
   # everywhere (interpret mode off CUDA). Only for calls the kernels support (see _src.pallas).
   implementation: str = "xla"
+  # Which kernels "auto"/"pallas" run: "triton" (pallas_kernels.dense / bias_act, any CUDA GPU of
+  # compute capability >= 8.0) or "mosaic" (pallas_kernels.hopper: the Mosaic GPU forward for
+  # Hopper, with XLA's backward).
+  kernels: str = "triton"
   # b's sharding when its type carries one (Explicit mesh axes): db, summed from dz, is sharded like
   # the output's features and must be resharded to match b (a replicated b with column-sharded w).
   bias_sharding: Any = None
@@ -368,7 +372,9 @@ def _fused_bwd(plan: _Plan, res, g):
 
 
 def _fused_bwd_unsharded(plan: _Plan, res, g):
-  if plan.implementation == "xla":
+  # The Hopper path's backward is XLA's: cuBLAS's wgmma matmuls around one dz fusion measured
+  # fastest there (see _src.pallas.HOPPER_BACKWARD).
+  if plan.implementation == "xla" or plan.kernels == "mosaic":
     return _xla_bwd(plan, res, g)
   x, w, kept, _ = res
 
@@ -493,21 +499,41 @@ def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementat
   if b is not None and pallas_sharding.typed_sharding(b) is not None:
     plan = dataclasses.replace(plan, bias_sharding=pallas_sharding.typed_sharding(b))
   if implementation != "xla":
-    # The kernels' half of the dispatch: "pallas" raises for what they do not support, None falls
-    # back to XLA silently (also on CUDA GPUs older than Ampere).
-    why = kernel_dispatch.unsupported(plan, isinstance(linear, _Dense), x, w)
-    if why is not None and implementation == "pallas":
-      raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
-        "implementation='xla' or None"
-      )
-    if implementation == "auto" and why is None:
-      why = kernel_dispatch.auto_prefers_xla(isinstance(linear, _Dense))
-    if why is None and (implementation == "pallas" or kernel_dispatch.cuda_capable()):
-      plan = dataclasses.replace(plan, implementation=implementation)
+    plan = _kernel_plan(fn_name, plan, isinstance(linear, _Dense), x, w, implementation)
   # A closure-converted callable is a new object on every call; jit would retrace each time.
   run = _fused_jit if act.fn is None else _fused
   return run(plan, x, w, b, *dynamic)
+
+
+def _kernel_plan(fn_name, plan: _Plan, dense: bool, x, w, implementation: str) -> _Plan:
+  """The kernels' half of the dispatch: "pallas"/"mosaic" raise for what their kernels do not
+  support; None ("auto") picks the Hopper kernels on Hopper targets where they apply, the Triton
+  kernels on other CUDA GPUs (compute capability >= 8.0), and XLA otherwise, silently."""
+  if implementation == "mosaic":
+    why = kernel_dispatch.hopper_unsupported(plan, dense, x, w)
+    if why is not None:
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
+        "implementation='xla' or None"
+      )
+    return dataclasses.replace(plan, implementation="pallas", kernels="mosaic")
+  if (
+    implementation == "auto"
+    and kernel_dispatch.targets_hopper()
+    and kernel_dispatch.hopper_unsupported(plan, dense, x, w) is None
+  ):
+    return dataclasses.replace(plan, implementation="auto", kernels="mosaic")
+  why = kernel_dispatch.unsupported(plan, dense, x, w)
+  if why is not None and implementation == "pallas":
+    raise NotImplementedError(
+      f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
+      "implementation='xla' or None"
+    )
+  if implementation == "auto" and why is None:
+    why = kernel_dispatch.auto_prefers_xla(dense)
+  if why is None and (implementation == "pallas" or kernel_dispatch.cuda_capable()):
+    return dataclasses.replace(plan, implementation=implementation)
+  return plan
 
 
 def _hashable_precision(precision):
@@ -581,9 +607,12 @@ def dense_bias_act(
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result; accumulation is at least float32 and at least
       this wide. Default: the (promoted) input dtype.
-    implementation: ``None`` (the best available: the Pallas kernels when lowered for a CUDA GPU,
-      for the calls they support, XLA otherwise), ``"xla"``, or ``"pallas"`` (the kernels; in
-      interpret mode off CUDA; ``NotImplementedError`` for calls they do not support).
+    implementation: ``None`` (the best available: when lowered for a Hopper GPU, the Mosaic GPU
+      forward kernel with XLA's backward for the calls it supports; on other CUDA GPUs the Triton
+      kernels for the calls they support; XLA otherwise), ``"xla"``, ``"pallas"`` (the Triton
+      kernels) or ``"mosaic"`` (the Hopper kernel: bfloat16/float16, ``M`` a multiple of 128,
+      ``N`` of 256, ``K`` of 64). Kernels run in interpret mode off CUDA; calls they do not
+      support raise ``NotImplementedError``.
 
   Returns:
     ``activation(x @ w + b)``, of shape ``(..., out)``.
@@ -718,9 +747,10 @@ def conv_bias_act(
       layouts (NWC/WIO, NHWC/HWIO, NDHWC/DHWIO). The bias is added along the output's feature dim.
     precision: passed to the convolution in the forward and backward passes.
     preferred_element_type: dtype of the result; accumulation is at least float32.
-    implementation: ``None``, ``"xla"`` or ``"pallas"``: with the Pallas kernels, the
-      convolution and its transposes stay with XLA and the bias + activation epilogue and its
-      backward (dz and db in one pass) are kernels; channels-last outputs only.
+    implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"mosaic"``: with the Pallas kernels,
+      the convolution and its transposes stay with XLA and the bias + activation epilogue and its
+      backward (dz and db in one pass) are kernels; channels-last outputs only. ``"mosaic"`` (the
+      Hopper dense kernel) applies to 1x1 unit-stride convolutions only, which are dense layers.
 
   Returns:
     ``activation(conv(x, w) + b)``.

@@ -13,6 +13,12 @@ row, says which fused calls the kernels support, and runs them behind
 ``"pallas"``              kernels (else raises)       kernels in interpret mode (else raises)
 ========================  ==========================  ==========================================
 
+On a Hopper target (the abstract mesh's device, else the CUDA devices this process sees: H100,
+H200, ...), ``None`` runs dense layers with the Mosaic GPU forward kernel
+(``pallas_kernels.hopper``) and XLA's backward, for the calls that kernel supports
+(:func:`hopper_unsupported`), and XLA for the rest; ``"mosaic"`` forces that path (interpret mode
+off CUDA). Why: :data:`HOPPER_BACKWARD` and :data:`XLA_FASTER`.
+
 ``pallas_kernels`` is imported on first use, so ``import jaxact`` does not load Pallas.
 """
 
@@ -75,6 +81,37 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
 # temp is lower: 0 / 64 MiB against XLA's 96 / 192; `implementation="pallas"` still gives that.)
 # The conv epilogue kernels are not affected: 0.99x jax.nn's step time for a 3x3 conv layer.
 XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3.4x slower"),)
+
+
+# The Hopper path's backward, chosen by measurement (benchmarks/RESULTS.md, H100 80GB HBM3,
+# jax 0.11.2, 2026-11-22, one bf16 layer's jit(vjp) step, ms): with the Mosaic GPU forward, XLA's
+# backward (one fusion forming dz, and a bf16 dz fed to cuBLAS's dx and dw) beat the one-pass
+# dz + db Pallas kernel before cuBLAS and the fused Triton backward kernels: (8192, 4096, 4096)
+# relu 1.19 against 1.29 and 2.21, gelu 1.34 against 1.40 and 4.44; (16384, 1024, 4096) relu 0.76
+# against 0.87 and 1.20. cuBLAS runs both backward products at ~700 TFLOP/s; the dz pass they read
+# is ~6% of the step.
+HOPPER_BACKWARD = "xla"
+
+
+def targets_hopper() -> bool:
+  """Whether the program is being built for a Hopper GPU (see pallas_kernels.dense.is_hopper)."""
+  from pallas_kernels.dense import is_hopper, target_device_kind
+
+  return is_hopper(target_device_kind())
+
+
+def hopper_unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
+  """Why the Hopper (Mosaic GPU) forward kernel cannot run this fused call, or None."""
+  if not dense:
+    return "the Hopper kernel is a dense layer (convolutions other than 1x1 are not)"
+  why = unsupported(plan, dense, x, w)
+  if why is not None:
+    return why
+  from pallas_kernels.hopper import hopper_unsupported as kernel_unsupported
+
+  return kernel_unsupported(
+    pallas_sharding.dense_shard_shape(x, w), x.dtype, plan.out_dtype, _epilogue(plan)
+  )
 
 
 def auto_prefers_xla(dense: bool) -> str | None:
@@ -141,9 +178,32 @@ def _with_xla_derivatives(kernels: Callable[..., Any], xla: Callable[..., Any], 
   return f
 
 
-def _switch(args, kernels: Callable[..., Any], xla: Callable[..., Any], implementation: str):
-  """`kernels` (with an `interpret` flag) or `xla`, by lowering platform."""
+def _targets_cuda() -> bool:
+  """Whether this trace is for a CUDA GPU: an abstract mesh of CUDA devices, or a CUDA default
+  backend."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None:
+    return device.platform in ("cuda", "gpu")
+  return jax.default_backend() == "gpu"
+
+
+def _switch(
+  args,
+  kernels: Callable[..., Any],
+  xla: Callable[..., Any],
+  implementation: str,
+  mosaic: bool = False,
+):
+  """`kernels` (with an `interpret` flag) or `xla`, by lowering platform.
+
+  Forced kernels (``"pallas"``, ``"mosaic"``) run in interpret mode off CUDA. Mosaic GPU's
+  interpreter is effectful (ordered host callbacks), and a ``platform_dependent`` whose other
+  branch has effects does not lower for CUDA: when the trace is known to be for a CUDA GPU
+  (:func:`_targets_cuda`), forced Mosaic kernels are staged alone.
+  """
   gpu = _with_xla_derivatives(kernels, xla, interpret=False)
+  if implementation == "pallas" and mosaic and _targets_cuda():
+    return gpu(*args)
   if implementation == "pallas":
     cpu = _with_xla_derivatives(kernels, xla, interpret=True)
     return lax.platform_dependent(*args, cuda=gpu, default=cpu)
@@ -174,8 +234,15 @@ def forward(plan: Any, implementation: str, x, w, b, xla: Callable[..., Any], li
     epilogue = pallas_sharding.elementwise_forward(bias_act_fwd)
     return epilogue(z, b, epilogue=_epilogue(plan), out_dtype=plan.out_dtype, interpret=interpret)
 
+  def hopper_kernels(x, w, b, *, interpret):
+    from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+
+    return hopper_dense_bias_act_fwd(x, w, b, epilogue=_epilogue(plan), interpret=interpret)
+
   if _is_dense(plan):
-    return _switch((x, w, b), pallas_sharding.dense_forward(dense_kernels), xla, implementation)
+    mosaic = plan.kernels == "mosaic"
+    kernels = hopper_kernels if mosaic else dense_kernels
+    return _switch((x, w, b), pallas_sharding.dense_forward(kernels), xla, implementation, mosaic)
   return _switch((x, w, b), conv_kernels, xla, implementation)
 
 

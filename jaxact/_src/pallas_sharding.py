@@ -54,6 +54,7 @@ must have ``check_vma=False``, as kernels written for one device need) the wrapp
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,6 +224,17 @@ def dense_reason(x: Array, w: Array) -> str | None:
   """Why the per-shard dense kernels cannot run on these sharded operands, or None."""
   plan = _dense_plan(x, w)
   return plan if isinstance(plan, str) else None
+
+
+def dense_shard_shape(x: Array, w: Array) -> tuple[int, int, int]:
+  """``(M, K, N)`` of the matmul each device runs (the whole layer's when unsharded); `x` and `w`
+  must be a pattern :func:`dense_reason` accepts."""
+  m, (k, n) = math.prod(x.shape[:-1]), w.shape
+  plan = _dense_plan(x, w)
+  if isinstance(plan, _DensePlan):
+    m //= math.prod(plan.mesh.shape[a] for a in plan.data)
+    n //= math.prod(plan.mesh.shape[a] for a in plan.model)
+  return m, k, n
 
 
 def _require(plan):

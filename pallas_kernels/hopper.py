@@ -1,0 +1,328 @@
+"""Fused ``act(x @ w + b)`` forward for Hopper GPUs (H100/H200) with Pallas' Mosaic GPU backend.
+
+The Triton kernels (:mod:`pallas_kernels.dense`) issue Ampere-style ``mma`` instructions and cannot
+reach Hopper's tensor-core rate; this kernel is written for Hopper's own machinery:
+
+* **wgmma**: the matrix products are warpgroup MMAs reading both operands from shared memory, with
+  a float32 accumulator in registers.
+* **TMA, warp-specialized**: a memory warpgroup streams ``x`` and ``w`` tiles into a ring of
+  ``stages`` shared-memory buffers (``plgpu.emit_pipeline_warp_specialized``) while two compute
+  warpgroups run the MMAs, each on half of the CTA's output tile.
+* **Epilogue in registers**: each compute warpgroup's bias tile is brought into shared memory by TMA
+  while its main loop runs; then ``z = acc + b`` and ``y = fn(z)`` are computed on the accumulator
+  and written back through shared memory by TMA, in ``epi_m x epi_n`` sub-tiles, double-buffered.
+  ``z`` is written too (same way) when the activation's derivative needs its input.
+* **Persistent**: one CTA per SM walks the output tiles in a "planar snake" order that keeps the
+  tiles running together on neighbouring rows/columns (L2 reuse).
+
+Only what this layout handles is accepted (:func:`hopper_unsupported` says why not): 16-bit ``x``
+and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_m``, ``N`` of
+``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers. The
+backward pass is not here: on Hopper it runs as XLA's (cuBLAS) matmuls around a one-pass ``dz``
+kernel, by measurement (see ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.dense import Epilogue
+
+_HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+# Shared memory a CTA may allocate on Hopper (227 KiB; the SM has 228).
+HOPPER_SMEM = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiles:
+  """Tiling of the Hopper forward kernel.
+
+  Attributes:
+    tile_m, tile_n: the output tile of one compute warpgroup; a CTA's tile is
+      ``tile_m x 2 * tile_n`` (two compute warpgroups side by side along N).
+    tile_k: contraction step of one pipeline stage.
+    stages: shared-memory pipeline depth (buffers of x and w tiles in flight).
+    epi_m, epi_n: the sub-tile the epilogue writes through shared memory per TMA store.
+    snake_width: tiles per band of the planar-snake walk over the output (L2 locality).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  epi_m: int = 64
+  epi_n: int = 64
+  snake_width: int = 8
+
+  def smem_bytes(self, itemsize: int, outputs: int) -> int:
+    """Shared memory the kernel allocates (pipeline ring, epilogue buffers, bias tiles)."""
+    ring = self.stages * (self.tile_m + 2 * self.tile_n) * self.tile_k * itemsize
+    epilogue = 2 * outputs * 2 * self.epi_m * self.epi_n * itemsize  # 2 warpgroups x 2 slots
+    return ring + epilogue + 2 * self.tile_n * 4 + 1024  # bias tiles; barriers, alignment
+
+
+def hopper_tiles(shape: tuple[int, int, int], outputs: int = 1) -> HopperTiles:
+  """Tiles for an ``(M, K, N)`` layer writing `outputs` arrays (2 when z is kept).
+
+  128 x 128 per compute warpgroup (a CTA computes 128 x 256): a float32 accumulator of 64 registers
+  a thread, and 128 x 256 x 64 is the CTA tile of the Triton sweep's fastest forward on the H100
+  (benchmarks/RESULTS.md). Its ring stage is (128 + 256) x 64 x 2 B = 48 KiB: four stages (192 KiB)
+  fit Hopper's 227 KiB of shared memory beside y's epilogue buffers (32 KiB), three when z is
+  written too (64 KiB of epilogue buffers). Lowering checks the budget (tests lower every case).
+  """
+  del shape
+  four = HopperTiles(stages=4)
+  return four if four.smem_bytes(2, outputs) <= HOPPER_SMEM else HopperTiles(stages=3)
+
+
+def _lowerable_primitives() -> frozenset[str]:
+  """Names of the primitives Mosaic GPU lowers in warpgroup semantics (empty if unknown)."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    rules = lowering.mosaic_lowering_rules[
+      (plgpu.LoweringSemantics.Warpgroup, lowering.gpu_core.PrimitiveSemantics.Warpgroup)
+    ]
+  except (ImportError, AttributeError, KeyError):  # pragma: no cover - jax internals moved
+    return frozenset()
+  return frozenset(p.name for p in rules)
+
+
+def _primitives(jaxpr) -> set[str]:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+      names |= _primitives(sub)
+    for v in eqn.params.values():
+      if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        names |= _primitives(v.jaxpr)
+      elif hasattr(v, "eqns"):
+        names |= _primitives(v)
+  return names
+
+
+def epilogue_unsupported(epilogue: Epilogue) -> str | None:
+  """Why Mosaic GPU cannot lower `epilogue.fn` in the kernel, or None."""
+  jaxpr = jax.make_jaxpr(epilogue.fn)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  missing = _primitives(jaxpr.jaxpr) - _lowerable_primitives()
+  if missing:
+    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the activation)"
+  return None
+
+
+def hopper_unsupported(
+  shape: tuple[int, int, int],
+  dtype,
+  out_dtype,
+  epilogue: Epilogue,
+  tiles: HopperTiles | None = None,
+) -> str | None:
+  """Why the Hopper kernel cannot run an ``(M, K, N)`` layer, or None when it can."""
+  m, k, n = shape
+  t = tiles or hopper_tiles(shape)
+  if np.dtype(dtype) not in _HALF:
+    return f"operand dtype {np.dtype(dtype).name} (the Hopper kernel takes bfloat16 or float16)"
+  if np.dtype(out_dtype) != np.dtype(dtype):
+    return f"output dtype {np.dtype(out_dtype).name} differs from the operands' {np.dtype(dtype)}"
+  for name, d, step in (("M", m, t.tile_m), ("N", n, 2 * t.tile_n), ("K", k, t.tile_k)):
+    if d % step:
+      return f"{name}={d} is not a multiple of {step} (the Hopper kernel's tile)"
+  return epilogue_unsupported(epilogue)
+
+
+def _transforms(cols: int, dtype) -> tuple[Any, ...]:
+  """Shared-memory layout of a tile with `cols` columns: 8-row tiling and the widest swizzle."""
+  itemsize = np.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t: HopperTiles):
+  m, k = x_gmem.shape
+  n = w_gmem.shape[1]
+  cta_n = 2 * t.tile_n
+  m_iters, n_iters, k_iters = m // t.tile_m, n // cta_n, k // t.tile_k
+  outs = (y_gmem,) if z_gmem is None else (y_gmem, z_gmem)
+  out_dtype = y_gmem.dtype
+  operand_transforms = _transforms(t.tile_k, x_gmem.dtype)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(k_iters,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec(
+          (t.tile_m, t.tile_k),
+          lambda s: (0, s),
+          transforms=operand_transforms,
+          memory_space=plgpu.SMEM,
+        ),
+        plgpu.BlockSpec(
+          (t.tile_k, cta_n),
+          lambda s: (s, 0),
+          transforms=operand_transforms,
+          memory_space=plgpu.SMEM,
+        ),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=t.stages,
+      compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  scratch = dict(
+    pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+    out_smem=plgpu.SMEM(
+      (2, len(outs), 2, t.epi_m, t.epi_n), out_dtype, transforms=_transforms(t.epi_n, out_dtype)
+    ),
+    bias_smem=None if b_gmem is None else plgpu.SMEM((2, t.tile_n), b_gmem.dtype),
+    bias_barrier=None if b_gmem is None else plgpu.Barrier(num_barriers=2),
+  )
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(pipeline_allocs, out_smem, bias_smem, bias_barrier):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (tile,) = info.index
+      mi, ni = plgpu.planar_snake(tile, (m_iters, n_iters), 1, min(t.snake_width, m_iters, n_iters))
+      m_slice = pl.ds(mi * t.tile_m, t.tile_m)
+      n_slice = pl.ds(ni * cta_n + wg * t.tile_n, t.tile_n)  # this warpgroup's columns
+
+      def compute_context(run_pipeline):
+        if b_gmem is not None:  # lands while the main loop runs
+          plgpu.copy_gmem_to_smem(b_gmem.at[n_slice], bias_smem.at[wg], bias_barrier.at[wg])
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          run_pipeline(acc_ref)
+          z = acc_ref[...]
+          if b_gmem is not None:
+            plgpu.barrier_wait(bias_barrier.at[wg])
+            bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+            z = z + lax.broadcast_in_dim(bias.astype(jnp.float32), z.shape, [1])
+          # The previous tile's stores must have read out_smem before it is overwritten.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for em in range(t.tile_m // t.epi_m):
+            for en in range(t.tile_n // t.epi_n):
+              sub = (
+                slice(em * t.epi_m, (em + 1) * t.epi_m),
+                slice(en * t.epi_n, (en + 1) * t.epi_n),
+              )
+              slot = (em * (t.tile_n // t.epi_n) + en) % 2
+              z_sub = z[sub]
+              values = (epilogue.fn(z_sub), z_sub)[: len(outs)]
+              # Keep one store group in flight: the slot written now was read two stores ago.
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              for o, v in enumerate(values):
+                out_smem[wg, o, slot] = v.astype(out_dtype)
+              plgpu.commit_smem()
+              for o, ref in enumerate(outs):
+                plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg, o, slot],
+                  ref.at[m_slice, n_slice].at[
+                    pl.ds(em * t.epi_m, t.epi_m), pl.ds(en * t.epi_n, t.epi_n)
+                  ],
+                  commit_group=False,
+                )
+              plgpu.commit_smem_to_gmem_group()
+
+      def mma(_, x_smem, w_smem, acc_ref):
+        plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      pipeline(mma, compute_context)(
+        x_gmem.at[m_slice, :],
+        w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
+        allocations=pipeline_allocs,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# SMs of an H100 SXM, for a program traced for CUDA where no GPU says how many it has.
+_DEFAULT_SMS = 132
+
+
+def num_sms() -> int:
+  """SMs of the target GPU (one persistent CTA each): the abstract mesh's device when it says,
+  else the first CUDA device this process sees, else an H100 SXM's 132."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and getattr(device, "num_cores", None):
+    return device.num_cores
+  try:
+    return jax.devices("cuda")[0].core_count
+  except (RuntimeError, IndexError, AttributeError):
+    return _DEFAULT_SMS
+
+
+def hopper_dense_bias_act_fwd(
+  x: Array,
+  w: Array,
+  b: Array | None,
+  *,
+  epilogue: Epilogue,
+  tiles: HopperTiles | None = None,
+  interpret: Any = False,
+) -> tuple[Array, Array | None]:
+  """``(y, z)`` as :func:`pallas_kernels.dense_bias_act_fwd` returns them, on Hopper.
+
+  `x` is ``(..., K)`` with ``M`` rows in all, `w` ``(K, N)``, `b` ``(N,)`` or None; the output has
+  x's dtype. Raises ValueError for a layer :func:`hopper_unsupported` rejects. `interpret`: False,
+  True or a ``plgpu.InterpretGPUParams`` (Mosaic GPU's interpreter, for CPU tests).
+  """
+  batch, (k, n) = x.shape[:-1], w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"pallas_kernels.hopper: x.shape={x.shape} does not match w.shape={w.shape}")
+  if b is not None and b.shape != (n,):
+    raise ValueError(f"pallas_kernels.hopper: `b` must have shape ({n},); got {b.shape}")
+  if x.dtype != w.dtype:
+    raise TypeError(f"pallas_kernels.hopper: x and w dtypes differ ({x.dtype}, {w.dtype})")
+  x2 = x.reshape(-1, k)
+  m = x2.shape[0]
+  keep_z = epilogue.residual == "input"
+  t = tiles or hopper_tiles((m, k, n), 2 if keep_z else 1)
+  why = hopper_unsupported((m, k, n), x.dtype, x.dtype, epilogue, t)
+  if why is not None:
+    raise ValueError(f"pallas_kernels.hopper: {why}")
+  out = jax.ShapeDtypeStruct((m, n), x.dtype)
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+
+  def body(x_ref, w_ref, *refs):
+    b_ref = refs[0] if b is not None else None
+    y_ref, *z_ref = refs[1:] if b is not None else refs
+    _fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref[0] if keep_z else None, epilogue=epilogue, t=t)
+
+  sms = 1 if interpret else num_sms()
+  kernel = plgpu.kernel(
+    body,
+    out_type=(out, out) if keep_z else (out,),
+    grid=(sms,),
+    grid_names=("sm",),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret or None,
+  )
+  outs = kernel(*(v for v in (x2, w, b) if v is not None))
+  y = outs[0].reshape(*batch, n)
+  return y, (outs[1].reshape(*batch, n) if keep_z else None)

@@ -1,0 +1,325 @@
+"""Tests of the Hopper path: the Mosaic GPU forward kernel (``pallas_kernels.hopper``) behind
+``implementation="mosaic"`` and, on Hopper targets, ``None``.
+
+On CPU the kernel runs in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``, which simulates
+the warpgroups, shared memory, TMA and barriers): values and the gradients of x, w and b through
+jaxact are compared with the XLA path for every residual family, bfloat16 and float16, batch
+dimensions and no bias; the kernel alone against a float32 reference over several tiles in every
+dimension. Lowering for an abstract H100 (no GPU needed) runs Mosaic GPU's compiler up to the
+PTX-independent module, which checks the shared-memory budget and the layouts: every tile
+configuration ``hopper_tiles`` returns and every activation the kernel accepts must lower, and
+``None`` must pick the kernel on an H100 only, for the shapes it supports.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tests.test_pallas import TRITON, cuda_mesh, lowered_text, shapes, train_step
+
+import jaxact
+from jaxact._src import pallas as kernel_dispatch
+from pallas_kernels import Epilogue, hopper
+
+MOSAIC = "mosaic_gpu_v2"
+
+# The XLA path rounds the bf16 matmul result before adding the bias (cuBLAS's bf16 output); the
+# kernel adds it to the float32 accumulator: values agree to a rounding or two of the output.
+TOL = {jnp.bfloat16: dict(atol=6e-2, rtol=3e-2), jnp.float16: dict(atol=8e-3, rtol=4e-3)}
+# Gradients: both paths run XLA's backward from their own y (or z). Where that rounding moves a
+# value across a kink (relu's 0), dz flips, so gradients are compared as XLA's own are checked:
+# relative Frobenius error against float32 autodiff of the plain formula, at most twice XLA's
+# (plus a floor of one rounding of the dtype).
+FLOOR = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3}
+
+ACTIVATIONS = {
+  "relu": "relu",  # output residual, kinked
+  "tanh": "tanh",  # output residual
+  "gelu": "gelu",  # input residual: the kernel writes z as well
+  "silu": "silu",  # input residual
+  "identity": "identity",  # no residual
+  "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
+}
+
+
+def args(shape, dtype, seed=0, bias=True):
+  *batch, k, n = shape
+  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (*batch, k), jnp.float32)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  b = jax.random.normal(kb, (n,), jnp.float32) if bias else None
+  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
+
+
+def value_and_grads(impl, activation, x, w, b):
+  """y and (dx, dw[, db]) for a fixed random cotangent; impl "f32" is the float32 reference:
+  autodiff of ``spec.fn(x @ w + b)`` on upcast inputs at HIGHEST precision."""
+
+  @jax.jit
+  def run(x, w, b):
+    def f(x, w, *b):
+      if impl == "f32":
+        spec = jaxact.get_spec(
+          activation if isinstance(activation, str) else activation.func.__name__
+        )
+        params = {p.name: p.default for p in spec.params}
+        params |= getattr(activation, "keywords", {})
+        z = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST) + (b[0] if b else 0.0)
+        return spec.fn(z, **params)
+      return jaxact.dense_bias_act(
+        x, w, b[0] if b else None, activation=activation, implementation=impl
+      )
+
+    y, pull = jax.vjp(f, x, w, *(() if b is None else (b,)))
+    g = jax.random.normal(jax.random.key(9), y.shape, jnp.float32).astype(y.dtype)
+    return y, pull(g)
+
+  if impl == "f32":
+    return run(*(None if v is None else v.astype(jnp.float32) for v in (x, w, b)))
+  return run(x, w, b)
+
+
+def rel(a, ref):
+  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(a - ref) / np.linalg.norm(ref)
+
+
+def assert_matches_xla(activation, x, w, b):
+  """Values close to the XLA path's; gradients as accurate as its (against float32)."""
+  dtype = x.dtype.type
+  (y, grads), (y_xla, grads_xla) = (
+    value_and_grads(i, activation, x, w, b) for i in ("mosaic", "xla")
+  )
+  _, grads_ref = value_and_grads("f32", activation, x, w, b)
+  assert y.dtype == y_xla.dtype and y.shape == y_xla.shape
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_xla, np.float32), **TOL[dtype])
+  for got, xla, ref in zip(grads, grads_xla, grads_ref, strict=True):
+    assert got.dtype == xla.dtype and got.shape == xla.shape
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel(got, ref) <= max(2 * rel(xla, ref), FLOOR[dtype]), (rel(got, ref), rel(xla, ref))
+
+
+# ---------------------------------------------------------------------- interpret: through jaxact
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_values_and_grads_match_xla(name, dtype):
+  assert_matches_xla(ACTIVATIONS[name], *args((256, 128, 512), dtype))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_batch_dims_and_no_bias(bias):
+  x, w, b = args((2, 64, 128, 256), jnp.bfloat16, seed=3, bias=bias)  # M = 128 over two axes
+  assert_matches_xla("gelu", x, w, b)
+
+
+def test_residual_is_the_output_or_the_preactivation():
+  """The Hopper path keeps what the XLA path keeps: y for relu, z for gelu (plus x and w)."""
+  x, w, b = args((128, 64, 256), jnp.bfloat16)
+  for name, kept in (("relu", "y"), ("gelu", "z")):
+    y, pull = jax.vjp(
+      lambda x, w, b, n=name: jaxact.dense_bias_act(x, w, b, activation=n, implementation="mosaic"),
+      x,
+      w,
+      b,
+    )
+    leaves = [v for v in jax.tree.leaves(pull) if getattr(v, "shape", None) == y.shape]
+    assert len(leaves) == 1, name
+    if kept == "y":
+      np.testing.assert_array_equal(np.asarray(leaves[0], np.float32), np.asarray(y, np.float32))
+    else:
+      z = jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+      np.testing.assert_allclose(np.asarray(leaves[0], np.float32), z, atol=3e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------- interpret: the kernel
+
+
+def reference(x, w, b, fn):
+  z = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) + (
+    0.0 if b is None else b.astype(jnp.float32)
+  )
+  return fn(z), z
+
+
+@pytest.mark.parametrize(
+  "tiles",
+  [
+    None,  # hopper_tiles' choice
+    hopper.HopperTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32),
+    hopper.HopperTiles(tile_m=64, tile_n=64, tile_k=32, stages=3, snake_width=2),
+  ],
+  ids=["default", "small_epilogue", "k32_snake2"],
+)
+def test_kernel_over_many_tiles_matches_float32_reference(tiles):
+  """Several tiles along M, N and K (so the pipeline ring wraps and the snake walk turns)."""
+  x, w, b = args((384, 512, 1024), jnp.bfloat16, seed=5)
+  epilogue = Epilogue(fn=jnp.tanh, derivative=None, residual="input")
+  y, z = hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, tiles=tiles, interpret=True)
+  want_y, want_z = reference(x, w, b, jnp.tanh)
+  assert y.dtype == z.dtype == jnp.bfloat16
+  # One bf16 rounding of each output (values of order 1-4).
+  np.testing.assert_allclose(np.asarray(y, np.float32), want_y, atol=8e-3, rtol=8e-3)
+  np.testing.assert_allclose(np.asarray(z, np.float32), want_z, atol=3e-2, rtol=8e-3)
+
+
+def test_kernel_without_bias_and_output_residual():
+  x, w, _ = args((128, 64, 256), jnp.float16, seed=6)
+  relu = functools.partial(jnp.maximum, 0.0)  # jax.nn.relu is a custom_jvp: not lowered in 0.11
+  epilogue = Epilogue(fn=relu, derivative=None, residual="output")
+  y, z = hopper.hopper_dense_bias_act_fwd(x, w, None, epilogue=epilogue, interpret=True)
+  assert z is None
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), reference(x, w, None, relu)[0], atol=4e-3, rtol=2e-3
+  )
+
+
+# ---------------------------------------------------------------------- what it supports
+
+
+def test_unsupported_calls_give_reasons():
+  relu = Epilogue(fn=functools.partial(jnp.maximum, 0.0), derivative=None, residual="output")
+  bf16 = jnp.bfloat16
+  assert hopper.hopper_unsupported((128, 64, 256), bf16, bf16, relu) is None
+  cases = {
+    ((128, 64, 256), jnp.float32, jnp.float32): "float32",
+    ((128, 64, 256), bf16, jnp.float32): "output dtype float32",
+    ((100, 64, 256), bf16, bf16): "M=100 is not a multiple of 128",
+    ((128, 64, 200), bf16, bf16): "N=200 is not a multiple of 256",
+    ((128, 40, 256), bf16, bf16): "K=40 is not a multiple of 64",
+  }
+  for (shape, dt, out), want in cases.items():
+    assert want in hopper.hopper_unsupported(shape, dt, out, relu)
+  expm1 = Epilogue(fn=jnp.expm1, derivative=None, residual="input")
+  assert "expm1" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, expm1)
+  with pytest.raises(ValueError, match="M=100 is not a multiple of 128"):
+    hopper.hopper_dense_bias_act_fwd(*args((100, 64, 256), bf16), epilogue=relu, interpret=True)
+
+
+def test_mosaic_raises_for_unsupported_calls_and_none_falls_back():
+  x, w, b = args((100, 64, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=r"implementation='mosaic'.*M=100"):
+    jaxact.dense_bias_act(x, w, b, activation="relu", implementation="mosaic")
+  x, w, b = args((128, 64, 256), jnp.float32)
+  with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+    jaxact.dense_bias_act(x, w, b, activation="relu", implementation="mosaic")
+  x, w, b = args((128, 64, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="expm1"):
+    jaxact.dense_bias_act(x, w, b, activation="elu", implementation="mosaic")
+  xc = x.reshape(1, 8, 16, 64)
+  w3 = jnp.full((3, 3, 64, 256), 0.01, jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="dense layer"):
+    jaxact.conv_bias_act(xc, w3, b, activation="relu", padding="SAME", implementation="mosaic")
+  # A 1x1 unit-stride convolution is a dense layer: it takes the kernel.
+  w1 = w.reshape(1, 1, 64, 256)
+  got = jaxact.conv_bias_act(xc, w1, b, activation="relu", implementation="mosaic")
+  want = jaxact.conv_bias_act(xc, w1, b, activation="relu", implementation="xla")
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[jnp.bfloat16]
+  )
+  with pytest.raises(ValueError, match="'mosaic'"):
+    jaxact.dense_bias_act(x, w, b, activation="relu", implementation="hopper")
+
+
+def test_every_lowerable_spec_activation_is_accepted():
+  """The kernel accepts each spec activation whose operations Mosaic GPU lowers; the others (and
+  only they) are refused with the operation named."""
+  refused = {}
+  for name in jaxact.ACTIVATIONS:
+    spec = jaxact.get_spec(name)
+    if not spec.elementwise:
+      continue
+    params = {p.name: p.default for p in spec.params}
+    fn = functools.partial(spec.fn, **params)
+    why = hopper.epilogue_unsupported(Epilogue(fn, None, "input"))
+    if why is not None:
+      refused[name] = why
+  # expm1 and log1p have no Mosaic GPU lowering in jax 0.11-0.12: the exp-based activations.
+  assert set(refused) <= {"elu", "selu", "celu", "softplus", "log_sigmoid"}, refused
+  assert {"relu", "gelu", "silu", "tanh", "sigmoid", "mish"}.isdisjoint(refused)
+
+
+# ---------------------------------------------------------------------- lowering for an H100
+
+
+def mosaic_calls(text: str) -> int:
+  return len(re.findall(rf"custom_call @{MOSAIC}\(", text))
+
+
+@pytest.mark.parametrize(
+  "name,dtype",
+  list(itertools.product(["relu", "gelu", "identity"], [jnp.bfloat16, jnp.float16])),
+)
+def test_every_tile_configuration_lowers_for_h100(name, dtype):
+  """hopper_tiles gives four stages with y alone and three with z too: both lower (the shared
+  memory budget and layouts are checked by Mosaic GPU's compiler), forward and backward."""
+  m, k, n = 8192, 4096, 4096
+  outputs = 2 if jaxact.get_spec(name).residual == "input" else 1
+  t = hopper.hopper_tiles((m, k, n), outputs)
+  assert t.smem_bytes(2, outputs) <= hopper.HOPPER_SMEM
+  assert t.stages == (3 if outputs == 2 else 4)
+  text = lowered_text(train_step(name, "mosaic"), shapes(m, k, n, dtype), "cuda")
+  assert mosaic_calls(text) == 1 and TRITON not in text  # the forward; XLA's backward
+
+
+def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
+  """The budget check is real: four stages with z as well do not fit (263 KiB > 227)."""
+  t = hopper.HopperTiles(stages=4)
+  assert t.smem_bytes(2, 2) > hopper.HOPPER_SMEM
+  epilogue = Epilogue(fn=jax.nn.gelu, derivative=None, residual="input")
+
+  def fwd(x, w, b):
+    return hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, tiles=t)
+
+  with pytest.raises(ValueError, match="shared memory"):
+    lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    n
+    for n in jaxact.ACTIVATIONS
+    if jaxact.get_spec(n).elementwise
+    and n not in ("elu", "selu", "celu", "softplus", "log_sigmoid")
+  ],
+)
+def test_every_accepted_activation_lowers_for_h100(name):
+  text = lowered_text(train_step(name, "mosaic"), shapes(256, 128, 512, jnp.bfloat16), "cuda")
+  assert mosaic_calls(text) == 1
+
+
+def test_none_picks_the_hopper_kernel_on_h100_only():
+  step = train_step("gelu", None)
+  fits = shapes(256, 128, 512, jnp.bfloat16)
+  assert mosaic_calls(lowered_text(step, fits, "cuda", "H100")) == 1
+  # Lowered for the CPU: XLA; for an A100: the Triton kernels (3 calls, no Mosaic GPU).
+  assert mosaic_calls(lowered_text(step, fits, "cpu", "H100")) == 0
+  a100 = lowered_text(step, fits, "cuda", "A100")
+  assert mosaic_calls(a100) == 0 and TRITON in a100
+  # Shapes, dtypes and activations the kernel does not take: XLA on an H100 (the Triton dense
+  # kernels measured slower there), silently.
+  for step_, shape in (
+    (step, shapes(200, 128, 512, jnp.bfloat16)),
+    (step, shapes(256, 128, 512, jnp.float32)),
+    (train_step("elu", None), fits),
+  ):
+    text = lowered_text(step_, shape, "cuda", "H100")
+    assert mosaic_calls(text) == 0 and TRITON not in text
+  # "xla" never uses it.
+  assert mosaic_calls(lowered_text(train_step("gelu", "xla"), fits, "cuda", "H100")) == 0
+
+
+def test_target_detection():
+  with jax.sharding.use_abstract_mesh(cuda_mesh("H100")):
+    assert kernel_dispatch.targets_hopper()
+  with jax.sharding.use_abstract_mesh(cuda_mesh("A100")):
+    assert not kernel_dispatch.targets_hopper()
+  assert hopper.num_sms() > 0
