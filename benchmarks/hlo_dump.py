@@ -1,6 +1,6 @@
 """Dump the optimized HLO of one bf16 layer's training step per path (for reading buffer use).
 
-    python -m benchmarks.hlo_dump OUT_DIR [M K N]
+python -m benchmarks.hlo_dump OUT_DIR [M K N]
 """
 
 from __future__ import annotations
