@@ -671,6 +671,8 @@ def _hopper_layer(name, backward):
       return dense_bias_act_bwd(x, w, r, g, epilogue=ep, has_bias=True)
     if backward == "xla":
       dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
+      if ep.residual == "input":  # as jaxact's XLA backward (16-bit dz behind a barrier)
+        dz = lax.optimization_barrier(dz)
       db = jnp.sum(dz, 0, dtype=jnp.float32)
     else:
       dz, db = bias_act_bwd(g, r, epilogue=ep, has_bias=True, dz_dtype=x.dtype)

@@ -80,6 +80,8 @@ def unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
 # 4.42 ms (gelu) against jaxact XLA's 1.25 / 1.40 and jax.nn's 1.24 / 1.32. (Their training-step
 # temp is lower: 0 / 64 MiB against XLA's 96 / 192; `implementation="pallas"` still gives that.)
 # The conv epilogue kernels are not affected: 0.99x jax.nn's step time for a 3x3 conv layer.
+# Hopper dense layers the Mosaic GPU kernel takes run it instead (see HOPPER_BACKWARD); this entry
+# covers the others.
 XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3.4x slower"),)
 
 
