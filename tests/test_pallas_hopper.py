@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.test_pallas import TRITON, cuda_mesh, lowered_text, shapes, train_step
+from tests.test_pallas import TRITON, args, cuda_mesh, lowered_text, shapes, train_step
 
 import jaxact
 from jaxact._src import pallas as kernel_dispatch
@@ -46,15 +46,6 @@ ACTIVATIONS = {
   "identity": "identity",  # no residual
   "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
 }
-
-
-def args(shape, dtype, seed=0, bias=True):
-  *batch, k, n = shape
-  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
-  x = jax.random.normal(kx, (*batch, k), jnp.float32)
-  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
-  b = jax.random.normal(kb, (n,), jnp.float32) if bias else None
-  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
 
 
 def value_and_grads(impl, activation, x, w, b):
