@@ -100,16 +100,16 @@ def _lowerable_primitives() -> frozenset[str]:
 
 
 def _primitives(jaxpr) -> set[str]:
+  """Names of the primitives in `jaxpr` and in every jaxpr its equations hold (cond branches,
+  jit/custom_jvp bodies, loop bodies), which are lowered too."""
   names = set()
   for eqn in jaxpr.eqns:
     names.add(eqn.primitive.name)
-    for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
-      names |= _primitives(sub)
     for v in eqn.params.values():
-      if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-        names |= _primitives(v.jaxpr)
-      elif hasattr(v, "eqns"):
-        names |= _primitives(v)
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          names |= _primitives(sub)
   return names
 
 

@@ -190,6 +190,11 @@ def test_unsupported_calls_give_reasons():
     assert want in hopper.hopper_unsupported(shape, dt, out, relu)
   expm1 = Epilogue(fn=jnp.expm1, derivative=None, residual="input")
   assert "expm1" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, expm1)
+  # Operations inside a cond's branches are found too.
+  branchy = Epilogue(
+    fn=lambda z: jax.lax.cond(True, jnp.log1p, jnp.tanh, z), derivative=None, residual="input"
+  )
+  assert "log1p" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
   with pytest.raises(ValueError, match="M=100 is not a multiple of 128"):
     hopper.hopper_dense_bias_act_fwd(*args((100, 64, 256), bf16), epilogue=relu, interpret=True)
 
