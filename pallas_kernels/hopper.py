@@ -86,6 +86,7 @@ def hopper_tiles(shape: tuple[int, int, int], outputs: int = 1) -> HopperTiles:
   return four if four.smem_bytes(2, outputs) <= HOPPER_SMEM else HopperTiles(stages=3)
 
 
+@functools.cache
 def _lowerable_primitives() -> frozenset[str]:
   """Names of the primitives Mosaic GPU lowers in warpgroup semantics (empty if unknown)."""
   try:
