@@ -25,7 +25,9 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
   reference for every activation it accepts, its forward time against ``jnp.dot`` and the other
   paths, a tile sweep, and one layer's training step with each backward option.
 * ``check-mosaic``: as ``check``, through ``jaxact.dense_bias_act(..., implementation="mosaic")``
-  (values and dx, dw, db) for the shapes the Hopper kernel takes.
+  (values and dx, dw, db: the Mosaic GPU forward and backward kernels) for the shapes they take.
+* ``hopper-bwd``: the Mosaic GPU backward kernels alone, for a few tilings, against XLA's
+  backward (time and compiled temp memory).
 * ``conv``, ``train``, ``eltwise``, ``suite``: the conv epilogue kernels, an 8-layer MLP step, lone
   activations, and the benchmark suite's GPU section.
 
@@ -650,7 +652,7 @@ def _hopper_layer(name, backward):
 
   backward: ``"xla"`` (dz by an XLA fusion, db summed from it, cuBLAS dx/dw), ``"eltwise"`` (dz and
   db by the one-pass Triton kernel, in place over g, then cuBLAS dx/dw) or ``"triton"`` (the fused
-  Triton dx/dw kernels).
+  Triton dx/dw kernels). The Mosaic GPU backward kernels are ``jaxact``'s ``"mosaic"``.
   """
   from pallas_kernels import bias_act_bwd, dense_bias_act_bwd
   from pallas_kernels.hopper import hopper_dense_bias_act_fwd
@@ -827,6 +829,7 @@ def section_hopper(runs, dot_tflops=None, shapes=HOPPER_SHAPES, sweep=True):
         "hopper fwd + xla bwd": _hopper_layer(name, "xla"),
         "hopper fwd + eltwise kernel + cuBLAS": _hopper_layer(name, "eltwise"),
         "hopper fwd + triton bwd": _hopper_layer(name, "triton"),
+        "hopper fwd + mosaic bwd (jaxact 'mosaic')": _jaxact(name, "mosaic"),
       }
       for path, f in paths.items():
         try:
@@ -842,6 +845,63 @@ def section_hopper(runs, dot_tflops=None, shapes=HOPPER_SHAPES, sweep=True):
         lines.append(
           f"| {m}, {k}, {n} | {name} | {path} | {1e3 * t:.3f} | "
           f"{6 * m * k * n / t / 1e12:.0f} | {temp:.0f} |"
+        )
+        print(lines[-1], flush=True)
+  return out, lines
+
+
+def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
+  """The Mosaic GPU backward kernels alone against XLA's backward, for a few tilings."""
+  from pallas_kernels.hopper import HopperBwdTiles, hopper_bwd_tiles, hopper_dense_bias_act_bwd
+
+  out = {"bwd": []}
+  lines = ["backward alone, bf16: dx, dw, db from (x, w, residual, g) (ms; temp MiB)", ""]
+  lines += [
+    "| M, K, N | activation | path | ms | TFLOP/s | temp MiB |",
+    "|---|---|---|---|---|---|",
+  ]
+
+  def xla_bwd(ep):
+    def f(x, w, r, g):
+      dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
+      if ep.residual == "input":
+        dz = lax.optimization_barrier(dz)
+      return jnp.dot(dz, w.T), jnp.dot(x.T, dz), jnp.sum(dz, 0, dtype=jnp.float32).astype(x.dtype)
+
+    return f
+
+  for m, k, n in shapes:
+    for name in ("relu", "gelu"):
+      ep = _epilogue(name)
+      sets = []
+      for s in range(ROTATE):
+        x, w, b, g = _inputs((m, k, n), jnp.bfloat16, s)
+        z = jnp.dot(x, w) + b
+        sets.append((x, w, (ep.fn(z) if ep.residual == "output" else z).astype(x.dtype), g))
+      args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sets[0]]
+      default = hopper_bwd_tiles((m, k, n))
+      paths = {"xla (dz fusion + cuBLAS)": xla_bwd(ep)}
+      for t in (
+        default,
+        dataclasses.replace(default, stages=2),
+        HopperBwdTiles(dx_m=64, dx_k=128, dx_n=64, dw_k=128, dw_n=64, dw_m=64, stages=3),
+        HopperBwdTiles(dx_m=128, dx_k=128, dx_n=64, dw_k=128, dw_n=128, dw_m=64, stages=3),
+      ):
+        paths[f"mosaic {dataclasses.astuple(t)}"] = lambda x, w, r, g, t=t, ep=ep: (
+          hopper_dense_bias_act_bwd(x, w, r, g, epilogue=ep, has_bias=True, tiles=t)
+        )
+      for path, f in paths.items():
+        try:
+          fj = jax.jit(f)
+          t = median_seconds(fj, sets, runs)
+          temp = fj.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+        except Exception as e:
+          print(f"bwd {path} {name}: {e}"[:1500], file=sys.stderr)
+          t, temp = math.nan, math.nan
+        out["bwd"].append({"shape": [m, k, n], "act": name, "path": path, "s": t, "temp": temp})
+        lines.append(
+          f"| {m}, {k}, {n} | {name} | {path} | {1e3 * t:.3f} | "
+          f"{4 * m * k * n / t / 1e12:.0f} | {temp:.0f} |"
         )
         print(lines[-1], flush=True)
   return out, lines
@@ -926,6 +986,8 @@ def main(argv=None) -> int:
         )
         ok &= not data["failed"]
         emit("hopper", data, lines)
+      elif section == "hopper-bwd":
+        emit("hopper-bwd", *section_hopper_bwd(args.runs))
       elif section == "suite":
         emit("suite", *section_suite(args.runs))
       else:

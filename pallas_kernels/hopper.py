@@ -17,15 +17,21 @@ reach Hopper's tensor-core rate; this kernel is written for Hopper's own machine
 
 Only what this layout handles is accepted (:func:`hopper_unsupported` says why not): 16-bit ``x``
 and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_m``, ``N`` of
-``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers. The
-backward pass is not here: on Hopper it runs as XLA's (cuBLAS) matmuls around a one-pass ``dz``
-kernel, by measurement (see ``benchmarks/RESULTS.md``).
+``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers.
+
+The backward (:func:`hopper_dense_bias_act_bwd`) is two more kernels, ``dx = dz @ w.T`` and
+``dw = x.T @ dz``, each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual
+its pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz
+never reaches device memory. ``db`` is one XLA reduction over ``g`` and the residual. jaxact runs
+them under ``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper until they are
+measured faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -75,11 +81,12 @@ class HopperTiles:
 def hopper_tiles(shape: tuple[int, int, int], outputs: int = 1) -> HopperTiles:
   """Tiles for an ``(M, K, N)`` layer writing `outputs` arrays (2 when z is kept).
 
-  128 x 128 per compute warpgroup (a CTA computes 128 x 256): a float32 accumulator of 64 registers
-  a thread, and 128 x 256 x 64 is the CTA tile of the Triton sweep's fastest forward on the H100
-  (benchmarks/RESULTS.md). Its ring stage is (128 + 256) x 64 x 2 B = 48 KiB: four stages (192 KiB)
-  fit Hopper's 227 KiB of shared memory beside y's epilogue buffers (32 KiB), three when z is
-  written too (64 KiB of epilogue buffers). Lowering checks the budget (tests lower every case).
+  128 x 128 per compute warpgroup (a CTA computes 128 x 256): a float32 accumulator of 128
+  registers a thread, and 128 x 256 x 64 is the CTA tile of the Triton sweep's fastest forward on
+  the H100 (benchmarks/RESULTS.md). Its ring stage is (128 + 256) x 64 x 2 B = 48 KiB: four
+  stages (192 KiB) fit Hopper's 227 KiB of shared memory beside y's epilogue buffers (32 KiB),
+  three when z is written too (64 KiB of epilogue buffers). Lowering checks the budget (tests
+  lower every case).
   """
   del shape
   four = HopperTiles(stages=4)
@@ -327,3 +334,245 @@ def hopper_dense_bias_act_fwd(
   outs = kernel(*(v for v in (x2, w, b) if v is not None))
   y = outs[0].reshape(*batch, n)
   return y, (outs[1].reshape(*batch, n) if keep_z else None)
+
+
+# ---------------------------------------------------------------------------------- backward
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBwdTiles:
+  """Tiling of the Hopper backward kernels (one warpgroup per CTA, ``stages``-deep TMA pipeline).
+
+  Attributes:
+    dx_m, dx_k: the ``dx`` tile of one CTA; its contraction runs over N in steps of ``dx_n``.
+    dw_k, dw_n: the ``dw`` tile of one CTA; its contraction runs over M in steps of ``dw_m``.
+    stages: pipeline depth of both kernels.
+
+  In both kernels ``dz`` is formed from the ``g`` and residual tiles of a step and written over
+  ``g``'s shared-memory buffer, from which wgmma reads it (against ``w``, or ``x``, read
+  transposed from shared memory).
+  """
+
+  dx_m: int = 64
+  dx_k: int = 256
+  dx_n: int = 64
+  dw_k: int = 128
+  dw_n: int = 128
+  dw_m: int = 64
+  stages: int = 3
+
+  def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
+    """Shared memory of the ``dx`` and ``dw`` kernels (pipeline ring plus the output tile)."""
+    inputs = 2 if residual else 1  # g and the residual
+    dx = self.stages * (inputs * self.dx_m + self.dx_k) * self.dx_n + self.dx_m * self.dx_k
+    dw = self.stages * (self.dw_k + inputs * self.dw_n) * self.dw_m + self.dw_k * self.dw_n
+    return dx * itemsize + 1024, dw * itemsize + 1024
+
+
+def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> HopperBwdTiles:
+  """Backward tiles for an ``(M, K, N)`` layer (`residual`: whether dz needs a residual tile).
+
+  Each CTA is one warpgroup holding a 64 x 256 (dx) or 128 x 128 (dw) float32 accumulator, 128
+  registers a thread, with the 64-wide g and residual tiles it turns into dz beside it. dz is
+  recomputed once per output tile it feeds (K / dx_k times for dx, K / dw_k for dw), so dx's tile
+  is wide along K. Stages: as many as Hopper's shared memory holds, at most 4. Tiles narrow along K
+  (to 128, then 64) for a K the wide ones do not divide, so every layer the forward kernel takes
+  (K a multiple of 64) has a backward.
+  """
+  k = shape[1]
+  dx_k = next(c for c in (256, 128, 64) if k % c == 0) if k % 64 == 0 else 256
+  dw_k = 128 if k % 128 == 0 else 64
+  for stages in (4, 3, 2):
+    t = HopperBwdTiles(dx_k=dx_k, dw_k=dw_k, stages=stages)
+    if max(t.smem_bytes(2, residual)) <= HOPPER_SMEM:
+      return t
+  return t
+
+
+def hopper_bwd_unsupported(
+  shape: tuple[int, int, int], dtype, epilogue: Epilogue, tiles: HopperBwdTiles | None = None
+) -> str | None:
+  """Why the Hopper backward kernels cannot run an ``(M, K, N)`` layer, or None when they can."""
+  m, k, n = shape
+  t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none")
+  if np.dtype(dtype) not in _HALF:
+    return f"operand dtype {np.dtype(dtype).name} (the Hopper kernels take bfloat16 or float16)"
+  steps = (("M", m, t.dx_m, t.dw_m), ("N", n, t.dx_n, t.dw_n), ("K", k, t.dx_k, t.dw_k))
+  for name, d, *tile in steps:
+    step = math.lcm(*tile)
+    if d % step:
+      return f"{name}={d} is not a multiple of {step} (the Hopper backward kernels' tile)"
+  if epilogue.residual == "none":
+    return None
+  jaxpr = jax.make_jaxpr(epilogue.derivative)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  missing = _primitives(jaxpr.jaxpr) - _lowerable_primitives()
+  if missing:
+    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the derivative)"
+  return None
+
+
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, chunk: int = 64):
+  """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
+  ready to be a wgmma operand; nothing to do for identity (``dz = g``).
+
+  Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
+  64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
+  """
+  if r_smem is None:
+    return
+  cols = g_smem.shape[1]
+  for c in range(0, cols, chunk):
+    block = (slice(None), pl.ds(c, min(chunk, cols - c)))
+    g, r = g_smem.at[block], r_smem.at[block]
+    dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
+    g[...] = dz.astype(g_smem.dtype)
+  plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
+
+
+def _store_tile(acc, out_gmem, rows, cols):
+  """Write a float32 accumulator tile to ``out_gmem[rows, cols]`` through shared memory by TMA."""
+  shape, dtype = acc.shape, out_gmem.dtype
+
+  @functools.partial(
+    pl.run_scoped, out_smem=plgpu.SMEM(shape, dtype, transforms=_transforms(shape[1], dtype))
+  )
+  def _(out_smem):
+    out_smem[...] = acc.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dx[mi, ki] = sum_n dz[mi, n] @ w[ki, n].T`` with dz formed in registers."""
+  n = g_gmem.shape[1]
+  rows = pl.ds(lax.axis_index("m") * t.dx_m, t.dx_m)
+  cols = pl.ds(lax.axis_index("k") * t.dx_k, t.dx_k)
+  gr_transforms = _transforms(t.dx_n, g_gmem.dtype)
+  gr_spec = plgpu.BlockSpec((t.dx_m, t.dx_n), lambda s: (0, s), transforms=gr_transforms)
+  w_spec = plgpu.BlockSpec(
+    (t.dx_k, t.dx_n), lambda s: (0, s), transforms=_transforms(t.dx_n, w_gmem.dtype)
+  )
+
+  def scope(acc_ref):
+    def step(_, g_smem, *rest):
+      *r_smem, w_smem = rest
+      _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None)
+      plgpu.wgmma(acc_ref, g_smem, w_smem.transpose((1, 0)))
+      plgpu.wgmma_wait(0)
+
+    specs = [gr_spec] * (1 if r_gmem is None else 2) + [w_spec]
+    operands = [g_gmem.at[rows, :]] + ([] if r_gmem is None else [r_gmem.at[rows, :]])
+    plgpu.emit_pipeline(step, grid=(n // t.dx_n,), in_specs=specs, max_concurrent_steps=t.stages)(
+      *operands, w_gmem.at[cols, :]
+    )
+    return acc_ref[...]
+
+  acc = pl.run_scoped(scope, plgpu.ACC((t.dx_m, t.dx_k), jnp.float32))
+  _store_tile(acc, dx_gmem, rows, cols)
+
+
+def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]`` with dz written over g's shared tile."""
+  m = x_gmem.shape[0]
+  rows = pl.ds(lax.axis_index("k") * t.dw_k, t.dw_k)
+  cols = pl.ds(lax.axis_index("n") * t.dw_n, t.dw_n)
+  x_spec = plgpu.BlockSpec(
+    (t.dw_m, t.dw_k), lambda s: (s, 0), transforms=_transforms(t.dw_k, x_gmem.dtype)
+  )
+  gr_spec = plgpu.BlockSpec(
+    (t.dw_m, t.dw_n), lambda s: (s, 0), transforms=_transforms(t.dw_n, g_gmem.dtype)
+  )
+
+  def scope(acc_ref):
+    def step(_, x_smem, g_smem, *r_smem):
+      _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None)
+      plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), g_smem)
+      plgpu.wgmma_wait(0)
+
+    specs = [x_spec, gr_spec] + ([] if r_gmem is None else [gr_spec])
+    operands = [x_gmem.at[:, rows], g_gmem.at[:, cols]]
+    operands += [] if r_gmem is None else [r_gmem.at[:, cols]]
+    plgpu.emit_pipeline(step, grid=(m // t.dw_m,), in_specs=specs, max_concurrent_steps=t.stages)(
+      *operands
+    )
+    return acc_ref[...]
+
+  acc = pl.run_scoped(scope, plgpu.ACC((t.dw_k, t.dw_n), jnp.float32))
+  _store_tile(acc, dw_gmem, rows, cols)
+
+
+def hopper_dense_bias_act_bwd(
+  x: Array,
+  w: Array,
+  residual: Array | None,
+  g: Array,
+  *,
+  epilogue: Epilogue,
+  has_bias: bool,
+  tiles: HopperBwdTiles | None = None,
+  interpret: Any = False,
+) -> tuple[Array, Array, Array | None]:
+  """``(dx, dw, db)`` as :func:`pallas_kernels.dense_bias_act_bwd` returns them, on Hopper.
+
+  Two Mosaic GPU kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, each forming
+  ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
+  memory. ``db = sum(dz, rows)`` is one XLA reduction over `g` and `residual` (no dz array either).
+  """
+  batch, (k, n) = x.shape[:-1], w.shape
+  if g.shape != (*batch, n):
+    raise ValueError(f"pallas_kernels.hopper: `g` must have shape {(*batch, n)}; got {g.shape}")
+  needs_r = epilogue.residual != "none"
+  if needs_r and (residual is None or residual.shape != g.shape):
+    raise ValueError(
+      f"pallas_kernels.hopper: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"{g.shape}; got {None if residual is None else residual.shape}"
+    )
+  if not (x.dtype == w.dtype == g.dtype) or (needs_r and residual.dtype != x.dtype):
+    raise TypeError(
+      "pallas_kernels.hopper: x, w, g and the residual must share one dtype; got "
+      f"{x.dtype}, {w.dtype}, {g.dtype}, {None if residual is None else residual.dtype}"
+    )
+  x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+  r2 = residual.reshape(-1, n) if needs_r else None
+  m = x2.shape[0]
+  t = tiles or hopper_bwd_tiles((m, k, n), needs_r)
+  why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
+  if why is not None:
+    raise ValueError(f"pallas_kernels.hopper: {why}")
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+  def dx_body(g_ref, *refs):
+    *r_ref, w_ref, dx_ref = refs
+    _dx_kernel(g_ref, r_ref[0] if r_ref else None, w_ref, dx_ref, epilogue=epilogue, t=t)
+
+  def dw_body(x_ref, g_ref, *refs):
+    *r_ref, dw_ref = refs
+    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, epilogue=epilogue, t=t)
+
+  r_args = (r2,) if needs_r else ()
+  dx = plgpu.kernel(
+    dx_body,
+    out_type=jax.ShapeDtypeStruct((m, k), x.dtype),
+    grid=(m // t.dx_m, k // t.dx_k),
+    grid_names=("m", "k"),
+    compiler_params=params,
+    interpret=interpret or None,
+  )(g2, *r_args, w)
+  dw = plgpu.kernel(
+    dw_body,
+    out_type=jax.ShapeDtypeStruct((k, n), w.dtype),
+    grid=(k // t.dw_k, n // t.dw_n),
+    grid_names=("k", "n"),
+    compiler_params=params,
+    interpret=interpret or None,
+  )(x2, g2, *r_args)
+  db = None
+  if has_bias:
+    dz = g2.astype(jnp.float32)
+    if needs_r:
+      dz = dz * epilogue.derivative(r2.astype(jnp.float32))
+    db = jnp.sum(dz, axis=0).astype(x.dtype)
+  return dx.reshape(*batch, k), dw, db

@@ -172,6 +172,103 @@ def test_kernel_without_bias_and_output_residual():
   )
 
 
+def backward_reference(x, w, r, g, derivative):
+  """dx, dw, db in float32 from the same bf16/f16 dz the kernels feed to wgmma."""
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  dz = f32(g) if derivative is None else f32(g) * derivative(f32(r))
+  dz = f32(dz.astype(g.dtype))
+  hi = jax.lax.Precision.HIGHEST
+  return jnp.dot(dz, f32(w).T, precision=hi), jnp.dot(f32(x).T, dz, precision=hi), dz.sum(0)
+
+
+@pytest.mark.parametrize(
+  "tiles",
+  [
+    None,  # hopper_bwd_tiles' choice: dx_k 256, dw_k 128, four stages
+    hopper.HopperBwdTiles(dx_k=64, dw_k=64, stages=2),
+    hopper.HopperBwdTiles(dx_m=128, dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, stages=3),
+  ],
+  ids=["default", "narrow_k", "other_steps"],
+)
+@pytest.mark.parametrize("residual", ["output", "input", "none"])
+def test_backward_kernels_over_many_tiles_match_float32_reference(tiles, residual):
+  """dx, dw and db of the Hopper backward over several tiles in every dimension (the pipelines
+  wrap), from y (tanh' = 1 - y^2), from z (tanh' = 1 - tanh(z)^2), and for identity."""
+  x, w, _ = args((384, 512, 1024), jnp.bfloat16, seed=7)
+  g = jax.random.normal(jax.random.key(8), (384, 1024), jnp.float32).astype(jnp.bfloat16)
+  z = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  derivative = {
+    "output": lambda y: 1 - y * y,
+    "input": lambda z: 1 - jnp.tanh(z) ** 2,
+    "none": None,
+  }[residual]
+  r = {"output": jnp.tanh(z), "input": z, "none": None}[residual]
+  r = None if r is None else r.astype(jnp.bfloat16)
+  epilogue = Epilogue(fn=jnp.tanh, derivative=derivative, residual=residual)
+  dx, dw, db = hopper.hopper_dense_bias_act_bwd(
+    x, w, r, g, epilogue=epilogue, has_bias=True, tiles=tiles, interpret=True
+  )
+  assert dx.dtype == dw.dtype == db.dtype == jnp.bfloat16
+  assert (dx.shape, dw.shape, db.shape) == (x.shape, w.shape, (1024,))
+  for got, want in zip((dx, dw, db), backward_reference(x, w, r, g, derivative), strict=True):
+    # One bf16 rounding of the result (float32 accumulation of the same bf16 dz).
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=8e-3 * scale, rtol=8e-3)
+
+
+def test_backward_kernels_batch_dims_and_no_bias():
+  x, w, _ = args((2, 64, 128, 256), jnp.float16, seed=4)
+  g = jax.random.normal(jax.random.key(5), (2, 64, 256), jnp.float32).astype(jnp.float16)
+  y = jax.nn.relu(jnp.dot(x, w)).astype(jnp.float16)
+  relu = Epilogue(fn=None, derivative=lambda y: jnp.where(y > 0, 1.0, 0.0), residual="output")
+  dx, dw, db = hopper.hopper_dense_bias_act_bwd(
+    x, w, y, g, epilogue=relu, has_bias=False, interpret=True
+  )
+  assert db is None and dx.shape == x.shape and dx.dtype == jnp.float16
+  rows = (x.reshape(-1, 128), w, y.reshape(-1, 256), g.reshape(-1, 256))
+  want_dx, want_dw, _ = backward_reference(*rows, relu.derivative)
+  got_dx = np.asarray(dx, np.float32).reshape(-1, 128)
+  np.testing.assert_allclose(got_dx, want_dx, atol=2e-3, rtol=2e-3)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), want_dw, atol=1e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize("k", [4096, 384, 192])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
+def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
+  """hopper_bwd_tiles narrows along K (256, 128, 64) for the K it is given, and picks the deepest
+  pipeline that fits: each configuration lowers (Mosaic GPU checks the shared-memory budget)."""
+  t = hopper.hopper_bwd_tiles((256, k, 256), residual)
+  assert k % t.dx_k == 0 and k % t.dw_k == 0
+  assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
+  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
+  ident = Epilogue(fn=None, derivative=None, residual="none")
+  epilogue = tanh if residual else ident
+
+  def bwd(x, w, r, g):
+    return hopper.hopper_dense_bias_act_bwd(
+      x, w, r if residual else None, g, epilogue=epilogue, has_bias=True
+    )
+
+  x, w, _ = shapes(256, k, 256, jnp.bfloat16)
+  rg = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+  text = lowered_text(bwd, [x, w, rg, rg], "cuda")
+  assert mosaic_calls(text) == 2
+
+
+def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower():
+  t = hopper.HopperBwdTiles(stages=5)
+  assert max(t.smem_bytes(2, True)) > hopper.HOPPER_SMEM
+  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
+
+  def bwd(x, w, r, g):
+    return hopper.hopper_dense_bias_act_bwd(x, w, r, g, epilogue=tanh, has_bias=False, tiles=t)
+
+  x, w, _ = shapes(1024, 1024, 1024, jnp.bfloat16)
+  rg = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+  with pytest.raises(ValueError, match="shared memory"):
+    lowered_text(bwd, [x, w, rg, rg], "cuda")
+
+
 # ---------------------------------------------------------------------- what it supports
 
 
@@ -255,14 +352,17 @@ def mosaic_calls(text: str) -> int:
 )
 def test_every_tile_configuration_lowers_for_h100(name, dtype):
   """hopper_tiles gives four stages with y alone and three with z too: both lower (the shared
-  memory budget and layouts are checked by Mosaic GPU's compiler), forward and backward."""
+  memory budget and layouts are checked by Mosaic GPU's compiler), with the backward kernels'
+  four-stage tiles."""
   m, k, n = 8192, 4096, 4096
   outputs = 2 if jaxact.get_spec(name).residual == "input" else 1
   t = hopper.hopper_tiles((m, k, n), outputs)
   assert t.smem_bytes(2, outputs) <= hopper.HOPPER_SMEM
   assert t.stages == (3 if outputs == 2 else 4)
+  bwd = hopper.hopper_bwd_tiles((m, k, n), residual=name != "identity")
+  assert max(bwd.smem_bytes(2, name != "identity")) <= hopper.HOPPER_SMEM and bwd.stages == 4
   text = lowered_text(train_step(name, "mosaic"), shapes(m, k, n, dtype), "cuda")
-  assert mosaic_calls(text) == 1 and TRITON not in text  # the forward; XLA's backward
+  assert mosaic_calls(text) == 3 and TRITON not in text  # the forward, dx and dw kernels
 
 
 def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
@@ -278,6 +378,9 @@ def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
     lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
 
 
+FORWARD_ONLY = {"mish"}  # its derivative needs log1p, which Mosaic GPU does not lower
+
+
 @pytest.mark.parametrize(
   "name",
   [
@@ -288,8 +391,15 @@ def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
   ],
 )
 def test_every_accepted_activation_lowers_for_h100(name):
-  text = lowered_text(train_step(name, "mosaic"), shapes(256, 128, 512, jnp.bfloat16), "cuda")
-  assert mosaic_calls(text) == 1
+  """None: the forward kernel (XLA's backward); "mosaic": the forward and both backward kernels,
+  for every activation whose derivative Mosaic GPU lowers (the others are refused, naming it)."""
+  fits = shapes(256, 128, 512, jnp.bfloat16)
+  assert mosaic_calls(lowered_text(train_step(name, None), fits, "cuda")) == 1
+  if name in FORWARD_ONLY:
+    with pytest.raises(NotImplementedError, match=r"log1p \(in the derivative"):
+      lowered_text(train_step(name, "mosaic"), fits, "cuda")
+  else:
+    assert mosaic_calls(lowered_text(train_step(name, "mosaic"), fits, "cuda")) == 3
 
 
 def test_none_picks_the_hopper_kernel_on_h100_only():

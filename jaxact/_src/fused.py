@@ -217,8 +217,8 @@ class _Plan:
   # everywhere (interpret mode off CUDA). Only for calls the kernels support (see _src.pallas).
   implementation: str = "xla"
   # Which kernels "auto"/"pallas" run: "triton" (pallas_kernels.dense / bias_act, any CUDA GPU of
-  # compute capability >= 8.0) or "mosaic" (pallas_kernels.hopper: the Mosaic GPU forward for
-  # Hopper, with XLA's backward).
+  # compute capability >= 8.0) or "mosaic" (pallas_kernels.hopper: the Mosaic GPU kernels for
+  # Hopper; under "auto" with the backward HOPPER_BACKWARD names).
   kernels: str = "triton"
   # b's sharding when its type carries one (Explicit mesh axes): db, summed from dz, is sharded like
   # the output's features and must be resharded to match b (a replicated b with column-sharded w).
@@ -372,9 +372,10 @@ def _fused_bwd(plan: _Plan, res, g):
 
 
 def _fused_bwd_unsharded(plan: _Plan, res, g):
-  # The Hopper path's backward is XLA's: cuBLAS's wgmma matmuls around one dz fusion measured
-  # fastest there (see _src.pallas.HOPPER_BACKWARD).
-  if plan.implementation == "xla" or plan.kernels == "mosaic":
+  # None's Hopper path takes XLA's backward: cuBLAS's wgmma matmuls around one dz fusion measured
+  # fastest there (see _src.pallas.HOPPER_BACKWARD); "mosaic" runs the Mosaic GPU backward kernels.
+  hopper_xla = plan.kernels == "mosaic" and plan.implementation == "auto"
+  if plan.implementation == "xla" or (hopper_xla and kernel_dispatch.HOPPER_BACKWARD == "xla"):
     return _xla_bwd(plan, res, g)
   x, w, kept, _ = res
 
@@ -516,7 +517,7 @@ def _kernel_plan(fn_name, plan: _Plan, dense: bool, x, w, implementation: str) -
   support; None ("auto") picks the Hopper kernels on Hopper targets where they apply, the Triton
   kernels on other CUDA GPUs (compute capability >= 8.0), and XLA otherwise, silently."""
   if implementation == "mosaic":
-    why = kernel_dispatch.hopper_unsupported(plan, dense, x, w)
+    why = kernel_dispatch.hopper_unsupported(plan, dense, x, w, backward=True)
     if why is not None:
       raise NotImplementedError(
         f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
@@ -616,9 +617,9 @@ def dense_bias_act(
     implementation: ``None`` (the best available: when lowered for a Hopper GPU, the Mosaic GPU
       forward kernel with XLA's backward for the calls it supports; on other CUDA GPUs the Triton
       kernels for the calls they support; XLA otherwise), ``"xla"``, ``"pallas"`` (the Triton
-      kernels) or ``"mosaic"`` (the Hopper kernel: bfloat16/float16, ``M`` a multiple of 128,
-      ``N`` of 256, ``K`` of 64). Kernels run in interpret mode off CUDA; calls they do not
-      support raise ``NotImplementedError``.
+      kernels) or ``"mosaic"`` (the Hopper kernels, forward and backward: bfloat16/float16, ``M``
+      a multiple of 128, ``N`` of 256, ``K`` of 64). Kernels run in interpret mode off CUDA;
+      calls they do not support raise ``NotImplementedError``.
 
   Returns:
     ``activation(x @ w + b)``, of shape ``(..., out)``.
@@ -756,7 +757,7 @@ def conv_bias_act(
     implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"mosaic"``: with the Pallas kernels,
       the convolution and its transposes stay with XLA and the bias + activation epilogue and its
       backward (dz and db in one pass) are kernels; channels-last outputs only. ``"mosaic"`` (the
-      Hopper dense kernel) applies to 1x1 unit-stride convolutions only, which are dense layers.
+      Hopper dense kernels) applies to 1x1 unit-stride convolutions only, which are dense layers.
 
   Returns:
     ``activation(conv(x, w) + b)``.

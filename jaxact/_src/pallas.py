@@ -16,8 +16,9 @@ row, says which fused calls the kernels support, and runs them behind
 On a Hopper target (the abstract mesh's device, else the CUDA devices this process sees: H100,
 H200, ...), ``None`` runs dense layers with the Mosaic GPU forward kernel
 (``pallas_kernels.hopper``) and XLA's backward, for the calls that kernel supports
-(:func:`hopper_unsupported`), and XLA for the rest; ``"mosaic"`` forces that path (interpret mode
-off CUDA). Why: :data:`HOPPER_BACKWARD` and :data:`XLA_FASTER`.
+(:func:`hopper_unsupported`), and XLA for the rest; ``"mosaic"`` forces the Hopper kernels, the
+Mosaic GPU backward kernels too (interpret mode off CUDA). Why: :data:`HOPPER_BACKWARD` and
+:data:`XLA_FASTER`.
 
 ``pallas_kernels`` is imported on first use, so ``import jaxact`` does not load Pallas.
 """
@@ -91,7 +92,9 @@ XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3
 # dz + db Pallas kernel before cuBLAS and the fused Triton backward kernels: (8192, 4096, 4096)
 # relu 1.19 against 1.29 and 2.21, gelu 1.34 against 1.40 and 4.44; (16384, 1024, 4096) relu 0.76
 # against 0.87 and 1.20. cuBLAS runs both backward products at ~700 TFLOP/s; the dz pass they read
-# is ~6% of the step.
+# is ~6% of the step. The Mosaic GPU backward kernels (pallas_kernels.hopper, dz formed in shared
+# memory inside both matmuls: one activation-sized array less in the step) run under "mosaic"; they
+# are not timed on a GPU yet (benchmarks.gpu_check --sections hopper,hopper-bwd), so None keeps XLA.
 HOPPER_BACKWARD = "xla"
 
 
@@ -102,8 +105,11 @@ def targets_hopper() -> bool:
   return is_hopper(target_device_kind())
 
 
-def hopper_unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None:
-  """Why the Hopper (Mosaic GPU) forward kernel cannot run this fused call, or None."""
+def hopper_unsupported(
+  plan: Any, dense: bool, x: Array, w: Array, backward: bool = False
+) -> str | None:
+  """Why the Hopper (Mosaic GPU) forward kernel (and with `backward` the backward kernels too)
+  cannot run this fused call, or None."""
   if not dense:
     return "the Hopper kernel is a dense layer (convolutions other than 1x1 are not)"
   why = unsupported(plan, dense, x, w)
@@ -113,11 +119,13 @@ def hopper_unsupported(plan: Any, dense: bool, x: Array, w: Array) -> str | None
     # Not yet run per shard: Mosaic GPU's interpreter fails under an 8-device shard_map on CPU
     # ("Barrier remains allocated", jax 0.12), so the per-shard path could not be tested.
     return "inputs sharded over a mesh (the Mosaic GPU kernel is not run per shard yet)"
-  from pallas_kernels.hopper import hopper_unsupported as kernel_unsupported
+  from pallas_kernels import hopper
 
-  return kernel_unsupported(
-    pallas_sharding.dense_shard_shape(x, w), x.dtype, plan.out_dtype, _epilogue(plan)
-  )
+  shape = pallas_sharding.dense_shard_shape(x, w)
+  why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, _epilogue(plan))
+  if why is None and backward:
+    why = hopper.hopper_bwd_unsupported(shape, x.dtype, _epilogue(plan))
+  return why
 
 
 def auto_prefers_xla(dense: bool) -> str | None:
@@ -286,9 +294,17 @@ def backward(
     dx, dw = transposes(x, w, dz)
     return dx, dw, None if db is None else db.astype(x.dtype)
 
+  def hopper_kernels(x, w, kept, g, *, interpret):
+    from pallas_kernels.hopper import hopper_dense_bias_act_bwd
+
+    return hopper_dense_bias_act_bwd(
+      x, w, kept, g, epilogue=_epilogue(plan), has_bias=plan.has_bias, interpret=interpret
+    )
+
   if _is_dense(plan):
-    kernels = pallas_sharding.dense_backward(dense_kernels)
-    return _switch((x, w, kept, g), kernels, xla, implementation)
+    mosaic = plan.kernels == "mosaic"
+    kernels = pallas_sharding.dense_backward(hopper_kernels if mosaic else dense_kernels)
+    return _switch((x, w, kept, g), kernels, xla, implementation, mosaic)
   return _switch((x, w, kept, g), conv_kernels, xla, implementation)
 
 

@@ -187,6 +187,15 @@ def _relu6(x):
   return jnp.minimum(jnp.maximum(x, 0.0), 6.0)
 
 
+def _sign_bit(y: Array) -> Array:
+  """``jnp.signbit(y)`` for floats, as a comparison of y's bits with zero: the same bit, in
+  operations Mosaic GPU lowers (jnp.signbit converts an int32 to bool, which it does not)."""
+  y = jnp.asarray(y)
+  return (
+    lax.bitcast_convert_type(y, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[y.dtype.itemsize]) < 0
+  )
+
+
 def _leaky_relu(x, negative_slope):
   return jnp.where(x >= 0, x, negative_slope * x)
 
@@ -369,7 +378,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     fn=_leaky_relu,
     # The sign bit, not y >= 0: slope * x underflows to -0.0 for tiny negative x (|x| < ~1e-36 in
     # float32 with flush-to-zero), and the sign survives the flush.
-    d_output=lambda y, negative_slope: jnp.where(jnp.signbit(y), negative_slope, 1.0),
+    d_output=lambda y, negative_slope: jnp.where(_sign_bit(y), negative_slope, 1.0),
     d_input=lambda x, negative_slope: jnp.where(x >= 0, 1.0, negative_slope),
     output_ok=lambda negative_slope: _all_positive(negative_slope),
     fallback="`negative_slope <= 0` or traced",
