@@ -8,8 +8,10 @@ data- and column-parallel dense on a 2x4 ``("data", "model")`` mesh, batch dimen
 axes, no bias, a data-parallel 1x1 convolution, a data-parallel elementwise kernel pair (a
 convolution's bias-and-activation epilogue), replicated operands on an Explicit mesh, an Explicit
 axis beside an Auto one, and a pattern the kernels do not cover (the contraction dimension
-sharded). The CUDA lowering of sharded calls and the reasons given for unsupported patterns are
-checked in this process: an abstract mesh of 8 CUDA devices needs no GPU.
+sharded); and ``implementation="mosaic"`` (the Hopper kernels in Mosaic GPU's interpreter, bf16)
+data-parallel and data- and column-parallel. The CUDA lowering of sharded calls and the reasons
+given for unsupported patterns are checked in this process: an abstract mesh of 8 CUDA devices
+(A100s, H100s) needs no GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 # Sharded and one-device kernels differ only in the order partial sums are added (float32).
 RTOL = 1e-6
 XLA_RTOL = 2e-5  # as tests/test_pallas.py: the kernels against XLA:CPU
+# The Mosaic GPU (Hopper) cases are bfloat16: each device's dw and db (and, column-parallel, dx)
+# are bfloat16 partial sums that the all-reduce adds, a few roundings (2^-8) of the largest entry.
+BF16_RTOL = 2e-2
+MOSAIC = "mosaic_gpu_v2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Want:
   shard: list[int]  # the per-shard shape of the first operand of the first kernel
   kernels: int = 6  # forward, dx, dw; in the CUDA and the interpret branch of platform_dependent
   collectives: tuple[str, ...] = ("all-reduce",)  # dw, db (and, column-parallel, dx) are summed
+  rtol: float = RTOL  # against one device (errs), and against XLA (xla_errs, at least XLA_RTOL)
 
 
 CASES = {
@@ -65,6 +72,13 @@ CASES = {
     ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [36, 10], 4
   ),
   "elementwise_dp": Want(["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
+  # implementation="mosaic": the Hopper forward and backward kernels (Mosaic GPU's interpreter).
+  "mosaic_dp": Want(
+    ["P()", "P('data', None)", "P(None, None)", "P(None,)"], [128, 64], rtol=BF16_RTOL
+  ),
+  "mosaic_dp_tp": Want(
+    ["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [128, 64], rtol=BF16_RTOL
+  ),
 }
 
 
@@ -79,9 +93,9 @@ def get(results, name: str) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_same_value_and_gradients_as_one_device(results, name):
-  result = get(results, name)
-  assert max(result["errs"]) < RTOL, result["errs"]
-  assert max(result["xla_errs"]) < XLA_RTOL, result["xla_errs"]
+  result, rtol = get(results, name), CASES[name].rtol
+  assert max(result["errs"]) < rtol, result["errs"]
+  assert max(result["xla_errs"]) < max(rtol, XLA_RTOL), result["xla_errs"]
   # The outputs keep the inputs' shardings: nothing is gathered to one device's full copy.
   assert result["specs"] == CASES[name].specs
 
@@ -127,9 +141,9 @@ def test_unsupported_pattern_falls_back_or_raises(results):
 # ------------------------------------------------------------- this process: abstract meshes
 
 
-def cuda_mesh(shape, names) -> AbstractMesh:
-  # An A100: on Hopper `implementation=None` keeps XLA for dense layers (measured faster there).
-  device = AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=None, platform="cuda")
+def cuda_mesh(shape, names, kind="NVIDIA A100-SXM4-80GB") -> AbstractMesh:
+  # An A100 by default: the Triton kernels (on Hopper `None` runs the Mosaic GPU kernels or XLA).
+  device = AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
   return AbstractMesh(shape, names, (AxisType.Explicit,) * len(names), abstract_device=device)
 
 
@@ -212,3 +226,68 @@ def test_sharded_call_lowers_for_cuda_to_triton_per_shard(mesh_shape, names, spe
   assert all(f"tensor<{shard_x}>" in r[0] for r in regions)
   assert "all_reduce" in text
   assert "all_gather" not in text
+
+
+@pytest.mark.parametrize("implementation", [None, "mosaic"], ids=["none", "mosaic"])
+@pytest.mark.parametrize(
+  "mesh_shape, names, specs, shapes",
+  [
+    ((8,), ("data",), [P("data", None), P(), P()], ((1024, 64), (64, 256), (256,))),
+    (
+      (2, 4),
+      ("data", "model"),
+      [P("data", None), P(None, "model"), P("model")],
+      ((256, 64), (64, 1024), (1024,)),
+    ),
+  ],
+  ids=["data-parallel", "data-and-column-parallel"],
+)
+def test_sharded_call_lowers_for_h100_to_mosaic_per_shard(
+  mesh_shape, names, specs, shapes, implementation
+):
+  """Lowered for 8 H100s, the Mosaic GPU calls sit inside shard_map regions taking 128 x 64 row
+  blocks of x: the forward under None (whose backward is XLA's), forward, dx and dw under
+  "mosaic" (whose gradients are all-reduced); nothing is all-gathered."""
+  mesh = cuda_mesh(mesh_shape, names, "NVIDIA H100 80GB HBM3")
+
+  def loss(x, w, b):
+    y = jaxact.dense_bias_act(x, w, b, activation="gelu", implementation=implementation)
+    return jnp.sum(y.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    args = [
+      jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+      for shape, spec in zip(shapes, specs, strict=True)
+    ]
+    text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+  regions = manual_regions(text)
+  mosaic = [sum(f"custom_call @{MOSAIC}(" in line for line in r) for r in regions]
+  assert mosaic == ([1] if implementation is None else [1, 2])
+  assert text.count(f"custom_call @{MOSAIC}(") == sum(mosaic)  # none outside
+  assert all("tensor<128x64xbf16>" in r[0] for r in regions)
+  assert TRITON not in text
+  # The kernels' gradients are summed in the program; XLA's backward (None) is partitioned later.
+  assert ("all_reduce" in text) == (implementation == "mosaic")
+  assert "all_gather" not in text
+
+
+def test_mosaic_reason_names_the_per_device_block():
+  """A sharded layer whose per-device block the Hopper kernels do not take: "mosaic" says which
+  block; None takes XLA (no Mosaic GPU call)."""
+  mesh = cuda_mesh((8,), ("data",), "NVIDIA H100 80GB HBM3")
+
+  def loss(implementation):
+    def f(x, w):
+      y = jaxact.dense_bias_act(x, w, None, activation="gelu", implementation=implementation)
+      return jnp.sum(y.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(f, (0, 1)))
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    x = jax.ShapeDtypeStruct((8 * 64, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    with pytest.raises(NotImplementedError, match=r"M=64 is not .* in each device's block"):
+      loss("mosaic").trace(x, w)
+    text = loss(None).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert MOSAIC not in text and TRITON not in text

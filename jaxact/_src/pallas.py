@@ -25,6 +25,7 @@ Mosaic GPU backward kernels too (interpret mode off CUDA). Why: :data:`HOPPER_BA
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -115,16 +116,15 @@ def hopper_unsupported(
   why = unsupported(plan, dense, x, w)
   if why is not None:
     return why
-  if any(pallas_sharding.spec_of(x)) or any(pallas_sharding.spec_of(w)):
-    # Not yet run per shard: Mosaic GPU's interpreter fails under an 8-device shard_map on CPU
-    # ("Barrier remains allocated", jax 0.12), so the per-shard path could not be tested.
-    return "inputs sharded over a mesh (the Mosaic GPU kernel is not run per shard yet)"
   from pallas_kernels import hopper
 
-  shape = pallas_sharding.dense_shard_shape(x, w)
+  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, _epilogue(plan))
   if why is None and backward:
     why = hopper.hopper_bwd_unsupported(shape, x.dtype, _epilogue(plan))
+  whole = (math.prod(x.shape[:-1]), *w.shape)
+  if why is not None and shape != whole:
+    why = f"{why}, in each device's block of the sharded layer ((M, K, N) = {shape})"
   return why
 
 
