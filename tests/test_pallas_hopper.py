@@ -429,3 +429,21 @@ def test_target_detection():
   with jax.sharding.use_abstract_mesh(cuda_mesh("A100")):
     assert not kernel_dispatch.targets_hopper()
   assert hopper.num_sms() > 0
+
+
+def test_backward_kernels_reject_bad_operands():
+  x, w, _ = args((128, 64, 256), jnp.bfloat16)
+  g = jnp.ones((128, 256), jnp.bfloat16)
+  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
+  bwd = functools.partial(hopper.hopper_dense_bias_act_bwd, epilogue=tanh, has_bias=True)
+  with pytest.raises(ValueError, match=r"`g` must have shape \(128, 256\); got \(128, 128\)"):
+    bwd(x, w, g, g[:, :128])
+  with pytest.raises(ValueError, match="'output' epilogue needs the residual"):
+    bwd(x, w, None, g)
+  with pytest.raises(TypeError, match="must share one dtype"):
+    bwd(x, w, g.astype(jnp.float16), g)
+  with pytest.raises(ValueError, match="float32"):
+    bwd(*(a.astype(jnp.float32) for a in (x, w, g, g)))
+  assert "(in the derivative)" in hopper.hopper_bwd_unsupported(
+    (128, 64, 256), jnp.bfloat16, Epilogue(jnp.tanh, jnp.log1p, "input")
+  )
