@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -655,6 +656,16 @@ def section_eltwise(runs, size=1 << 28):
 HOPPER_SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192))
 
 
+def _xla_backward(ep, x, w, r, g):
+  """``(dx, dw, db)`` as jaxact's XLA backward forms them: a dz fusion (the 16-bit dz behind a
+  barrier for input-residual activations), db summed from it, cuBLAS dx and dw."""
+  dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
+  if ep.residual == "input":
+    dz = lax.optimization_barrier(dz)
+  db = jnp.sum(dz, 0, dtype=jnp.float32).astype(x.dtype)
+  return jnp.dot(dz, w.T), jnp.dot(x.T, dz), db
+
+
 def _hopper_layer(name, backward):
   """``act(x @ w + b)`` with the Hopper forward kernel and one of the backward options.
 
@@ -680,12 +691,8 @@ def _hopper_layer(name, backward):
     if backward == "triton":
       return dense_bias_act_bwd(x, w, r, g, epilogue=ep, has_bias=True)
     if backward == "xla":
-      dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
-      if ep.residual == "input":  # as jaxact's XLA backward (16-bit dz behind a barrier)
-        dz = lax.optimization_barrier(dz)
-      db = jnp.sum(dz, 0, dtype=jnp.float32)
-    else:
-      dz, db = bias_act_bwd(g, r, epilogue=ep, has_bias=True, dz_dtype=x.dtype)
+      return _xla_backward(ep, x, w, r, g)
+    dz, db = bias_act_bwd(g, r, epilogue=ep, has_bias=True, dz_dtype=x.dtype)
     dw = jnp.dot(x.T, dz)
     dx = jnp.dot(dz, w.T)
     return dx, dw, db.astype(x.dtype)
@@ -869,15 +876,6 @@ def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
     "|---|---|---|---|---|---|",
   ]
 
-  def xla_bwd(ep):
-    def f(x, w, r, g):
-      dz = (g.astype(jnp.float32) * ep.derivative(r.astype(jnp.float32))).astype(x.dtype)
-      if ep.residual == "input":
-        dz = lax.optimization_barrier(dz)
-      return jnp.dot(dz, w.T), jnp.dot(x.T, dz), jnp.sum(dz, 0, dtype=jnp.float32).astype(x.dtype)
-
-    return f
-
   for m, k, n in shapes:
     for name in ("relu", "gelu"):
       ep = _epilogue(name)
@@ -888,7 +886,7 @@ def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
         sets.append((x, w, (ep.fn(z) if ep.residual == "output" else z).astype(x.dtype), g))
       args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sets[0]]
       default = hopper_bwd_tiles((m, k, n))
-      paths = {"xla (dz fusion + cuBLAS)": xla_bwd(ep)}
+      paths = {"xla (dz fusion + cuBLAS)": functools.partial(_xla_backward, ep)}
       for t in (
         default,
         dataclasses.replace(default, stages=2),

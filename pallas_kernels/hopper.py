@@ -121,13 +121,18 @@ def _primitives(jaxpr) -> set[str]:
   return names
 
 
-def epilogue_unsupported(epilogue: Epilogue) -> str | None:
-  """Why Mosaic GPU cannot lower `epilogue.fn` in the kernel, or None."""
-  jaxpr = jax.make_jaxpr(epilogue.fn)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+def _unlowerable(fn, where: str) -> str | None:
+  """Why Mosaic GPU cannot lower `fn` (applied to a float32 tile) in a kernel, or None."""
+  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
   missing = _primitives(jaxpr.jaxpr) - _lowerable_primitives()
   if missing:
-    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the activation)"
+    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the {where})"
   return None
+
+
+def epilogue_unsupported(epilogue: Epilogue) -> str | None:
+  """Why Mosaic GPU cannot lower `epilogue.fn` in the kernel, or None."""
+  return _unlowerable(epilogue.fn, "activation")
 
 
 def hopper_unsupported(
@@ -404,11 +409,7 @@ def hopper_bwd_unsupported(
       return f"{name}={d} is not a multiple of {step} (the Hopper backward kernels' tile)"
   if epilogue.residual == "none":
     return None
-  jaxpr = jax.make_jaxpr(epilogue.derivative)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
-  missing = _primitives(jaxpr.jaxpr) - _lowerable_primitives()
-  if missing:
-    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the derivative)"
-  return None
+  return _unlowerable(epilogue.derivative, "derivative")
 
 
 def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, chunk: int = 64):
