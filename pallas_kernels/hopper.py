@@ -22,7 +22,7 @@ and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_
 The backward (:func:`hopper_dense_bias_act_bwd`) is two more kernels, ``dx = dz @ w.T`` and
 ``dw = x.T @ dz``, each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual
 its pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz
-never reaches device memory. ``db`` is one XLA reduction over ``g`` and the residual. jaxact runs
+never reaches device memory; ``db`` is summed in the ``dw`` kernel from the same dz. jaxact runs
 them under ``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper until they are
 measured faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
 """
@@ -412,22 +412,32 @@ def hopper_bwd_unsupported(
   return _unlowerable(epilogue.derivative, "derivative")
 
 
-def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, chunk: int = 64):
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, sums=None, chunk: int = 64):
   """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
-  ready to be a wgmma operand; nothing to do for identity (``dz = g``).
+  ready to be a wgmma operand; nothing to write for identity (``dz = g``).
 
   Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
   64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
+  With `sums` (one float32 vector per block), returns them plus the column sums of this tile's dz
+  as wgmma reads it (rounded to the operand dtype): ``db``'s running total.
   """
-  if r_smem is None:
-    return
   cols = g_smem.shape[1]
-  for c in range(0, cols, chunk):
+  out = []
+  for i, c in enumerate(range(0, cols, chunk)):
     block = (slice(None), pl.ds(c, min(chunk, cols - c)))
-    g, r = g_smem.at[block], r_smem.at[block]
-    dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
-    g[...] = dz.astype(g_smem.dtype)
-  plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
+    g = g_smem.at[block]
+    if r_smem is None:
+      dz = g[...]
+    else:
+      r = r_smem.at[block]
+      dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
+      dz = dz.astype(g_smem.dtype)
+      g[...] = dz
+    if sums is not None:
+      out.append(sums[i] + jnp.sum(dz.astype(jnp.float32), axis=0))
+  if r_smem is not None:
+    plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
+  return None if sums is None else tuple(out)
 
 
 def _store_tile(acc, out_gmem, rows, cols):
@@ -473,10 +483,12 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
   _store_tile(acc, dx_gmem, rows, cols)
 
 
-def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
-  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]`` with dz written over g's shared tile."""
+def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]`` with dz written over g's shared tile; with
+  `db_gmem`, the CTAs of the first row of K tiles also sum dz's columns into ``db[ni]``."""
   m = x_gmem.shape[0]
-  rows = pl.ds(lax.axis_index("k") * t.dw_k, t.dw_k)
+  k_index = lax.axis_index("k")
+  rows = pl.ds(k_index * t.dw_k, t.dw_k)
   cols = pl.ds(lax.axis_index("n") * t.dw_n, t.dw_n)
   x_spec = plgpu.BlockSpec(
     (t.dw_m, t.dw_k), lambda s: (s, 0), transforms=_transforms(t.dw_k, x_gmem.dtype)
@@ -484,23 +496,47 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: Hopper
   gr_spec = plgpu.BlockSpec(
     (t.dw_m, t.dw_n), lambda s: (s, 0), transforms=_transforms(t.dw_n, g_gmem.dtype)
   )
+  specs = [x_spec, gr_spec] + ([] if r_gmem is None else [gr_spec])
+  operands = [x_gmem.at[:, rows], g_gmem.at[:, cols]]
+  operands += [] if r_gmem is None else [r_gmem.at[:, cols]]
 
-  def scope(acc_ref):
-    def step(_, x_smem, g_smem, *r_smem):
-      _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None)
-      plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), g_smem)
-      plgpu.wgmma_wait(0)
+  def dw_tile(with_db: bool):
+    def scope(acc_ref):
+      def step(_, x_smem, g_smem, *rest):
+        r_smem, sums = rest[: len(rest) - with_db], rest[len(rest) - with_db :]
+        sums = _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None, *sums)
+        plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), g_smem)
+        plgpu.wgmma_wait(0)
+        return sums
 
-    specs = [x_spec, gr_spec] + ([] if r_gmem is None else [gr_spec])
-    operands = [x_gmem.at[:, rows], g_gmem.at[:, cols]]
-    operands += [] if r_gmem is None else [r_gmem.at[:, cols]]
-    plgpu.emit_pipeline(step, grid=(m // t.dw_m,), in_specs=specs, max_concurrent_steps=t.stages)(
-      *operands
-    )
-    return acc_ref[...]
+      chunks = [min(64, t.dw_n - c) for c in range(0, t.dw_n, 64)]
+      init = tuple(jnp.zeros((c,), jnp.float32) for c in chunks) if with_db else None
+      sums = plgpu.emit_pipeline(
+        step,
+        grid=(m // t.dw_m,),
+        in_specs=specs,
+        max_concurrent_steps=t.stages,
+        init_carry=init,
+      )(*operands)
+      return acc_ref[...], sums
 
-  acc = pl.run_scoped(scope, plgpu.ACC((t.dw_k, t.dw_n), jnp.float32))
-  _store_tile(acc, dw_gmem, rows, cols)
+    acc, sums = pl.run_scoped(scope, plgpu.ACC((t.dw_k, t.dw_n), jnp.float32))
+    _store_tile(acc, dw_gmem, rows, cols)
+    if with_db:
+
+      @functools.partial(pl.run_scoped, db_smem=plgpu.SMEM((t.dw_n,), jnp.float32))
+      def _(db_smem):
+        for i, s in enumerate(sums):
+          db_smem[pl.ds(64 * i, s.shape[0])] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(db_smem, db_gmem.at[cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  if db_gmem is None:
+    dw_tile(with_db=False)
+  else:  # one CTA per column tile sums dz; the others skip the reductions
+    pl.when(k_index == 0)(lambda: dw_tile(with_db=True))
+    pl.when(k_index != 0)(lambda: dw_tile(with_db=False))
 
 
 def hopper_dense_bias_act_bwd(
@@ -518,7 +554,8 @@ def hopper_dense_bias_act_bwd(
 
   Two Mosaic GPU kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, each forming
   ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
-  memory. ``db = sum(dz, rows)`` is one XLA reduction over `g` and `residual` (no dz array either).
+  memory. ``db = sum(dz, rows)`` is summed in the same pass, by the ``dw`` kernel's CTAs of the
+  first row of K tiles (float32 totals of the dz wgmma reads).
   """
   batch, (k, n) = x.shape[:-1], w.shape
   if g.shape != (*batch, n):
@@ -550,8 +587,8 @@ def hopper_dense_bias_act_bwd(
     _dx_kernel(g_ref, r_ref[0] if r_ref else None, w_ref, dx_ref, epilogue=epilogue, t=t)
 
   def dw_body(x_ref, g_ref, *refs):
-    *r_ref, dw_ref = refs
-    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, epilogue=epilogue, t=t)
+    *r_ref, dw_ref, db_ref = refs if has_bias else (*refs, None)
+    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, db_ref, epilogue=epilogue, t=t)
 
   r_args = (r2,) if needs_r else ()
   dx = plgpu.kernel(
@@ -562,9 +599,11 @@ def hopper_dense_bias_act_bwd(
     compiler_params=params,
     interpret=interpret or None,
   )(g2, *r_args, w)
+  dw_type = jax.ShapeDtypeStruct((k, n), w.dtype)
+  db_type = jax.ShapeDtypeStruct((n,), jnp.float32)
   dw = plgpu.kernel(
     dw_body,
-    out_type=jax.ShapeDtypeStruct((k, n), w.dtype),
+    out_type=(dw_type, db_type) if has_bias else dw_type,
     grid=(k // t.dw_k, n // t.dw_n),
     grid_names=("k", "n"),
     compiler_params=params,
@@ -572,8 +611,5 @@ def hopper_dense_bias_act_bwd(
   )(x2, g2, *r_args)
   db = None
   if has_bias:
-    dz = g2.astype(jnp.float32)
-    if needs_r:
-      dz = dz * epilogue.derivative(r2.astype(jnp.float32))
-    db = jnp.sum(dz, axis=0).astype(x.dtype)
+    dw, db = dw[0], dw[1].astype(x.dtype)
   return dx.reshape(*batch, k), dw, db
