@@ -865,9 +865,17 @@ def section_hopper(runs, dot_tflops=None, shapes=HOPPER_SHAPES, sweep=True):
   return out, lines
 
 
+def _bwd_tiling(t) -> str:
+  """A backward tiling in a table cell: warpgroups, per-warpgroup dx and dw tiles, stages."""
+  return (
+    f"(wgs {t.wgs}; dx {t.dx_m}x{t.dx_k} by {t.dx_n}, {t.dx_stages} st; "
+    f"dw {t.dw_k}x{t.dw_n} by {t.dw_m}, {t.dw_stages} st)"
+  )
+
+
 def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
   """The Mosaic GPU backward kernels alone against XLA's backward, for a few tilings."""
-  from pallas_kernels.hopper import HopperBwdTiles, hopper_bwd_tiles, hopper_dense_bias_act_bwd
+  from pallas_kernels.hopper import hopper_bwd_variants, hopper_dense_bias_act_bwd
 
   out = {"bwd": []}
   lines = ["backward alone, bf16: dx, dw, db from (x, w, residual, g) (ms; temp MiB)", ""]
@@ -885,15 +893,9 @@ def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
         z = jnp.dot(x, w) + b
         sets.append((x, w, (ep.fn(z) if ep.residual == "output" else z).astype(x.dtype), g))
       args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in sets[0]]
-      default = hopper_bwd_tiles((m, k, n))
       paths = {"xla (dz fusion + cuBLAS)": functools.partial(_xla_backward, ep)}
-      for t in (
-        default,
-        dataclasses.replace(default, stages=2),
-        HopperBwdTiles(dx_m=64, dx_k=128, dx_n=64, dw_k=128, dw_n=64, dw_m=64, stages=3),
-        HopperBwdTiles(dx_m=128, dx_k=128, dx_n=64, dw_k=128, dw_n=128, dw_m=64, stages=3),
-      ):
-        paths[f"mosaic {dataclasses.astuple(t)}"] = lambda x, w, r, g, t=t, ep=ep: (
+      for variant, t in hopper_bwd_variants((m, k, n), ep.residual != "none").items():
+        paths[f"mosaic {variant} {_bwd_tiling(t)}"] = lambda x, w, r, g, t=t, ep=ep: (
           hopper_dense_bias_act_bwd(x, w, r, g, epilogue=ep, has_bias=True, tiles=t)
         )
       for path, f in paths.items():

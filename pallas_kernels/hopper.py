@@ -20,9 +20,12 @@ and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_
 ``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers.
 
 The backward (:func:`hopper_dense_bias_act_bwd`) is two more kernels, ``dx = dz @ w.T`` and
-``dw = x.T @ dz``, each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual
-its pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz
-never reaches device memory; ``db`` is summed in the ``dw`` kernel from the same dz. jaxact runs
+``dw = x.T @ dz``, warp-specialized the same way (one memory warpgroup, two compute warpgroups,
+each on its own rows of dx or columns of dw), each forming ``dz = g * act'(residual)`` from the
+tiles of ``g`` and the residual its pipeline brings in and writing it over ``g``'s shared-memory
+tile before wgmma reads it: dz never reaches device memory, and while one compute warpgroup does
+that arithmetic the other's wgmma runs. ``db`` is summed in the ``dw`` kernel from the same dz,
+and every output leaves through shared memory by TMA in double-buffered sub-tiles. jaxact runs
 them under ``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper until they are
 measured faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
 """
@@ -162,6 +165,33 @@ def _transforms(cols: int, dtype) -> tuple[Any, ...]:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _write_tile(z, values, outs, out_smem) -> None:
+  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`, each of z's shape) by TMA,
+  sub-tile by sub-tile through `out_smem` (``(len(outs), 2, epi_m, epi_n)``: two slots an
+  output), keeping one store group in flight while the next sub-tile is computed."""
+  rows, cols = z.shape
+  epi_m, epi_n = out_smem.shape[-2:]
+  # The previous tile's stores must have read out_smem before it is overwritten.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for em in range(rows // epi_m):
+    for en in range(cols // epi_n):
+      sub = (slice(em * epi_m, (em + 1) * epi_m), slice(en * epi_n, (en + 1) * epi_n))
+      slot = (em * (cols // epi_n) + en) % 2
+      vals = values(z[sub])
+      # The slot written now was read by the store two sub-tiles ago.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      for o, v in enumerate(vals):
+        out_smem[o, slot] = v.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      for o, ref in enumerate(outs):
+        plgpu.copy_smem_to_gmem(
+          out_smem.at[o, slot],
+          ref.at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)],
+          commit_group=False,
+        )
+      plgpu.commit_smem_to_gmem_group()
+
+
 def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t: HopperTiles):
   m, k = x_gmem.shape
   n = w_gmem.shape[1]
@@ -231,31 +261,8 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
             plgpu.barrier_wait(bias_barrier.at[wg])
             bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
             z = z + lax.broadcast_in_dim(bias.astype(jnp.float32), z.shape, [1])
-          # The previous tile's stores must have read out_smem before it is overwritten.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for em in range(t.tile_m // t.epi_m):
-            for en in range(t.tile_n // t.epi_n):
-              sub = (
-                slice(em * t.epi_m, (em + 1) * t.epi_m),
-                slice(en * t.epi_n, (en + 1) * t.epi_n),
-              )
-              slot = (em * (t.tile_n // t.epi_n) + en) % 2
-              z_sub = z[sub]
-              values = (epilogue.fn(z_sub), z_sub)[: len(outs)]
-              # Keep one store group in flight: the slot written now was read two stores ago.
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              for o, v in enumerate(values):
-                out_smem[wg, o, slot] = v.astype(out_dtype)
-              plgpu.commit_smem()
-              for o, ref in enumerate(outs):
-                plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg, o, slot],
-                  ref.at[m_slice, n_slice].at[
-                    pl.ds(em * t.epi_m, t.epi_m), pl.ds(en * t.epi_n, t.epi_n)
-                  ],
-                  commit_group=False,
-                )
-              plgpu.commit_smem_to_gmem_group()
+          values = lambda z_sub: (epilogue.fn(z_sub), z_sub)[: len(outs)]
+          _write_tile(z, values, [o.at[m_slice, n_slice] for o in outs], out_smem.at[wg])
 
       def mma(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
@@ -346,16 +353,22 @@ def hopper_dense_bias_act_fwd(
 
 @dataclasses.dataclass(frozen=True)
 class HopperBwdTiles:
-  """Tiling of the Hopper backward kernels (one warpgroup per CTA, ``stages``-deep TMA pipeline).
+  """Tiling of the Hopper backward kernels.
+
+  Each CTA has ``wgs`` compute warpgroups and one memory warpgroup streaming tiles by TMA into a
+  ``stages``-deep ring (``plgpu.emit_pipeline_warp_specialized``). Each compute warpgroup owns its
+  own part of the ``g`` and residual tiles, turns it into ``dz`` over ``g``'s shared-memory buffer
+  and runs wgmma on it (against ``w``, or ``x``, read transposed from shared memory); with two,
+  one warpgroup's dz arithmetic overlaps the other's wgmma.
 
   Attributes:
-    dx_m, dx_k: the ``dx`` tile of one CTA; its contraction runs over N in steps of ``dx_n``.
-    dw_k, dw_n: the ``dw`` tile of one CTA; its contraction runs over M in steps of ``dw_m``.
-    stages: pipeline depth of both kernels.
-
-  In both kernels ``dz`` is formed from the ``g`` and residual tiles of a step and written over
-  ``g``'s shared-memory buffer, from which wgmma reads it (against ``w``, or ``x``, read
-  transposed from shared memory).
+    dx_m, dx_k: the ``dx`` tile of one compute warpgroup (a CTA: ``wgs * dx_m`` rows, the
+      warpgroups one above the other); its contraction runs over N in steps of ``dx_n``.
+    dw_k, dw_n: the ``dw`` tile of one compute warpgroup (a CTA: ``wgs * dw_n`` columns, side by
+      side); its contraction runs over M in steps of ``dw_m``.
+    dx_stages, dw_stages: pipeline depth of each kernel.
+    wgs: compute warpgroups per CTA (1 or 2).
+    epi: the square sub-tile in which results go out through shared memory (double-buffered).
   """
 
   dx_m: int = 64
@@ -364,34 +377,75 @@ class HopperBwdTiles:
   dw_k: int = 128
   dw_n: int = 128
   dw_m: int = 64
-  stages: int = 3
+  dx_stages: int = 3
+  dw_stages: int = 2
+  wgs: int = 2
+  epi: int = 64
 
   def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
-    """Shared memory of the ``dx`` and ``dw`` kernels (pipeline ring plus the output tile)."""
+    """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, db, and 3 KiB for
+    the pipeline's barriers and alignment: 2112 bytes at (dw_stages=4, wgs=2) by Mosaic GPU's
+    count)."""
     inputs = 2 if residual else 1  # g and the residual
-    dx = self.stages * (inputs * self.dx_m + self.dx_k) * self.dx_n + self.dx_m * self.dx_k
-    dw = self.stages * (self.dw_k + inputs * self.dw_n) * self.dw_m + self.dw_k * self.dw_n
-    return dx * itemsize + 1024, dw * itemsize + 1024
+    out = self.wgs * 2 * self.epi * self.epi * itemsize
+    dx = self.dx_stages * (inputs * self.wgs * self.dx_m + self.dx_k) * self.dx_n * itemsize
+    dw = self.dw_stages * (self.dw_k + inputs * self.wgs * self.dw_n) * self.dw_m * itemsize
+    db = self.wgs * self.dw_n * 4
+    return dx + out + 3072, dw + out + db + 3072
 
 
 def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> HopperBwdTiles:
   """Backward tiles for an ``(M, K, N)`` layer (`residual`: whether dz needs a residual tile).
 
-  Each CTA is one warpgroup holding a 64 x 256 (dx) or 128 x 128 (dw) float32 accumulator, 128
-  registers a thread, with the 64-wide g and residual tiles it turns into dz beside it. dz is
-  recomputed once per output tile it feeds (K / dx_k times for dx, K / dw_k for dw), so dx's tile
-  is wide along K. Stages: as many as Hopper's shared memory holds, at most 4. Tiles narrow along K
-  (to 128, then 64) for a K the wide ones do not divide, so every layer the forward kernel takes
-  (K a multiple of 64) has a backward.
+  Two compute warpgroups a CTA, each holding a 64 x 256 (dx) or 128 x 128 (dw) float32
+  accumulator, 128 registers a thread, beside the 64-column g and residual blocks it turns into
+  dz (64 rows: a warpgroup's register layout; a 32-row step does not lower). dz is recomputed
+  once per output tile it feeds (K / dx_k times for dx, K / dw_k for dw), so dx's tile is wide
+  along K. Each kernel's pipeline is as deep as Hopper's shared memory holds, at most 4: with a
+  residual, dx's ring stage (the CTA's 128 x 64 g and residual tiles, w's 256 x 64) is 64 KiB, 3
+  stages; dw's (x's 64 x 128, the CTA's 64 x 256 g and residual tiles) 80 KiB, 2. Tiles narrow
+  along K (to 128, then 64) for a K the wide ones do not divide, so every layer the forward
+  kernel takes (K a multiple of 64) has a backward.
   """
   k = shape[1]
   dx_k = next(c for c in (256, 128, 64) if k % c == 0) if k % 64 == 0 else 256
   dw_k = 128 if k % 128 == 0 else 64
-  for stages in (4, 3, 2):
-    t = HopperBwdTiles(dx_k=dx_k, dw_k=dw_k, stages=stages)
-    if max(t.smem_bytes(2, residual)) <= HOPPER_SMEM:
-      return t
-  return t
+  return _deepest(HopperBwdTiles(dx_k=dx_k, dw_k=dw_k), residual)
+
+
+def _deepest(t: HopperBwdTiles, residual: bool) -> HopperBwdTiles:
+  """`t` with each kernel's pipeline as deep as fits Hopper's shared memory (4 at most, 2 at
+  least)."""
+
+  def stages(kernel: int) -> int:
+    for depth in (4, 3):
+      deep = dataclasses.replace(t, dx_stages=depth, dw_stages=depth)
+      if deep.smem_bytes(2, residual)[kernel] <= HOPPER_SMEM:
+        return depth
+    return 2
+
+  return dataclasses.replace(t, dx_stages=stages(0), dw_stages=stages(1))
+
+
+def hopper_bwd_variants(
+  shape: tuple[int, int, int], residual: bool = True
+) -> dict[str, HopperBwdTiles]:
+  """Tilings of the backward to time against each other on a GPU (``benchmarks.gpu_check``'s
+  ``hopper-bwd`` section), each with its deepest pipeline: :func:`hopper_bwd_tiles`' choice; one
+  compute warpgroup a CTA (no overlap of dz arithmetic with wgmma, deeper pipelines); dw at 64
+  columns a warpgroup (a smaller ring stage, 3 stages with a residual instead of 2); dx at 128
+  columns (4 stages instead of 3, dz recomputed twice as often). Only those the shape divides."""
+  base = hopper_bwd_tiles(shape, residual)
+  variants = {
+    "default": base,
+    "one warpgroup": _deepest(dataclasses.replace(base, wgs=1), residual),
+    "dw 64 columns": _deepest(dataclasses.replace(base, dw_n=64), residual),
+    "dx 128 columns": _deepest(dataclasses.replace(base, dx_k=min(base.dx_k, 128)), residual),
+  }
+  bf16, ep = jnp.bfloat16, Epilogue(fn=None, derivative=None, residual="none")
+  return {
+    name: t for name, t in variants.items() if hopper_bwd_unsupported(shape, bf16, ep, t) is None
+  }
 
 
 def hopper_bwd_unsupported(
@@ -402,7 +456,11 @@ def hopper_bwd_unsupported(
   t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none")
   if np.dtype(dtype) not in _HALF:
     return f"operand dtype {np.dtype(dtype).name} (the Hopper kernels take bfloat16 or float16)"
-  steps = (("M", m, t.dx_m, t.dw_m), ("N", n, t.dx_n, t.dw_n), ("K", k, t.dx_k, t.dw_k))
+  steps = (
+    ("M", m, t.wgs * t.dx_m, t.dw_m),
+    ("N", n, t.dx_n, t.wgs * t.dw_n),
+    ("K", k, t.dx_k, t.dw_k),
+  )
   for name, d, *tile in steps:
     step = math.lcm(*tile)
     if d % step:
@@ -412,19 +470,20 @@ def hopper_bwd_unsupported(
   return _unlowerable(epilogue.derivative, "derivative")
 
 
-def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, sums=None, chunk: int = 64):
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, sums=None, part=None, chunk: int = 64):
   """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
   ready to be a wgmma operand; nothing to write for identity (``dz = g``).
 
   Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
   64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
   With `sums` (one float32 vector per block), returns them plus the column sums of this tile's dz
-  as wgmma reads it (rounded to the operand dtype): ``db``'s running total.
+  as wgmma reads it (rounded to the operand dtype): ``db``'s running total. `part`: ``(rows,
+  first column, columns)`` of the tiles to work on (a warpgroup's own part), else all of them.
   """
-  cols = g_smem.shape[1]
+  rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
   out = []
   for i, c in enumerate(range(0, cols, chunk)):
-    block = (slice(None), pl.ds(c, min(chunk, cols - c)))
+    block = (rows, pl.ds(col0 + c, min(chunk, cols - c)))
     g = g_smem.at[block]
     if r_smem is None:
       dz = g[...]
@@ -440,103 +499,161 @@ def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, sums=None, chunk: int = 64)
   return None if sums is None else tuple(out)
 
 
-def _store_tile(acc, out_gmem, rows, cols):
-  """Write a float32 accumulator tile to ``out_gmem[rows, cols]`` through shared memory by TMA."""
-  shape, dtype = acc.shape, out_gmem.dtype
+def _bwd_kernel(
+  body,
+  operands,
+  specs,
+  out_gmem,
+  out_tile,
+  *,
+  t: HopperBwdTiles,
+  steps: int,
+  stages: int,
+  sums: tuple[int, ...] | None = None,
+  db_gmem=None,
+):
+  """The CTA of one backward kernel: a warp-specialized pipeline of `steps` steps over `operands`
+  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref, sums) -> sums` run by each
+  compute warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`.
+  With `sums` (the widths of the column blocks of db a warpgroup sums), each warpgroup also writes
+  its totals to ``db_gmem[db_cols(wg)]`` (`db_gmem` is then ``(gmem ref, db_cols)``).
+  """
+  acc_shape = out_tile(0)[2]
 
-  @functools.partial(
-    pl.run_scoped, out_smem=plgpu.SMEM(shape, dtype, transforms=_transforms(shape[1], dtype))
+  def pipeline(step_body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      step_body,
+      grid=(steps,),
+      memory_registers=40,
+      in_specs=specs,
+      wg_axis="wg",
+      num_compute_wgs=t.wgs,
+      max_concurrent_steps=stages,
+      compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  dtype = out_gmem.dtype
+  scratch = dict(
+    allocs=pipeline(ignore, ignore).get_allocations(*operands),
+    out_smem=plgpu.SMEM((t.wgs, 1, 2, t.epi, t.epi), dtype, transforms=_transforms(t.epi, dtype)),
+    db_smem=None if sums is None else plgpu.SMEM((t.wgs, sum(sums)), jnp.float32),
   )
-  def _(out_smem):
-    out_smem[...] = acc.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _(allocs, out_smem, db_smem):
+    wg = lax.axis_index("wg")
+
+    def compute_context(run_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+      def _(acc_ref):
+        init = None if sums is None else tuple(jnp.zeros((w,), jnp.float32) for w in sums)
+        _, totals = run_pipeline((acc_ref, init))
+        rows, cols, _ = out_tile(wg)
+        _write_tile(acc_ref[...], lambda z: (z,), (out_gmem.at[rows, cols],), out_smem.at[wg])
+        if sums is not None:
+          db_ref, db_cols = db_gmem
+          for i, s in enumerate(totals):
+            db_smem[wg, pl.ds(sum(sums[:i]), s.shape[0])] = s
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(db_smem.at[wg], db_ref.at[db_cols(wg)])
+
+    def step(_, *refs):
+      *smem_refs, (acc_ref, carry) = refs
+      carry = body(wg, smem_refs, acc_ref, carry)
+      plgpu.wgmma_wait(0)
+      return acc_ref, carry
+
+    pipeline(step, compute_context)(*operands, allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
-  """``dx[mi, ki] = sum_n dz[mi, n] @ w[ki, n].T`` with dz formed in registers."""
+  """``dx[mi, ki] = sum_n dz[mi, n] @ w[ki, n].T``, each compute warpgroup on its own rows."""
   n = g_gmem.shape[1]
-  rows = pl.ds(lax.axis_index("m") * t.dx_m, t.dx_m)
+  cta_m = t.wgs * t.dx_m
+  cta_rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
   cols = pl.ds(lax.axis_index("k") * t.dx_k, t.dx_k)
   gr_transforms = _transforms(t.dx_n, g_gmem.dtype)
-  gr_spec = plgpu.BlockSpec((t.dx_m, t.dx_n), lambda s: (0, s), transforms=gr_transforms)
+  gr_spec = plgpu.BlockSpec(
+    (cta_m, t.dx_n), lambda s: (0, s), transforms=gr_transforms, memory_space=plgpu.SMEM
+  )
   w_spec = plgpu.BlockSpec(
-    (t.dx_k, t.dx_n), lambda s: (0, s), transforms=_transforms(t.dx_n, w_gmem.dtype)
+    (t.dx_k, t.dx_n),
+    lambda s: (0, s),
+    transforms=_transforms(t.dx_n, w_gmem.dtype),
+    memory_space=plgpu.SMEM,
   )
 
-  def scope(acc_ref):
-    def step(_, g_smem, *rest):
-      *r_smem, w_smem = rest
-      _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None)
-      plgpu.wgmma(acc_ref, g_smem, w_smem.transpose((1, 0)))
-      plgpu.wgmma_wait(0)
+  def body(wg, refs, acc_ref, carry):
+    *gr_smem, w_smem = refs
+    own = pl.ds(wg * t.dx_m, t.dx_m)
+    g_smem = gr_smem[0].at[own]
+    _dz_in_place(epilogue, g_smem, gr_smem[1].at[own] if r_gmem is not None else None)
+    plgpu.wgmma(acc_ref, g_smem, w_smem.transpose((1, 0)))
+    return carry
 
-    specs = [gr_spec] * (1 if r_gmem is None else 2) + [w_spec]
-    operands = [g_gmem.at[rows, :]] + ([] if r_gmem is None else [r_gmem.at[rows, :]])
-    plgpu.emit_pipeline(step, grid=(n // t.dx_n,), in_specs=specs, max_concurrent_steps=t.stages)(
-      *operands, w_gmem.at[cols, :]
-    )
-    return acc_ref[...]
+  operands = [g_gmem.at[cta_rows, :]] + ([] if r_gmem is None else [r_gmem.at[cta_rows, :]])
+  specs = [gr_spec] * len(operands) + [w_spec]
 
-  acc = pl.run_scoped(scope, plgpu.ACC((t.dx_m, t.dx_k), jnp.float32))
-  _store_tile(acc, dx_gmem, rows, cols)
+  def out_tile(wg):
+    rows = pl.ds(lax.axis_index("m") * cta_m + wg * t.dx_m, t.dx_m)
+    return rows, cols, (t.dx_m, t.dx_k)
+
+  operands.append(w_gmem.at[cols, :])
+  _bwd_kernel(body, operands, specs, dx_gmem, out_tile, t=t, steps=n // t.dx_n, stages=t.dx_stages)
 
 
 def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
-  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]`` with dz written over g's shared tile; with
-  `db_gmem`, the CTAs of the first row of K tiles also sum dz's columns into ``db[ni]``."""
+  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]``, each compute warpgroup on its own columns;
+  with `db_gmem`, the CTAs of the first row of K tiles also sum dz's columns into ``db[ni]``."""
   m = x_gmem.shape[0]
   k_index = lax.axis_index("k")
+  cta_n = t.wgs * t.dw_n
   rows = pl.ds(k_index * t.dw_k, t.dw_k)
-  cols = pl.ds(lax.axis_index("n") * t.dw_n, t.dw_n)
+  cta_cols = pl.ds(lax.axis_index("n") * cta_n, cta_n)
   x_spec = plgpu.BlockSpec(
-    (t.dw_m, t.dw_k), lambda s: (s, 0), transforms=_transforms(t.dw_k, x_gmem.dtype)
+    (t.dw_m, t.dw_k),
+    lambda s: (s, 0),
+    transforms=_transforms(t.dw_k, x_gmem.dtype),
+    memory_space=plgpu.SMEM,
   )
   gr_spec = plgpu.BlockSpec(
-    (t.dw_m, t.dw_n), lambda s: (s, 0), transforms=_transforms(t.dw_n, g_gmem.dtype)
+    (t.dw_m, cta_n),
+    lambda s: (s, 0),
+    transforms=_transforms(t.dw_n, g_gmem.dtype),
+    memory_space=plgpu.SMEM,
   )
-  specs = [x_spec, gr_spec] + ([] if r_gmem is None else [gr_spec])
-  operands = [x_gmem.at[:, rows], g_gmem.at[:, cols]]
-  operands += [] if r_gmem is None else [r_gmem.at[:, cols]]
+  operands = [x_gmem.at[:, rows], g_gmem.at[:, cta_cols]]
+  operands += [] if r_gmem is None else [r_gmem.at[:, cta_cols]]
+  specs = [x_spec] + [gr_spec] * (len(operands) - 1)
 
-  def dw_tile(with_db: bool):
-    def scope(acc_ref):
-      def step(_, x_smem, g_smem, *rest):
-        r_smem, sums = rest[: len(rest) - with_db], rest[len(rest) - with_db :]
-        sums = _dz_in_place(epilogue, g_smem, r_smem[0] if r_smem else None, *sums)
-        plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), g_smem)
-        plgpu.wgmma_wait(0)
-        return sums
+  def body(wg, refs, acc_ref, sums):
+    x_smem, *gr_smem = refs
+    r_smem = gr_smem[1] if r_gmem is not None else None
+    sums = _dz_in_place(epilogue, gr_smem[0], r_smem, sums, (slice(None), wg * t.dw_n, t.dw_n))
+    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, pl.ds(wg * t.dw_n, t.dw_n)])
+    return sums
 
-      chunks = [min(64, t.dw_n - c) for c in range(0, t.dw_n, 64)]
-      init = tuple(jnp.zeros((c,), jnp.float32) for c in chunks) if with_db else None
-      sums = plgpu.emit_pipeline(
-        step,
-        grid=(m // t.dw_m,),
-        in_specs=specs,
-        max_concurrent_steps=t.stages,
-        init_carry=init,
-      )(*operands)
-      return acc_ref[...], sums
+  def cols(wg):
+    return pl.ds(lax.axis_index("n") * cta_n + wg * t.dw_n, t.dw_n)
 
-    acc, sums = pl.run_scoped(scope, plgpu.ACC((t.dw_k, t.dw_n), jnp.float32))
-    _store_tile(acc, dw_gmem, rows, cols)
-    if with_db:
+  def out_tile(wg):
+    return rows, cols(wg), (t.dw_k, t.dw_n)
 
-      @functools.partial(pl.run_scoped, db_smem=plgpu.SMEM((t.dw_n,), jnp.float32))
-      def _(db_smem):
-        for i, s in enumerate(sums):
-          db_smem[pl.ds(64 * i, s.shape[0])] = s
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(db_smem, db_gmem.at[cols])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
+  kernel = functools.partial(
+    _bwd_kernel, body, operands, specs, dw_gmem, out_tile, t=t, stages=t.dw_stages
+  )
   if db_gmem is None:
-    dw_tile(with_db=False)
+    kernel(steps=m // t.dw_m)
   else:  # one CTA per column tile sums dz; the others skip the reductions
-    pl.when(k_index == 0)(lambda: dw_tile(with_db=True))
-    pl.when(k_index != 0)(lambda: dw_tile(with_db=False))
+    blocks = tuple(min(64, t.dw_n - c) for c in range(0, t.dw_n, 64))
+    with_db = functools.partial(kernel, steps=m // t.dw_m, sums=blocks, db_gmem=(db_gmem, cols))
+    pl.when(k_index == 0)(with_db)
+    pl.when(k_index != 0)(lambda: kernel(steps=m // t.dw_m))
 
 
 def hopper_dense_bias_act_bwd(
@@ -580,7 +697,13 @@ def hopper_dense_bias_act_bwd(
     raise ValueError(f"pallas_kernels.hopper: {why}")
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  kernel = functools.partial(
+    plgpu.kernel,
+    num_threads=t.wgs + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret or None,
+  )
 
   def dx_body(g_ref, *refs):
     *r_ref, w_ref, dx_ref = refs
@@ -591,23 +714,19 @@ def hopper_dense_bias_act_bwd(
     _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, db_ref, epilogue=epilogue, t=t)
 
   r_args = (r2,) if needs_r else ()
-  dx = plgpu.kernel(
+  dx = kernel(
     dx_body,
     out_type=jax.ShapeDtypeStruct((m, k), x.dtype),
-    grid=(m // t.dx_m, k // t.dx_k),
+    grid=(m // (t.wgs * t.dx_m), k // t.dx_k),
     grid_names=("m", "k"),
-    compiler_params=params,
-    interpret=interpret or None,
   )(g2, *r_args, w)
   dw_type = jax.ShapeDtypeStruct((k, n), w.dtype)
   db_type = jax.ShapeDtypeStruct((n,), jnp.float32)
-  dw = plgpu.kernel(
+  dw = kernel(
     dw_body,
     out_type=(dw_type, db_type) if has_bias else dw_type,
-    grid=(k // t.dw_k, n // t.dw_n),
+    grid=(k // t.dw_k, n // (t.wgs * t.dw_n)),
     grid_names=("k", "n"),
-    compiler_params=params,
-    interpret=interpret or None,
   )(x2, g2, *r_args)
   db = None
   if has_bias:

@@ -184,11 +184,12 @@ def backward_reference(x, w, r, g, derivative):
 @pytest.mark.parametrize(
   "tiles",
   [
-    None,  # hopper_bwd_tiles' choice: dx_k 256, dw_k 128, four stages
-    hopper.HopperBwdTiles(dx_k=64, dw_k=64, stages=2),
-    hopper.HopperBwdTiles(dx_m=128, dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, stages=3),
+    None,  # hopper_bwd_tiles' choice: two compute warpgroups, dx_k 256, dw_k 128
+    hopper.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
+    hopper.HopperBwdTiles(dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, dx_stages=3),
+    hopper.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
   ],
-  ids=["default", "narrow_k", "other_steps"],
+  ids=["default", "narrow_k", "other_steps", "one_warpgroup"],
 )
 @pytest.mark.parametrize("residual", ["output", "input", "none"])
 def test_backward_kernels_over_many_tiles_match_float32_reference(tiles, residual):
@@ -259,8 +260,31 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   assert "stablehlo.reduce" not in text  # db is summed inside the dw kernel, not by XLA
 
 
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
+def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
+  """benchmarks.gpu_check times hopper_bwd_variants against each other on a GPU: each must fit
+  the shared memory and lower, or the GPU run would learn nothing about it."""
+  shape = (8192, 4096, 4096)
+  variants = hopper.hopper_bwd_variants(shape, residual)
+  assert len(variants) == 4 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
+  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
+  ident = Epilogue(fn=None, derivative=None, residual="none")
+  for t in variants.values():
+    assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
+
+    def bwd(x, w, r, g, t=t):
+      ep = tanh if residual else ident
+      return hopper.hopper_dense_bias_act_bwd(
+        x, w, r if residual else None, g, epilogue=ep, has_bias=True, tiles=t
+      )
+
+    x, w, _ = shapes(*shape, jnp.bfloat16)
+    rg = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.bfloat16)
+    assert mosaic_calls(lowered_text(bwd, [x, w, rg, rg], "cuda")) == 2
+
+
 def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower():
-  t = hopper.HopperBwdTiles(stages=5)
+  t = hopper.HopperBwdTiles(dx_stages=5, dw_stages=5)
   assert max(t.smem_bytes(2, True)) > hopper.HOPPER_SMEM
   tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
 
@@ -364,7 +388,9 @@ def test_every_tile_configuration_lowers_for_h100(name, dtype):
   assert t.smem_bytes(2, outputs) <= hopper.HOPPER_SMEM
   assert t.stages == (3 if outputs == 2 else 4)
   bwd = hopper.hopper_bwd_tiles((m, k, n), residual=name != "identity")
-  assert max(bwd.smem_bytes(2, name != "identity")) <= hopper.HOPPER_SMEM and bwd.stages == 4
+  assert max(bwd.smem_bytes(2, name != "identity")) <= hopper.HOPPER_SMEM
+  # With a residual tile beside g's, dx's ring stage is 64 KiB and dw's 80 KiB; without, 48 each.
+  assert (bwd.dx_stages, bwd.dw_stages) == ((4, 3) if name == "identity" else (3, 2))
   text = lowered_text(train_step(name, "mosaic"), shapes(m, k, n, dtype), "cuda")
   assert mosaic_calls(text) == 3 and TRITON not in text  # the forward, dx and dw kernels
 
