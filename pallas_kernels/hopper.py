@@ -17,7 +17,8 @@ reach Hopper's tensor-core rate; this kernel is written for Hopper's own machine
 
 Only what this layout handles is accepted (:func:`hopper_unsupported` says why not): 16-bit ``x``
 and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_m``, ``N`` of
-``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers.
+``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers (the
+kernels compute ``expm1`` and ``log1p``, which it does not, from ``exp`` and ``log``).
 
 The backward (:func:`hopper_dense_bias_act_bwd`) is two more kernels, ``dx = dz @ w.T`` and
 ``dw = x.T @ dz``, warp-specialized the same way (one memory warpgroup, two compute warpgroups,
@@ -43,6 +44,7 @@ import numpy as np
 from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend import core as jax_core
 
 from pallas_kernels.dense import Epilogue
 
@@ -124,9 +126,81 @@ def _primitives(jaxpr) -> set[str]:
   return names
 
 
+def _expm1(x):
+  """``expm1`` from ``exp`` and ``log`` (Kahan's: the rounding of ``u = exp(x)`` cancels in
+  ``(u - 1) * x / log(u)``), within 4 ulps in float32 wherever the result is finite."""
+  u = lax.optimization_barrier(jnp.exp(x))  # XLA (interpret mode) would fold log(exp(x)) to x
+  um1 = u - 1
+  r = um1 * (x / jnp.log(u))  # x / log(u) first: near 1, so large x cannot overflow the product
+  r = jnp.where(u == 1, x, r)
+  r = jnp.where(um1 == -1, -1.0, r)
+  return jnp.where(u == jnp.inf, u, r)
+
+
+def _log1p(x):
+  """``log1p`` from ``log`` (Kahan's: ``log(u) * x / (u - 1)`` with ``u = 1 + x``), within 4
+  ulps in float32 wherever the result is finite."""
+  u = lax.optimization_barrier(1 + x)  # XLA (interpret mode) would fold (1 + x) - 1 to x
+  r = jnp.log(u) * (x / (u - 1))
+  r = jnp.where(u == 1, x, r)
+  return jnp.where(u == jnp.inf, u, r)
+
+
+# Operations Mosaic GPU does not lower (jax 0.11-0.12), and what kernels compute in their place.
+_REWRITES = {"expm1": _expm1, "log1p": _log1p}
+
+
+def _eval_rewritten(jaxpr, consts, *args) -> list[Any]:
+  """Evaluate `jaxpr` with the operations of ``_REWRITES`` replaced, inlining the bodies of jit
+  and custom-derivative calls (only values are needed in a kernel)."""
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name in _REWRITES:
+      outs = [_REWRITES[eqn.primitive.name](*ins)]
+    elif hasattr(body, "consts"):  # a ClosedJaxpr: jit, custom_jvp_call, custom_vjp_call
+      outs = _eval_rewritten(body.jaxpr, body.consts, *ins)
+    else:
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _in_kernel(fn):
+  """`fn` as the kernels compute it: `expm1` and `log1p` (which Mosaic GPU does not lower)
+  replaced by :func:`_expm1` and :func:`_log1p`; `fn` itself when it uses neither."""
+  if fn is None:
+    return None
+
+  @functools.wraps(fn)
+  def rewritten(z):
+    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(z.shape, z.dtype))
+    if not _primitives(closed.jaxpr) & _REWRITES.keys():
+      return fn(z)
+    (out,) = _eval_rewritten(closed.jaxpr, closed.consts, z)
+    return out
+
+  return rewritten
+
+
+def _for_kernel(epilogue: Epilogue) -> Epilogue:
+  """`epilogue` with its functions as the kernels compute them (:func:`_in_kernel`)."""
+  return dataclasses.replace(
+    epilogue, fn=_in_kernel(epilogue.fn), derivative=_in_kernel(epilogue.derivative)
+  )
+
+
 def _unlowerable(fn, where: str) -> str | None:
   """Why Mosaic GPU cannot lower `fn` (applied to a float32 tile) in a kernel, or None."""
-  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  jaxpr = jax.make_jaxpr(_in_kernel(fn))(jax.ShapeDtypeStruct((64, 64), jnp.float32))
   missing = _primitives(jaxpr.jaxpr) - _lowerable_primitives()
   if missing:
     return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the {where})"
@@ -323,6 +397,7 @@ def hopper_dense_bias_act_fwd(
   why = hopper_unsupported((m, k, n), x.dtype, x.dtype, epilogue, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.hopper: {why}")
+  epilogue = _for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
@@ -695,6 +770,7 @@ def hopper_dense_bias_act_bwd(
   why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.hopper: {why}")
+  epilogue = _for_kernel(epilogue)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   kernel = functools.partial(

@@ -45,6 +45,8 @@ ACTIVATIONS = {
   "silu": "silu",  # input residual
   "identity": "identity",  # no residual
   "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
+  "elu": "elu",  # expm1 in the forward (rewritten from exp and log in the kernel)
+  "softplus": "softplus",  # log1p in the forward, expm1 in the derivative from y
 }
 
 
@@ -313,12 +315,20 @@ def test_unsupported_calls_give_reasons():
   }
   for (shape, dt, out), want in cases.items():
     assert want in hopper.hopper_unsupported(shape, dt, out, relu)
-  expm1 = Epilogue(fn=jnp.expm1, derivative=None, residual="input")
-  assert "expm1" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, expm1)
+  erf_inv = Epilogue(fn=jax.lax.erf_inv, derivative=None, residual="input")
+  assert "erf_inv" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, erf_inv)
   # Operations inside a cond's branches are found too.
   branchy = Epilogue(
-    fn=lambda z: jax.lax.cond(True, jnp.log1p, jnp.tanh, z), derivative=None, residual="input"
+    fn=lambda z: jax.lax.cond(True, jax.lax.lgamma, jnp.tanh, z), derivative=None, residual="input"
   )
+  assert "lgamma" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
+  # expm1 and log1p, which Mosaic GPU does not lower either, are computed from exp and log; not
+  # inside a cond's branches, where they are refused as before.
+  for fn in (jnp.expm1, jnp.log1p):
+    assert (
+      hopper.hopper_unsupported((128, 64, 256), bf16, bf16, Epilogue(fn, None, "input")) is None
+    )
+  branchy = Epilogue(lambda z: jax.lax.cond(True, jnp.log1p, jnp.tanh, z), None, "input")
   assert "log1p" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
   with pytest.raises(ValueError, match="M=100 is not a multiple of 128"):
     hopper.hopper_dense_bias_act_fwd(*args((100, 64, 256), bf16), epilogue=relu, interpret=True)
@@ -332,8 +342,6 @@ def test_mosaic_raises_for_unsupported_calls_and_none_falls_back():
   with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
     jaxact.dense_bias_act(x, w, b, activation="relu", implementation="mosaic")
   x, w, b = args((128, 64, 256), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="expm1"):
-    jaxact.dense_bias_act(x, w, b, activation="elu", implementation="mosaic")
   xc = x.reshape(1, 8, 16, 64)
   w3 = jnp.full((3, 3, 64, 256), 0.01, jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="dense layer"):
@@ -362,9 +370,8 @@ def test_every_lowerable_spec_activation_is_accepted():
     why = hopper.epilogue_unsupported(Epilogue(fn, None, "input"))
     if why is not None:
       refused[name] = why
-  # expm1 and log1p have no Mosaic GPU lowering in jax 0.11-0.12: the exp-based activations.
-  assert set(refused) <= {"elu", "selu", "celu", "softplus", "log_sigmoid"}, refused
-  assert {"relu", "gelu", "silu", "tanh", "sigmoid", "mish"}.isdisjoint(refused)
+  # expm1 and log1p have no Mosaic GPU lowering in jax 0.11-0.12; the kernels rewrite them.
+  assert not refused
 
 
 # ---------------------------------------------------------------------- lowering for an H100
@@ -408,28 +415,13 @@ def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
     lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
 
 
-FORWARD_ONLY = {"mish"}  # its derivative needs log1p, which Mosaic GPU does not lower
-
-
-@pytest.mark.parametrize(
-  "name",
-  [
-    n
-    for n in jaxact.ACTIVATIONS
-    if jaxact.get_spec(n).elementwise
-    and n not in ("elu", "selu", "celu", "softplus", "log_sigmoid")
-  ],
-)
+@pytest.mark.parametrize("name", [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise])
 def test_every_accepted_activation_lowers_for_h100(name):
   """None: the forward kernel (XLA's backward); "mosaic": the forward and both backward kernels,
-  for every activation whose derivative Mosaic GPU lowers (the others are refused, naming it)."""
+  for every elementwise activation of the spec table (expm1 and log1p rewritten)."""
   fits = shapes(256, 128, 512, jnp.bfloat16)
   assert mosaic_calls(lowered_text(train_step(name, None), fits, "cuda")) == 1
-  if name in FORWARD_ONLY:
-    with pytest.raises(NotImplementedError, match=r"log1p \(in the derivative"):
-      lowered_text(train_step(name, "mosaic"), fits, "cuda")
-  else:
-    assert mosaic_calls(lowered_text(train_step(name, "mosaic"), fits, "cuda")) == 3
+  assert mosaic_calls(lowered_text(train_step(name, "mosaic"), fits, "cuda")) == 3
 
 
 def test_none_picks_the_hopper_kernel_on_h100_only():
@@ -440,12 +432,14 @@ def test_none_picks_the_hopper_kernel_on_h100_only():
   assert mosaic_calls(lowered_text(step, fits, "cpu", "H100")) == 0
   a100 = lowered_text(step, fits, "cuda", "A100")
   assert mosaic_calls(a100) == 0 and TRITON in a100
-  # Shapes, dtypes and activations the kernel does not take: XLA on an H100 (the Triton dense
-  # kernels measured slower there), silently.
+  # elu's expm1 is computed from exp in the kernel: it takes the kernel too.
+  assert mosaic_calls(lowered_text(train_step("elu", None), fits, "cuda", "H100")) == 1
+  # Shapes, dtypes and activations the kernel does not take (a plain callable): XLA on an H100
+  # (the Triton dense kernels measured slower there), silently.
   for step_, shape in (
     (step, shapes(200, 128, 512, jnp.bfloat16)),
     (step, shapes(256, 128, 512, jnp.float32)),
-    (train_step("elu", None), fits),
+    (train_step(jnp.sin, None), fits),
   ):
     text = lowered_text(step_, shape, "cuda", "H100")
     assert mosaic_calls(text) == 0 and TRITON not in text
@@ -475,5 +469,27 @@ def test_backward_kernels_reject_bad_operands():
   with pytest.raises(ValueError, match="float32"):
     bwd(*(a.astype(jnp.float32) for a in (x, w, g, g)))
   assert "(in the derivative)" in hopper.hopper_bwd_unsupported(
-    (128, 64, 256), jnp.bfloat16, Epilogue(jnp.tanh, jnp.log1p, "input")
+    (128, 64, 256), jnp.bfloat16, Epilogue(jnp.tanh, jax.lax.erf_inv, "input")
   )
+
+
+@pytest.mark.parametrize("name", ["expm1", "log1p"])
+def test_kernel_expm1_and_log1p_match_within_a_few_ulps(name):
+  """The kernels' expm1 and log1p (from exp and log, which Mosaic GPU lowers) against float64,
+  over float32's range: tiny arguments (where exp(x) - 1 alone loses every digit), the overflow
+  edge, infinities, -1 for log1p and NaN."""
+  mags = np.logspace(-38, np.log10(88.7), 4000)
+  x = np.concatenate([-mags, [0.0], mags, -np.logspace(1, 38, 200)]).astype(np.float32)
+  if name == "log1p":
+    x = np.concatenate([x[x > -1], [-1.0], np.logspace(1, 38, 200), [np.inf]]).astype(np.float32)
+  else:
+    x = np.concatenate([x, [89.0, np.inf, -np.inf]]).astype(np.float32)
+  fn = {"expm1": hopper._expm1, "log1p": hopper._log1p}[name]
+  got = np.asarray(jax.jit(fn)(x), np.float64)
+  with np.errstate(divide="ignore", over="ignore"):  # log1p(-1) = -inf; float32 overflows
+    want = getattr(np, name)(x.astype(np.float64))
+    want32 = want.astype(np.float32).astype(np.float64)  # inf where float32 overflows
+  finite = np.isfinite(want32)
+  np.testing.assert_array_equal(got[~finite], want32[~finite])
+  np.testing.assert_allclose(got[finite], want[finite], rtol=4 * 2.0**-24, atol=0)
+  assert np.isnan(fn(jnp.float32(np.nan)))
