@@ -444,6 +444,10 @@ class HopperBwdTiles:
     dx_stages, dw_stages: pipeline depth of each kernel.
     wgs: compute warpgroups per CTA (1 or 2).
     epi: the square sub-tile in which results go out through shared memory (double-buffered).
+    delay: wgmma groups a compute warpgroup leaves running when it goes on to the next step (0 or
+      1). With 1, the next step's dz arithmetic overlaps this step's wgmma inside one warpgroup;
+      each ring slot is then released a step later, so a pipeline of ``stages`` prefetches
+      ``stages - 2`` steps ahead instead of ``stages - 1``.
   """
 
   dx_m: int = 64
@@ -456,6 +460,7 @@ class HopperBwdTiles:
   dw_stages: int = 2
   wgs: int = 2
   epi: int = 64
+  delay: int = 0
 
   def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
     """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, db, and 3 KiB for
@@ -506,14 +511,16 @@ def hopper_bwd_variants(
   shape: tuple[int, int, int], residual: bool = True
 ) -> dict[str, HopperBwdTiles]:
   """Tilings of the backward to time against each other on a GPU (``benchmarks.gpu_check``'s
-  ``hopper-bwd`` section), each with its deepest pipeline: :func:`hopper_bwd_tiles`' choice; one
-  compute warpgroup a CTA (no overlap of dz arithmetic with wgmma, deeper pipelines); dw at 64
+  ``hopper-bwd`` section), each with its deepest pipeline: :func:`hopper_bwd_tiles`' choice; the
+  same with each warpgroup's wgmma left running into the next step (``delay=1``); one compute
+  warpgroup a CTA, overlapping its own dz arithmetic and wgmma that way (deeper pipelines); dw at 64
   columns a warpgroup (a smaller ring stage, 3 stages with a residual instead of 2); dx at 128
   columns (4 stages instead of 3, dz recomputed twice as often). Only those the shape divides."""
   base = hopper_bwd_tiles(shape, residual)
   variants = {
     "default": base,
-    "one warpgroup": _deepest(dataclasses.replace(base, wgs=1), residual),
+    "overlapped wgmma": dataclasses.replace(base, delay=1),
+    "one warpgroup": _deepest(dataclasses.replace(base, wgs=1, delay=1), residual),
     "dw 64 columns": _deepest(dataclasses.replace(base, dw_n=64), residual),
     "dx 128 columns": _deepest(dataclasses.replace(base, dx_k=min(base.dx_k, 128)), residual),
   }
@@ -540,6 +547,8 @@ def hopper_bwd_unsupported(
     step = math.lcm(*tile)
     if d % step:
       return f"{name}={d} is not a multiple of {step} (the Hopper backward kernels' tile)"
+  if min(t.dx_stages, t.dw_stages) <= t.delay:
+    return f"pipelines of {t.dx_stages} and {t.dw_stages} stages with delay {t.delay} (need more)"
   if epilogue.residual == "none":
     return None
   return _unlowerable(epilogue.derivative, "derivative")
@@ -626,6 +635,7 @@ def _bwd_kernel(
       def _(acc_ref):
         init = None if sums is None else tuple(jnp.zeros((w,), jnp.float32) for w in sums)
         _, totals = run_pipeline((acc_ref, init))
+        plgpu.wgmma_wait(0)  # the last step's wgmma, with `delay`
         rows, cols, _ = out_tile(wg)
         _write_tile(acc_ref[...], lambda z: (z,), (out_gmem.at[rows, cols],), out_smem.at[wg])
         if sums is not None:
@@ -638,7 +648,9 @@ def _bwd_kernel(
     def step(_, *refs):
       *smem_refs, (acc_ref, carry) = refs
       carry = body(wg, smem_refs, acc_ref, carry)
-      plgpu.wgmma_wait(0)
+      # With delay 1, this step's wgmma still runs (its slot is released a step later) while the
+      # next step's dz is formed.
+      plgpu.wgmma_wait(t.delay)
       return acc_ref, carry
 
     pipeline(step, compute_context)(*operands, allocations=allocs)
@@ -654,13 +666,18 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
   cols = pl.ds(lax.axis_index("k") * t.dx_k, t.dx_k)
   gr_transforms = _transforms(t.dx_n, g_gmem.dtype)
   gr_spec = plgpu.BlockSpec(
-    (cta_m, t.dx_n), lambda s: (0, s), transforms=gr_transforms, memory_space=plgpu.SMEM
+    (cta_m, t.dx_n),
+    lambda s: (0, s),
+    transforms=gr_transforms,
+    memory_space=plgpu.SMEM,
+    delay_release=t.delay,
   )
   w_spec = plgpu.BlockSpec(
     (t.dx_k, t.dx_n),
     lambda s: (0, s),
     transforms=_transforms(t.dx_n, w_gmem.dtype),
     memory_space=plgpu.SMEM,
+    delay_release=t.delay,
   )
 
   def body(wg, refs, acc_ref, carry):
@@ -695,12 +712,14 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, 
     lambda s: (s, 0),
     transforms=_transforms(t.dw_k, x_gmem.dtype),
     memory_space=plgpu.SMEM,
+    delay_release=t.delay,
   )
   gr_spec = plgpu.BlockSpec(
     (t.dw_m, cta_n),
     lambda s: (s, 0),
     transforms=_transforms(t.dw_n, g_gmem.dtype),
     memory_space=plgpu.SMEM,
+    delay_release=t.delay,
   )
   operands = [x_gmem.at[:, rows], g_gmem.at[:, cta_cols]]
   operands += [] if r_gmem is None else [r_gmem.at[:, cta_cols]]

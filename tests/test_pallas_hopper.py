@@ -190,8 +190,10 @@ def backward_reference(x, w, r, g, derivative):
     hopper.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
     hopper.HopperBwdTiles(dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, dx_stages=3),
     hopper.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
+    hopper.HopperBwdTiles(delay=1),
+    hopper.HopperBwdTiles(wgs=1, dx_k=128, dx_stages=3, dw_stages=3, delay=1),
   ],
-  ids=["default", "narrow_k", "other_steps", "one_warpgroup"],
+  ids=["default", "narrow_k", "other_steps", "one_warpgroup", "delayed", "one_delayed"],
 )
 @pytest.mark.parametrize("residual", ["output", "input", "none"])
 def test_backward_kernels_over_many_tiles_match_float32_reference(tiles, residual):
@@ -268,7 +270,7 @@ def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
   the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
   variants = hopper.hopper_bwd_variants(shape, residual)
-  assert len(variants) == 4 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
+  assert len(variants) == 5 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
   tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
   ident = Epilogue(fn=None, derivative=None, residual="none")
   for t in variants.values():
