@@ -431,10 +431,10 @@ class HopperBwdTiles:
   """Tiling of the Hopper backward kernels.
 
   Each CTA has ``wgs`` compute warpgroups and one memory warpgroup streaming tiles by TMA into a
-  ``stages``-deep ring (``plgpu.emit_pipeline_warp_specialized``). Each compute warpgroup owns its
-  own part of the ``g`` and residual tiles, turns it into ``dz`` over ``g``'s shared-memory buffer
-  and runs wgmma on it (against ``w``, or ``x``, read transposed from shared memory); with two,
-  one warpgroup's dz arithmetic overlaps the other's wgmma.
+  ring of ``dx_stages`` or ``dw_stages`` buffers (``plgpu.emit_pipeline_warp_specialized``). Each
+  compute warpgroup owns its part of the ``g`` and residual tiles, turns it into ``dz`` over
+  ``g``'s shared-memory buffer and runs wgmma on it (against ``w``, or ``x``, read transposed
+  from shared memory); with two, one warpgroup's dz arithmetic overlaps the other's wgmma.
 
   Attributes:
     dx_m, dx_k: the ``dx`` tile of one compute warpgroup (a CTA: ``wgs * dx_m`` rows, the
@@ -683,9 +683,9 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
   def body(wg, refs, acc_ref, carry):
     *gr_smem, w_smem = refs
     own = pl.ds(wg * t.dx_m, t.dx_m)
-    g_smem = gr_smem[0].at[own]
-    _dz_in_place(epilogue, g_smem, gr_smem[1].at[own] if r_gmem is not None else None)
-    plgpu.wgmma(acc_ref, g_smem, w_smem.transpose((1, 0)))
+    r_smem = gr_smem[1] if r_gmem is not None else None
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(own, 0, t.dx_n))
+    plgpu.wgmma(acc_ref, gr_smem[0].at[own], w_smem.transpose((1, 0)))
     return carry
 
   operands = [g_gmem.at[cta_rows, :]] + ([] if r_gmem is None else [r_gmem.at[cta_rows, :]])
@@ -728,7 +728,7 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, 
   def body(wg, refs, acc_ref, sums):
     x_smem, *gr_smem = refs
     r_smem = gr_smem[1] if r_gmem is not None else None
-    sums = _dz_in_place(epilogue, gr_smem[0], r_smem, sums, (slice(None), wg * t.dw_n, t.dw_n))
+    sums = _dz_in_place(epilogue, gr_smem[0], r_smem, sums, part=(slice(None), wg * t.dw_n, t.dw_n))
     plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, pl.ds(wg * t.dw_n, t.dw_n)])
     return sums
 
