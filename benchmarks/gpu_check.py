@@ -981,7 +981,8 @@ def main(argv=None) -> int:
       elif section == "check-mosaic":
         cases = [
           (n, d, sh)
-          for n in ("identity", "relu", "tanh", "gelu", "silu", "hard_silu")
+          # elu and softplus: expm1 / log1p, computed from exp / log in the kernels.
+          for n in ("identity", "relu", "tanh", "gelu", "silu", "hard_silu", "elu", "softplus")
           for d in ("bfloat16", "float16")
           for sh in ((1024, 1024, 2048), (2, 512, 256, 768))
         ]
