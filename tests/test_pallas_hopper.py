@@ -495,3 +495,24 @@ def test_kernel_expm1_and_log1p_match_within_a_few_ulps(name):
   np.testing.assert_array_equal(got[~finite], want32[~finite])
   np.testing.assert_allclose(got[finite], want[finite], rtol=4 * 2.0**-24, atol=0)
   assert np.isnan(fn(jnp.float32(np.nan)))
+
+
+@pytest.mark.parametrize("name", ["elu", "selu", "softplus", "log_sigmoid", "mish"])
+def test_expm1_log1p_activations_stay_finite_at_extreme_inputs(name):
+  """Pre-activations from +-1e-30 to +-3e4 (bf16) through the Mosaic kernels (their expm1/log1p
+  from exp/log, in the forward and the derivative): y and every gradient finite, y as the XLA
+  path's, and db (the sum of dz) as XLA's."""
+  k, n = 64, 256
+  mags = np.logspace(-30, np.log10(3e4), 64)
+  rows = np.stack([np.roll(np.concatenate([-mags, mags])[:k], r) for r in range(128)])
+  x = jnp.asarray(rows, jnp.bfloat16)  # (128, 64): every row a spread of magnitudes and signs
+  w = jnp.asarray(np.eye(k, n) + np.eye(k, n, k) + np.eye(k, n, 2 * k) + np.eye(k, n, 3 * k))
+  w, b = w.astype(jnp.bfloat16), jnp.zeros((n,), jnp.bfloat16)  # z = x, four times over
+  (y, grads), (y_xla, grads_xla) = (value_and_grads(i, name, x, w, b) for i in ("mosaic", "xla"))
+  for v in (y, *grads):
+    assert np.all(np.isfinite(np.asarray(v, np.float32)))
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(y_xla, np.float32), **TOL[jnp.bfloat16]
+  )
+  db, db_xla = (np.asarray(gr[2], np.float32) for gr in (grads, grads_xla))
+  np.testing.assert_allclose(db, db_xla, rtol=2e-2, atol=2e-2)
