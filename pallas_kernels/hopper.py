@@ -739,15 +739,22 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, 
     return rows, cols(wg), (t.dw_k, t.dw_n)
 
   kernel = functools.partial(
-    _bwd_kernel, body, operands, specs, dw_gmem, out_tile, t=t, stages=t.dw_stages
+    _bwd_kernel,
+    body,
+    operands,
+    specs,
+    dw_gmem,
+    out_tile,
+    t=t,
+    steps=m // t.dw_m,
+    stages=t.dw_stages,
   )
   if db_gmem is None:
-    kernel(steps=m // t.dw_m)
+    kernel()
   else:  # one CTA per column tile sums dz; the others skip the reductions
     blocks = tuple(min(64, t.dw_n - c) for c in range(0, t.dw_n, 64))
-    with_db = functools.partial(kernel, steps=m // t.dw_m, sums=blocks, db_gmem=(db_gmem, cols))
-    pl.when(k_index == 0)(with_db)
-    pl.when(k_index != 0)(lambda: kernel(steps=m // t.dw_m))
+    pl.when(k_index == 0)(functools.partial(kernel, sums=blocks, db_gmem=(db_gmem, cols)))
+    pl.when(k_index != 0)(kernel)
 
 
 def hopper_dense_bias_act_bwd(

@@ -240,6 +240,22 @@ def test_backward_kernels_batch_dims_and_no_bias():
   np.testing.assert_allclose(np.asarray(dw, np.float32), want_dw, atol=1e-2, rtol=2e-3)
 
 
+def lower_backward(shape, residual: bool, tiles=None) -> str:
+  """The Hopper backward kernels (tanh from y, or identity) with a bias, lowered for an H100."""
+  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
+  ident = Epilogue(fn=None, derivative=None, residual="none")
+
+  def bwd(x, w, r, g):
+    ep = tanh if residual else ident
+    return hopper.hopper_dense_bias_act_bwd(
+      x, w, r if residual else None, g, epilogue=ep, has_bias=True, tiles=tiles
+    )
+
+  x, w, _ = shapes(*shape, jnp.bfloat16)
+  rg = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.bfloat16)
+  return lowered_text(bwd, [x, w, rg, rg], "cuda")
+
+
 @pytest.mark.parametrize("k", [4096, 384, 192])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
 def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
@@ -248,18 +264,7 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   t = hopper.hopper_bwd_tiles((256, k, 256), residual)
   assert k % t.dx_k == 0 and k % t.dw_k == 0
   assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
-  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
-  ident = Epilogue(fn=None, derivative=None, residual="none")
-  epilogue = tanh if residual else ident
-
-  def bwd(x, w, r, g):
-    return hopper.hopper_dense_bias_act_bwd(
-      x, w, r if residual else None, g, epilogue=epilogue, has_bias=True
-    )
-
-  x, w, _ = shapes(256, k, 256, jnp.bfloat16)
-  rg = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-  text = lowered_text(bwd, [x, w, rg, rg], "cuda")
+  text = lower_backward((256, k, 256), residual)
   assert mosaic_calls(text) == 2
   assert "stablehlo.reduce" not in text  # db is summed inside the dw kernel, not by XLA
 
@@ -271,34 +276,16 @@ def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
   shape = (8192, 4096, 4096)
   variants = hopper.hopper_bwd_variants(shape, residual)
   assert len(variants) == 5 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
-  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
-  ident = Epilogue(fn=None, derivative=None, residual="none")
   for t in variants.values():
     assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
-
-    def bwd(x, w, r, g, t=t):
-      ep = tanh if residual else ident
-      return hopper.hopper_dense_bias_act_bwd(
-        x, w, r if residual else None, g, epilogue=ep, has_bias=True, tiles=t
-      )
-
-    x, w, _ = shapes(*shape, jnp.bfloat16)
-    rg = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.bfloat16)
-    assert mosaic_calls(lowered_text(bwd, [x, w, rg, rg], "cuda")) == 2
+    assert mosaic_calls(lower_backward(shape, residual, t)) == 2
 
 
 def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower():
   t = hopper.HopperBwdTiles(dx_stages=5, dw_stages=5)
   assert max(t.smem_bytes(2, True)) > hopper.HOPPER_SMEM
-  tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
-
-  def bwd(x, w, r, g):
-    return hopper.hopper_dense_bias_act_bwd(x, w, r, g, epilogue=tanh, has_bias=False, tiles=t)
-
-  x, w, _ = shapes(1024, 1024, 1024, jnp.bfloat16)
-  rg = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
   with pytest.raises(ValueError, match="shared memory"):
-    lowered_text(bwd, [x, w, rg, rg], "cuda")
+    lower_backward((1024, 1024, 1024), True, t)
 
 
 # ---------------------------------------------------------------------- what it supports
