@@ -1,0 +1,122 @@
+"""The kernels compiled, not only lowered, for GPUs this machine does not have.
+
+XLA's own GPU compiler runs here through jax's CUDA plugin (``benchmarks.aot``): Triton kernels are
+compiled to PTX for the target's shared memory and compute capability, so a tile configuration that
+lowers but does not fit the GPU fails here; and XLA's buffer assignment for the GPU gives a training
+step's memory as the GPU would allocate it, checked against jax.nn's step compiled the same way.
+
+Needs the plugin (``jax[cuda12-local]``, in the ``test`` extra on Linux) and ``JAX_PLATFORMS=cpu``
+(set by conftest); without them these tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import aot
+from pallas_kernels import Epilogue, dense, hopper
+
+try:
+  aot.device(aot.H100)
+except aot.Unavailable as e:  # pragma: no cover - depends on the environment
+  pytest.skip(f"cannot compile for a GPU here: {e}", allow_module_level=True)
+
+import jaxact
+
+GPUS = {"A100": aot.A100, "H100": aot.H100}
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "mosaic_gpu_v2"
+
+
+def train_step(activation, implementation):
+  def loss(x, w, b):
+    y = jaxact.dense_bias_act(x, w, b, activation=activation, implementation=implementation)
+    return jnp.sum(y.astype(jnp.float32))
+
+  return jax.value_and_grad(loss, (0, 1, 2))
+
+
+def shapes(m, k, n, dtype=jnp.bfloat16):
+  return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
+
+
+def kernel_calls(compiled, target) -> int:
+  return compiled.as_text().count(f'custom_call_target="{target}"')
+
+
+def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
+  """What the lowering tests cannot see: 256 x 256 tiles over four 64-deep stages want 256 KiB of
+  shared memory; the forward lowers for an A100 but does not compile for it (164 KiB)."""
+  ep = Epilogue(fn=jax.nn.relu, derivative=None, residual="none")
+  wide = dense._block_config((4096, 4096, 4096), jnp.bfloat16, hopper=False)
+  wide = dense.BlockConfig(fwd=dense.Tiles(256, 256, 64, 8, 4), dx=wide.dx, dw=wide.dw)
+
+  def fwd(x, w, b):
+    return dense.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
+
+  args = shapes(1024, 1024, 1024)
+  with jax.sharding.use_abstract_mesh(aot.abstract_mesh(aot.A100)):
+    assert TRITON in jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with pytest.raises(Exception, match=r"[Ss]hared memory"):
+    aot.compile_for(fwd, args, aot.A100)
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+def test_every_triton_block_config_compiles(gpu):
+  """Forward, dx and dw(+db) of every configuration `_block_config` returns for the GPU, over the
+  three residual families, through XLA's GPU compiler."""
+  probes = aot.triton_probes(dense.is_hopper(GPUS[gpu]))
+  assert len(probes) >= 20
+  for i, ((m, k, n), dt) in enumerate(probes.values()):
+    activation = ("tanh", "gelu", "identity")[i % 3]
+    compiled = aot.compile_for(train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu])
+    assert kernel_calls(compiled, TRITON) == 3, ((m, k, n), dt, activation)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "identity"])
+def test_the_hopper_kernels_compile_for_an_h100(activation):
+  compiled = aot.compile_for(train_step(activation, "mosaic"), shapes(512, 512, 512))
+  assert kernel_calls(compiled, MOSAIC) == 3  # forward, dx, dw(+db)
+
+
+def test_every_hopper_backward_variant_compiles():
+  """The tilings `benchmarks.gpu_check --sections hopper-bwd` times (a GPU session picks the
+  default from them), for an input-residual epilogue."""
+  variants = hopper.hopper_bwd_variants((512, 512, 512))
+  assert len(variants) >= 4
+  for label, tiles in variants.items():
+    compiled = aot.compile_for(aot._hopper_bwd(tiles), aot._bwd_shapes((512, 512, 512)))
+    assert kernel_calls(compiled, MOSAIC) == 2, label
+
+
+M, K, N = 1024, 512, 512
+ACTIVATION_MIB = M * N * 2 / 2**20  # one bf16 (M, N) array
+
+
+def step_temp_mib(f, gpu):
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, K), (K, N), (N,), (M, N))]
+  compiled = aot.compile_for(aot.step(f), args, gpu)
+  return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+@pytest.mark.parametrize(
+  "gpu,implementation", [("H100", "mosaic"), ("H100", "pallas"), ("A100", "pallas")]
+)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_fused_backward_keeps_no_dz_in_the_compiled_step(gpu, implementation, activation):
+  """One layer's step (y, dx, dw, db from g) as XLA allocates it for the GPU: the fused kernels'
+  temp is the residual alone (nothing for relu, whose residual is the output y; z for gelu), below
+  jax.nn's, whose step materialises dz."""
+  act = getattr(jax.nn, activation)
+  reference = step_temp_mib(lambda x, w, b: act(x @ w + b), GPUS[gpu])
+  fused = step_temp_mib(
+    lambda x, w, b: jaxact.dense_bias_act(
+      x, w, b, activation=activation, implementation=implementation
+    ),
+    GPUS[gpu],
+  )
+  kept = 0.0 if activation == "relu" else ACTIVATION_MIB
+  assert reference >= ACTIVATION_MIB  # jax.nn's dz at least
+  assert fused <= kept + 0.01 and fused < reference, (fused, reference)
