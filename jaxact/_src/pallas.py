@@ -96,6 +96,11 @@ XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3
 # is ~6% of the step. The Mosaic GPU backward kernels (pallas_kernels.hopper, dz formed in shared
 # memory inside both matmuls: one activation-sized array less in the step) run under "mosaic"; they
 # are not timed on a GPU yet (benchmarks.gpu_check --sections hopper,hopper-bwd), so None keeps XLA.
+# Memory alone does not argue for them in deep networks: compiled for an H100 (benchmarks.aot), an
+# 8-layer MLP step keeps 640 MiB with them against 576 with XLA's backward (relu, 8192 x 4096
+# layers): their dx is a new buffer beside g and the residual, which the kernel reads to its end,
+# where XLA's dz overwrites g in place and its dx reuses the residual's buffer (one layer's step
+# alone: 0 MiB against 64). To be chosen they must be measured faster.
 HOPPER_BACKWARD = "xla"
 
 
