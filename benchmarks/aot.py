@@ -128,6 +128,24 @@ def compile_for(
     return lowered.compile(compiler_options=options or {})
 
 
+# With this option XLA discards a kernel ptxas had to spill registers for, and says so: a check that
+# a Triton tile configuration fits the GPU's register file (a spilling kernel measured 5-14% of the
+# copy bandwidth where its neighbours reach 80%: benchmarks/RESULTS.md, the epilogue tile sweep).
+NO_SPILLS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
+
+
+def spills(fn: Callable[..., Any], shapes, device_kind: str = H100) -> bool:
+  """Whether a kernel of ``jax.jit(fn)`` spills registers when compiled for `device_kind` (other
+  compile errors propagate)."""
+  try:
+    compile_for(fn, shapes, device_kind, NO_SPILLS)
+  except Exception as e:
+    if "register spilling" in str(e):
+      return True
+    raise
+  return False
+
+
 def custom_calls(compiled) -> set[str]:
   """The custom-call targets of a compiled program (cuBLAS, Triton, Mosaic GPU kernels)."""
   return set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
@@ -233,7 +251,6 @@ class _Check:
 def compile_checks(device_kinds=(A100, H100)) -> list[_Check]:
   """Every tile configuration of the Triton kernels (for A100 and H100) and of the Hopper kernels
   (for H100), compiled through XLA's GPU compiler, forward and backward."""
-  import jaxact
   from pallas_kernels import dense, hopper
 
   checks = []
@@ -245,26 +262,21 @@ def compile_checks(device_kinds=(A100, H100)) -> list[_Check]:
     except Exception as e:  # reported: one row per configuration
       checks.append(_Check(what, gpu, False, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
 
-  def train(activation, impl):
-    def loss(x, w, b):
-      y = jaxact.dense_bias_act(x, w, b, activation=activation, implementation=impl)
-      return jnp.sum(y.astype(jnp.float32))
-
-    return jax.value_and_grad(loss, (0, 1, 2))
-
   for gpu in device_kinds:
     hopper_gpu = dense.is_hopper(gpu)
     for i, ((m, k, n), dt) in enumerate(triton_probes(hopper_gpu).values()):
       act = ("tanh", "gelu", "identity")[i % 3]
       shapes = [jax.ShapeDtypeStruct(s, dt) for s in ((m, k), (k, n), (n,))]
-      attempt(f"triton {act} {(m, k, n)} {jnp.dtype(dt).name}", gpu, train(act, "pallas"), shapes)
+      attempt(
+        f"triton {act} {(m, k, n)} {jnp.dtype(dt).name}", gpu, train_step(act, "pallas"), shapes
+      )
   if any(dense.is_hopper(g) for g in device_kinds):
     gpu = next(g for g in device_kinds if dense.is_hopper(g))
     for shape in ((512, 512, 512), (8192, 4096, 4096)):
       m, k, n = shape
       shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,))]
       for act in ("relu", "gelu", "identity"):
-        attempt(f"mosaic {act} {shape}", gpu, train(act, "mosaic"), shapes)
+        attempt(f"mosaic {act} {shape}", gpu, train_step(act, "mosaic"), shapes)
       for label, t in hopper.hopper_bwd_variants(shape).items():
         attempt(f"mosaic bwd {label} {shape}", gpu, _hopper_bwd(t), _bwd_shapes(shape))
   return checks
@@ -272,14 +284,15 @@ def compile_checks(device_kinds=(A100, H100)) -> list[_Check]:
 
 def triton_probes(hopper: bool) -> dict:
   """One probe shape and dtype per tile configuration the Triton kernels' `_block_config` returns
-  (every size class of every dimension, every dtype)."""
+  (every size class of every dimension: <= 16, <= 64, > 64, > 128 and ragged, and a layer Hopper's
+  wide tiles divide; every dtype)."""
   import itertools
 
   from pallas_kernels import dense
 
   probes = [
     ((m, k, n), dt)
-    for m, k, n in itertools.product((3, 40, 200), repeat=3)
+    for m, k, n in [*itertools.product((3, 40, 200), repeat=3), (512, 512, 512)]
     for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
   ]
   return {dense._block_config(s, dt, hopper=hopper): (s, dt) for s, dt in probes}
@@ -318,12 +331,96 @@ def section_compile(device_kinds=(A100, H100)):
   return [dataclasses.asdict(c) for c in checks], lines
 
 
-SECTIONS = {"memory": section_memory, "mlp": section_mlp, "compile": section_compile}
+def train_step(activation, implementation, conv: bool = False):
+  """``value_and_grad`` of one fused layer (dense, or a 3x3 convolution with `conv`)."""
+  import jaxact
+
+  op = jaxact.conv_bias_act if conv else jaxact.dense_bias_act
+
+  def loss(x, w, b):
+    y = op(x, w, b, activation=activation, implementation=implementation)
+    return jnp.sum(y.astype(jnp.float32))
+
+  return jax.value_and_grad(loss, (0, 1, 2))
+
+
+def spill_survey(device_kinds=(A100, H100)) -> list[dict]:
+  """Every elementwise activation of the spec table through every tile configuration of the
+  Triton kernels, as a training step (forward, dx, dw + db; for convolutions the epilogue and
+  its backward, at 3, 64, 256 and 320 channels) compiled with :data:`NO_SPILLS`."""
+  import jaxact
+  from pallas_kernels import dense
+
+  names = [n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise]
+  rows = []
+  for gpu in device_kinds:
+    for (m, k, n), dt in triton_probes(dense.is_hopper(gpu)).values():
+      shapes = [jax.ShapeDtypeStruct(s, dt) for s in ((m, k), (k, n), (n,))]
+      bad = [a for a in names if spills(train_step(a, "pallas"), shapes, gpu)]
+      rows.append(
+        {
+          "gpu": gpu,
+          "kernel": "dense",
+          "shape": [m, k, n],
+          "dtype": jnp.dtype(dt).name,
+          "spilling": bad,
+        }
+      )
+    for c in (3, 64, 256, 320):
+      for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        shapes = [jax.ShapeDtypeStruct(s, dt) for s in ((4, 16, 16, 32), (3, 3, 32, c), (c,))]
+        bad = [a for a in names if spills(train_step(a, "pallas", conv=True), shapes, gpu)]
+        rows.append(
+          {
+            "gpu": gpu,
+            "kernel": "conv epilogue",
+            "shape": [c],
+            "dtype": jnp.dtype(dt).name,
+            "spilling": bad,
+          }
+        )
+  return rows
+
+
+def section_spills(device_kinds=(A100, H100)):
+  rows = spill_survey(device_kinds)
+  total = sum(len(r["spilling"]) for r in rows)
+  lines = [
+    f"{len(rows)} tile configurations x every elementwise activation; {total} (configuration, "
+    "activation) pairs spill registers:",
+    "",
+    "| GPU | kernel | (M, K, N) or channels | dtype | tiles | spilling activations |",
+    "|---|---|---|---|---|---|",
+  ]
+  from pallas_kernels import bias_act, dense
+
+  for r in rows:
+    if not r["spilling"]:
+      continue
+    if r["kernel"] == "dense":
+      tiles = dense._block_config(tuple(r["shape"]), r["dtype"], hopper=dense.is_hopper(r["gpu"]))
+    else:
+      tiles = bias_act._block_config((4 * 16 * 16, r["shape"][0]), r["dtype"])
+    lines.append(
+      f"| {r['gpu']} | {r['kernel']} | {tuple(r['shape'])} | {r['dtype']} | {tiles} | "
+      f"{', '.join(r['spilling'])} |"
+    )
+  return rows, lines
+
+
+SECTIONS = {
+  "memory": section_memory,
+  "mlp": section_mlp,
+  "compile": section_compile,
+  "spills": section_spills,
+}
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sections", default="memory,mlp,compile")
+  parser.add_argument(
+    "--sections", default="memory,mlp,compile", help=f"any of {','.join(SECTIONS)} (spills: 1 h)"
+  )
   parser.add_argument("--out", default=None, help="also write aot.md and aot.json here")
   args = parser.parse_args(argv)
   try:

@@ -48,13 +48,14 @@ def _block_config(shape: tuple[int, int], dtype) -> EltwiseTiles:
   copy bandwidth, gelu forward 88% and backward 69%; 8192 and more were slower (gelu backward at
   32768 fell to 52%). The columns are the channels rounded up to a power of two (Triton's
   requirement) up to 256, so a row of the tile is one contiguous run of memory and the bias tile is
-  loaded once per program; the rows fill the rest, at least 16.
+  loaded once per program; the rows fill the rest, at least 16. Float32 storage takes 8 warps (the
+  same 4096 elements, 16 a thread): at 4 warps hard_silu's backward spilled registers on an A100
+  (compiled there by XLA with its spill check, benchmarks/aot.py; unmeasured on a GPU).
   """
   rows, cols = shape
-  del dtype  # 4096 elements suit 16- and 32-bit storage alike (a float32 tile is 16 KiB)
   block_cols = min(256, max(1, 1 << math.ceil(math.log2(max(cols, 1)))))
   block_rows = max(16, min(4096 // block_cols, 1 << math.ceil(math.log2(max(rows, 1)))))
-  return EltwiseTiles(block_rows, block_cols, 4)
+  return EltwiseTiles(block_rows, block_cols, 8 if np.dtype(dtype).itemsize == 4 else 4)
 
 
 def _fwd_kernel(z_ref, b_ref, y_ref, zb_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):

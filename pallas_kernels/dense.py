@@ -125,24 +125,33 @@ def _block_config(shape: tuple[int, int, int], dtype, hopper: bool | None = None
   * The backward kernels load three tiles per step (g and the residual beside x or w), so their
     step is 32: 24 KiB a stage in 16-bit (three stages), 48 KiB in float32 (two stages, 96 KiB).
   * A contraction of at most 16 uses a step of 16 (no wasted masked work).
-  * 8 warps for 128 x 128 tiles, 4 below; Triton's defaults for these sizes.
-  * Hopper (`hopper`; default: :func:`is_hopper` of :func:`target_device_kind`), 16-bit operands
-    and dimensions over 128: measured on an H100 (benchmarks/RESULTS.md, tile sweep of 2026-11-22,
+  * 8 warps for tiles with a side of 128, 4 below. Compiled for an A100 by XLA with its register
+    spill check (benchmarks/aot.py, every activation of the spec table), 4 warps spilled on
+    128 x 16 and 128 x 64 backward tiles (e.g. dw of (200, 200, 3) in float32 for every
+    activation, dx of (200, 40, 3) in float16); 8 do not. Not yet timed on a GPU.
+  * Hopper (`hopper`; default: :func:`is_hopper` of :func:`target_device_kind`), bfloat16 operands
+    and large layers: measured on an H100 (benchmarks/RESULTS.md, tile sweep of 2026-11-22,
     9 candidates per kernel) the fastest tiles were 128 x 256 x 64 for the forward and dx and
     256 x 128 x 64 for dw, 8 warps, 3 stages: (128 + 256) x 64 x 2 B = 48 KiB a forward stage,
     64 KiB a backward stage, 192 KiB over three, which fits Hopper's 228 KiB but not the A100's.
+    Only for layers these tiles divide (M a multiple of 128, K and N of 256): on ragged tiles the
+    masks cost the registers these wide tiles do not have (compiled for an H100 with XLA's spill
+    check, (200, 200, 200) spilled in the forward and dx), so ragged layers take the 128 x 128
+    tiles below, which do not spill; and only in bfloat16, the dtype measured: in float16 gelu's
+    backward spilled at (512, 512, 512).
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
   if hopper is None:
     hopper = is_hopper(target_device_kind())
-  if hopper and half and min(m, k, n) > 128:
+  bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
+  if hopper and bf16 and m % 128 == 0 and k % 256 == 0 and n % 256 == 0:
     return BlockConfig(
       fwd=Tiles(128, 256, 64, 8, 3), dx=Tiles(128, 256, 64, 8, 3), dw=Tiles(256, 128, 64, 8, 3)
     )
 
   def tiles(rows: int, cols: int, step: int, stages: int) -> Tiles:
-    warps = 8 if rows * cols >= 128 * 128 else 4
+    warps = 8 if max(rows, cols) >= 128 else 4
     return Tiles(rows, cols, step, warps, stages)
 
   def step(d: int, cap: int) -> int:

@@ -10,7 +10,6 @@ hold the Triton custom calls; ``implementation=None`` must hold them when lowere
 from __future__ import annotations
 
 import functools
-import itertools
 
 import chex
 import jax
@@ -21,6 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jaxact
 import pallas_kernels
+from benchmarks import aot
 from pallas_kernels import dense as kernels
 
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
@@ -182,17 +182,10 @@ def shapes(m, k, n, dtype):
   return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
 
 
-# Probe shapes covering every size class of _block_config (<= 16, <= 64, > 64, > 128 per dimension)
-# and every dtype, for Ampere-class and Hopper targets: the configurations it can return.
-_PROBES = [
-  ((m, k, n), dt)
-  for m, k, n in itertools.product((3, 40, 200), repeat=3)
-  for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
-]
-
-
 def configs(hopper: bool):
-  return {kernels._block_config(s, dt, hopper=hopper): (s, dt) for s, dt in _PROBES}
+  """One probe (shape, dtype) per configuration `_block_config` can return for the target
+  (benchmarks.aot.triton_probes: every size class of every dimension, every dtype)."""
+  return aot.triton_probes(hopper)
 
 
 # Shared memory per SM: A100 164 KiB, H100 228 KiB; Triton needs some for its epilogue.
@@ -212,10 +205,11 @@ def test_block_configs_are_powers_of_two_and_fit_shared_memory(hopper):
         "dw": t.rows + 2 * t.cols,  # x (step x rows), g and residual (step x cols)
       }[name] * t.step
       assert loads * np.dtype(dt).itemsize * t.num_stages <= SMEM[hopper], (t, dt)
-  # Hopper differs only for 16-bit operands and every dimension over 128.
+  # Hopper differs only for bfloat16 operands and layers its wide tiles divide.
   assert set(configs(True)) - set(configs(False)) == {
-    kernels._block_config((200, 200, 200), jnp.bfloat16, hopper=True)
+    kernels._block_config((512, 512, 512), jnp.bfloat16, hopper=True)
   }
+  assert kernels._block_config((200, 200, 200), jnp.bfloat16, hopper=True) in configs(False)
 
 
 def test_hopper_is_detected_from_the_target_device():
