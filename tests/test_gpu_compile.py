@@ -40,14 +40,6 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu_v2"
 
 
-def train_step(activation, implementation):
-  def loss(x, w, b):
-    y = jaxact.dense_bias_act(x, w, b, activation=activation, implementation=implementation)
-    return jnp.sum(y.astype(jnp.float32))
-
-  return jax.value_and_grad(loss, (0, 1, 2))
-
-
 def shapes(m, k, n, dtype=jnp.bfloat16):
   return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
 
@@ -81,13 +73,13 @@ def test_every_triton_block_config_compiles(gpu):
   assert len(probes) >= 20
   for i, ((m, k, n), dt) in enumerate(probes.values()):
     activation = ("tanh", "gelu", "identity")[i % 3]
-    compiled = aot.compile_for(train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu])
+    compiled = aot.compile_for(aot.train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu])
     assert kernel_calls(compiled, TRITON) == 3, ((m, k, n), dt, activation)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "identity"])
 def test_the_hopper_kernels_compile_for_an_h100(activation):
-  compiled = aot.compile_for(train_step(activation, "mosaic"), shapes(512, 512, 512))
+  compiled = aot.compile_for(aot.train_step(activation, "mosaic"), shapes(512, 512, 512))
   assert kernel_calls(compiled, MOSAIC) == 3  # forward, dx, dw(+db)
 
 
