@@ -154,38 +154,24 @@ def custom_calls(compiled) -> set[str]:
 # ------------------------------------------------------------------------------- sections
 
 
-def step(f):
-  """One layer's training step as the GPU benchmarks time it: y and the pullback at g."""
-
-  def run(x, w, b, g):
-    y, pull = jax.vjp(f, x, w, b)
-    return (y, *pull(g))
-
-  return run
-
-
 def paths(name: str) -> dict[str, Callable]:
-  """The jax.nn composition and jaxact's dispatch choices for one dense layer."""
-  import jaxact
+  """The jax.nn composition and every jaxact implementation of one dense layer."""
+  from benchmarks.gpu_check import _paths
 
-  act = getattr(jax.nn, name)
+  return _paths(name, ("xla", "pallas", "mosaic", None))
 
-  def jaxact_path(impl):
-    def f(x, w, b):
-      return jaxact.dense_bias_act(x, w, b, activation=name, implementation=impl)
 
-    return f
-
-  out = {"jax.nn": lambda x, w, b: act(jnp.dot(x, w) + b)}
-  for impl in ("xla", "pallas", "mosaic", None):
-    out[f"jaxact {impl}"] = jaxact_path(impl)
-  return out
+def layer_shapes(m: int, k: int, n: int, dtype=jnp.bfloat16) -> list[jax.ShapeDtypeStruct]:
+  """x, w and b of an ``(M, K, N)`` dense layer."""
+  return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
 
 
 SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096))
 
 
 def section_memory(shapes=SHAPES, activations=("relu", "gelu"), device_kind=H100):
+  from benchmarks.gpu_check import _step  # one layer's step as the GPU benchmarks time it
+
   lines = [
     f"One bf16 layer's step (y, dx, dw, db) compiled for an {device_kind}: XLA's temp, MiB "
     "(its default gemms / cuBLAS's).",
@@ -200,7 +186,7 @@ def section_memory(shapes=SHAPES, activations=("relu", "gelu"), device_kind=H100
       for path, f in paths(name).items():
         temps = []
         for options in ({}, {"xla_gpu_enable_triton_gemm": False}):
-          compiled = compile_for(step(f), args, device_kind, options)
+          compiled = compile_for(_step(f), args, device_kind, options)
           temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
         calls = sorted(c for c in custom_calls(compiled) if "cublas" not in c)
         rows.append({"shape": [m, k, n], "activation": name, "path": path, "temp_MiB": temps})
@@ -266,17 +252,17 @@ def compile_checks(device_kinds=(A100, H100)) -> list[_Check]:
     hopper_gpu = dense.is_hopper(gpu)
     for i, ((m, k, n), dt) in enumerate(triton_probes(hopper_gpu).values()):
       act = ("tanh", "gelu", "identity")[i % 3]
-      shapes = [jax.ShapeDtypeStruct(s, dt) for s in ((m, k), (k, n), (n,))]
       attempt(
-        f"triton {act} {(m, k, n)} {jnp.dtype(dt).name}", gpu, train_step(act, "pallas"), shapes
+        f"triton {act} {(m, k, n)} {jnp.dtype(dt).name}",
+        gpu,
+        train_step(act, "pallas"),
+        layer_shapes(m, k, n, dt),
       )
   if any(dense.is_hopper(g) for g in device_kinds):
     gpu = next(g for g in device_kinds if dense.is_hopper(g))
     for shape in ((512, 512, 512), (8192, 4096, 4096)):
-      m, k, n = shape
-      shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,))]
       for act in ("relu", "gelu", "identity"):
-        attempt(f"mosaic {act} {shape}", gpu, train_step(act, "mosaic"), shapes)
+        attempt(f"mosaic {act} {shape}", gpu, train_step(act, "mosaic"), layer_shapes(*shape))
       for label, t in hopper.hopper_bwd_variants(shape).items():
         attempt(f"mosaic bwd {label} {shape}", gpu, _hopper_bwd(t), _bwd_shapes(shape))
   return checks
@@ -332,7 +318,8 @@ def section_compile(device_kinds=(A100, H100)):
 
 
 def train_step(activation, implementation, conv: bool = False):
-  """``value_and_grad`` of one fused layer (dense, or a 3x3 convolution with `conv`)."""
+  """``value_and_grad`` of one fused layer (dense, or a 3x3 convolution with `conv`): with respect
+  to the inputs, so that an epilogue without residual (identity) keeps its forward alive."""
   import jaxact
 
   op = jaxact.conv_bias_act if conv else jaxact.dense_bias_act
@@ -355,7 +342,7 @@ def spill_survey(device_kinds=(A100, H100)) -> list[dict]:
   rows = []
   for gpu in device_kinds:
     for (m, k, n), dt in triton_probes(dense.is_hopper(gpu)).values():
-      shapes = [jax.ShapeDtypeStruct(s, dt) for s in ((m, k), (k, n), (n,))]
+      shapes = layer_shapes(m, k, n, dt)
       bad = [a for a in names if spills(train_step(a, "pallas"), shapes, gpu)]
       rows.append(
         {

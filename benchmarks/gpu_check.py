@@ -234,18 +234,14 @@ def section_check(cases, seed=0, impl="pallas"):
 # ------------------------------------------------------------------------------------ time
 
 
-def _paths(name):
+def _paths(name, implementations=("xla", "pallas", None)):
+  """The jax.nn composition and jaxact's `implementations` of one dense layer, by label."""
   act = getattr(jax.nn, name)
 
   def composition(x, w, b):
     return act(jnp.dot(x, w) + b)
 
-  return {
-    "jax.nn": composition,
-    "jaxact xla": _jaxact(name, "xla"),
-    "jaxact pallas": _jaxact(name, "pallas"),
-    "jaxact None": _jaxact(name, None),
-  }
+  return {"jax.nn": composition} | {f"jaxact {i}": _jaxact(name, i) for i in implementations}
 
 
 def section_time(runs, activations=("relu", "gelu"), shapes=SHAPES):

@@ -169,17 +169,8 @@ def lowered_text(fn, arg_shapes, platform: str, kind: str = "H100") -> str:
       raise
 
 
-def train_step(activation, implementation, bias=True):
-  def loss(x, w, b):
-    y = jaxact.dense_bias_act(x, w, b, activation=activation, implementation=implementation)
-    return jnp.sum(y.astype(jnp.float32))
-
-  # value_and_grad: with identity (no residual) the forward is otherwise dead code.
-  return jax.value_and_grad(loss, (0, 1, 2) if bias else (0, 1))
-
-
-def shapes(m, k, n, dtype):
-  return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
+train_step = aot.train_step  # value_and_grad of one fused dense layer
+shapes = aot.layer_shapes
 
 
 def configs(hopper: bool):
