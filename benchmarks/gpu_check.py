@@ -30,6 +30,8 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
   backward (time and compiled temp memory).
 * ``conv``, ``train``, ``eltwise``, ``suite``: the conv epilogue kernels, an 8-layer MLP step, lone
   activations, and the benchmark suite's GPU section.
+* ``conv-bwd``: the conv epilogue's backward kernel alone, by row steps a program (db partial
+  sums) and, for gelu, the derivative's sigmoid pair from one exp (the spec's) or two.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
 """
@@ -537,6 +539,57 @@ def section_conv(runs, copy_gbps=None):
   return data, lines
 
 
+def _gelu_d_two_logistic(x):
+  """gelu's (tanh form) derivative with its sigmoid pair from two ``logistic`` calls, as the spec
+  table had it before run 10 (which measured the one-exp form now in ``_sigmoid_pair`` against
+  it: the conv backward kernel 72% -> 78% of the copy bandwidth)."""
+  xc = jnp.clip(x, -1e4, 1e4)
+  c = math.sqrt(2 / math.pi)
+  v = 2.0 * c * (xc + 0.044715 * xc**3)
+  s, s_neg = lax.logistic(v), lax.logistic(-v)
+  return s + 2.0 * xc * s * s_neg * c * (1.0 + 3.0 * 0.044715 * xc * xc)
+
+
+def section_conv_bwd(runs, copy_gbps=None):
+  """The conv epilogue's backward kernel alone at the conv layer's output size: row tiles a
+  program walks (``EltwiseTiles.steps``: fewer rows of db partial sums) and, for gelu, the spec's
+  derivative (its sigmoid pair from one exp) against the two-``logistic`` form."""
+  from pallas_kernels import bias_act as pk_eltwise
+
+  rows, c = int(np.prod(CONV_X[:-1])), CONV_W[-1]
+  dt = jnp.bfloat16
+  zs = [
+    jax.random.normal(jax.random.key(200 + s), (rows, c), jnp.float32).astype(dt) for s in range(2)
+  ]
+  sets = [(zs[0], zs[1]), (zs[1], zs[0])]
+  nbytes = 3 * rows * c * jnp.dtype(dt).itemsize  # g, r read; dz written
+  lines = [f"({rows}, {c}) bfloat16, dz and db; copy = {copy_gbps} GB/s", ""]
+  lines += ["| activation | derivative | tiles x steps | ms | GB/s | of copy |"]
+  lines += ["|---|---|---|---|---|---|"]
+  out = {"rows": []}
+  base = pk_eltwise._block_config((rows, c), dt)
+  for name in ("relu", "gelu"):
+    ep = _epilogue(name)
+    forms = {"spec": ep}
+    if name == "gelu":
+      forms["two logistic"] = dataclasses.replace(ep, derivative=_gelu_d_two_logistic)
+    for form, e in forms.items():
+      for tiles in [base] + [dataclasses.replace(base, steps=k) for k in (4, 8, 16)]:
+        f = jax.jit(
+          lambda g, r, t=tiles, e=e: pk_eltwise.bias_act_bwd(
+            g, r, epilogue=e, has_bias=True, block_config=t, in_place=False
+          )
+        )
+        t = median_seconds(f, sets, runs)
+        gbps = nbytes / t / 1e9
+        frac = f"{gbps / copy_gbps:.0%}" if copy_gbps else "-"
+        label = f"({tiles.rows}, {tiles.cols}, {tiles.num_warps}) x {tiles.steps}"
+        lines.append(f"| {name} | {form} | {label} | {1e3 * t:.3f} | {gbps:.0f} | {frac} |")
+        out["rows"].append({"act": name, "form": form, "tiles": label, "s": t, "GBps": gbps})
+        print(lines[-1], flush=True)
+  return out, lines
+
+
 def section_suite(runs):
   """benchmarks/gpu.py's layer and elementwise tables (`python -m benchmarks` on a GPU)."""
   from benchmarks import gpu as suite
@@ -970,17 +1023,22 @@ def main(argv=None) -> int:
         data, lines = section_conv(args.runs, results.get("env", {}).get("copy_GBps"))
         ok &= not data["check_failed"]
         emit("conv", data, lines)
+      elif section == "conv-bwd":
+        emit("conv-bwd", *section_conv_bwd(args.runs, results.get("env", {}).get("copy_GBps")))
       elif section == "train":
         emit("train", *section_train(args.runs))
       elif section == "eltwise":
         emit("eltwise", *section_eltwise(args.runs))
       elif section == "check-mosaic":
-        cases = [
-          (n, d, sh)
-          # elu and softplus: expm1 / log1p, computed from exp / log in the kernels.
-          for n in ("identity", "relu", "tanh", "gelu", "silu", "hard_silu", "elu", "softplus")
-          for d in ("bfloat16", "float16")
-          for sh in ((1024, 1024, 2048), (2, 512, 256, 768))
+        # elu and softplus: expm1 / log1p, computed from exp / log in the kernels. With
+        # --quick-check, batch dimensions in bfloat16 for three of them only (~150 s on an H100).
+        names = ("identity", "relu", "tanh", "gelu", "silu", "hard_silu", "elu", "softplus")
+        batched = ("identity", "relu", "gelu") if args.quick_check else names
+        cases = [(n, d, (1024, 1024, 2048)) for n in names for d in ("bfloat16", "float16")]
+        cases += [
+          (n, d, (2, 512, 256, 768))
+          for n in batched
+          for d in (("bfloat16",) if args.quick_check else ("bfloat16", "float16"))
         ]
         data, lines = section_check(cases, impl="mosaic")
         ok &= not data["failed"]
