@@ -11,6 +11,7 @@ from pallas_kernels.bias_act import EltwiseTiles as EltwiseTiles
 from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
 from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
 from pallas_kernels.bias_act import bias_act_reference as bias_act_reference
+from pallas_kernels.bias_act import bias_grad as bias_grad
 from pallas_kernels.dense import BlockConfig as BlockConfig
 from pallas_kernels.dense import Epilogue as Epilogue
 from pallas_kernels.dense import Tiles as Tiles
@@ -31,6 +32,7 @@ __all__ = [
   "bias_act_bwd",
   "bias_act_fwd",
   "bias_act_reference",
+  "bias_grad",
   "dense_bias_act",
   "dense_bias_act_bwd",
   "dense_bias_act_fwd",

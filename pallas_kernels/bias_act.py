@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, pl
 from pallas_kernels.dense import _DTYPES, Epilogue, _dz_tile, _load_tile, _slots, _store_tile
@@ -36,6 +36,9 @@ class EltwiseTiles:
   rows: int
   cols: int
   num_warps: int
+  # Row tiles one program of the backward walks, summing db as it goes: one row of partial sums
+  # per `steps` tiles (the forward takes one tile a program).
+  steps: int = 1
 
 
 def _block_config(shape: tuple[int, int], dtype) -> EltwiseTiles:
@@ -71,13 +74,22 @@ def _fwd_kernel(z_ref, b_ref, y_ref, zb_ref, *, epilogue: Epilogue, tiles: Eltwi
 
 
 def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
+  """dz over `tiles.steps` row tiles of one column tile (with `dz_ref`), and their column sums
+  in row ``i`` of db's partial sums (with `db_ref`)."""
   i = pl.program_id(0)
-  r0 = i * tiles.rows
   c0 = pl.program_id(1) * tiles.cols
-  dz = _dz_tile(g_ref, r_ref, r0, c0, tiles.rows, tiles.cols, epilogue)  # 0 outside the array
-  _store_tile(dz_ref, r0, c0, dz)
+
+  def step(s, acc):
+    r0 = (i * tiles.steps + s) * tiles.rows
+    dz = _dz_tile(g_ref, r_ref, r0, c0, tiles.rows, tiles.cols, epilogue)  # 0 outside the array
+    if dz_ref is not None:
+      _store_tile(dz_ref, r0, c0, dz)
+    return acc + jnp.sum(dz, axis=0, keepdims=True)
+
+  acc = jnp.zeros((1, tiles.cols), jnp.float32)
+  acc = step(0, acc) if tiles.steps == 1 else lax.fori_loop(0, tiles.steps, step, acc)
   if db_ref is not None:
-    _store_tile(db_ref, i, c0, jnp.sum(dz, axis=0, keepdims=True))
+    _store_tile(db_ref, i, c0, acc)
 
 
 def _check(name: str, v: Array) -> None:
@@ -165,7 +177,7 @@ def bias_act_bwd(
   rows = g2.shape[0]
   r2 = residual.reshape(-1, c) if needs_r else None
   t = block_config or _block_config((rows, c), g.dtype)
-  blocks = pl.cdiv(rows, t.rows)
+  blocks = pl.cdiv(rows, t.rows * t.steps)
   out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)]
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((blocks, c), jnp.float32))
@@ -180,6 +192,55 @@ def bias_act_bwd(
   )(*(v for v in (g2, r2) if v is not None))
   dz = outs[0].reshape(g.shape)
   return dz, (jnp.sum(outs[1], axis=0) if has_bias else None)
+
+
+# Row tiles a program of bias_grad sums: partial sums of 1/32 of a 16-bit g's bytes (tiles of
+# 16 x 256), and programs enough to fill a GPU from (1024, 4096) up. Measured with bias_act_bwd on
+# an H100 (benchmarks/RESULTS.md, run 10; (401408, 256) bf16), against one step in the same run:
+# relu's backward 86% of the copy bandwidth against 79% (run 9 had 86% for one step: within the
+# spread of runs), gelu's 67% against 72% (8 steps: 81%, 66%; 16: 81%, 62%). So bias_act_bwd
+# keeps one tile a program, and bias_grad, which writes no dz and is not timed alone, takes 4.
+DB_STEPS = 4
+
+
+def bias_grad(
+  g: Array,
+  residual: Array | None,
+  *,
+  epilogue: Epilogue,
+  block_config: EltwiseTiles | None = None,
+  interpret: bool = False,
+) -> Array:
+  """The float32 ``db = sum dz`` over every axis but the last, of ``dz = g * act'(residual)``, in
+  one read of `g` and `residual` with no dz written: for backward kernels that form dz on the fly
+  and cannot reduce it themselves (:mod:`pallas_kernels.hopper`). As in :func:`bias_act_bwd` and
+  the Triton dense backward, dz is summed in float32 before any rounding to g's dtype.
+
+  Each program sums ``block_config.steps`` (:data:`DB_STEPS` by default) row tiles of one column
+  tile into a row of partial sums (``rows / (steps * block_rows)`` by ``C``, float32), which a
+  tiny XLA reduction finishes.
+  """
+  _check("g", g)
+  needs_r = epilogue.residual != "none"
+  if needs_r and (residual is None or residual.shape != g.shape):
+    raise ValueError(
+      f"pallas_kernels.bias_act: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"{g.shape}; got {None if residual is None else residual.shape}"
+    )
+  c = g.shape[-1]
+  g2 = g.reshape(-1, c)
+  rows = g2.shape[0]
+  t = block_config or dataclasses.replace(_block_config((rows, c), g.dtype), steps=DB_STEPS)
+  blocks = pl.cdiv(rows, t.rows * t.steps)
+  partial = pl.pallas_call(
+    _slots(_bwd_kernel, (True, needs_r, False, True), epilogue=epilogue, tiles=t),
+    out_shape=jax.ShapeDtypeStruct((blocks, c), jnp.float32),
+    grid=(blocks, pl.cdiv(c, t.cols)),
+    compiler_params=_params(t),
+    interpret=interpret,
+    name="jaxact_bias_grad",
+  )(g2, *((residual.reshape(-1, c),) if needs_r else ()))
+  return jnp.sum(partial, axis=0)
 
 
 def bias_act_reference(z: Array, b: Array | None, *, epilogue: Epilogue, out_dtype=None) -> Array:

@@ -25,10 +25,21 @@ The backward (:func:`hopper_dense_bias_act_bwd`) is two more kernels, ``dx = dz 
 each on its own rows of dx or columns of dw), each forming ``dz = g * act'(residual)`` from the
 tiles of ``g`` and the residual its pipeline brings in and writing it over ``g``'s shared-memory
 tile before wgmma reads it: dz never reaches device memory, and while one compute warpgroup does
-that arithmetic the other's wgmma runs. ``db`` is summed in the ``dw`` kernel from the same dz,
-and every output leaves through shared memory by TMA in double-buffered sub-tiles. jaxact runs
-them under ``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper until they are
-measured faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
+that arithmetic the other's wgmma runs; outputs leave through shared memory by TMA in
+double-buffered sub-tiles.
+
+``db`` is not summed in the ``dw`` kernel, although it forms the same dz: a Mosaic GPU row sum
+(``jnp.sum`` over a warpgroup's tile in the WGMMA layout) adds across warps through a scratch
+buffer that Pallas puts at the same shared-memory offset for every warpgroup, so two compute
+warpgroups summing at once overwrite each other's partial sums (jax 0.11.2 and 0.12:
+``_reduce_lowering_rule`` of ``jax/_src/pallas/mosaic_gpu/lowering.py`` refuses that only for the
+strided layout). On an H100 that db was 33-92% off while dx and dw were right (run 8 in
+``benchmarks/RESULTS.md``); Mosaic GPU's interpreter does not race. Nor is it XLA's reduction:
+compiled for an H100, XLA materialises the float32 dz before summing it for some shapes ((4096,
+1024): 16 MiB, twice the activation). It is :func:`pallas_kernels.bias_act.bias_grad`, one
+Triton pass over ``g`` and the residual that writes only partial sums. jaxact runs them under
+``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper, which an H100 ran 1.8x
+(relu) to 4.9x (gelu) faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jax_core
 
+from pallas_kernels import bias_act
 from pallas_kernels.dense import Epilogue
 
 _HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -463,15 +475,14 @@ class HopperBwdTiles:
   delay: int = 0
 
   def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
-    """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, db, and 3 KiB for
+    """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, and 3 KiB for
     the pipeline's barriers and alignment: 2112 bytes at (dw_stages=4, wgs=2) by Mosaic GPU's
     count)."""
     inputs = 2 if residual else 1  # g and the residual
     out = self.wgs * 2 * self.epi * self.epi * itemsize
     dx = self.dx_stages * (inputs * self.wgs * self.dx_m + self.dx_k) * self.dx_n * itemsize
     dw = self.dw_stages * (self.dw_k + inputs * self.wgs * self.dw_n) * self.dw_m * itemsize
-    db = self.wgs * self.dw_n * 4
-    return dx + out + 3072, dw + out + db + 3072
+    return dx + out + 3072, dw + out + 3072
 
 
 def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> HopperBwdTiles:
@@ -554,33 +565,24 @@ def hopper_bwd_unsupported(
   return _unlowerable(epilogue.derivative, "derivative")
 
 
-def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, sums=None, part=None, chunk: int = 64):
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, chunk: int = 64):
   """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
-  ready to be a wgmma operand; nothing to write for identity (``dz = g``).
+  ready to be a wgmma operand; nothing to do for identity (``dz = g``).
 
   Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
   64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
-  With `sums` (one float32 vector per block), returns them plus the column sums of this tile's dz
-  as wgmma reads it (rounded to the operand dtype): ``db``'s running total. `part`: ``(rows,
-  first column, columns)`` of the tiles to work on (a warpgroup's own part), else all of them.
+  `part`: ``(rows, first column, columns)`` of the tiles to work on (a warpgroup's own part), else
+  all of them.
   """
+  if r_smem is None:
+    return
   rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
-  out = []
-  for i, c in enumerate(range(0, cols, chunk)):
+  for c in range(0, cols, chunk):
     block = (rows, pl.ds(col0 + c, min(chunk, cols - c)))
-    g = g_smem.at[block]
-    if r_smem is None:
-      dz = g[...]
-    else:
-      r = r_smem.at[block]
-      dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
-      dz = dz.astype(g_smem.dtype)
-      g[...] = dz
-    if sums is not None:
-      out.append(sums[i] + jnp.sum(dz.astype(jnp.float32), axis=0))
-  if r_smem is not None:
-    plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
-  return None if sums is None else tuple(out)
+    g, r = g_smem.at[block], r_smem.at[block]
+    dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
+    g[...] = dz.astype(g_smem.dtype)
+  plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
 
 
 def _bwd_kernel(
@@ -593,14 +595,10 @@ def _bwd_kernel(
   t: HopperBwdTiles,
   steps: int,
   stages: int,
-  sums: tuple[int, ...] | None = None,
-  db_gmem=None,
 ):
   """The CTA of one backward kernel: a warp-specialized pipeline of `steps` steps over `operands`
-  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref, sums) -> sums` run by each
-  compute warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`.
-  With `sums` (the widths of the column blocks of db a warpgroup sums), each warpgroup also writes
-  its totals to ``db_gmem[db_cols(wg)]`` (`db_gmem` is then ``(gmem ref, db_cols)``).
+  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref)` run by each compute
+  warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`.
   """
   acc_shape = out_tile(0)[2]
 
@@ -623,35 +621,27 @@ def _bwd_kernel(
   scratch = dict(
     allocs=pipeline(ignore, ignore).get_allocations(*operands),
     out_smem=plgpu.SMEM((t.wgs, 1, 2, t.epi, t.epi), dtype, transforms=_transforms(t.epi, dtype)),
-    db_smem=None if sums is None else plgpu.SMEM((t.wgs, sum(sums)), jnp.float32),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _(allocs, out_smem, db_smem):
+  def _(allocs, out_smem):
     wg = lax.axis_index("wg")
 
     def compute_context(run_pipeline):
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
       def _(acc_ref):
-        init = None if sums is None else tuple(jnp.zeros((w,), jnp.float32) for w in sums)
-        _, totals = run_pipeline((acc_ref, init))
+        run_pipeline(acc_ref)
         plgpu.wgmma_wait(0)  # the last step's wgmma, with `delay`
         rows, cols, _ = out_tile(wg)
         _write_tile(acc_ref[...], lambda z: (z,), (out_gmem.at[rows, cols],), out_smem.at[wg])
-        if sums is not None:
-          db_ref, db_cols = db_gmem
-          for i, s in enumerate(totals):
-            db_smem[wg, pl.ds(sum(sums[:i]), s.shape[0])] = s
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(db_smem.at[wg], db_ref.at[db_cols(wg)])
 
     def step(_, *refs):
-      *smem_refs, (acc_ref, carry) = refs
-      carry = body(wg, smem_refs, acc_ref, carry)
+      *smem_refs, acc_ref = refs
+      body(wg, smem_refs, acc_ref)
       # With delay 1, this step's wgmma still runs (its slot is released a step later) while the
       # next step's dz is formed.
       plgpu.wgmma_wait(t.delay)
-      return acc_ref, carry
+      return acc_ref
 
     pipeline(step, compute_context)(*operands, allocations=allocs)
 
@@ -680,13 +670,12 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
     delay_release=t.delay,
   )
 
-  def body(wg, refs, acc_ref, carry):
+  def body(wg, refs, acc_ref):
     *gr_smem, w_smem = refs
     own = pl.ds(wg * t.dx_m, t.dx_m)
     r_smem = gr_smem[1] if r_gmem is not None else None
     _dz_in_place(epilogue, gr_smem[0], r_smem, part=(own, 0, t.dx_n))
     plgpu.wgmma(acc_ref, gr_smem[0].at[own], w_smem.transpose((1, 0)))
-    return carry
 
   operands = [g_gmem.at[cta_rows, :]] + ([] if r_gmem is None else [r_gmem.at[cta_rows, :]])
   specs = [gr_spec] * len(operands) + [w_spec]
@@ -699,13 +688,11 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
   _bwd_kernel(body, operands, specs, dx_gmem, out_tile, t=t, steps=n // t.dx_n, stages=t.dx_stages)
 
 
-def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
-  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]``, each compute warpgroup on its own columns;
-  with `db_gmem`, the CTAs of the first row of K tiles also sum dz's columns into ``db[ni]``."""
+def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]``, each compute warpgroup on its own columns."""
   m = x_gmem.shape[0]
-  k_index = lax.axis_index("k")
   cta_n = t.wgs * t.dw_n
-  rows = pl.ds(k_index * t.dw_k, t.dw_k)
+  rows = pl.ds(lax.axis_index("k") * t.dw_k, t.dw_k)
   cta_cols = pl.ds(lax.axis_index("n") * cta_n, cta_n)
   x_spec = plgpu.BlockSpec(
     (t.dw_m, t.dw_k),
@@ -725,36 +712,17 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, db_gmem, *, epilogue: Epilogue, 
   operands += [] if r_gmem is None else [r_gmem.at[:, cta_cols]]
   specs = [x_spec] + [gr_spec] * (len(operands) - 1)
 
-  def body(wg, refs, acc_ref, sums):
+  def body(wg, refs, acc_ref):
     x_smem, *gr_smem = refs
+    own = pl.ds(wg * t.dw_n, t.dw_n)
     r_smem = gr_smem[1] if r_gmem is not None else None
-    sums = _dz_in_place(epilogue, gr_smem[0], r_smem, sums, part=(slice(None), wg * t.dw_n, t.dw_n))
-    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, pl.ds(wg * t.dw_n, t.dw_n)])
-    return sums
-
-  def cols(wg):
-    return pl.ds(lax.axis_index("n") * cta_n + wg * t.dw_n, t.dw_n)
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(slice(None), wg * t.dw_n, t.dw_n))
+    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, own])
 
   def out_tile(wg):
-    return rows, cols(wg), (t.dw_k, t.dw_n)
+    return rows, pl.ds(lax.axis_index("n") * cta_n + wg * t.dw_n, t.dw_n), (t.dw_k, t.dw_n)
 
-  kernel = functools.partial(
-    _bwd_kernel,
-    body,
-    operands,
-    specs,
-    dw_gmem,
-    out_tile,
-    t=t,
-    steps=m // t.dw_m,
-    stages=t.dw_stages,
-  )
-  if db_gmem is None:
-    kernel()
-  else:  # one CTA per column tile sums dz; the others skip the reductions
-    blocks = tuple(min(64, t.dw_n - c) for c in range(0, t.dw_n, 64))
-    pl.when(k_index == 0)(functools.partial(kernel, sums=blocks, db_gmem=(db_gmem, cols)))
-    pl.when(k_index != 0)(kernel)
+  _bwd_kernel(body, operands, specs, dw_gmem, out_tile, t=t, steps=m // t.dw_m, stages=t.dw_stages)
 
 
 def hopper_dense_bias_act_bwd(
@@ -772,8 +740,8 @@ def hopper_dense_bias_act_bwd(
 
   Two Mosaic GPU kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, each forming
   ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
-  memory. ``db = sum(dz, rows)`` is summed in the same pass, by the ``dw`` kernel's CTAs of the
-  first row of K tiles (float32 totals of the dz wgmma reads).
+  memory. ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act.bias_grad`
+  (Triton: one read of `g` and `residual`, float32 partial sums of dz before its rounding).
   """
   batch, (k, n) = x.shape[:-1], w.shape
   if g.shape != (*batch, n):
@@ -796,6 +764,10 @@ def hopper_dense_bias_act_bwd(
   why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.hopper: {why}")
+  db = None
+  if has_bias:  # See the module's docstring for why not in the dw kernel.
+    db = bias_act.bias_grad(g2, r2, epilogue=epilogue, interpret=bool(interpret))
+    db = db.astype(x.dtype)
   epilogue = _for_kernel(epilogue)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
@@ -812,8 +784,8 @@ def hopper_dense_bias_act_bwd(
     _dx_kernel(g_ref, r_ref[0] if r_ref else None, w_ref, dx_ref, epilogue=epilogue, t=t)
 
   def dw_body(x_ref, g_ref, *refs):
-    *r_ref, dw_ref, db_ref = refs if has_bias else (*refs, None)
-    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, db_ref, epilogue=epilogue, t=t)
+    *r_ref, dw_ref = refs
+    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, epilogue=epilogue, t=t)
 
   r_args = (r2,) if needs_r else ()
   dx = kernel(
@@ -822,15 +794,10 @@ def hopper_dense_bias_act_bwd(
     grid=(m // (t.wgs * t.dx_m), k // t.dx_k),
     grid_names=("m", "k"),
   )(g2, *r_args, w)
-  dw_type = jax.ShapeDtypeStruct((k, n), w.dtype)
-  db_type = jax.ShapeDtypeStruct((n,), jnp.float32)
   dw = kernel(
     dw_body,
-    out_type=(dw_type, db_type) if has_bias else dw_type,
+    out_type=jax.ShapeDtypeStruct((k, n), w.dtype),
     grid=(k // t.dw_k, n // (t.wgs * t.dw_n)),
     grid_names=("k", "n"),
   )(x2, g2, *r_args)
-  db = None
-  if has_bias:
-    dw, db = dw[0], dw[1].astype(x.dtype)
   return dx.reshape(*batch, k), dw, db

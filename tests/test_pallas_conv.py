@@ -10,6 +10,7 @@ abstract H100/A100 devices must hold the two Triton calls (in place) for every t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -150,15 +151,43 @@ def test_standalone_kernels_against_reference():
     else:
       assert zb is None
     kept = {"output": y, "input": zb, "none": None}[residual]
-    dz, db = jax.jit(
-      functools.partial(
-        bias_act.bias_act_bwd, epilogue=ep, has_bias=True, block_config=tiles, interpret=True
-      )
-    )(g, kept)
     want_dz, want_db = pull(g)
-    chex.assert_trees_all_close(dz, want_dz, atol=1e-5, rtol=1e-5)
-    chex.assert_trees_all_close(db, want_db, atol=1e-4, rtol=1e-5)
-    assert db.dtype == jnp.float32
+    # One row tile a program, and three (db summed across them; the last ones past the rows).
+    for t in (tiles, dataclasses.replace(tiles, steps=3)):
+      dz, db = jax.jit(
+        functools.partial(
+          bias_act.bias_act_bwd, epilogue=ep, has_bias=True, block_config=t, interpret=True
+        )
+      )(g, kept)
+      chex.assert_trees_all_close(dz, want_dz, atol=1e-5, rtol=1e-5)
+      chex.assert_trees_all_close(db, want_db, atol=1e-4, rtol=1e-5)
+      assert db.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("residual", ["output", "input", "none"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_bias_grad_sums_dz_over_every_axis_but_the_last(residual, dtype):
+  """bias_grad (db of the Hopper backward, which forms dz on the fly): the float32 sum of
+  ``g * act'(r)`` over 300 rows in programs of DB_STEPS ragged row tiles, ragged columns, against
+  float64 numpy; dz is summed before any rounding to g's dtype."""
+  epilogue = {
+    "output": pallas_kernels.Epilogue(jnp.tanh, lambda y: 1.0 - y * y, "output"),
+    "input": pallas_kernels.Epilogue(jax.nn.softplus, jax.nn.sigmoid, "input"),
+    "none": pallas_kernels.Epilogue(lambda v: v, None, "none"),
+  }[residual]
+  g = (jax.random.normal(jax.random.key(1), (2, 150, 37), jnp.float32) * 3).astype(dtype)
+  r = (jax.random.normal(jax.random.key(2), g.shape, jnp.float32) * 2).astype(dtype)
+  tiles = bias_act.EltwiseTiles(rows=16, cols=16, num_warps=4, steps=bias_act.DB_STEPS)
+  assert 2 * tiles.steps * tiles.rows < 300  # three programs down the rows
+  run = functools.partial(bias_act.bias_grad, epilogue=epilogue, block_config=tiles, interpret=True)
+  db = jax.jit(run)(g, None if residual == "none" else r)
+  g64, r64 = (np.asarray(v, np.float64) for v in (g, r))
+  d = {"output": 1.0 - r64 * r64, "input": 1.0 / (1.0 + np.exp(-r64)), "none": 1.0}[residual]
+  assert db.dtype == jnp.float32 and db.shape == (37,)
+  np.testing.assert_allclose(np.asarray(db), (g64 * d).sum((0, 1)), rtol=1e-5, atol=1e-4)
+  if residual != "none":
+    with pytest.raises(ValueError, match=r"needs the residual of shape \(2, 150, 37\); got None"):
+      bias_act.bias_grad(g, None, epilogue=epilogue, interpret=True)
 
 
 def test_standalone_kernels_check_their_arguments():

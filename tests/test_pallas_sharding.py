@@ -72,12 +72,13 @@ CASES = {
     ["P()", "P('data', None, None, None)", "P(None, None, None, None)", "P(None,)"], [36, 10], 4
   ),
   "elementwise_dp": Want(["P()", "P('data', 'model', None, None)", "P(None,)"], [2, 2, 3, 5], 2),
-  # implementation="mosaic": the Hopper forward and backward kernels (Mosaic GPU's interpreter).
+  # implementation="mosaic": the Hopper forward and backward kernels (Mosaic GPU's interpreter),
+  # and the backward's db pass (bias_act.bias_grad): 4 kernels in each branch.
   "mosaic_dp": Want(
-    ["P()", "P('data', None)", "P(None, None)", "P(None,)"], [128, 64], rtol=BF16_RTOL
+    ["P()", "P('data', None)", "P(None, None)", "P(None,)"], [128, 64], 8, rtol=BF16_RTOL
   ),
   "mosaic_dp_tp": Want(
-    ["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [128, 64], rtol=BF16_RTOL
+    ["P()", "P('data', None)", "P(None, 'model')", "P('model',)"], [128, 64], 8, rtol=BF16_RTOL
   ),
 }
 
@@ -247,7 +248,7 @@ def test_sharded_call_lowers_for_h100_to_mosaic_per_shard(
 ):
   """Lowered for 8 H100s, the Mosaic GPU calls sit inside shard_map regions taking 128 x 64 row
   blocks of x: the forward under None (whose backward is XLA's), forward, dx and dw under
-  "mosaic" (whose gradients are all-reduced); nothing is all-gathered."""
+  "mosaic" (whose gradients are all-reduced) with db's Triton pass; nothing is all-gathered."""
   mesh = cuda_mesh(mesh_shape, names, "NVIDIA H100 80GB HBM3")
 
   def loss(x, w, b):
@@ -266,7 +267,9 @@ def test_sharded_call_lowers_for_h100_to_mosaic_per_shard(
   assert mosaic == ([1] if implementation is None else [1, 2])
   assert text.count(f"custom_call @{MOSAIC}(") == sum(mosaic)  # none outside
   assert all("tensor<128x64xbf16>" in r[0] for r in regions)
-  assert TRITON not in text
+  triton = [sum(f"custom_call @{TRITON}(" in line for line in r) for r in regions]
+  assert triton == ([0] if implementation is None else [0, 1])  # "mosaic": db's pass
+  assert text.count(f"custom_call @{TRITON}(") == sum(triton)
   # The kernels' gradients are summed in the program; XLA's backward (None) is partitioned later.
   assert ("all_reduce" in text) == (implementation == "mosaic")
   assert "all_gather" not in text
