@@ -94,13 +94,16 @@ XLA_FASTER = (("dense", "Hopper (H100/H200): the Triton matmul kernels are 1.5-3
 # relu 1.19 against 1.29 and 2.21, gelu 1.34 against 1.40 and 4.44; (16384, 1024, 4096) relu 0.76
 # against 0.87 and 1.20. cuBLAS runs both backward products at ~700 TFLOP/s; the dz pass they read
 # is ~6% of the step. The Mosaic GPU backward kernels (pallas_kernels.hopper, dz formed in shared
-# memory inside both matmuls: one activation-sized array less in the step) run under "mosaic"; they
-# are not timed on a GPU yet (benchmarks.gpu_check --sections hopper,hopper-bwd), so None keeps XLA.
-# Memory alone does not argue for them in deep networks: compiled for an H100 (benchmarks.aot), an
-# 8-layer MLP step keeps 640 MiB with them against 576 with XLA's backward (relu, 8192 x 4096
-# layers): their dx is a new buffer beside g and the residual, which the kernel reads to its end,
-# where XLA's dz overwrites g in place and its dx reuses the residual's buffer (one layer's step
-# alone: 0 MiB against 64). To be chosen they must be measured faster.
+# memory inside both matmuls, run under "mosaic") were timed in runs 8-9 (same machine and jax):
+# the backward alone, XLA's against theirs, (8192, 4096, 4096) relu 0.79 against 1.42 ms, gelu
+# 0.90 against 4.18; (16384, 1024, 4096) relu 0.53 against 0.82, gelu 0.61 against 2.34 (their
+# fastest tiling, hopper_bwd_tiles' default, of the five hopper_bwd_variants). Not fusing dz means
+# forming it once per output tile: K / 256 times in dx and K / 128 in dw, which gelu's derivative
+# cannot afford. Their memory does not argue for them in deep networks either: an 8-layer MLP step
+# (8192 x 4096 layers) keeps 640 MiB with them against 576 with XLA's backward (relu), 1088 against
+# 1024 (gelu), measured on the H100 (run 10) as benchmarks.aot compiles it: their dx is a new buffer
+# beside g and the residual, which the kernels read to their end, where XLA's dz overwrites g in
+# place and its dx reuses the residual's buffer (one layer's step alone: 0 MiB against 64).
 HOPPER_BACKWARD = "xla"
 
 
