@@ -51,17 +51,8 @@ def _sigmoid(x: Array) -> Array:
 
 
 def _sigmoid_pair(x: Array) -> tuple[Array, Array]:
-  """(sigmoid(x), sigmoid(-x)), each accurate in relative terms (1 - sigmoid(x) would not be).
-
-  From one exp and one division: with ``e = exp(-|x|)`` in (0, 1], ``1 / (1 + e)`` is the larger
-  and ``e / (1 + e)`` the smaller of the two (no overflow, no cancellation), where two
-  ``logistic`` calls take two of each. Measured on an H100 (benchmarks/RESULTS.md, runs 10-11):
-  the conv epilogue's gelu backward kernel 72% -> 78% and 73% -> 75% of the copy bandwidth."""
-  e = jnp.exp(-jnp.abs(x))
-  big = 1.0 / (1.0 + e)
-  small = e * big
-  pos = x >= 0
-  return jnp.where(pos, big, small), jnp.where(pos, small, big)
+  """(sigmoid(x), sigmoid(-x)), each accurate in relative terms (1 - sigmoid(x) would not be)."""
+  return lax.logistic(x), lax.logistic(-x)
 
 
 def _softplus(x: Array) -> Array:
