@@ -164,6 +164,24 @@ def bias_act_bwd(
   """``(dz, db)``: ``dz = g * act'(residual)`` in `dz_dtype` (default g's), and the float32
   ``db = sum dz`` over every axis but the last (None unless `has_bias`). ``dz`` takes `g`'s buffer
   when the dtypes agree and `in_place`."""
+  return _backward(
+    g,
+    residual,
+    epilogue=epilogue,
+    has_bias=has_bias,
+    keep_dz=True,
+    dz_dtype=dz_dtype,
+    block_config=block_config,
+    in_place=in_place,
+    interpret=interpret,
+  )
+
+
+def _backward(
+  g, residual, *, epilogue, has_bias, keep_dz, dz_dtype, block_config, steps=1, in_place, interpret
+):
+  """:func:`bias_act_bwd`, and without `keep_dz` :func:`bias_grad`; `steps` row tiles a program
+  where `block_config` is not given."""
   _check("g", g)
   needs_r = epilogue.residual != "none"
   if needs_r and (residual is None or residual.shape != g.shape):
@@ -176,22 +194,22 @@ def bias_act_bwd(
   g2 = g.reshape(-1, c)
   rows = g2.shape[0]
   r2 = residual.reshape(-1, c) if needs_r else None
-  t = block_config or _block_config((rows, c), g.dtype)
+  t = block_config or dataclasses.replace(_block_config((rows, c), g.dtype), steps=steps)
   blocks = pl.cdiv(rows, t.rows * t.steps)
-  out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)] if keep_dz else []
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((blocks, c), jnp.float32))
   outs = pl.pallas_call(
-    _slots(_bwd_kernel, (True, needs_r, True, has_bias), epilogue=epilogue, tiles=t),
+    _slots(_bwd_kernel, (True, needs_r, keep_dz, has_bias), epilogue=epilogue, tiles=t),
     out_shape=tuple(out_shape),
     grid=(blocks, pl.cdiv(c, t.cols)),
-    input_output_aliases={0: 0} if in_place and dz_dtype == g.dtype else {},
+    input_output_aliases={0: 0} if keep_dz and in_place and dz_dtype == g.dtype else {},
     compiler_params=_params(t),
     interpret=interpret,
-    name="jaxact_bias_act_bwd",
+    name="jaxact_bias_act_bwd" if keep_dz else "jaxact_bias_grad",
   )(*(v for v in (g2, r2) if v is not None))
-  dz = outs[0].reshape(g.shape)
-  return dz, (jnp.sum(outs[1], axis=0) if has_bias else None)
+  dz = outs[0].reshape(g.shape) if keep_dz else None
+  return dz, (jnp.sum(outs[-1], axis=0) if has_bias else None)
 
 
 # Row tiles a program of bias_grad sums: partial sums of 1/32 of a 16-bit g's bytes (tiles of
@@ -220,27 +238,19 @@ def bias_grad(
   tile into a row of partial sums (``rows / (steps * block_rows)`` by ``C``, float32), which a
   tiny XLA reduction finishes.
   """
-  _check("g", g)
-  needs_r = epilogue.residual != "none"
-  if needs_r and (residual is None or residual.shape != g.shape):
-    raise ValueError(
-      f"pallas_kernels.bias_act: a {epilogue.residual!r} epilogue needs the residual of shape "
-      f"{g.shape}; got {None if residual is None else residual.shape}"
-    )
-  c = g.shape[-1]
-  g2 = g.reshape(-1, c)
-  rows = g2.shape[0]
-  t = block_config or dataclasses.replace(_block_config((rows, c), g.dtype), steps=DB_STEPS)
-  blocks = pl.cdiv(rows, t.rows * t.steps)
-  partial = pl.pallas_call(
-    _slots(_bwd_kernel, (True, needs_r, False, True), epilogue=epilogue, tiles=t),
-    out_shape=jax.ShapeDtypeStruct((blocks, c), jnp.float32),
-    grid=(blocks, pl.cdiv(c, t.cols)),
-    compiler_params=_params(t),
+  _, db = _backward(
+    g,
+    residual,
+    epilogue=epilogue,
+    has_bias=True,
+    keep_dz=False,
+    dz_dtype=None,
+    block_config=block_config,
+    steps=DB_STEPS,
+    in_place=False,
     interpret=interpret,
-    name="jaxact_bias_grad",
-  )(g2, *((residual.reshape(-1, c),) if needs_r else ()))
-  return jnp.sum(partial, axis=0)
+  )
+  return db
 
 
 def bias_act_reference(z: Array, b: Array | None, *, epilogue: Epilogue, out_dtype=None) -> Array:
