@@ -242,15 +242,6 @@ def test_backward_kernels_batch_dims_and_no_bias():
   np.testing.assert_allclose(np.asarray(dw, np.float32), want_dw, atol=1e-2, rtol=2e-3)
 
 
-def _primitives(jaxpr) -> set[str]:
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for sub in jax_core.jaxprs_in_params(eqn.params):
-      names |= _primitives(sub)
-  return names
-
-
 def _kernels(jaxpr) -> list[set[str]]:
   """The primitives of each Pallas kernel `jaxpr` calls (the sub-jaxprs of the calls that carry
   ``compiler_params``: ``pallas_call``, or ``mpmd_map`` for Mosaic GPU in newer jax)."""
@@ -258,7 +249,7 @@ def _kernels(jaxpr) -> list[set[str]]:
   for eqn in jaxpr.eqns:
     subs = jax_core.jaxprs_in_params(eqn.params)
     if "compiler_params" in eqn.params:
-      found.append(set().union(*map(_primitives, subs)))
+      found.append(set().union(*map(hopper._primitives, subs)))
     else:
       for sub in subs:
         found += _kernels(sub)
