@@ -39,7 +39,7 @@ compiled for an H100, XLA materialises the float32 dz before summing it for some
 1024): 16 MiB, twice the activation). It is :func:`pallas_kernels.bias_act.bias_grad`, one
 Triton pass over ``g`` and the residual that writes only partial sums. jaxact runs them under
 ``implementation="mosaic"``; ``None`` keeps XLA's backward on Hopper, which an H100 ran 1.8x
-(relu) to 4.9x (gelu) faster (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
+(relu) to 4.7x (gelu) faster (run 9) (``jaxact/_src/pallas.py``, ``HOPPER_BACKWARD``).
 """
 
 from __future__ import annotations
