@@ -1,9 +1,22 @@
-"""Pallas GPU kernels (Triton backend) for jaxact's fused layers.
+"""Pallas GPU kernels for jaxact's fused layers.
 
 Importable on its own: it depends only on jax. The activation epilogue is passed in as functions
-(:class:`Epilogue`), so any elementwise activation works in every kernel; jaxact builds those from
-its spec table. On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how
-they are tested; lowered for CUDA they become Triton custom calls (:data:`CUSTOM_CALL_TARGET_NAME`).
+(:class:`Epilogue`), so any elementwise activation works in every kernel, and the tiles come from
+the caller (each module's ``default_*`` function chooses them from the shape, dtype and, where it
+matters, whether the caller targets a Hopper GPU): the kernels know nothing of devices or of when
+they should run. jaxact builds the epilogues from its spec table and decides where each kernel runs
+(``jaxact/_src/dispatch.py``).
+
+* Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense` (fused matmul +
+  epilogue and its backward), :mod:`pallas_kernels.bias_act` (convolution epilogue and its
+  backward, the bias gradient pass).
+* Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
+  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward).
+
+On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
+The package is installed as ``pallas_kernels`` beside ``jaxact`` rather than inside it so that it
+stays importable, and testable, without jaxact's spec table: it is jaxact's, and the name says
+what it holds.
 """
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
@@ -12,15 +25,17 @@ from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
 from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
 from pallas_kernels.bias_act import bias_act_reference as bias_act_reference
 from pallas_kernels.bias_act import bias_grad as bias_grad
+from pallas_kernels.bias_act import default_tiles as default_tiles
 from pallas_kernels.dense import BlockConfig as BlockConfig
-from pallas_kernels.dense import Epilogue as Epilogue
 from pallas_kernels.dense import Tiles as Tiles
 from pallas_kernels.dense import allow_tf32 as allow_tf32
+from pallas_kernels.dense import default_block_config as default_block_config
 from pallas_kernels.dense import dense_bias_act as dense_bias_act
 from pallas_kernels.dense import dense_bias_act_bwd as dense_bias_act_bwd
 from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
 from pallas_kernels.dense import supported_dtypes as supported_dtypes
+from pallas_kernels.epilogue import Epilogue as Epilogue
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
@@ -33,6 +48,8 @@ __all__ = [
   "bias_act_fwd",
   "bias_act_reference",
   "bias_grad",
+  "default_block_config",
+  "default_tiles",
   "dense_bias_act",
   "dense_bias_act_bwd",
   "dense_bias_act_fwd",

@@ -41,19 +41,16 @@ class EltwiseTiles:
   steps: int = 1
 
 
-def _block_config(shape: tuple[int, int], dtype) -> EltwiseTiles:
+def default_tiles(shape: tuple[int, int], dtype) -> EltwiseTiles:
   """Tile of a ``(rows, C)`` elementwise pass.
 
   Reasoning: the kernels are bound by memory bandwidth, so a program should keep enough bytes in
-  flight without leaving SMs idle at the tail. Measured on an H100 (benchmarks/RESULTS.md, tiles of
-  2048 to 32768 elements, 4 or 8 warps, on a (401408, 256) bfloat16 array), 4096 elements over 4
-  warps gave the best sum of the four passes: relu forward 87% and backward 81% of the measured
-  copy bandwidth, gelu forward 88% and backward 69%; 8192 and more were slower (gelu backward at
-  32768 fell to 52%). The columns are the channels rounded up to a power of two (Triton's
+  flight without leaving SMs idle at the tail. In a sweep on an H100 (tiles of 2048 to 32768
+  elements, 4 or 8 warps) 4096 elements over 4 warps gave the best sum of the four passes; larger
+  tiles were slower. The columns are the channels rounded up to a power of two (Triton's
   requirement) up to 256, so a row of the tile is one contiguous run of memory and the bias tile is
   loaded once per program; the rows fill the rest, at least 16. Float32 storage takes 8 warps (the
-  same 4096 elements, 16 a thread): at 4 warps hard_silu's backward spilled registers on an A100
-  (compiled there by XLA with its spill check, benchmarks/aot.py; unmeasured on a GPU).
+  same 4096 elements): at 4 warps hard_silu's backward spills registers on an A100.
   """
   rows, cols = shape
   block_cols = min(256, max(1, 1 << math.ceil(math.log2(max(cols, 1)))))
@@ -132,7 +129,7 @@ def bias_act_fwd(
   c = z.shape[-1]
   z2 = z.reshape(-1, c)
   rows = z2.shape[0]
-  t = block_config or _block_config((rows, c), z.dtype)
+  t = block_config or default_tiles((rows, c), z.dtype)
   keep_zb = epilogue.residual == "input"
   out = jax.ShapeDtypeStruct((rows, c), out_dtype)
   # The output written last from each tile (zb, else y) may share z's buffer.
@@ -194,7 +191,7 @@ def _backward(
   g2 = g.reshape(-1, c)
   rows = g2.shape[0]
   r2 = residual.reshape(-1, c) if needs_r else None
-  t = block_config or dataclasses.replace(_block_config((rows, c), g.dtype), steps=steps)
+  t = block_config or dataclasses.replace(default_tiles((rows, c), g.dtype), steps=steps)
   blocks = pl.cdiv(rows, t.rows * t.steps)
   out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)] if keep_dz else []
   if has_bias:
@@ -213,11 +210,8 @@ def _backward(
 
 
 # Row tiles a program of bias_grad sums: partial sums of 1/32 of a 16-bit g's bytes (tiles of
-# 16 x 256), and programs enough to fill a GPU from (1024, 4096) up. Measured with bias_act_bwd on
-# an H100 (benchmarks/RESULTS.md, run 10; (401408, 256) bf16), against one step in the same run:
-# relu's backward 86% of the copy bandwidth against 79% (run 9 had 86% for one step: within the
-# spread of runs), gelu's 67% against 72% (8 steps: 81%, 66%; 16: 81%, 62%). So bias_act_bwd
-# keeps one tile a program, and bias_grad, which writes no dz and is not timed alone, takes 4.
+# 16 x 256), and programs enough to fill a GPU from (1024, 4096) up. bias_act_bwd keeps one tile a
+# program: several did not pay there when timed (benchmarks/RESULTS.md, convolution epilogues).
 DB_STEPS = 4
 
 

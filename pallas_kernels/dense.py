@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,25 +37,7 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, load, pl, store
-
-Residual = Literal["output", "input", "none"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Epilogue:
-  """The activation, as the kernels apply it (always to float32 values).
-
-  Attributes:
-    fn: ``y = fn(z)``, elementwise.
-    derivative: ``act'`` from the residual: ``derivative(y)`` for ``residual="output"``,
-      ``derivative(z)`` for ``"input"``; ignored (may be None) for ``"none"`` (identity).
-    residual: what the forward keeps for the backward pass: ``"output"`` (``y``), ``"input"``
-      (``z``, stored by the forward kernel as a second output) or ``"none"``.
-  """
-
-  fn: Callable[[Array], Array]
-  derivative: Callable[[Array], Array] | None
-  residual: Residual
+from pallas_kernels.epilogue import Epilogue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,27 +72,9 @@ def _tile(d: int) -> int:
   return 16 if d <= 16 else 64 if d <= 64 else 128
 
 
-def target_device_kind() -> str | None:
-  """The GPU the program is being built for: the abstract mesh's device, else the first CUDA
-  device this process sees, else None (unknown: the kernels then assume an Ampere-class GPU)."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is not None and device.platform in ("cuda", "gpu"):
-    return device.device_kind
-  try:
-    devices = jax.devices("cuda")
-  except RuntimeError:
-    return None
-  return devices[0].device_kind if devices else None
-
-
-def is_hopper(device_kind: str | None) -> bool:
-  """Whether `device_kind` names a Hopper GPU (compute capability 9.x: 228 KiB shared memory)."""
-  return device_kind is not None and any(
-    name in device_kind for name in ("H100", "H200", "H800", "H20", "GH200")
-  )
-
-
-def _block_config(shape: tuple[int, int, int], dtype, hopper: bool | None = None) -> BlockConfig:
+def default_block_config(
+  shape: tuple[int, int, int], dtype, *, hopper: bool = False
+) -> BlockConfig:
   """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``.
 
   Reasoning:
@@ -125,25 +89,16 @@ def _block_config(shape: tuple[int, int, int], dtype, hopper: bool | None = None
   * The backward kernels load three tiles per step (g and the residual beside x or w), so their
     step is 32: 24 KiB a stage in 16-bit (three stages), 48 KiB in float32 (two stages, 96 KiB).
   * A contraction of at most 16 uses a step of 16 (no wasted masked work).
-  * 8 warps for tiles with a side of 128, 4 below. Compiled for an A100 by XLA with its register
-    spill check (benchmarks/aot.py, every activation of the spec table), 4 warps spilled on
-    128 x 16 and 128 x 64 backward tiles (e.g. dw of (200, 200, 3) in float32 for every
-    activation, dx of (200, 40, 3) in float16); 8 do not. Not yet timed on a GPU.
-  * Hopper (`hopper`; default: :func:`is_hopper` of :func:`target_device_kind`), bfloat16 operands
-    and large layers: measured on an H100 (benchmarks/RESULTS.md, tile sweep of 2026-11-22,
-    9 candidates per kernel) the fastest tiles were 128 x 256 x 64 for the forward and dx and
-    256 x 128 x 64 for dw, 8 warps, 3 stages: (128 + 256) x 64 x 2 B = 48 KiB a forward stage,
-    64 KiB a backward stage, 192 KiB over three, which fits Hopper's 228 KiB but not the A100's.
-    Only for layers these tiles divide (M a multiple of 128, K and N of 256): on ragged tiles the
-    masks cost the registers these wide tiles do not have (compiled for an H100 with XLA's spill
-    check, (200, 200, 200) spilled in the forward and dx), so ragged layers take the 128 x 128
-    tiles below, which do not spill; and only in bfloat16, the dtype measured: in float16 gelu's
-    backward spilled at (512, 512, 512).
+  * 8 warps for tiles with a side of 128, 4 below: compiled for an A100 with XLA's register-spill
+    check, 4 warps spilled on 128 x 16 and 128 x 64 backward tiles; 8 do not.
+  * With `hopper` (the caller's target is a Hopper GPU), bfloat16 layers that 128 x 256 tiles
+    divide (M a multiple of 128, K and N of 256) take 128 x 256 x 64 tiles for the forward and dx
+    and 256 x 128 x 64 for dw, 8 warps, 3 stages (the fastest of a tile sweep on an H100; 192 KiB
+    of shared memory, more than the A100 has). Ragged layers keep the tiles below: the masks cost
+    the registers the wide tiles lack (they spill), as does float16 gelu's backward.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
-  if hopper is None:
-    hopper = is_hopper(target_device_kind())
   bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
   if hopper and bf16 and m % 128 == 0 and k % 256 == 0 and n % 256 == 0:
     return BlockConfig(
@@ -346,7 +301,7 @@ def dense_bias_act_fwd(
   """``(y, z)``: ``y = fn(x @ w + b)`` in `out_dtype` (default x's), and ``z`` (same dtype) when
   ``epilogue.residual == "input"``, else None. `x` may have batch dimensions.
 
-  `block_config` replaces :func:`_block_config`'s choice (for tuning; only ``.fwd`` is read)."""
+  `block_config` replaces :func:`default_block_config`'s choice (only ``.fwd`` is read)."""
   _check(x, w, b)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
   if out_dtype not in _DTYPES:
@@ -354,7 +309,7 @@ def dense_bias_act_fwd(
   batch, (k, n) = x.shape[:-1], w.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
-  t = (block_config or _block_config((m, k, n), x.dtype)).fwd
+  t = (block_config or default_block_config((m, k, n), x.dtype)).fwd
   keep_z = epilogue.residual == "input"
   out = jax.ShapeDtypeStruct((m, n), out_dtype)
   kernel = _slots(
@@ -392,7 +347,7 @@ def dense_bias_act_bwd(
   """``(dx, dw, db)`` for the cotangent `g` of ``y``; `residual` is what the forward kept.
 
   ``dx`` has x's dtype, ``dw`` w's; ``db`` (None unless `has_bias`) has x's dtype.
-  `block_config` replaces :func:`_block_config`'s choice (for tuning).
+  `block_config` replaces :func:`default_block_config`'s choice.
   """
   _check(x, w, None)
   k, n = w.shape
@@ -409,7 +364,7 @@ def dense_bias_act_bwd(
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
   r2 = residual.reshape(-1, n) if needs_r else None
   m = x2.shape[0]
-  cfg = block_config or _block_config((m, k, n), x.dtype)
+  cfg = block_config or default_block_config((m, k, n), x.dtype)
   tf32 = allow_tf32(precision)
 
   dx = pl.pallas_call(

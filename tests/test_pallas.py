@@ -2,9 +2,9 @@
 
 On CPU the kernels run in Pallas interpret mode: values and the gradients of x, w and b are compared
 with the XLA path for every residual family, the three dtypes, ragged and tiny shapes, batch
-dimensions and no bias. Every tile configuration ``_block_config`` can return is lowered for CUDA
-(abstract H100 and A100 devices: no GPU needed), forward and backward, and the lowered module must
-hold the Triton custom calls; ``implementation=None`` must hold them when lowered for CUDA only.
+dimensions and no bias. Every tile configuration ``default_block_config`` can return is lowered for
+CUDA (abstract H100 and A100 devices: no GPU needed), forward and backward, and the lowered module
+must hold the Triton custom calls; ``implementation=None`` holds them when lowered for CUDA only.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ shapes = aot.layer_shapes
 
 
 def configs(hopper: bool):
-  """One probe (shape, dtype) per configuration `_block_config` can return for the target
+  """One probe (shape, dtype) per configuration `default_block_config` can return for the target
   (benchmarks.aot.triton_probes: every size class of every dimension, every dtype)."""
   return aot.triton_probes(hopper)
 
@@ -198,16 +198,9 @@ def test_block_configs_are_powers_of_two_and_fit_shared_memory(hopper):
       assert loads * np.dtype(dt).itemsize * t.num_stages <= SMEM[hopper], (t, dt)
   # Hopper differs only for bfloat16 operands and layers its wide tiles divide.
   assert set(configs(True)) - set(configs(False)) == {
-    kernels._block_config((512, 512, 512), jnp.bfloat16, hopper=True)
+    kernels.default_block_config((512, 512, 512), jnp.bfloat16, hopper=True)
   }
-  assert kernels._block_config((200, 200, 200), jnp.bfloat16, hopper=True) in configs(False)
-
-
-def test_hopper_is_detected_from_the_target_device():
-  assert kernels.is_hopper("NVIDIA H100 80GB HBM3") and kernels.is_hopper("NVIDIA H200")
-  assert not kernels.is_hopper("NVIDIA A100-SXM4-80GB") and not kernels.is_hopper(None)
-  with jax.sharding.use_abstract_mesh(cuda_mesh("H100")):
-    assert kernels.target_device_kind() == GPUS["H100"]
+  assert kernels.default_block_config((200, 200, 200), jnp.bfloat16, hopper=True) in configs(False)
 
 
 @pytest.mark.parametrize("kind", list(GPUS))
@@ -240,7 +233,7 @@ def test_auto_picks_kernels_only_when_lowered_for_cuda():
 
 
 def test_auto_keeps_xla_for_dense_layers_on_hopper():
-  # Measured: XLA's matmuls beat the Triton kernels on an H100 (jaxact/_src/pallas.XLA_FASTER).
+  # Measured: XLA's matmuls beat the Triton kernels on an H100 (jaxact/_src/dispatch.AUTO_RULES).
   args_ = shapes(64, 32, 48, jnp.bfloat16)
   assert not text_has_triton(lowered_text(train_step("gelu", None), args_, "cuda", "H100"))
   assert text_has_triton(lowered_text(train_step("gelu", "pallas"), args_, "cuda", "H100"))

@@ -236,7 +236,7 @@ _PROBES = [
   for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
 ]
 CONFIGS = {
-  bias_act._block_config((n * hw * hw, c), dt): ((n, hw, c), dt) for (n, hw, c), dt in _PROBES
+  bias_act.default_tiles((n * hw * hw, c), dt): ((n, hw, c), dt) for (n, hw, c), dt in _PROBES
 }
 
 

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
-from tests.test_pallas import TRITON, args, cuda_mesh, lowered_text, shapes, train_step
+from tests.test_pallas import TRITON, args, lowered_text, shapes, train_step
 
 import jaxact
-from jaxact._src import pallas as kernel_dispatch
-from pallas_kernels import Epilogue, hopper
+from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
 
 MOSAIC = "mosaic_gpu_v2"
 
@@ -156,7 +155,9 @@ def test_kernel_over_many_tiles_matches_float32_reference(tiles):
   """Several tiles along M, N and K (so the pipeline ring wraps and the snake walk turns)."""
   x, w, b = args((384, 512, 1024), jnp.bfloat16, seed=5)
   epilogue = Epilogue(fn=jnp.tanh, derivative=None, residual="input")
-  y, z = hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, tiles=tiles, interpret=True)
+  y, z = hopper.hopper_dense_bias_act_fwd(
+    x, w, b, epilogue=epilogue, num_sms=1, tiles=tiles, interpret=True
+  )
   want_y, want_z = reference(x, w, b, jnp.tanh)
   assert y.dtype == z.dtype == jnp.bfloat16
   # One bf16 rounding of each output (values of order 1-4).
@@ -168,7 +169,7 @@ def test_kernel_without_bias_and_output_residual():
   x, w, _ = args((128, 64, 256), jnp.float16, seed=6)
   relu = functools.partial(jnp.maximum, 0.0)  # jax.nn.relu is a custom_jvp: not lowered in 0.11
   epilogue = Epilogue(fn=relu, derivative=None, residual="output")
-  y, z = hopper.hopper_dense_bias_act_fwd(x, w, None, epilogue=epilogue, interpret=True)
+  y, z = hopper.hopper_dense_bias_act_fwd(x, w, None, epilogue=epilogue, num_sms=1, interpret=True)
   assert z is None
   np.testing.assert_allclose(
     np.asarray(y, np.float32), reference(x, w, None, relu)[0], atol=4e-3, rtol=2e-3
@@ -189,11 +190,11 @@ def backward_reference(x, w, r, g, derivative):
   "tiles",
   [
     None,  # hopper_bwd_tiles' choice: two compute warpgroups, dx_k 256, dw_k 128
-    hopper.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
-    hopper.HopperBwdTiles(dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, dx_stages=3),
-    hopper.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
-    hopper.HopperBwdTiles(delay=1),
-    hopper.HopperBwdTiles(wgs=1, dx_k=128, dx_stages=3, dw_stages=3, delay=1),
+    hopper_bwd.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
+    hopper_bwd.HopperBwdTiles(dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, dx_stages=3),
+    hopper_bwd.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
+    hopper_bwd.HopperBwdTiles(delay=1),
+    hopper_bwd.HopperBwdTiles(wgs=1, dx_k=128, dx_stages=3, dw_stages=3, delay=1),
   ],
   ids=["default", "narrow_k", "other_steps", "one_warpgroup", "delayed", "one_delayed"],
 )
@@ -212,7 +213,7 @@ def test_backward_kernels_over_many_tiles_match_float32_reference(tiles, residua
   r = {"output": jnp.tanh(z), "input": z, "none": None}[residual]
   r = None if r is None else r.astype(jnp.bfloat16)
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative, residual=residual)
-  dx, dw, db = hopper.hopper_dense_bias_act_bwd(
+  dx, dw, db = hopper_bwd.hopper_dense_bias_act_bwd(
     x, w, r, g, epilogue=epilogue, has_bias=True, tiles=tiles, interpret=True
   )
   assert dx.dtype == dw.dtype == db.dtype == jnp.bfloat16
@@ -231,7 +232,7 @@ def test_backward_kernels_batch_dims_and_no_bias():
   g = jax.random.normal(jax.random.key(5), (2, 64, 256), jnp.float32).astype(jnp.float16)
   y = jax.nn.relu(jnp.dot(x, w)).astype(jnp.float16)
   relu = Epilogue(fn=None, derivative=lambda y: jnp.where(y > 0, 1.0, 0.0), residual="output")
-  dx, dw, db = hopper.hopper_dense_bias_act_bwd(
+  dx, dw, db = hopper_bwd.hopper_dense_bias_act_bwd(
     x, w, y, g, epilogue=relu, has_bias=False, interpret=True
   )
   assert db is None and dx.shape == x.shape and dx.dtype == jnp.float16
@@ -249,7 +250,7 @@ def _kernels(jaxpr) -> list[set[str]]:
   for eqn in jaxpr.eqns:
     subs = jax_core.jaxprs_in_params(eqn.params)
     if "compiler_params" in eqn.params:
-      found.append(set().union(*map(hopper._primitives, subs)))
+      found.append(set().union(*map(_mosaic.primitives, subs)))
     else:
       for sub in subs:
         found += _kernels(sub)
@@ -271,7 +272,7 @@ def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
 
     def bwd(x, w, r, g, tiles=tiles):
       r = None if residual == "none" else r
-      return hopper.hopper_dense_bias_act_bwd(
+      return hopper_bwd.hopper_dense_bias_act_bwd(
         x, w, r, g, epilogue=epilogue, has_bias=True, tiles=tiles
       )
 
@@ -291,7 +292,7 @@ def lower_backward(shape, residual: bool, tiles=None) -> str:
 
   def bwd(x, w, r, g):
     ep = tanh if residual else ident
-    return hopper.hopper_dense_bias_act_bwd(
+    return hopper_bwd.hopper_dense_bias_act_bwd(
       x, w, r if residual else None, g, epilogue=ep, has_bias=True, tiles=tiles
     )
 
@@ -305,9 +306,9 @@ def lower_backward(shape, residual: bool, tiles=None) -> str:
 def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   """hopper_bwd_tiles narrows along K (256, 128, 64) for the K it is given, and picks the deepest
   pipeline that fits: each configuration lowers (Mosaic GPU checks the shared-memory budget)."""
-  t = hopper.hopper_bwd_tiles((256, k, 256), residual)
+  t = hopper_bwd.hopper_bwd_tiles((256, k, 256), residual)
   assert k % t.dx_k == 0 and k % t.dw_k == 0
-  assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
+  assert max(t.smem_bytes(2, residual)) <= _mosaic.HOPPER_SMEM
   text = lower_backward((256, k, 256), residual)
   assert mosaic_calls(text) == 2 and text.count(f"custom_call @{TRITON}(") == 1  # db: bias_grad
 
@@ -318,15 +319,15 @@ def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
   the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
   variants = hopper.hopper_bwd_variants(shape, residual)
-  assert len(variants) == 5 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
+  assert len(variants) == 5 and variants["default"] == hopper_bwd.hopper_bwd_tiles(shape, residual)
   for t in variants.values():
-    assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
+    assert max(t.smem_bytes(2, residual)) <= _mosaic.HOPPER_SMEM
     assert mosaic_calls(lower_backward(shape, residual, t)) == 2
 
 
 def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower():
-  t = hopper.HopperBwdTiles(dx_stages=5, dw_stages=5)
-  assert max(t.smem_bytes(2, True)) > hopper.HOPPER_SMEM
+  t = hopper_bwd.HopperBwdTiles(dx_stages=5, dw_stages=5)
+  assert max(t.smem_bytes(2, True)) > _mosaic.HOPPER_SMEM
   with pytest.raises(ValueError, match="shared memory"):
     lower_backward((1024, 1024, 1024), True, t)
 
@@ -363,7 +364,9 @@ def test_unsupported_calls_give_reasons():
   branchy = Epilogue(lambda z: jax.lax.cond(True, jnp.log1p, jnp.tanh, z), None, "input")
   assert "log1p" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
   with pytest.raises(ValueError, match="M=100 is not a multiple of 128"):
-    hopper.hopper_dense_bias_act_fwd(*args((100, 64, 256), bf16), epilogue=relu, interpret=True)
+    hopper.hopper_dense_bias_act_fwd(
+      *args((100, 64, 256), bf16), epilogue=relu, num_sms=1, interpret=True
+    )
 
 
 def test_mosaic_raises_for_unsupported_calls_and_none_falls_back():
@@ -399,7 +402,7 @@ def test_every_lowerable_spec_activation_is_accepted():
       continue
     params = {p.name: p.default for p in spec.params}
     fn = functools.partial(spec.fn, **params)
-    why = hopper.epilogue_unsupported(Epilogue(fn, None, "input"))
+    why = _mosaic.epilogue_unsupported(Epilogue(fn, None, "input"))
     if why is not None:
       refused[name] = why
   # expm1 and log1p have no Mosaic GPU lowering in jax 0.11-0.12; the kernels rewrite them.
@@ -424,10 +427,10 @@ def test_every_tile_configuration_lowers_for_h100(name, dtype):
   m, k, n = 8192, 4096, 4096
   outputs = 2 if jaxact.get_spec(name).residual == "input" else 1
   t = hopper.hopper_tiles((m, k, n), outputs)
-  assert t.smem_bytes(2, outputs) <= hopper.HOPPER_SMEM
+  assert t.smem_bytes(2, outputs) <= _mosaic.HOPPER_SMEM
   assert t.stages == (3 if outputs == 2 else 4)
-  bwd = hopper.hopper_bwd_tiles((m, k, n), residual=name != "identity")
-  assert max(bwd.smem_bytes(2, name != "identity")) <= hopper.HOPPER_SMEM
+  bwd = hopper_bwd.hopper_bwd_tiles((m, k, n), residual=name != "identity")
+  assert max(bwd.smem_bytes(2, name != "identity")) <= _mosaic.HOPPER_SMEM
   # With a residual tile beside g's, dx's ring stage is 64 KiB and dw's 80 KiB; without, 48 each
   # (four of them and the output sub-tiles fill the 227 KiB exactly).
   assert (bwd.dx_stages, bwd.dw_stages) == ((4, 4) if name == "identity" else (3, 2))
@@ -439,11 +442,11 @@ def test_every_tile_configuration_lowers_for_h100(name, dtype):
 def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
   """The budget check is real: four stages with z as well do not fit (263 KiB > 227)."""
   t = hopper.HopperTiles(stages=4)
-  assert t.smem_bytes(2, 2) > hopper.HOPPER_SMEM
+  assert t.smem_bytes(2, 2) > _mosaic.HOPPER_SMEM
   epilogue = Epilogue(fn=jax.nn.gelu, derivative=None, residual="input")
 
   def fwd(x, w, b):
-    return hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, tiles=t)
+    return hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, num_sms=132, tiles=t)
 
   with pytest.raises(ValueError, match="shared memory"):
     lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
@@ -481,19 +484,11 @@ def test_none_picks_the_hopper_kernel_on_h100_only():
   assert mosaic_calls(lowered_text(train_step("gelu", "xla"), fits, "cuda", "H100")) == 0
 
 
-def test_target_detection():
-  with jax.sharding.use_abstract_mesh(cuda_mesh("H100")):
-    assert kernel_dispatch.targets_hopper()
-  with jax.sharding.use_abstract_mesh(cuda_mesh("A100")):
-    assert not kernel_dispatch.targets_hopper()
-  assert hopper.num_sms() > 0
-
-
 def test_backward_kernels_reject_bad_operands():
   x, w, _ = args((128, 64, 256), jnp.bfloat16)
   g = jnp.ones((128, 256), jnp.bfloat16)
   tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
-  bwd = functools.partial(hopper.hopper_dense_bias_act_bwd, epilogue=tanh, has_bias=True)
+  bwd = functools.partial(hopper_bwd.hopper_dense_bias_act_bwd, epilogue=tanh, has_bias=True)
   with pytest.raises(ValueError, match=r"`g` must have shape \(128, 256\); got \(128, 128\)"):
     bwd(x, w, g, g[:, :128])
   with pytest.raises(ValueError, match="'output' epilogue needs the residual"):
@@ -502,7 +497,7 @@ def test_backward_kernels_reject_bad_operands():
     bwd(x, w, g.astype(jnp.float16), g)
   with pytest.raises(ValueError, match="float32"):
     bwd(*(a.astype(jnp.float32) for a in (x, w, g, g)))
-  assert "(in the derivative)" in hopper.hopper_bwd_unsupported(
+  assert "(in the derivative)" in hopper_bwd.hopper_bwd_unsupported(
     (128, 64, 256), jnp.bfloat16, Epilogue(jnp.tanh, jax.lax.erf_inv, "input")
   )
 
@@ -518,7 +513,7 @@ def test_kernel_expm1_and_log1p_match_within_a_few_ulps(name):
     x = np.concatenate([x[x > -1], [-1.0], np.logspace(1, 38, 200), [np.inf]]).astype(np.float32)
   else:
     x = np.concatenate([x, [89.0, np.inf, -np.inf]]).astype(np.float32)
-  fn = {"expm1": hopper._expm1, "log1p": hopper._log1p}[name]
+  fn = {"expm1": _mosaic.expm1, "log1p": _mosaic.log1p}[name]
   got = np.asarray(jax.jit(fn)(x), np.float64)
   with np.errstate(divide="ignore", over="ignore"):  # log1p(-1) = -inf; float32 overflows
     want = getattr(np, name)(x.astype(np.float64))

@@ -1,0 +1,297 @@
+"""Which backend runs each fused call: the one place jaxact decides.
+
+:func:`decide` takes a fused call's static plan, its operands and the lowering target and returns a
+:class:`Decision`: the backend of the forward and of the backward (``"xla"``, ``"triton"``,
+``"mosaic"``), whether the kernels were asked for by name, and, when ``implementation=None``
+declined a kernel, why. The rules, in the order they are tried:
+
+1. ``implementation="xla"``: XLA.
+2. ``implementation="pallas"`` / ``"mosaic"``: the Triton / Mosaic GPU kernels, forward and
+   backward, on every platform (interpret mode off CUDA); a call they cannot run raises
+   ``NotImplementedError`` with the reason (:func:`triton_unsupported`, :func:`mosaic_unsupported`).
+3. ``implementation=None``: the first row of :data:`AUTO_RULES` that holds. Kernels chosen there
+   run only where the program is lowered for CUDA; lowered for anything else the call is XLA's.
+   A call the kernels cannot run is XLA's, silently.
+
+The kernels (``pallas_kernels``) take tiles and an epilogue and know nothing of devices: the target
+GPU is looked up here, once (:func:`target`). Rows of :data:`AUTO_RULES` that rest on a measurement
+cite the section of ``benchmarks/RESULTS.md`` that decided them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import jax
+import numpy as np
+from jax import Array
+
+from jaxact._src import kernel_calls, pallas_sharding
+
+if TYPE_CHECKING:
+  from jaxact._src.fused_vjp import Plan
+
+Backend = Literal["xla", "triton", "mosaic"]
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
+_KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+# ----------------------------------------------------------------------------------- target
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The GPU a program is being built for, as far as the trace can tell.
+
+  Attributes:
+    cuda: the trace is known to be for CUDA (an abstract mesh of CUDA devices, or a GPU default
+      backend).
+    device_kind: the abstract mesh's device kind, else the first CUDA device's, else None.
+    num_sms: streaming multiprocessors of that device, when known.
+    compute_capability: the lowest of this process's CUDA devices, None without one.
+  """
+
+  cuda: bool = False
+  device_kind: str | None = None
+  num_sms: int | None = None
+  compute_capability: float | None = None
+
+  @property
+  def hopper(self) -> bool:
+    """A Hopper GPU (compute capability 9.x: wgmma, TMA, 228 KiB of shared memory)."""
+    return self.device_kind is not None and any(k in self.device_kind for k in _HOPPER_KINDS)
+
+  @property
+  def sms(self) -> int:
+    """SMs to launch one persistent CTA on each: an H100 SXM's 132 where the trace does not say."""
+    return self.num_sms or 132
+
+  @property
+  def ampere_or_newer(self) -> bool:
+    """The Triton kernels' requirement; a trace without a CUDA device (abstract devices) is
+    trusted to target Ampere or newer."""
+    return self.compute_capability is None or self.compute_capability >= 8.0
+
+
+def target() -> Target:
+  """The lowering target: the abstract mesh's device when it is a CUDA one, else the CUDA devices
+  this process sees."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and device.platform in ("cuda", "gpu"):
+    return Target(True, device.device_kind, getattr(device, "num_cores", None) or None)
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    devices = []
+  cuda = device is None and jax.default_backend() == "gpu"
+  if not devices:
+    return Target(cuda)
+  capability = min(float(getattr(d, "compute_capability", "8.0")) for d in devices)
+  sms = getattr(devices[0], "core_count", None)
+  return Target(cuda, devices[0].device_kind, sms, capability)
+
+
+# ---------------------------------------------------------------------------------- support
+
+
+def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
+  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
+  dense = plan.linear.kind == "dense"
+  if not dense:
+    out_spec = plan.linear.dimension_numbers.out_spec
+    if out_spec[1] != len(out_spec) - 1:
+      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
+  rule = plan.act.rule
+  if rule is None:
+    return "the activation is a plain callable, not a jaxact spec activation"
+  if rule.dynamic_names:
+    return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
+  for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
+    if np.dtype(dtype).name not in _KERNEL_DTYPES:
+      return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"
+  if np.dtype(plan.acc_dtype) != np.float32:
+    return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
+  if 0 in x.shape or 0 in w.shape:
+    return "zero-size operands"
+  if dense:
+    sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for known patterns
+  else:
+    # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
+    sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
+    if sharded is None and any(pallas_sharding.spec_of(w)):
+      sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
+  if sharded is not None:
+    return f"inputs sharded over a mesh: {sharded}"
+  if dense:
+    from pallas_kernels import allow_tf32
+
+    try:
+      allow_tf32(plan.linear.precision)
+    except NotImplementedError as e:
+      return str(e)
+  return None
+
+
+def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -> str | None:
+  """Why the Mosaic GPU forward kernel (with `backward`, the backward kernels too) cannot run this
+  call, or None."""
+  if plan.linear.kind != "dense":
+    return "the Hopper kernel is a dense layer (convolutions other than 1x1 are not)"
+  why = triton_unsupported(plan, x, w)
+  if why is not None:
+    return why
+  from pallas_kernels import hopper, hopper_bwd
+
+  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
+  epilogue = kernel_calls.epilogue(plan.act.rule)
+  why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
+  if why is None and backward:
+    why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
+  whole = (math.prod(x.shape[:-1]), *w.shape)
+  if why is not None and shape != whole:
+    why = f"{why}, in each device's block of the sharded layer ((M, K, N) = {shape})"
+  return why
+
+
+# -------------------------------------------------------------------------------- decisions
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The backends of one fused call.
+
+  Attributes:
+    forward, backward: what runs when the program is lowered for CUDA.
+    forced: the kernels were asked for by name: they run on every platform (interpret mode off
+      CUDA). Otherwise kernels run only when lowered for CUDA and XLA runs elsewhere.
+    declined: why ``implementation=None`` took XLA where it could have taken a kernel, or None.
+    target: the lowering target the kernels are tiled for.
+  """
+
+  forward: Backend = "xla"
+  backward: Backend = "xla"
+  forced: bool = False
+  declined: str | None = None
+  target: Target = Target()  # for the kernels' tiles and grid
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One row of :data:`AUTO_RULES`: where it applies, what it picks, and on what evidence."""
+
+  where: str
+  applies: Callable[[_Facts], bool]
+  forward: Backend
+  backward: Backend
+  why: str
+  evidence: str | None = None  # the benchmarks/RESULTS.md section that decided a measured rule
+
+
+class _Facts:
+  """What the rules ask of one call, each fact computed on first use."""
+
+  def __init__(self, plan: Plan, x: Array, w: Array, target: Target):
+    self.plan, self.x, self.w, self.target = plan, x, w, target
+    self.dense = plan.linear.kind == "dense"
+
+  @functools.cached_property
+  def mosaic_forward(self) -> bool:
+    return self.target.hopper and mosaic_unsupported(self.plan, self.x, self.w) is None
+
+
+AUTO_RULES: tuple[Rule, ...] = (
+  Rule(
+    "Hopper target, a dense layer the Mosaic GPU forward kernel takes",
+    lambda f: f.mosaic_forward,
+    "mosaic",
+    "xla",
+    "the Mosaic GPU forward runs at or above jnp.dot's rate and writes z beside y in its epilogue; "
+    "XLA's backward (one dz fusion, cuBLAS dx and dw) ran 1.8x (relu) to 4.7x (gelu) faster than "
+    "the Mosaic GPU backward kernels, which also keep one activation more in a deep network",
+    "Hopper: the Mosaic GPU kernels",
+  ),
+  Rule(
+    "Hopper target, other dense layers",
+    lambda f: f.target.hopper and f.dense,
+    "xla",
+    "xla",
+    "the Triton matmul kernels are 1.7-3.4x slower than XLA's cuBLAS matmuls on Hopper",
+    "Hopper: the Triton dense kernels",
+  ),
+  Rule(
+    "CUDA GPU older than Ampere (compute capability < 8.0)",
+    lambda f: not f.target.ampere_or_newer,
+    "xla",
+    "xla",
+    "the Triton kernels need compute capability 8.0 or newer",
+  ),
+  Rule(
+    "CUDA (Ampere or newer; convolution epilogues on Hopper too)",
+    lambda f: True,
+    "triton",
+    "triton",
+    "the Triton kernels keep only what the backward needs (no dz array between the passes); "
+    "convolution epilogues measured at 86-91% (forward) and 72-86% (backward) of the H100's copy "
+    "bandwidth; dense layers on Ampere/Ada are unmeasured",
+    "Convolution epilogue kernels",
+  ),
+)
+
+
+def check_implementation(fn_name: str, implementation) -> None:
+  """Raise ``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
+  if implementation is not None and (
+    not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS
+  ):
+    raise ValueError(
+      f"jaxact.{fn_name}: `implementation` {implementation!r} is not known; choose one of: "
+      f"None (best available), {', '.join(repr(i) for i in IMPLEMENTATIONS)}"
+    )
+
+
+def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array) -> Decision:
+  """The backends for one fused call (see the module docstring); `implementation` is checked
+  (:func:`check_implementation`). Raises ``NotImplementedError`` when kernels asked for by name
+  cannot run the call."""
+  check_implementation(fn_name, implementation)
+  match implementation:
+    case "xla":
+      return Decision()
+    case "pallas" | "mosaic":
+      backend: Backend = "triton" if implementation == "pallas" else "mosaic"
+      if backend == "triton":
+        why = triton_unsupported(plan, x, w)
+      else:
+        why = mosaic_unsupported(plan, x, w, backward=True)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
+          f"{why}; use implementation='xla' or None"
+        )
+      return Decision(backend, backend, forced=True, target=target())
+    case _:  # None
+      why = triton_unsupported(plan, x, w)
+      if why is not None:
+        return Decision(declined=why)
+      facts = _Facts(plan, x, w, target())
+      rule = next(r for r in AUTO_RULES if r.applies(facts))
+      if rule.forward == rule.backward == "xla":
+        return Decision(declined=rule.why)
+      return Decision(rule.forward, rule.backward, target=facts.target)
+
+
+def rules_table() -> str:
+  """:data:`AUTO_RULES` as a Markdown table (the docs' dispatch page)."""
+  rows = [
+    "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
+    "|---|---|---|---|---|",
+  ]
+  for r in AUTO_RULES:
+    evidence = f"RESULTS.md, {r.evidence}" if r.evidence else ""
+    rows.append(f"| {r.where} | {r.forward} | {r.backward} | {r.why} | {evidence} |")
+  return "\n".join(rows) + "\n"

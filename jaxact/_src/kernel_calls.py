@@ -1,0 +1,181 @@
+"""The fused ops' kernel calls: epilogues from the spec table, the platform switch, per-shard runs.
+
+The kernels (``pallas_kernels``) know nothing of jaxact: they take the activation as a
+:class:`pallas_kernels.Epilogue` and their tiles as arguments. This module builds the epilogue from
+a spec row, picks the tiles for the target that :mod:`jaxact._src.dispatch` looked up, wraps the
+kernels to run per shard (:mod:`jaxact._src.pallas_sharding`) and runs them behind
+``jax.lax.platform_dependent``, so that the choice follows the platform a program is lowered for:
+
+========================  ==========================  ==========================================
+decision                  lowered for CUDA            lowered for any other platform (CPU, ...)
+========================  ==========================  ==========================================
+kernels, not forced       the kernels                 XLA
+kernels, forced           the kernels                 the kernels in interpret mode
+========================  ==========================  ==========================================
+
+``pallas_kernels`` is imported on first use, so ``import jaxact`` does not load Pallas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax import Array, lax
+
+from jaxact._src import pallas_sharding
+
+if TYPE_CHECKING:
+  from jaxact._src.activations import _Rule
+  from jaxact._src.dispatch import Decision
+  from jaxact._src.fused_vjp import Plan
+
+
+def epilogue(rule: _Rule):
+  """The kernels' :class:`pallas_kernels.Epilogue` of a spec-table activation with static
+  parameters."""
+  from pallas_kernels import Epilogue
+
+  spec, params = rule.spec, dict(rule.static_params)
+
+  def fn(z):
+    return spec.fn(z, **params)
+
+  derivative: Callable[[Array], Array] | None = None
+  if rule.residual == "output":
+
+    def derivative(y):
+      return spec.d_output(y, **params)
+
+  elif rule.residual == "input":
+
+    def derivative(z):
+      return spec.derivative_from_input(z, **params)
+
+  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual)
+
+
+def _with_xla_derivatives(kernels: Callable[..., Any], xla: Callable[..., Any], interpret: bool):
+  """`kernels`, differentiated as `xla` (the same function): Pallas calls have no JVP rule.
+
+  Needed for forward-over-reverse (``jax.hessian``) of the fused ops, whose backward runs the
+  kernels, and because ``platform_dependent`` differentiates every branch, the CUDA one included,
+  whatever the platform.
+  """
+
+  @jax.custom_jvp
+  def f(*args):
+    return kernels(*args, interpret=interpret)
+
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    return f(*primals), jax.jvp(xla, primals, tangents)[1]
+
+  return f
+
+
+def _switch(args, kernels: Callable[..., Any], xla: Callable[..., Any], d: Decision, mosaic: bool):
+  """`kernels` (with an `interpret` flag) or `xla`, by lowering platform.
+
+  Forced kernels run in interpret mode off CUDA. Mosaic GPU's interpreter is effectful (ordered
+  host callbacks), and a ``platform_dependent`` whose other branch has effects does not lower for
+  CUDA: when the trace is known to be for a CUDA GPU, forced Mosaic kernels are staged alone.
+  """
+  gpu = _with_xla_derivatives(kernels, xla, interpret=False)
+  if d.forced and mosaic and d.target.cuda:
+    return gpu(*args)
+  if d.forced:
+    cpu = _with_xla_derivatives(kernels, xla, interpret=True)
+    return lax.platform_dependent(*args, cuda=gpu, default=cpu)
+  return lax.platform_dependent(*args, cuda=gpu, default=xla)
+
+
+def _dense_shape(x: Array, w: Array) -> tuple[int, int, int]:
+  return math.prod(x.shape[:-1]), *w.shape
+
+
+def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., Array]):
+  """``(y, z)`` as the XLA forward returns them (z only read for input residuals).
+
+  Dense layers run the fused matmul kernel; convolutions run ``linear(x, w)`` (XLA's convolution)
+  followed by the one-pass bias + activation kernel.
+  """
+  from pallas_kernels import bias_act_fwd, default_block_config, dense_bias_act_fwd
+
+  d, ep = plan.decision, epilogue(plan.act.rule)
+
+  def triton_dense(x, w, b, *, interpret):
+    return dense_bias_act_fwd(
+      x,
+      w,
+      b,
+      epilogue=ep,
+      out_dtype=plan.out_dtype,
+      precision=plan.linear.precision,
+      block_config=default_block_config(_dense_shape(x, w), x.dtype, hopper=d.target.hopper),
+      interpret=interpret,
+    )
+
+  def mosaic_dense(x, w, b, *, interpret):
+    from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+
+    return hopper_dense_bias_act_fwd(
+      x, w, b, epilogue=ep, num_sms=d.target.sms, interpret=interpret
+    )
+
+  def triton_conv(x, w, b, *, interpret):
+    z = linear(x, w)
+    kernel = pallas_sharding.elementwise_forward(bias_act_fwd)
+    return kernel(z, b, epilogue=ep, out_dtype=plan.out_dtype, interpret=interpret)
+
+  mosaic = d.forward == "mosaic"
+  if plan.linear.kind == "dense":
+    kernels = pallas_sharding.dense_forward(mosaic_dense if mosaic else triton_dense)
+    return _switch((x, w, b), kernels, xla, d, mosaic)
+  return _switch((x, w, b), triton_conv, xla, d, mosaic)
+
+
+def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_dtype):
+  """``(dx, dw, db)``; `kept` is the residual the forward kept (None for identity).
+
+  Dense layers run the two fused backward matmul kernels; convolutions run the one-pass dz + db
+  kernel, then ``transposes(x, w, dz)`` (XLA's transposed convolutions) for ``(dx, dw)``.
+  """
+  from pallas_kernels import bias_act_bwd, default_block_config, dense_bias_act_bwd
+
+  d, ep = plan.decision, epilogue(plan.act.rule)
+
+  def triton_dense(x, w, kept, g, *, interpret):
+    return dense_bias_act_bwd(
+      x,
+      w,
+      kept,
+      g,
+      epilogue=ep,
+      has_bias=plan.has_bias,
+      precision=plan.linear.precision,
+      block_config=default_block_config(_dense_shape(x, w), x.dtype, hopper=d.target.hopper),
+      interpret=interpret,
+    )
+
+  def mosaic_dense(x, w, kept, g, *, interpret):
+    from pallas_kernels.hopper_bwd import hopper_dense_bias_act_bwd
+
+    return hopper_dense_bias_act_bwd(
+      x, w, kept, g, epilogue=ep, has_bias=plan.has_bias, interpret=interpret
+    )
+
+  def triton_conv(x, w, kept, g, *, interpret):
+    dz, db = pallas_sharding.elementwise_backward(bias_act_bwd)(
+      g, kept, epilogue=ep, has_bias=plan.has_bias, dz_dtype=dz_dtype, interpret=interpret
+    )
+    dx, dw = transposes(x, w, dz)
+    return dx, dw, None if db is None else db.astype(x.dtype)
+
+  mosaic = d.backward == "mosaic"
+  if plan.linear.kind == "dense":
+    kernels = pallas_sharding.dense_backward(mosaic_dense if mosaic else triton_dense)
+    return _switch((x, w, kept, g), kernels, xla, d, mosaic)
+  return _switch((x, w, kept, g), triton_conv, xla, d, mosaic)

@@ -1,0 +1,181 @@
+"""The one place that imports Pallas' Mosaic GPU backend, and what the Hopper kernels share.
+
+* The import (``pl``, ``plgpu``): a change in ``jax.experimental.pallas.mosaic_gpu`` touches one
+  file.
+* Lowering an epilogue: Mosaic GPU lowers a subset of jax's primitives. :func:`for_kernel` rewrites
+  an epilogue's functions so that ``expm1`` and ``log1p``, which it does not lower, are computed
+  from ``exp`` and ``log`` (Kahan's formulas, within 4 float32 ulps); :func:`unlowerable` says what
+  is still missing, from the lowering rules jax registers (read from jax internals; an empty set
+  if they move, and then every epilogue is refused rather than failing to lower).
+* Shared-memory tiles: their layout (:func:`transforms`) and the double-buffered TMA write of an
+  accumulator (:func:`write_tile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend import core as jax_core
+
+from pallas_kernels.epilogue import Epilogue
+
+HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+# Shared memory a CTA may allocate on Hopper (227 KiB; the SM has 228).
+HOPPER_SMEM = 227 * 1024
+
+
+@functools.cache
+def _lowerable_primitives() -> frozenset[str]:
+  """Names of the primitives Mosaic GPU lowers in warpgroup semantics (empty if unknown)."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    rules = lowering.mosaic_lowering_rules[
+      (plgpu.LoweringSemantics.Warpgroup, lowering.gpu_core.PrimitiveSemantics.Warpgroup)
+    ]
+  except (ImportError, AttributeError, KeyError):  # pragma: no cover - jax internals moved
+    return frozenset()
+  return frozenset(p.name for p in rules)
+
+
+def primitives(jaxpr) -> set[str]:
+  """Names of the primitives in `jaxpr` and in every jaxpr its equations hold (cond branches,
+  jit/custom_jvp bodies, loop bodies), which are lowered too."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          names |= primitives(sub)
+  return names
+
+
+def expm1(x):
+  """``expm1`` from ``exp`` and ``log`` (Kahan's: the rounding of ``u = exp(x)`` cancels in
+  ``(u - 1) * x / log(u)``), within 4 ulps in float32 wherever the result is finite."""
+  u = lax.optimization_barrier(jnp.exp(x))  # XLA (interpret mode) would fold log(exp(x)) to x
+  um1 = u - 1
+  r = um1 * (x / jnp.log(u))  # x / log(u) first: near 1, so large x cannot overflow the product
+  r = jnp.where(u == 1, x, r)
+  r = jnp.where(um1 == -1, -1.0, r)
+  return jnp.where(u == jnp.inf, u, r)
+
+
+def log1p(x):
+  """``log1p`` from ``log`` (Kahan's: ``log(u) * x / (u - 1)`` with ``u = 1 + x``), within 4
+  ulps in float32 wherever the result is finite."""
+  u = lax.optimization_barrier(1 + x)  # XLA (interpret mode) would fold (1 + x) - 1 to x
+  r = jnp.log(u) * (x / (u - 1))
+  r = jnp.where(u == 1, x, r)
+  return jnp.where(u == jnp.inf, u, r)
+
+
+# Operations Mosaic GPU does not lower (jax 0.11-0.12), and what kernels compute in their place.
+_REWRITES = {"expm1": expm1, "log1p": log1p}
+
+
+def _eval_rewritten(jaxpr, consts, *args) -> list[Any]:
+  """Evaluate `jaxpr` with the operations of ``_REWRITES`` replaced, inlining the bodies of jit
+  and custom-derivative calls (only values are needed in a kernel)."""
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name in _REWRITES:
+      outs = [_REWRITES[eqn.primitive.name](*ins)]
+    elif hasattr(body, "consts"):  # a ClosedJaxpr: jit, custom_jvp_call, custom_vjp_call
+      outs = _eval_rewritten(body.jaxpr, body.consts, *ins)
+    else:
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def in_kernel(fn):
+  """`fn` as the kernels compute it: `expm1` and `log1p` (which Mosaic GPU does not lower)
+  replaced by :func:`expm1` and :func:`log1p`; `fn` itself when it uses neither."""
+  if fn is None:
+    return None
+
+  @functools.wraps(fn)
+  def rewritten(z):
+    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(z.shape, z.dtype))
+    if not primitives(closed.jaxpr) & _REWRITES.keys():
+      return fn(z)
+    (out,) = _eval_rewritten(closed.jaxpr, closed.consts, z)
+    return out
+
+  return rewritten
+
+
+def for_kernel(epilogue: Epilogue) -> Epilogue:
+  """`epilogue` with its functions as the kernels compute them (:func:`in_kernel`)."""
+  return dataclasses.replace(
+    epilogue, fn=in_kernel(epilogue.fn), derivative=in_kernel(epilogue.derivative)
+  )
+
+
+def unlowerable(fn, where: str) -> str | None:
+  """Why Mosaic GPU cannot lower `fn` (applied to a float32 tile) in a kernel, or None."""
+  jaxpr = jax.make_jaxpr(in_kernel(fn))(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  missing = primitives(jaxpr.jaxpr) - _lowerable_primitives()
+  if missing:
+    return f"Mosaic GPU does not lower {', '.join(sorted(missing))} (in the {where})"
+  return None
+
+
+def epilogue_unsupported(epilogue: Epilogue) -> str | None:
+  """Why Mosaic GPU cannot lower `epilogue.fn` in the kernel, or None."""
+  return unlowerable(epilogue.fn, "activation")
+
+
+def transforms(cols: int, dtype) -> tuple[Any, ...]:
+  """Shared-memory layout of a tile with `cols` columns: 8-row tiling and the widest swizzle."""
+  itemsize = np.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def write_tile(z, values, outs, out_smem) -> None:
+  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`, each of z's shape) by TMA,
+  sub-tile by sub-tile through `out_smem` (``(len(outs), 2, epi_m, epi_n)``: two slots an
+  output), keeping one store group in flight while the next sub-tile is computed."""
+  rows, cols = z.shape
+  epi_m, epi_n = out_smem.shape[-2:]
+  # The previous tile's stores must have read out_smem before it is overwritten.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for em in range(rows // epi_m):
+    for en in range(cols // epi_n):
+      sub = (slice(em * epi_m, (em + 1) * epi_m), slice(en * epi_n, (en + 1) * epi_n))
+      slot = (em * (cols // epi_n) + en) % 2
+      vals = values(z[sub])
+      # The slot written now was read by the store two sub-tiles ago.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      for o, v in enumerate(vals):
+        out_smem[o, slot] = v.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      for o, ref in enumerate(outs):
+        plgpu.copy_smem_to_gmem(
+          out_smem.at[o, slot],
+          ref.at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)],
+          commit_group=False,
+        )
+      plgpu.commit_smem_to_gmem_group()

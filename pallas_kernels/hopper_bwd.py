@@ -1,0 +1,385 @@
+"""The backward of :mod:`pallas_kernels.hopper`'s fused dense layer, on Hopper (Mosaic GPU).
+
+Two kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, warp-specialized as the forward is (one
+memory warpgroup streaming tiles by TMA, compute warpgroups each on its own rows of dx or columns
+of dw), each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual its
+pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz never
+reaches device memory, and while one compute warpgroup does that arithmetic the other's wgmma
+runs; outputs leave through shared memory by TMA in double-buffered sub-tiles.
+
+``db`` is not summed in the ``dw`` kernel, although it forms the same dz: a Mosaic GPU row sum
+(``jnp.sum`` over a warpgroup's tile in the WGMMA layout) adds across warps through a scratch
+buffer that Pallas puts at the same shared-memory offset for every warpgroup, so two compute
+warpgroups summing at once overwrite each other's partial sums (``_reduce_lowering_rule`` in
+``jax/_src/pallas/mosaic_gpu/lowering.py`` refuses that only for the strided layout; Mosaic GPU's
+interpreter does not race). Nor is it XLA's reduction, which for some shapes materialises a
+float32 dz before summing it. It is :func:`pallas_kernels.bias_act.bias_grad`: one Triton pass
+over ``g`` and the residual that writes only partial sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from pallas_kernels import bias_act
+from pallas_kernels._mosaic import (
+  HALF,
+  HOPPER_SMEM,
+  for_kernel,
+  pl,
+  plgpu,
+  transforms,
+  unlowerable,
+  write_tile,
+)
+from pallas_kernels.epilogue import Epilogue
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBwdTiles:
+  """Tiling of the Hopper backward kernels.
+
+  Each CTA has ``wgs`` compute warpgroups and one memory warpgroup streaming tiles by TMA into a
+  ring of ``dx_stages`` or ``dw_stages`` buffers (``plgpu.emit_pipeline_warp_specialized``). Each
+  compute warpgroup owns its part of the ``g`` and residual tiles, turns it into ``dz`` over
+  ``g``'s shared-memory buffer and runs wgmma on it (against ``w``, or ``x``, read transposed
+  from shared memory); with two, one warpgroup's dz arithmetic overlaps the other's wgmma.
+
+  Attributes:
+    dx_m, dx_k: the ``dx`` tile of one compute warpgroup (a CTA: ``wgs * dx_m`` rows, the
+      warpgroups one above the other); its contraction runs over N in steps of ``dx_n``.
+    dw_k, dw_n: the ``dw`` tile of one compute warpgroup (a CTA: ``wgs * dw_n`` columns, side by
+      side); its contraction runs over M in steps of ``dw_m``.
+    dx_stages, dw_stages: pipeline depth of each kernel.
+    wgs: compute warpgroups per CTA (1 or 2).
+    epi: the square sub-tile in which results go out through shared memory (double-buffered).
+    delay: wgmma groups a compute warpgroup leaves running when it goes on to the next step (0 or
+      1). With 1, the next step's dz arithmetic overlaps this step's wgmma inside one warpgroup;
+      each ring slot is then released a step later, so a pipeline of ``stages`` prefetches
+      ``stages - 2`` steps ahead instead of ``stages - 1``.
+  """
+
+  dx_m: int = 64
+  dx_k: int = 256
+  dx_n: int = 64
+  dw_k: int = 128
+  dw_n: int = 128
+  dw_m: int = 64
+  dx_stages: int = 3
+  dw_stages: int = 2
+  wgs: int = 2
+  epi: int = 64
+  delay: int = 0
+
+  def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
+    """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, and 3 KiB for
+    the pipeline's barriers and alignment: 2112 bytes at (dw_stages=4, wgs=2) by Mosaic GPU's
+    count)."""
+    inputs = 2 if residual else 1  # g and the residual
+    out = self.wgs * 2 * self.epi * self.epi * itemsize
+    dx = self.dx_stages * (inputs * self.wgs * self.dx_m + self.dx_k) * self.dx_n * itemsize
+    dw = self.dw_stages * (self.dw_k + inputs * self.wgs * self.dw_n) * self.dw_m * itemsize
+    return dx + out + 3072, dw + out + 3072
+
+
+def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> HopperBwdTiles:
+  """Backward tiles for an ``(M, K, N)`` layer (`residual`: whether dz needs a residual tile).
+
+  Two compute warpgroups a CTA, each holding a 64 x 256 (dx) or 128 x 128 (dw) float32
+  accumulator, 128 registers a thread, beside the 64-column g and residual blocks it turns into
+  dz (64 rows: a warpgroup's register layout; a 32-row step does not lower). dz is recomputed
+  once per output tile it feeds (K / dx_k times for dx, K / dw_k for dw), so dx's tile is wide
+  along K. Each kernel's pipeline is as deep as Hopper's shared memory holds, at most 4: with a
+  residual, dx's ring stage (the CTA's 128 x 64 g and residual tiles, w's 256 x 64) is 64 KiB, 3
+  stages; dw's (x's 64 x 128, the CTA's 64 x 256 g and residual tiles) 80 KiB, 2. Tiles narrow
+  along K (to 128, then 64) for a K the wide ones do not divide, so every layer the forward
+  kernel takes (K a multiple of 64) has a backward.
+  """
+  k = shape[1]
+  dx_k = next(c for c in (256, 128, 64) if k % c == 0) if k % 64 == 0 else 256
+  dw_k = 128 if k % 128 == 0 else 64
+  return deepest_pipeline(HopperBwdTiles(dx_k=dx_k, dw_k=dw_k), residual)
+
+
+def deepest_pipeline(t: HopperBwdTiles, residual: bool) -> HopperBwdTiles:
+  """`t` with each kernel's pipeline as deep as fits Hopper's shared memory (4 at most, 2 at
+  least)."""
+
+  def stages(kernel: int) -> int:
+    for depth in (4, 3):
+      deep = dataclasses.replace(t, dx_stages=depth, dw_stages=depth)
+      if deep.smem_bytes(2, residual)[kernel] <= HOPPER_SMEM:
+        return depth
+    return 2
+
+  return dataclasses.replace(t, dx_stages=stages(0), dw_stages=stages(1))
+
+
+def hopper_bwd_unsupported(
+  shape: tuple[int, int, int], dtype, epilogue: Epilogue, tiles: HopperBwdTiles | None = None
+) -> str | None:
+  """Why the Hopper backward kernels cannot run an ``(M, K, N)`` layer, or None when they can."""
+  m, k, n = shape
+  t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none")
+  if np.dtype(dtype) not in HALF:
+    return f"operand dtype {np.dtype(dtype).name} (the Hopper kernels take bfloat16 or float16)"
+  steps = (
+    ("M", m, t.wgs * t.dx_m, t.dw_m),
+    ("N", n, t.dx_n, t.wgs * t.dw_n),
+    ("K", k, t.dx_k, t.dw_k),
+  )
+  for name, d, *tile in steps:
+    step = math.lcm(*tile)
+    if d % step:
+      return f"{name}={d} is not a multiple of {step} (the Hopper backward kernels' tile)"
+  if min(t.dx_stages, t.dw_stages) <= t.delay:
+    return f"pipelines of {t.dx_stages} and {t.dw_stages} stages with delay {t.delay} (need more)"
+  if epilogue.residual == "none":
+    return None
+  return unlowerable(epilogue.derivative, "derivative")
+
+
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, chunk: int = 64):
+  """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
+  ready to be a wgmma operand; nothing to do for identity (``dz = g``).
+
+  Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
+  64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
+  `part`: ``(rows, first column, columns)`` of the tiles to work on (a warpgroup's own part), else
+  all of them.
+  """
+  if r_smem is None:
+    return
+  rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
+  for c in range(0, cols, chunk):
+    block = (rows, pl.ds(col0 + c, min(chunk, cols - c)))
+    g, r = g_smem.at[block], r_smem.at[block]
+    dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
+    g[...] = dz.astype(g_smem.dtype)
+  plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
+
+
+def _bwd_kernel(
+  body,
+  operands,
+  specs,
+  out_gmem,
+  out_tile,
+  *,
+  t: HopperBwdTiles,
+  steps: int,
+  stages: int,
+):
+  """The CTA of one backward kernel: a warp-specialized pipeline of `steps` steps over `operands`
+  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref)` run by each compute
+  warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`.
+  """
+  acc_shape = out_tile(0)[2]
+
+  def pipeline(step_body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      step_body,
+      grid=(steps,),
+      memory_registers=40,
+      in_specs=specs,
+      wg_axis="wg",
+      num_compute_wgs=t.wgs,
+      max_concurrent_steps=stages,
+      compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  dtype = out_gmem.dtype
+  scratch = dict(
+    allocs=pipeline(ignore, ignore).get_allocations(*operands),
+    out_smem=plgpu.SMEM((t.wgs, 1, 2, t.epi, t.epi), dtype, transforms=transforms(t.epi, dtype)),
+  )
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _(allocs, out_smem):
+    wg = lax.axis_index("wg")
+
+    def compute_context(run_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+      def _(acc_ref):
+        run_pipeline(acc_ref)
+        plgpu.wgmma_wait(0)  # the last step's wgmma, with `delay`
+        rows, cols, _ = out_tile(wg)
+        write_tile(acc_ref[...], lambda z: (z,), (out_gmem.at[rows, cols],), out_smem.at[wg])
+
+    def step(_, *refs):
+      *smem_refs, acc_ref = refs
+      body(wg, smem_refs, acc_ref)
+      # With delay 1, this step's wgmma still runs (its slot is released a step later) while the
+      # next step's dz is formed.
+      plgpu.wgmma_wait(t.delay)
+      return acc_ref
+
+    pipeline(step, compute_context)(*operands, allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dx[mi, ki] = sum_n dz[mi, n] @ w[ki, n].T``, each compute warpgroup on its own rows."""
+  n = g_gmem.shape[1]
+  cta_m = t.wgs * t.dx_m
+  cta_rows = pl.ds(lax.axis_index("m") * cta_m, cta_m)
+  cols = pl.ds(lax.axis_index("k") * t.dx_k, t.dx_k)
+  gr_transforms = transforms(t.dx_n, g_gmem.dtype)
+  gr_spec = plgpu.BlockSpec(
+    (cta_m, t.dx_n),
+    lambda s: (0, s),
+    transforms=gr_transforms,
+    memory_space=plgpu.SMEM,
+    delay_release=t.delay,
+  )
+  w_spec = plgpu.BlockSpec(
+    (t.dx_k, t.dx_n),
+    lambda s: (0, s),
+    transforms=transforms(t.dx_n, w_gmem.dtype),
+    memory_space=plgpu.SMEM,
+    delay_release=t.delay,
+  )
+
+  def body(wg, refs, acc_ref):
+    *gr_smem, w_smem = refs
+    own = pl.ds(wg * t.dx_m, t.dx_m)
+    r_smem = gr_smem[1] if r_gmem is not None else None
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(own, 0, t.dx_n))
+    plgpu.wgmma(acc_ref, gr_smem[0].at[own], w_smem.transpose((1, 0)))
+
+  operands = [g_gmem.at[cta_rows, :]] + ([] if r_gmem is None else [r_gmem.at[cta_rows, :]])
+  specs = [gr_spec] * len(operands) + [w_spec]
+
+  def out_tile(wg):
+    rows = pl.ds(lax.axis_index("m") * cta_m + wg * t.dx_m, t.dx_m)
+    return rows, cols, (t.dx_m, t.dx_k)
+
+  operands.append(w_gmem.at[cols, :])
+  _bwd_kernel(body, operands, specs, dx_gmem, out_tile, t=t, steps=n // t.dx_n, stages=t.dx_stages)
+
+
+def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
+  """``dw[ki, ni] = sum_m x[m, ki].T @ dz[m, ni]``, each compute warpgroup on its own columns."""
+  m = x_gmem.shape[0]
+  cta_n = t.wgs * t.dw_n
+  rows = pl.ds(lax.axis_index("k") * t.dw_k, t.dw_k)
+  cta_cols = pl.ds(lax.axis_index("n") * cta_n, cta_n)
+  x_spec = plgpu.BlockSpec(
+    (t.dw_m, t.dw_k),
+    lambda s: (s, 0),
+    transforms=transforms(t.dw_k, x_gmem.dtype),
+    memory_space=plgpu.SMEM,
+    delay_release=t.delay,
+  )
+  gr_spec = plgpu.BlockSpec(
+    (t.dw_m, cta_n),
+    lambda s: (s, 0),
+    transforms=transforms(t.dw_n, g_gmem.dtype),
+    memory_space=plgpu.SMEM,
+    delay_release=t.delay,
+  )
+  operands = [x_gmem.at[:, rows], g_gmem.at[:, cta_cols]]
+  operands += [] if r_gmem is None else [r_gmem.at[:, cta_cols]]
+  specs = [x_spec] + [gr_spec] * (len(operands) - 1)
+
+  def body(wg, refs, acc_ref):
+    x_smem, *gr_smem = refs
+    own = pl.ds(wg * t.dw_n, t.dw_n)
+    r_smem = gr_smem[1] if r_gmem is not None else None
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(slice(None), wg * t.dw_n, t.dw_n))
+    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, own])
+
+  def out_tile(wg):
+    return rows, pl.ds(lax.axis_index("n") * cta_n + wg * t.dw_n, t.dw_n), (t.dw_k, t.dw_n)
+
+  _bwd_kernel(body, operands, specs, dw_gmem, out_tile, t=t, steps=m // t.dw_m, stages=t.dw_stages)
+
+
+def hopper_dense_bias_act_bwd(
+  x: Array,
+  w: Array,
+  residual: Array | None,
+  g: Array,
+  *,
+  epilogue: Epilogue,
+  has_bias: bool,
+  tiles: HopperBwdTiles | None = None,
+  interpret: Any = False,
+) -> tuple[Array, Array, Array | None]:
+  """``(dx, dw, db)`` as :func:`pallas_kernels.dense_bias_act_bwd` returns them, on Hopper.
+
+  Two Mosaic GPU kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, each forming
+  ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
+  memory. ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act.bias_grad`
+  (Triton: one read of `g` and `residual`, float32 partial sums of dz before its rounding).
+  """
+  batch, (k, n) = x.shape[:-1], w.shape
+  if g.shape != (*batch, n):
+    raise ValueError(f"pallas_kernels.hopper: `g` must have shape {(*batch, n)}; got {g.shape}")
+  needs_r = epilogue.residual != "none"
+  if needs_r and (residual is None or residual.shape != g.shape):
+    raise ValueError(
+      f"pallas_kernels.hopper: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"{g.shape}; got {None if residual is None else residual.shape}"
+    )
+  if not (x.dtype == w.dtype == g.dtype) or (needs_r and residual.dtype != x.dtype):
+    raise TypeError(
+      "pallas_kernels.hopper: x, w, g and the residual must share one dtype; got "
+      f"{x.dtype}, {w.dtype}, {g.dtype}, {None if residual is None else residual.dtype}"
+    )
+  x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+  r2 = residual.reshape(-1, n) if needs_r else None
+  m = x2.shape[0]
+  t = tiles or hopper_bwd_tiles((m, k, n), needs_r)
+  why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
+  if why is not None:
+    raise ValueError(f"pallas_kernels.hopper: {why}")
+  db = None
+  if has_bias:  # See the module's docstring for why not in the dw kernel.
+    db = bias_act.bias_grad(g2, r2, epilogue=epilogue, interpret=bool(interpret))
+    db = db.astype(x.dtype)
+  epilogue = for_kernel(epilogue)
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  kernel = functools.partial(
+    plgpu.kernel,
+    num_threads=t.wgs + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret or None,
+  )
+
+  def dx_body(g_ref, *refs):
+    *r_ref, w_ref, dx_ref = refs
+    _dx_kernel(g_ref, r_ref[0] if r_ref else None, w_ref, dx_ref, epilogue=epilogue, t=t)
+
+  def dw_body(x_ref, g_ref, *refs):
+    *r_ref, dw_ref = refs
+    _dw_kernel(x_ref, g_ref, r_ref[0] if r_ref else None, dw_ref, epilogue=epilogue, t=t)
+
+  r_args = (r2,) if needs_r else ()
+  dx = kernel(
+    dx_body,
+    out_type=jax.ShapeDtypeStruct((m, k), x.dtype),
+    grid=(m // (t.wgs * t.dx_m), k // t.dx_k),
+    grid_names=("m", "k"),
+  )(g2, *r_args, w)
+  dw = kernel(
+    dw_body,
+    out_type=jax.ShapeDtypeStruct((k, n), w.dtype),
+    grid=(k // t.dw_k, n // (t.wgs * t.dw_n)),
+    grid_names=("k", "n"),
+  )(x2, g2, *r_args)
+  return dx.reshape(*batch, k), dw, db
