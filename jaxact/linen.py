@@ -14,7 +14,11 @@ compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
       return jnn.DenseAct(10)(x)
 """
 
-from jaxact._src.linen import ConvAct as ConvAct
-from jaxact._src.linen import DenseAct as DenseAct
+from jaxact._src.validation import require_flax
+
+require_flax("jaxact.linen")
+
+from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
+from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
 
 __all__ = ["DenseAct", "ConvAct"]

@@ -12,7 +12,11 @@ metadata included), and compute ``activation(nnx.Linear(...)(x))`` as one
   layer = jnnx.LinearAct(784, 512, activation="relu", rngs=nnx.Rngs(0))
 """
 
-from jaxact._src.nnx import ConvAct as ConvAct
-from jaxact._src.nnx import LinearAct as LinearAct
+from jaxact._src.validation import require_flax
+
+require_flax("jaxact.nnx")
+
+from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
+from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
 
 __all__ = ["LinearAct", "ConvAct"]

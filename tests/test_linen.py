@@ -97,6 +97,18 @@ def test_import_jaxact_does_not_import_flax():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.parametrize("module", ["jaxact.linen", "jaxact.nnx"])
+def test_the_flax_layers_without_flax_name_the_extra_to_install(module):
+  """Flax is an extra (`jaxact[flax]`): without it, jaxact works and the layers say what to do."""
+  code = (
+    "import sys; sys.modules['flax'] = None\n"  # `import flax` now raises ImportError
+    "import jax.numpy as jnp, jaxact; jaxact.relu(jnp.ones(2))\n"
+    f"try:\n  import {module}\nexcept ImportError as e:\n  print(e)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+  assert f"{module} needs Flax" in out.stdout and "pip install 'jaxact[flax]'" in out.stdout
+
+
 # --------------------------------------------------------------------- parameters from init
 
 

@@ -87,3 +87,14 @@ def check_broadcasts_to(fn_name: str, arg: str, value_shape, x_shape) -> None:
       f"jaxact.{fn_name}: `{arg}` has shape {tuple(value_shape)}, which does not broadcast to "
       f"the shape of `x` {tuple(x_shape)}"
     )
+
+
+def require_flax(module: str) -> None:
+  """ImportError naming the extra to install, when Flax (needed by `module` only) is missing."""
+  try:
+    import flax  # noqa: F401
+  except ImportError as e:
+    raise ImportError(
+      f"{module} needs Flax, which is not installed: pip install 'jaxact[flax]' (or flax); "
+      "the rest of jaxact does not"
+    ) from e
