@@ -514,7 +514,7 @@ def execute(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
-  parser.add_argument("names", nargs="*", help=f"notebooks to write (default: all of {list(NOTEBOOKS)})")
+  parser.add_argument("names", nargs="*", help=f"notebooks to write (default: {list(NOTEBOOKS)})")
   args = parser.parse_args(argv)
   for name in args.names or NOTEBOOKS:
     nb = notebook(NOTEBOOKS[name])

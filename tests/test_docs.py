@@ -4,6 +4,7 @@ CI runs the README's test command, so the Quick start's second bash block is che
 """
 
 import importlib.util
+import os
 import pathlib
 import re
 import shutil
@@ -91,7 +92,7 @@ def test_docs_build_strict(tmp_path):
     cwd=ROOT,
     capture_output=True,
     text=True,
-    env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
   )
   assert out.returncode == 0, out.stdout + out.stderr
   api = (tmp_path / "site" / "api" / "index.html").read_text()
