@@ -1,13 +1,20 @@
 """Writes the notebooks in this folder: `python notebooks/build.py`.
 
 The notebooks are generated so that their cells stay reviewable as code and their Colab links and
-install commands follow the repository URL in pyproject.toml. They are committed without outputs;
-tests/test_notebooks.py executes each one.
+install commands follow the repository URL in pyproject.toml. They are committed executed, so that
+GitHub and the docs site show their outputs and plots: `python notebooks/build.py` writes the cells
+and runs each notebook in this interpreter (nbclient; about a minute each on a CPU);
+`--no-execute` writes them without outputs. tests/test_notebooks.py executes each one again and
+checks that the committed cells, outputs aside, are the ones written here.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import os
 import pathlib
+import tempfile
 import textwrap
 import tomllib
 
@@ -462,12 +469,60 @@ FLAX_TRAINING = [
 NOTEBOOKS = {"01_quickstart.ipynb": QUICKSTART, "02_flax_training.ipynb": FLAX_TRAINING}
 
 
-def main() -> None:
-  for name, cells in NOTEBOOKS.items():
-    nb = notebook(cells)
+def without_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+  """A copy of `nb` with its code cells' outputs and execution counts cleared."""
+  nb = copy.deepcopy(nb)
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      cell.outputs, cell.execution_count = [], None
+  return nb
+
+
+def execute(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+  """`nb` run top to bottom in a kernel of this interpreter, keeping `nb`'s own metadata.
+
+  The kernelspec is written to a temporary folder put first on JUPYTER_PATH (as the tests do), so
+  a user's own `python3` kernel from another environment is not picked up. Cell timings and the
+  kernel's language_info are not recorded: they would change the file at every build.
+  """
+  from ipykernel import kernelspec
+  from nbclient import NotebookClient
+
+  metadata = copy.deepcopy(nb.metadata)
+  with tempfile.TemporaryDirectory() as prefix:
+    kernelspec.install(kernel_name="jaxact-build", prefix=prefix)
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.path.join(prefix, "share", "jupyter")
+    try:
+      client = NotebookClient(
+        nb,
+        kernel_name="jaxact-build",
+        timeout=600,
+        record_timing=False,
+        resources={"metadata": {"path": str(HERE)}},
+      )
+      client.execute()
+    finally:
+      if old is None:
+        del os.environ["JUPYTER_PATH"]
+      else:
+        os.environ["JUPYTER_PATH"] = old
+  nb.metadata = metadata
+  return nb
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
+  parser.add_argument("names", nargs="*", help=f"notebooks to write (default: {list(NOTEBOOKS)})")
+  args = parser.parse_args(argv)
+  for name in args.names or NOTEBOOKS:
+    nb = notebook(NOTEBOOKS[name])
+    if not args.no_execute:
+      nb = execute(nb)
     nbformat.validate(nb)
     nbformat.write(nb, HERE / name)
-    print(f"wrote notebooks/{name}")
+    print(f"wrote notebooks/{name}" + ("" if args.no_execute else " (executed)"))
 
 
 if __name__ == "__main__":
