@@ -30,6 +30,15 @@ def test_residual_table_matches_spec_table():
   )
 
 
+def test_dispatch_table_matches_the_dispatch_rules():
+  page = (DOCS / "dispatch.md").read_text()
+  begin = page.index(docs.DISPATCH_BEGIN)
+  end = page.index(docs.DISPATCH_END) + len(docs.DISPATCH_END)
+  assert page[begin:end] == docs.dispatch_table(), (
+    "docs/dispatch.md's table is stale: regenerate it with `python -m jaxact._src.docs`"
+  )
+
+
 def test_every_activation_is_in_the_residual_table():
   import jaxact
 

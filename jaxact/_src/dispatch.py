@@ -213,7 +213,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "the Mosaic GPU forward runs at or above jnp.dot's rate and writes z beside y in its epilogue; "
     "XLA's backward (one dz fusion, cuBLAS dx and dw) ran 1.8x (relu) to 4.7x (gelu) faster than "
     "the Mosaic GPU backward kernels, which also keep one activation more in a deep network",
-    "Hopper: the Mosaic GPU kernels",
+    "The backward alone: Mosaic GPU kernels against XLA's",
   ),
   Rule(
     "Hopper target, other dense layers",
@@ -221,7 +221,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "xla",
     "xla",
     "the Triton matmul kernels are 1.7-3.4x slower than XLA's cuBLAS matmuls on Hopper",
-    "Hopper: the Triton dense kernels",
+    "One dense layer, bf16",
   ),
   Rule(
     "CUDA GPU older than Ampere (compute capability < 8.0)",
@@ -238,7 +238,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "the Triton kernels keep only what the backward needs (no dz array between the passes); "
     "convolution epilogues measured at 86-91% (forward) and 72-86% (backward) of the H100's copy "
     "bandwidth; dense layers on Ampere/Ada are unmeasured",
-    "Convolution epilogue kernels",
+    "Conv layer and its epilogue kernels",
   ),
 )
 
@@ -292,6 +292,6 @@ def rules_table() -> str:
     "|---|---|---|---|---|",
   ]
   for r in AUTO_RULES:
-    evidence = f"RESULTS.md, {r.evidence}" if r.evidence else ""
+    evidence = f"RESULTS.md: {r.evidence}" if r.evidence else ""
     rows.append(f"| {r.where} | {r.forward} | {r.backward} | {r.why} | {evidence} |")
   return "\n".join(rows) + "\n"
