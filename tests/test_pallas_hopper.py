@@ -22,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
-from tests.test_pallas import TRITON, args, cuda_mesh, lowered_text, shapes, train_step
 
 import jaxact
 from jaxact._src import pallas as kernel_dispatch
+from jaxact._src import test_util
+from jaxact._src.test_util import layer_shapes as shapes
+from jaxact._src.test_util import train_step
+from kernel_cases import MOSAIC, TRITON, args, cuda_mesh, lowered_text
 from pallas_kernels import Epilogue, hopper
-
-MOSAIC = "mosaic_gpu_v2"
 
 # The XLA path rounds the bf16 matmul result before adding the bias (cuBLAS's bf16 output); the
 # kernel adds it to the float32 accumulator: values agree to a rounding or two of the output.
@@ -249,7 +250,7 @@ def _kernels(jaxpr) -> list[set[str]]:
   for eqn in jaxpr.eqns:
     subs = jax_core.jaxprs_in_params(eqn.params)
     if "compiler_params" in eqn.params:
-      found.append(set().union(*map(hopper._primitives, subs)))
+      found.append(set().union(*map(test_util.mosaic_primitives, subs)))
     else:
       for sub in subs:
         found += _kernels(sub)
@@ -267,7 +268,7 @@ def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative.get(residual), residual=residual)
   x, w, _ = shapes(512, 512, 1024, jnp.bfloat16)
   rg = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-  for tiles in hopper.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
+  for tiles in test_util.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
 
     def bwd(x, w, r, g, tiles=tiles):
       r = None if residual == "none" else r
@@ -314,10 +315,10 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
 
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
 def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
-  """benchmarks.gpu_check times hopper_bwd_variants against each other on a GPU: each must fit
-  the shared memory and lower, or the GPU run would learn nothing about it."""
+  """benchmarks.gpu_check times test_util.hopper_bwd_variants against each other on a GPU: each
+  must fit the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
-  variants = hopper.hopper_bwd_variants(shape, residual)
+  variants = test_util.hopper_bwd_variants(shape, residual)
   assert len(variants) == 5 and variants["default"] == hopper.hopper_bwd_tiles(shape, residual)
   for t in variants.values():
     assert max(t.smem_bytes(2, residual)) <= hopper.HOPPER_SMEM
@@ -518,7 +519,7 @@ def test_kernel_expm1_and_log1p_match_within_a_few_ulps(name):
     x = np.concatenate([x[x > -1], [-1.0], np.logspace(1, 38, 200), [np.inf]]).astype(np.float32)
   else:
     x = np.concatenate([x, [89.0, np.inf, -np.inf]]).astype(np.float32)
-  fn = {"expm1": hopper._expm1, "log1p": hopper._log1p}[name]
+  fn = {"expm1": test_util.mosaic_expm1, "log1p": test_util.mosaic_log1p}[name]
   got = np.asarray(jax.jit(fn)(x), np.float64)
   with np.errstate(divide="ignore", over="ignore"):  # log1p(-1) = -inf; float32 overflows
     want = getattr(np, name)(x.astype(np.float64))
