@@ -23,10 +23,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import jaxact
 from benchmarks import timing
+from benchmarks.gpu_common import conv_paths
+from jaxact._src.test_util import layer_paths
 
 # Data-sheet peaks, (HBM bandwidth in TB/s, dense bfloat16 tensor-core TFLOP/s), matched against
 # jax's device_kind in this order (the first substring found wins: "H100 PCIe" before "H100").
@@ -43,7 +44,6 @@ PEAKS = (
 ACTIVATIONS = ("relu", "gelu")
 ELEMENTWISE = ("relu", "sigmoid", "tanh", "softplus", "gelu", "silu")
 DTYPE = jnp.bfloat16
-_NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def peaks(device_kind: str) -> tuple[float, float] | None:
@@ -76,42 +76,31 @@ class ElementwiseRow:
 
 
 def _layer_configs(small: bool):
-  """(op, x shape, w shape, MACs per forward, layer(x, w, b, act, impl) or composition)."""
+  """(op, x shape, w shape, MACs per forward, paths(activation, implementations))."""
   if small:  # a smoke test of this module on any backend
     m, k, n, img, ch = 256, 128, 128, (8, 16, 16, 32), 32
   else:
     m, k, n, img, ch = 16384, 4096, 4096, (128, 56, 56, 256), 256
-
-  def dense(x, w, b, act, impl):
-    if impl == "composition":
-      return getattr(jax.nn, act)(x @ w + b)
-    return jaxact.dense_bias_act(x, w, b, activation=act, implementation=impl)
-
-  def conv(x, w, b, act, impl):
-    if impl == "composition":
-      z = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_NHWC)
-      return getattr(jax.nn, act)(z + b)
-    return jaxact.conv_bias_act(x, w, b, activation=act, padding="SAME", implementation=impl)
-
   h, w_ = img[1], img[2]
   return (
-    ("dense", (m, k), (k, n), m * k * n, dense),
-    ("conv 3x3", img, (3, 3, ch, ch), img[0] * h * w_ * ch * ch * 9, conv),
+    ("dense", (m, k), (k, n), m * k * n, layer_paths),
+    ("conv 3x3", img, (3, 3, ch, ch), img[0] * h * w_ * ch * ch * 9, conv_paths),
   )
 
 
 def layers(runs: int, small: bool = False) -> list[LayerRow]:
   peak = peaks(jax.devices()[0].device_kind)
   rows = []
-  for op, x_shape, w_shape, macs, layer in _layer_configs(small):
+  for op, x_shape, w_shape, macs, paths in _layer_configs(small):
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, x_shape, DTYPE)
     w = (jax.random.normal(kw, w_shape, jnp.float32) / (macs / x.size) ** 0.5).astype(DTYPE)
     b = jnp.zeros((w_shape[-1],), DTYPE)
     for act in ACTIVATIONS:
       calls = []
-      for impl in ("composition", "xla", None):
-        loss = functools.partial(_layer_loss, layer, act=act, impl=impl)
+      # the jax.nn composition, jaxact "xla", jaxact's default
+      for f in paths(act, ("xla", None)).values():
+        loss = functools.partial(_layer_loss, f)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         calls.append(lambda step=step, x=x, w=w, b=b: step(x, w, b))
       t_comp, t_xla, t_default = timing.alternated_medians(calls, runs)
@@ -131,8 +120,8 @@ def layers(runs: int, small: bool = False) -> list[LayerRow]:
   return rows
 
 
-def _layer_loss(layer, x, w, b, *, act, impl):
-  return jnp.sum(layer(x, w, b, act, impl).astype(jnp.float32))
+def _layer_loss(layer, x, w, b):
+  return jnp.sum(layer(x, w, b).astype(jnp.float32))
 
 
 def elementwise(runs: int, small: bool = False) -> list[ElementwiseRow]:

@@ -11,7 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.gpu_check import _paths, _step
+from jaxact._src.test_util import layer_paths, layer_step
 
 
 def main(argv=None) -> int:
@@ -21,8 +21,8 @@ def main(argv=None) -> int:
   os.makedirs(out, exist_ok=True)
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,), (m, n))]
   for name in ("relu", "gelu"):
-    for path, f in _paths(name).items():
-      compiled = _step(f).lower(*args).compile()
+    for path, f in layer_paths(name).items():
+      compiled = layer_step(f).lower(*args).compile()
       fname = f"{name}-{path.replace(' ', '_').replace('.', '')}.hlo.txt"
       with open(os.path.join(out, fname), "w") as fh:
         fh.write(compiled.as_text())

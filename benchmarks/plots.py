@@ -9,8 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 import numpy as np
+from matplotlib.patches import Patch
 
 COLORS = {
   "jax.nn": "#9e9e9e",

@@ -6,11 +6,14 @@ the dtype it names, never a default.
 
 import os
 
-# The tests are CPU tests (Pallas kernels in interpret mode, lowering for abstract GPUs). With jax's
-# CUDA plugin installed (the test extra brings it, for tests/test_gpu_compile.py), a process that
-# may use CUDA makes the plugin look for a driver; on CPU only, it registers just its compiler.
+# The tests are CPU tests (Pallas kernels in interpret mode, lowering and compiling for abstract
+# GPUs). With jax's CUDA plugin loaded (for tests/test_gpu_compile.py), a process that may use CUDA
+# makes the plugin look for a driver; on CPU only, it registers just its compiler.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
+from jaxact._src import test_util
+
 jax.config.update("jax_enable_x64", True)
+test_util.use_gpu_compiler()  # before the first computation starts jax's backends

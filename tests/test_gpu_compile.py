@@ -1,31 +1,37 @@
 """The kernels compiled, not only lowered, for GPUs this machine does not have.
 
-XLA's own GPU compiler runs here through jax's CUDA plugin (``benchmarks.aot``): Triton kernels are
-compiled to PTX for the target's shared memory and compute capability, so a tile configuration that
-lowers but does not fit the GPU fails here; and XLA's buffer assignment for the GPU gives a training
-step's memory as the GPU would allocate it, checked against jax.nn's step compiled the same way.
+XLA's own GPU compiler runs here through jax's CUDA plugin (``jaxact._src.test_util``): Triton
+kernels are compiled to PTX for the target's shared memory and compute capability, so a tile
+configuration that lowers but does not fit the GPU fails here; and XLA's buffer assignment for the
+GPU gives a training step's memory as the GPU would allocate it, checked against jax.nn's step
+compiled the same way.
 
-Needs the plugin (``jax[cuda12-local]``, in the ``test`` extra on Linux) and ``JAX_PLATFORMS=cpu``
-(set by conftest); without them these tests skip, saying why.
+Needs the plugin (``python tests/install_gpu_compiler.py``, part of the README's test command;
+Linux wheels only) and ``JAX_PLATFORMS=cpu`` (set by conftest). Without them these tests skip,
+saying why, except under CI (``CI`` set), which installs the plugin itself: there they fail.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import aot, gpu_check
-from pallas_kernels import Epilogue, dense, hopper
+from jaxact._src import test_util
+from pallas_kernels import Epilogue, dense
 
 try:
-  aot.device(aot.H100)
-except aot.Unavailable as e:  # pragma: no cover - depends on the environment
+  test_util.device(test_util.H100)
+except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+  if os.environ.get("CI"):
+    raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
   pytest.skip(f"cannot compile for a GPU here: {e}", allow_module_level=True)
 
 import jaxact
 
-GPUS = {"A100": aot.A100, "H100": aot.H100}
+GPUS = test_util.GPUS
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +46,7 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu_v2"
 
 
-shapes = aot.layer_shapes
+shapes = test_util.layer_shapes
 
 
 def kernel_calls(compiled, target) -> int:
@@ -58,37 +64,43 @@ def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
     return dense.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
 
   args = shapes(1024, 1024, 1024)
-  with jax.sharding.use_abstract_mesh(aot.abstract_mesh(aot.A100)):
+  with jax.sharding.use_abstract_mesh(test_util.abstract_mesh(test_util.A100)):
     assert TRITON in jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(Exception, match=r"[Ss]hared memory"):
-    aot.compile_for(fwd, args, aot.A100)
+    test_util.compile_for(fwd, args, test_util.A100)
 
 
 @pytest.mark.parametrize("gpu", list(GPUS))
 def test_every_triton_block_config_compiles(gpu):
   """Forward, dx and dw(+db) of every configuration `default_block_config` returns for the GPU,
   over the three residual families, through XLA's GPU compiler."""
-  probes = aot.triton_probes(gpu == "H100")
+  probes = test_util.triton_probes(gpu == "H100")
   assert len(probes) >= 20
   for i, ((m, k, n), dt) in enumerate(probes.values()):
     activation = ("tanh", "gelu", "identity")[i % 3]
-    compiled = aot.compile_for(aot.train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu])
+    compiled = test_util.compile_for(
+      test_util.train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu]
+    )
     assert kernel_calls(compiled, TRITON) == 3, ((m, k, n), dt, activation)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "identity"])
 def test_the_hopper_kernels_compile_for_an_h100(activation):
-  compiled = aot.compile_for(aot.train_step(activation, "mosaic"), shapes(512, 512, 512))
+  compiled = test_util.compile_for(
+    test_util.train_step(activation, "mosaic"), shapes(512, 512, 512)
+  )
   assert kernel_calls(compiled, MOSAIC) == 3  # forward, dx, dw(+db)
 
 
 def test_every_hopper_backward_variant_compiles():
   """The tilings `benchmarks.gpu_check --sections hopper-bwd` times (a GPU session picks the
   default from them), for an input-residual epilogue."""
-  variants = hopper.hopper_bwd_variants((512, 512, 512))
+  variants = test_util.hopper_bwd_variants((512, 512, 512))
   assert len(variants) >= 4
   for label, tiles in variants.items():
-    compiled = aot.compile_for(aot._hopper_bwd(tiles), aot._bwd_shapes((512, 512, 512)))
+    compiled = test_util.compile_for(
+      test_util.hopper_bwd(tiles), test_util.hopper_bwd_shapes((512, 512, 512))
+    )
     assert kernel_calls(compiled, MOSAIC) == 2, label
 
 
@@ -98,7 +110,7 @@ ACTIVATION_MIB = M * N * 2 / 2**20  # one bf16 (M, N) array
 
 def step_temp_mib(f, gpu):
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, K), (K, N), (N,), (M, N))]
-  compiled = aot.compile_for(gpu_check._step(f), args, gpu)  # y and the pullback at g
+  compiled = test_util.compile_for(test_util.layer_step(f), args, gpu)  # y and the pullback at g
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
@@ -126,7 +138,7 @@ def test_the_fused_backward_keeps_no_dz_in_the_compiled_step(gpu, implementation
 # ----------------------------------------------------------------------- register spills
 
 # Long derivatives of the spec table. mish's is not here: its backward spills on an H100 at the
-# 128-row tiles of the large layers (found by benchmarks.aot, not yet timed on a GPU).
+# 128-row tiles of the large layers (found by python -m benchmarks.aot, not yet timed on a GPU).
 HEAVY = ("gelu", "squareplus")
 
 
@@ -146,8 +158,8 @@ def test_a_tile_that_spills_registers_is_caught():
 
     return f
 
-  assert aot.spills(backward(bias_act.EltwiseTiles(128, 256, 4)), args)
-  assert not aot.spills(backward(None), args)
+  assert test_util.spills(backward(bias_act.EltwiseTiles(128, 256, 4)), args)
+  assert not test_util.spills(backward(None), args)
 
 
 @pytest.mark.parametrize("gpu", list(GPUS))
@@ -156,12 +168,12 @@ def test_no_triton_tile_spills_registers(gpu):
 
   Except, on an A100, float32 layers with a dimension of at most 16 (their 16-wide tiles spill for
   gelu, mish, silu, squareplus or sparse_plus there; benchmarks/RESULTS.md)."""
-  for (m, k, n), dt in aot.triton_probes(gpu == "H100").values():
+  for (m, k, n), dt in test_util.triton_probes(gpu == "H100").values():
     if gpu == "A100" and dt == jnp.float32 and min(m, k, n) <= 16:
       continue
     for activation in HEAVY:
-      step = aot.train_step(activation, "pallas")
-      assert not aot.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
+      step = test_util.train_step(activation, "pallas")
+      assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
 
 
 @pytest.mark.parametrize("gpu", list(GPUS))
@@ -172,6 +184,8 @@ def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype):
   names = [a for a in jaxact.ACTIVATIONS if jaxact.get_spec(a).elementwise]
   conv = [jax.ShapeDtypeStruct(s, dtype) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))]
   spilling = [
-    a for a in names if aot.spills(aot.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
+    a
+    for a in names
+    if test_util.spills(test_util.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
   ]
   assert spilling == []

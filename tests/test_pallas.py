@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jaxact
 import pallas_kernels
-from benchmarks import aot
+from jaxact._src import test_util
+from jaxact._src.test_util import GPUS, train_step
+from jaxact._src.test_util import layer_shapes as shapes
+from kernel_cases import TRITON, args, lowered_text
 from pallas_kernels import dense as kernels
-
-TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 
 # The kernels and the XLA path differ by summation order (tiles of 16..128 against XLA:CPU's) and,
 # in half precision, by dz being rounded to the operands' dtype before the backward dots.
@@ -42,16 +42,6 @@ ACTIVATIONS = {
   "identity": "identity",  # no residual
   "leaky_relu_0.2": functools.partial(jaxact.leaky_relu, negative_slope=0.2),
 }
-
-
-def args(shape, dtype, seed=0, bias=True):
-  """x (batch..., K), w (K, N), b (N,), scaled so that z is of unit size (not saturated)."""
-  *batch, k, n = shape
-  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
-  x = jax.random.normal(kx, (*batch, k), jnp.float32)
-  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
-  b = jax.random.normal(kb, (n,), jnp.float32) if bias else None
-  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
 
 
 def value_and_grads(impl, activation, x, w, b):
@@ -150,33 +140,11 @@ def test_unsupported_calls_fall_back_or_raise():
 
 # ------------------------------------------------------------------------- CUDA lowering
 
-GPUS = {"H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB"}
-
-
-def cuda_mesh(kind: str) -> AbstractMesh:
-  device = AbstractDevice(device_kind=GPUS[kind], num_cores=None, platform="cuda")
-  return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-
-
-def lowered_text(fn, arg_shapes, platform: str, kind: str = "H100") -> str:
-  with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
-    traced = jax.jit(fn).trace(*arg_shapes)
-    try:
-      return traced.lower(lowering_platforms=(platform,)).as_text()
-    except Exception as e:  # pragma: no cover - depends on the installed jaxlib
-      if platform == "cuda" and "cuda" in str(e).lower() and "platform" in str(e).lower():
-        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-      raise
-
-
-train_step = aot.train_step  # value_and_grad of one fused dense layer
-shapes = aot.layer_shapes
-
 
 def configs(hopper: bool):
   """One probe (shape, dtype) per configuration `default_block_config` can return for the target
-  (benchmarks.aot.triton_probes: every size class of every dimension, every dtype)."""
-  return aot.triton_probes(hopper)
+  (test_util.triton_probes: every size class of every dimension, every dtype)."""
+  return test_util.triton_probes(hopper)
 
 
 # Shared memory per SM: A100 164 KiB, H100 228 KiB; Triton needs some for its epilogue.

@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import jaxact
 import pallas_kernels
+from jaxact._src.test_util import GPUS
+from kernel_cases import TRITON, lowered_text
 from pallas_kernels import bias_act
-
-TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 
 # Both paths run the same convolution; the kernels add the bias in float32 to the convolution's
 # output where XLA may fuse it, so half precision differs by a rounding of z.
@@ -203,15 +202,6 @@ def test_standalone_kernels_check_their_arguments():
 
 # ------------------------------------------------------------------------- CUDA lowering
 
-GPUS = {"H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB"}
-
-
-def lowered_text(fn, arg_shapes, kind: str = "H100", platform: str = "cuda") -> str:
-  device = AbstractDevice(device_kind=GPUS[kind], num_cores=None, platform="cuda")
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*arg_shapes).lower(lowering_platforms=(platform,)).as_text()
-
 
 def conv_step(activation, implementation, bias=True):
   def loss(x, w, b):
@@ -252,7 +242,7 @@ def test_every_block_config_lowers_for_cuda(kind):
   families = ("tanh", "gelu", "identity")
   for i, ((n, hw, c), dt) in enumerate(CONFIGS.values()):
     activation = families[i % 3]
-    text = lowered_text(conv_step(activation, "pallas"), conv_shapes(n, hw, 4, c, dt), kind)
+    text = lowered_text(conv_step(activation, "pallas"), conv_shapes(n, hw, 4, c, dt), "cuda", kind)
     assert text.count(f"custom_call @{TRITON}(") == 2, (n, hw, c, dt, activation)  # fwd, bwd
     # In place: dz over the cotangent; the epilogue over the convolution's output, except in
     # float16, whose convolution result is float32 (see fused._forward_matmul_dtype).

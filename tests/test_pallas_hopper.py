@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
-from tests.test_pallas import TRITON, args, lowered_text, shapes, train_step
 
 import jaxact
+from jaxact._src import test_util
+from jaxact._src.test_util import layer_shapes as shapes
+from jaxact._src.test_util import train_step
+from kernel_cases import MOSAIC, TRITON, args, lowered_text
 from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
-
-MOSAIC = "mosaic_gpu_v2"
 
 # The XLA path rounds the bf16 matmul result before adding the bias (cuBLAS's bf16 output); the
 # kernel adds it to the float32 accumulator: values agree to a rounding or two of the output.
@@ -268,7 +269,7 @@ def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative.get(residual), residual=residual)
   x, w, _ = shapes(512, 512, 1024, jnp.bfloat16)
   rg = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-  for tiles in hopper.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
+  for tiles in test_util.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
 
     def bwd(x, w, r, g, tiles=tiles):
       r = None if residual == "none" else r
@@ -315,10 +316,10 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
 
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
 def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
-  """benchmarks.gpu_check times hopper_bwd_variants against each other on a GPU: each must fit
-  the shared memory and lower, or the GPU run would learn nothing about it."""
+  """benchmarks.gpu_check times test_util.hopper_bwd_variants against each other on a GPU: each
+  must fit the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
-  variants = hopper.hopper_bwd_variants(shape, residual)
+  variants = test_util.hopper_bwd_variants(shape, residual)
   assert len(variants) == 5 and variants["default"] == hopper_bwd.hopper_bwd_tiles(shape, residual)
   for t in variants.values():
     assert max(t.smem_bytes(2, residual)) <= _mosaic.HOPPER_SMEM

@@ -1,0 +1,47 @@
+"""Helpers shared by the kernel tests (test_pallas*.py): inputs, and lowering for an abstract GPU.
+
+Lowering under an abstract mesh of a CUDA device needs no GPU: jaxact's dispatch reads the target
+from the mesh, and Pallas lowers the kernels to their custom calls.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import pallas_kernels
+from jaxact._src.test_util import GPUS
+
+TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
+MOSAIC = "mosaic_gpu_v2"
+
+
+def args(shape, dtype, seed=0, bias=True):
+  """x (batch..., K), w (K, N), b (N,), scaled so that z is of unit size (not saturated)."""
+  *batch, k, n = shape
+  kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (*batch, k), jnp.float32)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  b = jax.random.normal(kb, (n,), jnp.float32) if bias else None
+  return tuple(None if v is None else v.astype(dtype) for v in (x, w, b))
+
+
+def cuda_mesh(kind: str) -> AbstractMesh:
+  """A one-device abstract mesh of the GPU `kind` ("H100" or "A100")."""
+  device = AbstractDevice(device_kind=GPUS[kind], num_cores=None, platform="cuda")
+  return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+
+
+def lowered_text(fn, arg_shapes, platform: str = "cuda", kind: str = "H100") -> str:
+  """``jax.jit(fn)`` traced under `kind`'s mesh and lowered for `platform`, as text."""
+  with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
+    traced = jax.jit(fn).trace(*arg_shapes)
+    try:
+      return traced.lower(lowering_platforms=(platform,)).as_text()
+    except Exception as e:  # pragma: no cover - depends on the installed jaxlib
+      if platform == "cuda" and "cuda" in str(e).lower() and "platform" in str(e).lower():
+        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+      raise
