@@ -512,7 +512,8 @@ SPECS: tuple[ActivationSpec, ...] = (
     d_output=lambda y: _between(y, 0.0, 1.0, 0.5),
     kinks={-1.0: 0.0, 1.0: 0.0},
     jax_nn_kinks={-1.0: 0.25, 1.0: 0.25},
-    notes=_FLAT_SIDE + " jax.nn's autodiff gives 0.25 at ±1 (half of each side).",
+    notes=_FLAT_SIDE + " jax.nn's autodiff gives 0.25 at ±1 (half of each side). One ulp below 1 "
+    "the output rounds to 1, and the gradient there is the kink's 0.",
     example=(_X, "[0.0, 0.25, 0.5, 0.75, 1.0]"),
   ),
   ActivationSpec(
