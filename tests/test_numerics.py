@@ -7,6 +7,7 @@ a test of its own.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -269,3 +270,28 @@ def test_gradient_at_tiny_inputs_is_that_sides_derivative(spec, dtype):
   assert_within(
     g, want, cases.GRAD_ULPS[dtype] * eps(dtype) * np.maximum(1.0, np.abs(want)), spec.name
   )
+
+
+# ------------------------------------------------------------------------ regressions (issue 19)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_squareplus_b0_gradient_is_one_for_tiny_positive_x(dtype):
+  """With b = 0 squareplus is relu; its output-residual derivative was 0/0 once y*y underflowed
+  (positive x below ~1e-19 in float32), in the activation and in the fused layers."""
+  fi = jnp.finfo(dtype)
+  pts = [float(fi.tiny), 1e-30, 1e-20, 1e-19, float(fi.eps), 1.0, 1e30, -1e-20, -1.0]
+  x = as_dtype(pts, dtype)
+  keep = np.isfinite(np.asarray(x, np.float64))
+  x = x[jnp.asarray(keep)]
+  x64 = np.asarray(x, np.float64)
+  want = np.where(x64 > 0, 1.0, 0.0)
+  g = _grad_at(lambda v: jaxact.squareplus(v, b=0), x)
+  np.testing.assert_array_equal(np.asarray(g, np.float64), want)
+  # The fused layer uses the same derivative: z = x (identity weight), activation squareplus(b=0).
+  act = functools.partial(jaxact.squareplus, b=0)
+  w = jnp.eye(x.shape[0], dtype=dtype)
+  dense = lambda v: jaxact.dense_bias_act(v[None], w, activation=act)[0].sum()
+  g_fused = np.asarray(jax.grad(dense)(x), np.float64)
+  chex.assert_tree_all_finite(g_fused)
+  np.testing.assert_array_equal(g_fused, want)

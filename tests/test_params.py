@@ -51,11 +51,11 @@ def _value_cases():
   return out
 
 
-def _check(got, x, spec, name, pval, what):
+def _check(got, x, spec, name, pval, what, dtype=_DT):
   want = reference(spec)(jnp.asarray(x, F64), **{name: jnp.asarray(pval, F64)})
   want = np.asarray(want)
   bound = 4 * cases.VALUE_ULPS[_DT] * eps(_DT) * (1.0 + np.abs(want))
-  assert got.dtype == _DT, what
+  assert got.dtype == dtype, what
   assert_within(got, want, bound, what)
 
 
@@ -66,10 +66,13 @@ def test_numbers_numpy_and_jax_arrays_agree(spec, param):
   for v in _values(spec, param):
     _check(f(x, **{param.name: v}), _X, spec, param.name, v, f"{param.name}={v}")
     for arr in (np.float32(v), np.asarray(v, np.float64), jnp.asarray(v, _DT)):
-      _check(f(x, **{param.name: arr}), _X, spec, param.name, v, f"{param.name}={arr!r}")
+      # An array parameter promotes x as in jax.nn (float64 here, where x64 is on).
+      dtype = jnp.result_type(x, arr)
+      _check(f(x, **{param.name: arr}), _X, spec, param.name, v, f"{param.name}={arr!r}", dtype)
   pc = _per_channel(spec, param)
   for arr in (pc, pc.astype(np.float32), jnp.asarray(pc, _DT), jnp.asarray(pc[None, :], F64)):
-    _check(f(x, **{param.name: arr}), _X, spec, param.name, pc, f"per-channel {arr!r}")
+    dtype = jnp.result_type(x, arr)
+    _check(f(x, **{param.name: arr}), _X, spec, param.name, pc, f"per-channel {arr!r}", dtype)
   if spec.jax_nn:
     got, want = f(x, **{param.name: pc}), jax_nn(spec)(x, **{param.name: jnp.asarray(pc, _DT)})
     np.testing.assert_allclose(got, want, rtol=16 * eps(_DT), atol=16 * eps(_DT))

@@ -77,7 +77,7 @@ def test_traced_parameter_keeps_the_input(spec, param):
   _assert_keeps(_kept(y, pull), "input", x, y, f"{spec.name} w.r.t. {param.name}")
 
   # A concrete array parameter is not traced: the output is enough again.
-  y, pull = jax.vjp(lambda x: f(x, **{param.name: np.full((128,), param.default)}), x)
+  y, pull = jax.vjp(lambda x: f(x, **{param.name: np.full((128,), param.default, np.float32)}), x)
   _assert_keeps(_kept(y, pull), "output", x, y, f"{spec.name} with a NumPy {param.name}")
 
 
@@ -93,6 +93,9 @@ def test_parameters_that_make_the_output_ambiguous_keep_the_input(spec):
   bad = [(n, v) for n in dynamic for v in _CANDIDATES if not spec.output_ok(**defaults | {n: v})]
   assert bad, f"none of {_CANDIDATES} is rejected by {spec.name}'s output_ok"
   for name, v in bad:
-    for value in (v, np.array([v, 0.5] * 64)):  # scalar, and one bad channel among good ones
+    for value in (
+      v,
+      np.array([v, 0.5] * 64, np.float32),
+    ):  # scalar, and one bad channel among good ones
       y, pull = jax.vjp(lambda x, name=name, value=value: public(spec)(x, **{name: value}), x)
       _assert_keeps(_kept(y, pull), "input", x, y, f"{spec.name}({name}={v})")

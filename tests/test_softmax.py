@@ -138,3 +138,24 @@ def test_axes_match_jax_nn_and_reference(name, axis):
   g = loss_grad(lambda v: f(v, axis=axis), x, w)
   g_nn = loss_grad(lambda v: f_nn(v, axis=axis), x, w)
   np.testing.assert_allclose(g, g_nn, rtol=4 * bound, atol=4 * bound)
+
+
+@pytest.mark.parametrize("name", SOFTMAXES)
+def test_layer_activation_keeps_no_buffer_beyond_its_output(name):
+  """An L-layer MLP h = softmax(h @ w) under jit(grad) with a loss whose cotangent is computed from
+  the output (sum h^2): L + 1 activation buffers of temp, as for every output-residual activation
+  (softmax's backward read the cotangent twice in one fusion and kept one more buffer)."""
+  layers, batch, width = 3, 2048, 256
+  keys = jax.random.split(jax.random.key(0), layers + 1)
+  ws = [jax.random.normal(k, (width, width), jnp.float32) / 16 for k in keys[:-1]]
+  x = jax.random.normal(keys[-1], (batch, width), jnp.float32)
+  act = getattr(jaxact, name)
+
+  def loss(ws, x):
+    for w in ws:
+      x = act(x @ w)
+    return jnp.sum(x**2)
+
+  compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
+  buffers = compiled.memory_analysis().temp_size_in_bytes / (batch * width * 4)
+  assert buffers <= layers + 1 + 0.05, buffers

@@ -40,6 +40,13 @@ from jaxact._src.spec import (
   _sigmoid_pair,
 )
 
+# jax.nn's own functions, bound now: integer and boolean inputs are handed to them, and a program
+# may install jaxact's functions into jax.nn (to swap the activations of third-party model code),
+# after which looking them up in jax.nn at call time would call jaxact again, forever.
+_JAX_NN: dict[str, Callable[..., Array]] = {
+  s.name: getattr(jax.nn, s.name) for s in SPECS if s.jax_nn
+}
+
 # ------------------------------------------------------------------ the elementwise custom_vjp rule
 
 
@@ -162,12 +169,22 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
       dtype = np.result_type(v) if not isinstance(v, jax.Array) else v.dtype
       if not (validation.is_floating(dtype) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"jaxact.{spec.name}: `{p.name}` must be real-valued, got dtype {dtype}")
+    if p.static and isinstance(v, jax.core.Tracer):
+      # jax.nn raises TracerBoolConversionError here; say which argument and what to do.
+      raise jax.errors.ConcretizationTypeError(
+        v,
+        f"jaxact.{spec.name}: `{p.name}` selects the formula when the function is traced, so it "
+        "must be a concrete value, not a traced array: pass a Python bool, or mark the argument "
+        "static (jax.jit(..., static_argnames=...)).",
+      )
     if p.check is not None and not isinstance(v, jax.core.Tracer):
       msg = p.check(v)
       if msg is not None:
-        raise ValueError(f"jaxact.{spec.name}: `{p.name}` {msg}; got {v!r}")
+        raise (TypeError if p.static else ValueError)(
+          f"jaxact.{spec.name}: `{p.name}` {msg}; got {v!r}"
+        )
     if p.static or isinstance(v, (int, float)):
-      static.append((p.name, v))
+      static.append((p.name, p.convert(v) if p.convert is not None else v))
       continue
     arr = jnp.asarray(v)
     validation.check_broadcasts_to(spec.name, p.name, arr.shape, x.shape)
@@ -189,8 +206,14 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
   x = validation.as_real_array(spec.name, x)
   if not validation.is_floating(x.dtype):
     if spec.jax_nn:  # integer and bool inputs behave exactly as jax.nn's (some cast, some raise)
-      return getattr(jax.nn, spec.name)(x, **values)
+      return _JAX_NN[spec.name](x, **values)
     x = x.astype(jnp.result_type(float))
+  # Array parameters promote as in jax.nn's formulas: a bfloat16 x with a float32 `alpha` array
+  # gives float32 (Python numbers are weakly typed and leave x's dtype alone).
+  arrays = [values[p.name] for p in spec.params if not p.static]
+  dtype = jnp.result_type(x, *(v for v in arrays if validation.is_arraylike(v)))
+  if dtype != x.dtype and validation.is_floating(dtype):
+    x = x.astype(dtype)
   rule, dynamic = _split_params(spec, x, values)
   with jax.named_scope(f"jaxact.{spec.name}"):
     return _elementwise_jit(rule, x, *dynamic)
@@ -275,8 +298,12 @@ def _softmax_bwd(log, axes, res, g):
   cdt = validation.compute_dtype(y.dtype)
   y32, g32 = y.astype(cdt), g.astype(cdt)
   if not log:
-    # Masked entries and empty rows have y == 0, so they get 0 without a mask.
-    dx = y32 * (g32 - jnp.sum(g32 * y32, axes, keepdims=True))
+    # Masked entries and empty rows have y == 0, so they get 0 without a mask. The barrier keeps
+    # the row sum a fusion of its own: fused with the product that reads g again, it made XLA
+    # materialize a cotangent computed elementwise from the output (a loss's, say 2y or -t/y) as
+    # one more activation-sized buffer, where two fusions each recompute it.
+    dot = jax.lax.optimization_barrier(jnp.sum(g32 * y32, axes, keepdims=True))
+    dx = y32 * (g32 - dot)
   else:
     mask = jnp.ones(y.shape, bool) if where is None else jnp.broadcast_to(where, y.shape)
     g_sum = jnp.sum(jnp.where(mask, g32, 0.0), axes, keepdims=True)
@@ -293,7 +320,7 @@ _softmax_jit = jax.jit(_softmax, static_argnums=(0, 1))
 def _apply_glu(x: ArrayLike, axis: int) -> Array:
   x = validation.as_real_array("glu", x)
   if not validation.is_floating(x.dtype):
-    return jax.nn.glu(x, axis=axis)
+    return _JAX_NN["glu"](x, axis=axis)
   (ax,) = validation.normalize_axes("glu", axis, x.ndim)
   if x.shape[ax] % 2:
     raise ValueError(
@@ -307,13 +334,17 @@ def _apply_glu(x: ArrayLike, axis: int) -> Array:
 def _apply_softmax(name: str, x: ArrayLike, axis, where) -> Array:
   x = validation.as_real_array(name, x)
   if not validation.is_floating(x.dtype):
-    return getattr(jax.nn, name)(x, axis=axis, where=where)
+    return _JAX_NN[name](x, axis=axis, where=where)
   axes = validation.normalize_axes(name, axis, x.ndim)
   if where is not None:
     where = validation.as_real_array(name, where, arg="where")
     if where.dtype != jnp.bool_:
       raise TypeError(f"jaxact.{name}: `where` must be a boolean array, got dtype {where.dtype}")
     validation.check_broadcasts_to(name, "where", where.shape, x.shape)
+  if (
+    x.size == 0
+  ):  # nothing to normalize (a zero-length axis has no max): the empty array, as jax.nn
+    return jnp.zeros_like(x)
   with jax.named_scope(f"jaxact.{name}"):
     return _softmax_jit(name == "log_softmax", axes, x, where)
 

@@ -60,9 +60,11 @@ def _softplus(x: Array) -> Array:
 
 
 def _safe_sqrt(v: Array) -> Array:
-  """sqrt that is 0 (with a finite derivative) for v <= 0, so grad-of-grad never sees 1/sqrt(0)."""
-  pos = v > 0
-  return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
+  """sqrt that is 0 (with a finite derivative) for v <= 0, so grad-of-grad never sees 1/sqrt(0).
+
+  NaN propagates (a NaN input must give a NaN gradient, as in jax.nn)."""
+  flat = v <= 0
+  return jnp.where(flat, 0.0, jnp.sqrt(jnp.where(flat, 1.0, v)))
 
 
 def _clamp(x: Array) -> Array:
@@ -78,9 +80,12 @@ class Param:
   doc: str
   # Returns an error message for a concrete value the activation cannot accept, else None.
   check: Callable[[Any], str | None] | None = None
-  # Static parameters (a Python bool such as gelu's `approximate`) select a formula; they are never
+  # Static parameters (a flag such as gelu's `approximate`) select a formula; they are never
   # arrays and never differentiated.
   static: bool = False
+  # For static parameters: the accepted value in its canonical form (e.g. np.bool_ -> bool), after
+  # `check` has passed.
+  convert: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +169,13 @@ def _nonnegative(v) -> str | None:
   return "must be >= 0" if (np.asarray(v) < 0).any() else None
 
 
-def _is_bool(v) -> str | None:
-  return None if isinstance(v, bool) else f"must be a Python bool, got {type(v).__name__}"
+def _is_flag(v) -> str | None:
+  # What jax.nn's `if approximate:` accepts without surprise: bools and the integers 0 and 1, as
+  # Python or NumPy scalars or 0-d arrays.
+  a = np.asarray(v) if isinstance(v, (bool, int, np.generic, np.ndarray, Array)) else None
+  if a is not None and a.shape == () and a.dtype.kind in "biu" and a.item() in (0, 1):
+    return None
+  return f"must be a bool (True/False, a NumPy bool, or 0/1), got {type(v).__name__}"
 
 
 def _all_positive(v) -> bool:
@@ -197,7 +207,9 @@ def _sign_bit(y: Array) -> Array:
 
 
 def _leaky_relu(x, negative_slope):
-  return jnp.where(x >= 0, x, negative_slope * x)
+  # x = -0.0 gives +0.0: the backward reads the output's sign bit, and jax.nn's slope at -0.0 is
+  # 1 (x >= 0). NaN passes through.
+  return jnp.where(x < 0, negative_slope * x, jnp.where(x == 0, 0.0, x))
 
 
 def _elu(x, alpha):
@@ -228,10 +240,13 @@ def _squareplus(x, b):
 
 
 def _squareplus_d_output(y, b):
-  # y = (x + s)/2 with s = sqrt(x^2+b) gives x = y - b/(4y) and f' = y/s = 1 / (1 + b / (4 y^2)).
-  pos = y > 0
-  y_safe = jnp.where(pos, y, 1.0)
-  return jnp.where(pos, 1.0 / (1.0 + (0.25 * b) / (y_safe * y_safe)), 0.0)
+  # y = (x + s)/2 with s = sqrt(x^2+b) gives x = y - b/(4y) and f' = y/s = 1 / (1 + r^2) with
+  # r = sqrt(b) / (2y). r, not b / (4 y^2): y^2 underflows for tiny y, which with b = 0 made 0/0;
+  # r is 0 for b = 0 and +inf (f' = 0) where y is tiny and b > 0. y = 0 (x = -inf, or b = 0 and
+  # x <= 0) is the flat side; NaN propagates.
+  flat = y <= 0
+  r = (0.5 * jnp.sqrt(b)) / jnp.where(flat, 1.0, y)
+  return jnp.where(flat, 0.0, 1.0 / (1.0 + r * r))
 
 
 def _sparse_plus(x):
@@ -497,7 +512,8 @@ SPECS: tuple[ActivationSpec, ...] = (
     d_output=lambda y: _between(y, 0.0, 1.0, 0.5),
     kinks={-1.0: 0.0, 1.0: 0.0},
     jax_nn_kinks={-1.0: 0.25, 1.0: 0.25},
-    notes=_FLAT_SIDE + " jax.nn's autodiff gives 0.25 at ±1 (half of each side).",
+    notes=_FLAT_SIDE + " jax.nn's autodiff gives 0.25 at ±1 (half of each side). One ulp below 1 "
+    "the output rounds to 1, and the gradient there is the kink's 0.",
     example=(_X, "[0.0, 0.25, 0.5, 0.75, 1.0]"),
   ),
   ActivationSpec(
@@ -551,8 +567,9 @@ SPECS: tuple[ActivationSpec, ...] = (
         "approximate",
         True,
         "whether to use the tanh approximation (default) or the exact erf form",
-        check=_is_bool,
+        check=_is_flag,
         static=True,
+        convert=bool,
       ),
     ),
     notes="Not monotonic, so the input is kept. The tanh form is evaluated as "
