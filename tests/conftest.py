@@ -17,3 +17,16 @@ from jaxact._src import test_util
 
 jax.config.update("jax_enable_x64", True)
 test_util.use_gpu_compiler()  # before the first computation starts jax's backends
+
+
+def pytest_make_parametrize_id(config, val, argname):
+  """Stable ids for callables (xdist's workers must collect the same names; a default id holds a
+  memory address): a function's name, a partial's function and keywords."""
+  import functools
+
+  if isinstance(val, functools.partial):
+    keywords = ",".join(f"{k}={v}" for k, v in val.keywords.items())
+    return f"partial({getattr(val.func, '__name__', type(val.func).__name__)},{keywords})"
+  if callable(val) and not isinstance(val, type):
+    return getattr(val, "__name__", None) or type(val).__name__
+  return None

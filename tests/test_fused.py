@@ -533,7 +533,7 @@ def test_vmap_conv():
 @pytest.mark.parametrize(
   "activation",
   ["tanh", "softplus", "gelu", "identity", functools.partial(jaxact.elu, alpha=0.5), jnp.sin],
-  ids=str,
+  ids=["tanh", "softplus", "gelu", "identity", "elu_alpha0.5", "jnp.sin"],
 )
 def test_grad_of_grad_dense(activation):
   with jax.enable_x64(True):

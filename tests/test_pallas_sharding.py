@@ -31,6 +31,9 @@ import jaxact
 import pallas_kernels
 from jaxact._src import pallas_sharding
 
+# One worker runs the whole module: its cases run once, in one 8-device subprocess (a fixture).
+pytestmark = pytest.mark.xdist_group("pallas_sharding_cases")
+
 SCRIPT = Path(__file__).with_name("pallas_sharding_cases.py")
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 

@@ -23,6 +23,9 @@ import pytest
 
 import eight_devices
 
+# One worker runs the whole module: its cases run once, in one 8-device subprocess (a fixture).
+pytestmark = pytest.mark.xdist_group("sharding_cases")
+
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
 CASES = ["linen_dp", "linen_tp", "nnx_dp_explicit", "nnx_tp", "nnx_tp_explicit", "conv_dp"]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
