@@ -1,7 +1,7 @@
 """Activations as ``jax.custom_vjp`` functions that keep their output (or input) for backward.
 
 The public functions are generated from the spec table (``spec.py``): one rule serves every
-elementwise activation, and glu / softmax / log_softmax have rules of their own at the bottom.
+elementwise activation; glu / softmax / log_softmax have rules of their own (``softmax.py``).
 
 Residual policy (decided at trace time, per call):
 
@@ -29,23 +29,17 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jaxact._src import validation
+from jaxact._src.barriers import after_cotangent, barrier_residual
+from jaxact._src.softmax import apply_glu, apply_softmax
 from jaxact._src.spec import (
   ALIASES,
+  JAX_NN,
   SPEC_BY_NAME,
   SPECS,
   ActivationSpec,
   Param,
   Residual,
-  _sigmoid,
-  _sigmoid_pair,
 )
-
-# jax.nn's own functions, bound now: integer and boolean inputs are handed to them, and a program
-# may install jaxact's functions into jax.nn (to swap the activations of third-party model code),
-# after which looking them up in jax.nn at call time would call jaxact again, forever.
-_JAX_NN: dict[str, Callable[..., Array]] = {
-  s.name: getattr(jax.nn, s.name) for s in SPECS if s.jax_nn
-}
 
 # ------------------------------------------------------------------ the elementwise custom_vjp rule
 
@@ -77,39 +71,9 @@ def _elementwise(rule: _Rule, x: Array, *dynamic: Array) -> Array:
   return _forward(rule, x, dynamic)
 
 
-def barrier_residual(residual: Residual, y: Array, x: Array) -> tuple[Array, Array | None]:
-  """``(y, kept)``: the output and the residual the backward reads, behind one barrier.
-
-  Shared by every op built on a rule (the elementwise op here and the fused layers).
-  """
-  if residual == "none":
-    return y, None
-  # The barrier hides the residual's origin from XLA. Without it XLA (a) fuses a cheap forward
-  # formula into the backward's consumers, recomputing y from x and so keeping x alive too, and
-  # (b) CSEs the backward's intermediates (exp, sigmoid of x) with the forward's, keeping those
-  # alive as extra activation-sized buffers. Either way the saving this rule exists for is lost.
-  # y goes through the barrier with the residual: the residual must be the very array returned
-  # (a second buffer would double what the pullback holds), and an unbarriered forward lets XLA's
-  # CPU reduction fusions pull the formula in and materialise its broadcast constants.
-  if residual == "output":
-    y = jax.lax.optimization_barrier(y)
-    return y, y
-  return jax.lax.optimization_barrier((y, x))
-
-
 def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
   y, kept = barrier_residual(rule.residual, _forward(rule, x, dynamic), x)
   return y, (kept, dynamic)
-
-
-def _after_cotangent(kept, g):
-  """Tie the residual to the incoming cotangent, so no part of the derivative runs before it.
-
-  Otherwise XLA's scheduler may compute the g-independent part of the derivative (say exp(x) in
-  mish') as soon as the residual exists, in the forward pass, and keep it alive until the backward
-  pass: extra activation-sized buffers per layer.
-  """
-  return jax.lax.optimization_barrier((kept, g))[0], g
 
 
 def rule_cotangents(
@@ -126,7 +90,7 @@ def rule_cotangents(
   """
   if rule.residual == "none":
     return g.astype(compute_dtype), [None] * len(dynamic)
-  kept, g = _after_cotangent(kept, g)
+  kept, g = after_cotangent(kept, g)
   kept, g = kept.astype(compute_dtype), g.astype(compute_dtype)
   spec, params = rule.spec, rule.params(dynamic)
   if rule.residual == "output":
@@ -206,7 +170,7 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
   x = validation.as_real_array(spec.name, x)
   if not validation.is_floating(x.dtype):
     if spec.jax_nn:  # integer and bool inputs behave exactly as jax.nn's (some cast, some raise)
-      return _JAX_NN[spec.name](x, **values)
+      return JAX_NN[spec.name](x, **values)
     x = x.astype(jnp.result_type(float))
   # Array parameters promote as in jax.nn's formulas: a bfloat16 x with a float32 `alpha` array
   # gives float32 (Python numbers are weakly typed and leave x's dtype alone).
@@ -217,136 +181,6 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
   rule, dynamic = _split_params(spec, x, values)
   with jax.named_scope(f"jaxact.{spec.name}"):
     return _elementwise_jit(rule, x, *dynamic)
-
-
-# ------------------------------------------------------------------------------ glu, softmaxes
-
-
-# The custom_vjp functions below call plain `_impl` functions from their fwd rules, never
-# themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp,
-# which a nested custom_vjp call would refuse.
-
-
-def _glu_impl(axis: int, x: Array) -> Array:
-  cdt = validation.compute_dtype(x.dtype)
-  a, b = jnp.split(x.astype(cdt), 2, axis)
-  return (a * _sigmoid(b)).astype(x.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _glu(axis: int, x: Array) -> Array:
-  return _glu_impl(axis, x)
-
-
-def _glu_fwd(axis, x):
-  y, x = jax.lax.optimization_barrier((_glu_impl(axis, x), x))  # see _elementwise_fwd
-  return y, x
-
-
-def _glu_bwd(axis, x, g):
-  x, g = _after_cotangent(x, g)
-  cdt = validation.compute_dtype(x.dtype)
-  a, b = jnp.split(x.astype(cdt), 2, axis)
-  g32 = g.astype(cdt)
-  s, s_neg = _sigmoid_pair(b)
-  da = g32 * s
-  db = g32 * a * s * s_neg
-  return (jnp.concatenate([da, db], axis).astype(x.dtype),)
-
-
-_glu.defvjp(_glu_fwd, _glu_bwd)
-_glu_jit = jax.jit(_glu, static_argnums=0)
-
-
-def _shifted(x: Array, axes: tuple[int, ...], where: Array | None) -> Array:
-  """x minus its max over `axes`, with rows that have no finite max handled without NaN.
-
-  All -inf (or all masked) rows stay -inf everywhere, so they sum to 0. Rows containing +inf put 0
-  at the +inf entries and -inf elsewhere: the +inf entries share the mass (the limit as they grow
-  together). NaN anywhere in a row propagates.
-  """
-  if where is not None:
-    x = jnp.where(where, x, -jnp.inf)
-  x_max = jnp.max(x, axes, keepdims=True)
-  finite_shift = x - jnp.where(x_max == -jnp.inf, 0.0, x_max)
-  return jnp.where(x_max == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf), finite_shift)
-
-
-def _softmax_impl(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) -> Array:
-  cdt = validation.compute_dtype(x.dtype)
-  shifted = _shifted(x.astype(cdt), axes, where)
-  e = jnp.exp(shifted)
-  total = jnp.sum(e, axes, keepdims=True)
-  total = jnp.where(total == 0, 1.0, total)  # empty rows: 0 / 1 (softmax), -inf - 0 (log_softmax)
-  y = shifted - jnp.log(total) if log else e / total
-  return y.astype(x.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _softmax(log: bool, axes: tuple[int, ...], x: Array, where: Array | None) -> Array:
-  return _softmax_impl(log, axes, x, where)
-
-
-def _softmax_fwd(log, axes, x, where):
-  y = jax.lax.optimization_barrier(_softmax_impl(log, axes, x, where))  # see _elementwise_fwd
-  return y, (y, where)
-
-
-def _softmax_bwd(log, axes, res, g):
-  y, where = res
-  y, g = _after_cotangent(y, g)
-  cdt = validation.compute_dtype(y.dtype)
-  y32, g32 = y.astype(cdt), g.astype(cdt)
-  if not log:
-    # Masked entries and empty rows have y == 0, so they get 0 without a mask. The barrier keeps
-    # the row sum a fusion of its own: fused with the product that reads g again, it made XLA
-    # materialize a cotangent computed elementwise from the output (a loss's, say 2y or -t/y) as
-    # one more activation-sized buffer, where two fusions each recompute it.
-    dot = jax.lax.optimization_barrier(jnp.sum(g32 * y32, axes, keepdims=True))
-    dx = y32 * (g32 - dot)
-  else:
-    mask = jnp.ones(y.shape, bool) if where is None else jnp.broadcast_to(where, y.shape)
-    g_sum = jnp.sum(jnp.where(mask, g32, 0.0), axes, keepdims=True)
-    dx = g32 - jnp.exp(y32) * g_sum
-    empty = jnp.max(y32, axes, keepdims=True) == -jnp.inf
-    dx = jnp.where(mask & ~empty, dx, 0.0)
-  return dx.astype(y.dtype), None
-
-
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
-_softmax_jit = jax.jit(_softmax, static_argnums=(0, 1))
-
-
-def _apply_glu(x: ArrayLike, axis: int) -> Array:
-  x = validation.as_real_array("glu", x)
-  if not validation.is_floating(x.dtype):
-    return _JAX_NN["glu"](x, axis=axis)
-  (ax,) = validation.normalize_axes("glu", axis, x.ndim)
-  if x.shape[ax] % 2:
-    raise ValueError(
-      f"jaxact.glu: `x` has size {x.shape[ax]} along axis {axis} (shape {x.shape}); glu splits "
-      "that axis in two halves, so its size must be even"
-    )
-  with jax.named_scope("jaxact.glu"):
-    return _glu_jit(ax, x)
-
-
-def _apply_softmax(name: str, x: ArrayLike, axis, where) -> Array:
-  x = validation.as_real_array(name, x)
-  if not validation.is_floating(x.dtype):
-    return _JAX_NN[name](x, axis=axis, where=where)
-  axes = validation.normalize_axes(name, axis, x.ndim)
-  if where is not None:
-    where = validation.as_real_array(name, where, arg="where")
-    if where.dtype != jnp.bool_:
-      raise TypeError(f"jaxact.{name}: `where` must be a boolean array, got dtype {where.dtype}")
-    validation.check_broadcasts_to(name, "where", where.shape, x.shape)
-  if (
-    x.size == 0
-  ):  # nothing to normalize (a zero-length axis has no max): the empty array, as jax.nn
-    return jnp.zeros_like(x)
-  with jax.named_scope(f"jaxact.{name}"):
-    return _softmax_jit(name == "log_softmax", axes, x, where)
 
 
 # ------------------------------------------------------------------------- public functions
@@ -395,11 +229,11 @@ def _make_public(spec: ActivationSpec) -> Callable[..., Array]:
   if spec.name == "glu":
 
     def impl(x, axis=-1):
-      return _apply_glu(x, axis)
+      return apply_glu(x, axis)
   elif spec.name in ("softmax", "log_softmax"):
 
     def impl(x, axis=-1, where=None):
-      return _apply_softmax(spec.name, x, axis, where)
+      return apply_softmax(spec.name, x, axis, where)
   else:
 
     def impl(*args, **kwargs):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import activations, kernel_calls, pallas_sharding
+from jaxact._src import activations, barriers, kernel_calls, pallas_sharding
 from jaxact._src.dispatch import Decision
 
 
@@ -175,10 +175,10 @@ def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array)
       functools.partial(_xla_forward, plan),
       lambda x, w: plan.linear(x, w, _forward_matmul_dtype(plan, x.dtype)),
     )
-  # The barrier hides the residual's origin from XLA (see activations.barrier_residual): without it
+  # The barrier hides the residual's origin from XLA (see barriers.barrier_residual): without it
   # XLA recomputes y from z in the backward pass (keeping z alive as well) or shares the backward's
   # intermediates with the forward's, and the saving this rule exists for is lost.
-  y, kept = activations.barrier_residual(act.residual, y, z)
+  y, kept = barriers.barrier_residual(act.residual, y, z)
   return y, (x, w, kept, dynamic)
 
 

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
@@ -658,3 +659,10 @@ SPECS: tuple[ActivationSpec, ...] = (
 
 SPEC_BY_NAME: dict[str, ActivationSpec] = {s.name: s for s in SPECS}
 ALIASES: dict[str, str] = {a: s.name for s in SPECS for a in s.aliases}
+
+# jax.nn's own functions, bound now: integer and boolean inputs are handed to them, and a program
+# may install jaxact's functions into jax.nn (to swap the activations of third-party model code),
+# after which looking them up in jax.nn at call time would call jaxact again, forever.
+JAX_NN: dict[str, Callable[..., Array]] = {
+  s.name: getattr(jax.nn, s.name) for s in SPECS if s.jax_nn
+}
