@@ -227,3 +227,22 @@ def ref_grad(spec: ActivationSpec, x64: jax.Array, w, params: dict) -> jax.Array
 def loss_grad(fn, x: jax.Array, w) -> jax.Array:
   """grad of sum(fn(x) * w), with w in x's dtype (jitted: one compile instead of many eager ops)."""
   return jax.jit(jax.grad(lambda v, w: jnp.sum(fn(v) * w)))(x, jnp.asarray(w, x.dtype))
+
+
+def representatives(cases, default, ids=None):
+  """``pytest.param`` for each of `cases` (argument tuples or single values): those whose id is in
+  `default` run in the default suite, the others only under ``pytest -m exhaustive``.
+
+  Interpret-mode kernel tests cost seconds each: the default suite keeps one representative of each
+  family (residual, dtype, layout), the exhaustive run every combination.
+  """
+  ids = ids or [c if isinstance(c, str) else "-".join(map(str, c)) for c in cases]
+  missing = set(default) - set(ids)
+  assert not missing, f"no such case: {missing}"
+  return [
+    pytest.param(*(c if isinstance(c, tuple) else (c,)), id=i, marks=[] if i in default else EXH)
+    for c, i in zip(cases, ids, strict=True)
+  ]
+
+
+EXH = [pytest.mark.exhaustive]

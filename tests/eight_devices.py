@@ -45,6 +45,24 @@ def run_script(script: Path) -> dict[str, dict]:
   return out
 
 
+def run_script_once(script: Path, tmp_path_factory) -> dict[str, dict]:
+  """:func:`run_script`, once per test session even under pytest-xdist: the first worker to ask
+  runs it and leaves the results in the session's temporary folder for the others."""
+  import fcntl
+
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the session's folder, which every worker's lies in
+  done, lock = root / f"{script.stem}.json", root / f"{script.stem}.lock"
+  with open(lock, "w") as fh:
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    if done.exists():
+      return json.loads(done.read_text())
+    results = run_script(script)
+    done.write_text(json.dumps(results))
+    return results
+
+
 def get(results: dict[str, dict], name: str, script: Path) -> dict:
   """Case `name`'s result, which must exist, hold no error and come from 8 devices."""
   result = results.get(name)

@@ -21,6 +21,8 @@ from jax.test_util import check_grads
 
 import jaxact
 
+from cases import representatives
+
 # Values and gradients against the composition evaluated in float32 from the same (upcast) inputs.
 # float32 differs only by summation order and by derivatives taken from y instead of x; half
 # precision rounds the output, the kept residual and the gradients once each.
@@ -427,8 +429,15 @@ def conv_args(case, seed=0, dtype=jnp.float32, c_in=4, c_out=4, k=3, size=7):
   return normal(kx, x_shape, dtype), normal(kw, w_shape, dtype, scale), normal(kb, (c_out,), dtype)
 
 
-@pytest.mark.parametrize("case", CONV_CASES.values(), ids=CONV_CASES.keys())
-@pytest.mark.parametrize("name", ["relu", "gelu"])
+# Each convolution option once by default, with an output- or an input-residual activation in turn.
+@pytest.mark.parametrize(
+  "case,name",
+  representatives(
+    [(c, n) for c in CONV_CASES.values() for n in ("relu", "gelu")],
+    {f"{k}-{('relu', 'gelu')[i % 2]}" for i, k in enumerate(CONV_CASES)},
+    ids=[f"{k}-{n}" for k in CONV_CASES for n in ("relu", "gelu")],
+  ),
+)
 def test_conv_matches_composition(case, name):
   x, w, b = conv_args(case, seed=len(str(case)))
   kwargs = {k: v for k, v in case.items() if k != "n"}

@@ -6,6 +6,9 @@ configuration that lowers but does not fit the GPU fails here; and XLA's buffer 
 GPU gives a training step's memory as the GPU would allocate it, checked against jax.nn's step
 compiled the same way.
 
+The default suite compiles what caught a bug before and the largest tiles; ``pytest -m exhaustive``
+adds the surveys over every tile configuration, activation and dtype (about 8 minutes more).
+
 Needs the plugin (``python tests/install_gpu_compiler.py``, part of the README's test command;
 Linux wheels only) and ``JAX_PLATFORMS=cpu`` (set by conftest). Without them these tests skip,
 saying why, except under CI (``CI`` set), which installs the plugin itself: there they fail.
@@ -70,6 +73,7 @@ def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
     test_util.compile_for(fwd, args, test_util.A100)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("gpu", list(GPUS))
 def test_every_triton_block_config_compiles(gpu):
   """Forward, dx and dw(+db) of every configuration `default_block_config` returns for the GPU,
@@ -163,6 +167,33 @@ def test_a_tile_that_spills_registers_is_caught():
   assert not test_util.spills(backward(None), args)
 
 
+# The layers whose tiles spilled before the tile and warp choices of default_block_config were made
+# (python -m benchmarks.aot --sections spills; benchmarks/RESULTS.md), and the largest tiles of each
+# dtype: what the default suite compiles with the spill check. The exhaustive survey below covers
+# every configuration.
+SPILLED_BEFORE = (
+  ((200, 200, 3), jnp.float32),  # A100: 4-warp 128 x 16 dw tiles
+  ((200, 40, 3), jnp.float16),  # A100: 4-warp 128 x 64 dx tiles
+  ((40, 40, 200), jnp.float16),  # A100: gelu's backward with a one-exp derivative
+  ((200, 200, 200), jnp.float16),  # H100: ragged layers in Hopper's 128 x 256 tiles
+  ((200, 200, 200), jnp.bfloat16),
+  ((512, 512, 512), jnp.float16),  # H100: gelu's backward in 128 x 256 float16 tiles
+  ((512, 512, 512), jnp.bfloat16),  # Hopper's 128 x 256 tiles (bfloat16 only)
+  ((512, 512, 512), jnp.float32),
+)
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+def test_no_spill_where_triton_tiles_spilled_before(gpu):
+  """The Triton kernels at the layers whose tiles once spilled, and at each dtype's largest tiles,
+  with the heaviest epilogues: no spill, and the three kernels in the compiled step."""
+  for (m, k, n), dt in SPILLED_BEFORE:
+    for activation in HEAVY:
+      step = test_util.train_step(activation, "pallas")
+      assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
+
+
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("activation", HEAVY)
 @pytest.mark.parametrize("gpu", list(GPUS))
 def test_no_triton_tile_spills_registers(gpu, activation):
@@ -177,8 +208,15 @@ def test_no_triton_tile_spills_registers(gpu, activation):
     assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt)
 
 
-@pytest.mark.parametrize("gpu", list(GPUS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+  "gpu,dtype",
+  [
+    ("A100", jnp.float32),  # where hard_silu's backward spilled at 4 warps
+    pytest.param("A100", jnp.bfloat16, marks=pytest.mark.exhaustive),
+    pytest.param("H100", jnp.float32, marks=pytest.mark.exhaustive),
+    pytest.param("H100", jnp.bfloat16, marks=pytest.mark.exhaustive),
+  ],
+)
 def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype):
   """The epilogue and its backward at their default tiles (4096 elements over 4 warps at every
   channel count), for every elementwise activation."""

@@ -84,3 +84,18 @@ def test_only_the_library_is_installed():
   assert setuptools["packages"]["find"]["include"] == ["jaxact*", "pallas_kernels*"]
   scripts = project["project"].get("scripts", {})
   assert not [s for s in scripts.values() if _top(s) == "benchmarks"]
+
+
+def test_jax_programs_of_the_environment_do_not_load_the_cuda_plugin():
+  """jax's CUDA compiler, which the GPU compile tests use, lives beside the environment: any other
+  jax program there starts on CPU without looking for CUDA (no cuDNN traceback on stderr)."""
+  import os
+  import subprocess
+
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  code = "import jax, jax.numpy as jnp; print(jax.default_backend(), float(jnp.ones(2).sum()))"
+  out = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/"
+  )
+  assert out.stdout.split() == ["cpu", "2.0"]
+  assert "cuda" not in out.stderr.lower() and "cudnn" not in out.stderr.lower(), out.stderr

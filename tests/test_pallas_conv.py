@@ -26,6 +26,8 @@ from jaxact._src.test_util import GPUS
 from kernel_cases import TRITON, lowered_text
 from pallas_kernels import bias_act
 
+from cases import representatives
+
 # Both paths run the same convolution; the kernels add the bias in float32 to the convolution's
 # output where XLA may fuse it, so half precision differs by a rounding of z.
 TOL = {
@@ -78,39 +80,60 @@ def assert_matches_xla(activation, x, w, b, dtype, **conv_kw):
 # ------------------------------------------------------------------- interpret mode, values
 
 
-@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize(
+  "name", representatives(list(ACTIVATIONS), {"relu", "gelu", "elu", "identity"})
+)
 def test_activations_float32(name):
   # 23 output channels: a ragged column tile; stride 2 with SAME padding.
   x, w, b = conv_args((2, 9, 9, 5), (3, 3, 5, 23), jnp.float32, seed=1)
   assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32, window_strides=2, padding="SAME")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize("name", ["tanh", "gelu", "identity"])
+_HALF = [(n, d) for n in ("tanh", "gelu", "identity") for d in (jnp.bfloat16, jnp.float16)]
+
+
+@pytest.mark.parametrize(
+  "name,dtype",
+  representatives(
+    _HALF,
+    {"tanh-float16", "gelu-bfloat16", "identity-float16"},
+    ids=[f"{n}-{jnp.dtype(d).name}" for n, d in _HALF],
+  ),
+)
 def test_half_precision(name, dtype):
   x, w, b = conv_args((2, 8, 8, 6), (3, 3, 6, 16), dtype, seed=2)
   assert_matches_xla(ACTIVATIONS[name], x, w, b, dtype, padding="SAME")
 
 
+_LAYOUTS = {
+  "1d": ((3, 17, 4), (5, 4, 9), dict(padding="VALID")),
+  "3d": ((1, 4, 5, 6, 3), (2, 2, 2, 3, 8), dict(padding="SAME")),
+  "groups": ((2, 7, 7, 8), (3, 3, 4, 6), dict(padding="SAME", feature_group_count=2)),
+  "dilations": (
+    (2, 6, 6, 3),
+    (3, 3, 3, 5),
+    dict(padding=((1, 2), (2, 1)), lhs_dilation=2, rhs_dilation=2),
+  ),
+  "row-tiles": ((4, 20, 20, 3), (3, 3, 3, 70), dict(padding="SAME")),  # 1600 rows: several tiles
+  "column-tiles": ((2, 5, 5, 3), (1, 1, 3, 300), dict(padding=1)),  # 300 channels: two tiles
+}
+
+
+# Each layout once by default, with an output-residual (relu) or an input-residual (gelu) epilogue.
 @pytest.mark.parametrize(
-  "x_shape, w_shape, conv_kw",
-  [
-    ((3, 17, 4), (5, 4, 9), dict(padding="VALID")),  # 1-D
-    ((1, 4, 5, 6, 3), (2, 2, 2, 3, 8), dict(padding="SAME")),  # 3-D
-    ((2, 7, 7, 8), (3, 3, 4, 6), dict(padding="SAME", feature_group_count=2)),
-    ((2, 6, 6, 3), (3, 3, 3, 5), dict(padding=((1, 2), (2, 1)), lhs_dilation=2, rhs_dilation=2)),
-    ((4, 20, 20, 3), (3, 3, 3, 70), dict(padding="SAME")),  # 1600 rows: several row tiles
-    ((2, 5, 5, 3), (1, 1, 3, 300), dict(padding=1)),  # 300 channels: two column tiles
-  ],
-  ids=["1d", "3d", "groups", "dilations", "row-tiles", "column-tiles"],
+  "x_shape, w_shape, conv_kw, name",
+  representatives(
+    [(*v, n) for v in _LAYOUTS.values() for n in ("relu", "gelu")],
+    {"1d-gelu", "3d-relu", "groups-gelu", "dilations-relu", "row-tiles-gelu", "column-tiles-relu"},
+    ids=[f"{k}-{n}" for k in _LAYOUTS for n in ("relu", "gelu")],
+  ),
 )
-@pytest.mark.parametrize("name", ["relu", "gelu"])
 def test_layouts_and_shapes(x_shape, w_shape, conv_kw, name):
   x, w, b = conv_args(x_shape, w_shape, jnp.float32, seed=3)
   assert_matches_xla(ACTIVATIONS[name], x, w, b, jnp.float32, **conv_kw)
 
 
-@pytest.mark.parametrize("name", ["relu", "gelu", "identity"])
+@pytest.mark.parametrize("name", representatives(["relu", "gelu", "identity"], {"gelu"}))
 def test_no_bias(name):
   x, w, _ = conv_args((2, 8, 8, 4), (3, 3, 4, 12), jnp.float32, seed=4, bias=False)
   assert_matches_xla(ACTIVATIONS[name], x, w, None, jnp.float32, padding="SAME")

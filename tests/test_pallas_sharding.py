@@ -31,9 +31,6 @@ import jaxact
 import pallas_kernels
 from jaxact._src import pallas_sharding
 
-# One worker runs the whole module: its cases run once, in one 8-device subprocess (a fixture).
-pytestmark = pytest.mark.xdist_group("pallas_sharding_cases")
-
 SCRIPT = Path(__file__).with_name("pallas_sharding_cases.py")
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 
@@ -86,9 +83,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-  return eight_devices.run_script(SCRIPT)
+@pytest.fixture(scope="session")
+def results(tmp_path_factory) -> dict[str, dict]:
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
 
 
 def get(results, name: str) -> dict:

@@ -23,9 +23,6 @@ import pytest
 
 import eight_devices
 
-# One worker runs the whole module: its cases run once, in one 8-device subprocess (a fixture).
-pytestmark = pytest.mark.xdist_group("sharding_cases")
-
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
 CASES = ["linen_dp", "linen_tp", "nnx_dp_explicit", "nnx_tp", "nnx_tp_explicit", "conv_dp"]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
@@ -35,9 +32,9 @@ TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-  return eight_devices.run_script(SCRIPT)
+@pytest.fixture(scope="session")
+def results(tmp_path_factory) -> dict[str, dict]:
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
 
 
 def get(results, name: str) -> dict:

@@ -246,7 +246,7 @@ def _squareplus_d_output(y, b):
   # r is 0 for b = 0 and +inf (f' = 0) where y is tiny and b > 0. y = 0 (x = -inf, or b = 0 and
   # x <= 0) is the flat side; NaN propagates.
   flat = y <= 0
-  r = (0.5 * jnp.sqrt(b)) / jnp.where(flat, 1.0, y)
+  r = (0.5 * jnp.sqrt(jnp.asarray(b, y.dtype))) / jnp.where(flat, 1.0, y)
   return jnp.where(flat, 0.0, 1.0 / (1.0 + r * r))
 
 
