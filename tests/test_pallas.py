@@ -194,6 +194,9 @@ def test_every_block_config_lowers_for_cuda(kind):
   """Forward and backward of every configuration, for every residual family, hold Triton calls."""
   found = configs(hopper=kind == "H100")
   assert len(found) >= 20
+  if kind == "H100":  # lowering does not depend on the target: only the tiles Hopper adds
+    found = {c: p for c, p in found.items() if c not in configs(hopper=False)}
+    assert len(found) == 1
   families = ("tanh", "gelu", "identity")  # output, input and no residual, in turn
   for i, ((m, k, n), dt) in enumerate(found.values()):
     activation = families[i % 3]
