@@ -27,13 +27,14 @@ def run_cases(cases: dict[str, Callable[[], None]], names: Iterable[str]) -> Non
       print(json.dumps(dict(case=name, error=f"{type(e).__name__}: {e}"[:3000])), flush=True)
 
 
-def run_script(script: Path) -> dict[str, dict]:
-  """The JSON result of every case `script` prints, by case name, run on 8 CPU devices."""
+def run_script(script: Path, names: Iterable[str] = ()) -> dict[str, dict]:
+  """The JSON result of every case `script` prints (the named ones, or all), by case name, run on
+  8 CPU devices."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
-    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, str(script), *names], env=env, capture_output=True, text=True, timeout=600
   )
   out = {}
   for line in proc.stdout.splitlines():
@@ -45,7 +46,7 @@ def run_script(script: Path) -> dict[str, dict]:
   return out
 
 
-def run_script_once(script: Path, tmp_path_factory) -> dict[str, dict]:
+def run_script_once(script: Path, tmp_path_factory, names: Iterable[str] = ()) -> dict[str, dict]:
   """:func:`run_script`, once per test session even under pytest-xdist: the first worker to ask
   runs it and leaves the results in the session's temporary folder for the others."""
   import fcntl
@@ -58,7 +59,7 @@ def run_script_once(script: Path, tmp_path_factory) -> dict[str, dict]:
     fcntl.flock(fh, fcntl.LOCK_EX)
     if done.exists():
       return json.loads(done.read_text())
-    results = run_script(script)
+    results = run_script(script, names)
     done.write_text(json.dumps(results))
     return results
 

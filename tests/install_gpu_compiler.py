@@ -24,7 +24,7 @@ def main() -> int:
   target = pathlib.Path(sys.prefix) / "gpu-compiler"
   version = jaxlib.__version__
   packages = [f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}"]
-  pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade"]
+  pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--upgrade"]
   subprocess.run([*pip, "--target", str(target), *packages], check=True)
   return 0
 
