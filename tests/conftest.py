@@ -30,10 +30,3 @@ def pytest_make_parametrize_id(config, val, argname):
   if callable(val) and not isinstance(val, type):
     return getattr(val, "__name__", None) or type(val).__name__
   return None
-
-
-def pytest_xdist_auto_num_workers(config):
-  """``-n auto``: one worker more than cores. Some tests wait on subprocesses (the 8-device
-  sharding scripts, the notebooks' kernels, the docs build) while their worker idles; measured on
-  the 2-core machine, 3 workers finish the suite sooner than 2."""
-  return (os.cpu_count() or 1) + 1
