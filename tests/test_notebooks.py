@@ -47,7 +47,15 @@ def test_notebooks_are_the_built_ones():
     )
 
 
-@pytest.mark.parametrize("name", sorted(BUILD.NOTEBOOKS))
+# The Flax training notebook (about 30 s) runs under `pytest -m exhaustive`; its claims (the same
+# loss curve as Flax at less memory) are tested by test_linen/test_nnx's digits training.
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(n, marks=[pytest.mark.exhaustive] if n.startswith("02_") else [])
+    for n in sorted(BUILD.NOTEBOOKS)
+  ],
+)
 def test_notebook_runs(name, jupyter_path, monkeypatch):
   monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
