@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import jax
 import numpy as np
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
   from jaxact._src.fused_vjp import Plan
 
 Backend = Literal["xla", "triton", "mosaic"]
-IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
+Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 

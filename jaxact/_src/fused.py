@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import jax
 import numpy as np
@@ -22,9 +21,8 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxact._src import dispatch, pallas_sharding
 from jaxact._src import fused_args as args
+from jaxact._src.dispatch import Implementation
 from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
-
-Implementation = Literal["xla", "pallas", "mosaic"]
 
 
 def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation):
