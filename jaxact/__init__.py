@@ -36,6 +36,8 @@ from jaxact._src.activations import swish as swish
 from jaxact._src.activations import tanh as tanh
 from jaxact._src.fused import conv_bias_act as conv_bias_act
 from jaxact._src.fused import dense_bias_act as dense_bias_act
+from jaxact._src.gated import gated_dense as gated_dense
+from jaxact._src.gated import gated_mlp as gated_mlp
 
 __version__ = "0.1.0.dev0"
 
@@ -72,4 +74,6 @@ __all__ = [
   "ACTIVATIONS",
   "dense_bias_act",
   "conv_bias_act",
+  "gated_dense",
+  "gated_mlp",
 ]

@@ -255,6 +255,20 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
+def decide_gated(fn_name: str, implementation: str | None, plan, x: Array, w_gate: Array):
+  """`plan` (a :class:`~jaxact._src.gated_vjp.GatedPlan`) with its :class:`Decision`.
+
+  The gated ops run on XLA: no gated kernel exists yet, so kernels asked for by name raise
+  ``NotImplementedError``."""
+  check_implementation(fn_name, implementation)
+  if implementation in ("pallas", "mosaic"):
+    raise NotImplementedError(
+      f"jaxact.{fn_name}: implementation={implementation!r} has no kernel for the gated ops yet; "
+      "use implementation='xla' or None"
+    )
+  return plan
+
+
 def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array) -> Decision:
   """The backends for one fused call (see the module docstring); `implementation` is checked
   (:func:`check_implementation`). Raises ``NotImplementedError`` when kernels asked for by name

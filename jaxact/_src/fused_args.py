@@ -135,16 +135,20 @@ def _as_float_array(fn_name: str, v, arg: str) -> Array:
 
 def prepare(fn_name, x, w, b, preferred_element_type):
   """Arrays of one common float dtype (as ``x @ w + b`` promotes), accumulation and out dtypes."""
-  x = _as_float_array(fn_name, x, "x")
-  w = _as_float_array(fn_name, w, "w")
-  if b is not None:
-    b = _as_float_array(fn_name, b, "b")
-  dtype = jnp.result_type(*(v for v in (x, w, b) if v is not None))
+  arrays, acc_dtype, out_dtype = prepare_arrays(
+    fn_name, {"x": x, "w": w, "b": b}, preferred_element_type
+  )
+  return arrays["x"], arrays["w"], arrays["b"], acc_dtype, out_dtype
+
+
+def prepare_arrays(fn_name: str, arrays: dict[str, Any], preferred_element_type):
+  """`arrays` (None entries stay None) as one common float dtype, as the op's arithmetic promotes
+  them; the accumulation and output dtypes."""
+  arrays = {k: None if v is None else _as_float_array(fn_name, v, k) for k, v in arrays.items()}
+  dtype = jnp.result_type(*(v for v in arrays.values() if v is not None))
   # Convert only what differs: outside jit, astype to the same dtype still makes a new array, and
   # jax.vjp's pullback would then hold that copy of x next to the caller's x.
-  x, w = (v if v.dtype == dtype else v.astype(dtype) for v in (x, w))
-  if b is not None and b.dtype != dtype:
-    b = b.astype(dtype)
+  arrays = {k: v if v is None or v.dtype == dtype else v.astype(dtype) for k, v in arrays.items()}
   out_dtype = dtype
   if preferred_element_type is not None:
     try:
@@ -160,7 +164,7 @@ def prepare(fn_name, x, w, b, preferred_element_type):
   acc_dtype = jnp.promote_types(
     validation.compute_dtype(dtype), validation.compute_dtype(out_dtype)
   )
-  return x, w, b, np.dtype(acc_dtype), np.dtype(out_dtype)
+  return arrays, np.dtype(acc_dtype), np.dtype(out_dtype)
 
 
 def check_bias(fn_name: str, b: Array | None, features: int, w: Array) -> None:

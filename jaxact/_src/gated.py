@@ -1,0 +1,220 @@
+"""Gated linear units and the gated MLP of transformers, keeping two hidden-sized arrays a layer.
+
+``gated_dense`` is ``act(x @ w_gate + b_gate) * (x @ w_up + b_up)`` (SwiGLU with silu, GeGLU with
+gelu, ReGLU with relu, GLU with sigmoid); ``gated_mlp`` adds the down projection, the whole MLP
+block of Llama, Gemma, Mistral or PaLM. Each is one ``custom_vjp`` (:mod:`jaxact._src.gated_vjp`).
+This module checks the arguments and builds the call's static plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax import Array, lax
+from jax.typing import ArrayLike, DTypeLike
+
+from jaxact._src import dispatch
+from jaxact._src import fused_args as args
+from jaxact._src.dispatch import Implementation
+from jaxact._src.gated_vjp import GatedPlan, gated
+
+
+def _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
+  def shapes():
+    named = [("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
+    return ", ".join(f"{n}.shape={v.shape}" for n, v in named if v is not None)
+
+  if x.ndim < 1:
+    raise ValueError(f"jaxact.{fn_name}: `x` must have rank >= 1 (..., features); got {shapes()}")
+  for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    if w is not None and w.ndim != 2:
+      raise ValueError(
+        f"jaxact.{fn_name}: `{name}` must have rank 2 (in, out); got rank {w.ndim} ({shapes()})"
+      )
+  if x.shape[-1] != w_gate.shape[0]:
+    raise ValueError(
+      f"jaxact.{fn_name}: `x` has {x.shape[-1]} features but `w_gate` expects {w_gate.shape[0]} "
+      f"({shapes()})"
+    )
+  if w_up.shape != w_gate.shape:
+    raise ValueError(
+      f"jaxact.{fn_name}: `w_up` must have the shape of `w_gate` (in, hidden); got {shapes()}"
+    )
+  hidden = w_gate.shape[1]
+  if w_down is not None and w_down.shape[0] != hidden:
+    raise ValueError(
+      f"jaxact.{fn_name}: `w_down` takes {w_down.shape[0]} features but the hidden layer has "
+      f"{hidden} (w_gate's and w_up's last dim) ({shapes()})"
+    )
+  for name, bias, n in (
+    ("b_gate", b_gate, hidden),
+    ("b_up", b_up, hidden),
+    ("b_down", b_down, None if w_down is None else w_down.shape[1]),
+  ):
+    if bias is not None and bias.shape != (n,):
+      raise ValueError(
+        f"jaxact.{fn_name}: `{name}` has shape {bias.shape}; accepted: shape ({n},) or None "
+        f"({shapes()})"
+      )
+
+
+def _run(fn_name, arrays, activation, precision, preferred_element_type, implementation):
+  dispatch.check_implementation(fn_name, implementation)
+  prepared, acc, out = args.prepare_arrays(fn_name, arrays, preferred_element_type)
+  x, w_gate, w_up, w_down, b_gate, b_up, b_down = prepared.values()
+  _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+  a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], w_gate.shape[1]), acc)
+  act, dynamic = args.resolve_activation(fn_name, activation, a_shape, out)
+  if act.fn is not None:
+    got = jax.eval_shape(act.fn, jax.ShapeDtypeStruct(a_shape.shape, out), *dynamic)
+    if got.shape != a_shape.shape:
+      raise ValueError(
+        f"jaxact.{fn_name}: `activation` must keep the gate's shape {a_shape.shape} (it is "
+        f"multiplied elementwise by the up projection); it returns shape {got.shape}"
+      )
+  plan = GatedPlan(
+    act=act,
+    precision=args.hashable_precision(precision),
+    acc_dtype=acc,
+    out_dtype=out,
+    has_gate_bias=b_gate is not None,
+    has_up_bias=b_up is not None,
+    has_down=w_down is not None,
+    has_down_bias=b_down is not None,
+  )
+  plan = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate)
+  return gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+
+
+def gated_dense(
+  x: ArrayLike,
+  w_gate: ArrayLike,
+  w_up: ArrayLike,
+  b_gate: ArrayLike | None = None,
+  b_up: ArrayLike | None = None,
+  *,
+  activation: str | Callable[..., Array] = "silu",
+  precision: lax.PrecisionLike = None,
+  preferred_element_type: DTypeLike | None = None,
+  implementation: Implementation | None = None,
+) -> Array:
+  r"""Gated linear unit: two projections of ``x``, one through an activation, multiplied.
+
+  Computes
+
+  .. math::
+    h = \mathrm{act}(\underbrace{x W_g + b_g}_{a}) \odot (\underbrace{x W_u + b_u}_{b})
+
+  as one op that keeps ``a`` and ``b`` (plus ``x`` and the weights, which the weight gradients
+  need anyway) for the backward pass. ``act(a)`` and ``act'(a)`` are recomputed there:
+  :math:`\bar a = \bar h \odot \mathrm{act}'(a) \odot b`, :math:`\bar b = \bar h \odot
+  \mathrm{act}(a)`. With ``activation="silu"`` this is SwiGLU, ``"gelu"`` GeGLU (``partial(gelu,
+  approximate=False)`` for the exact form), ``"relu"`` ReGLU and ``"sigmoid"`` the original GLU.
+
+  ``activation`` is taken as :func:`dense_bias_act` takes it: a name, a jaxact function, a
+  ``functools.partial`` of one with keyword parameters (jaxact's derivative is used), or any other
+  callable that keeps its input's shape (differentiated by JAX's autodiff, in the output dtype).
+  Dtypes and ``precision`` as :func:`dense_bias_act`: half precision accumulates and evaluates the
+  activation in float32 and keeps ``a`` and ``b`` in its own dtype.
+
+  Args:
+    x: input of shape ``(..., in)``, floating point.
+    w_gate: gate kernel of shape ``(in, hidden)``.
+    w_up: up kernel of shape ``(in, hidden)``.
+    b_gate: gate bias of shape ``(hidden,)``, or None.
+    b_up: up bias of shape ``(hidden,)``, or None.
+    activation: the gate's activation (default ``"silu"``: SwiGLU).
+    precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
+    preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
+    implementation: ``None`` (the best available) or ``"xla"``.
+
+  Returns:
+    ``h`` of shape ``(..., hidden)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxact
+    >>> x = jnp.array([[1.0, 2.0]])
+    >>> w_gate, w_up = jnp.array([[1.0], [1.0]]), jnp.array([[0.5], [0.0]])
+    >>> jaxact.gated_dense(x, w_gate, w_up, activation="relu").tolist()
+    [[1.5]]
+  """
+  fn_name = "gated_dense"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    arrays = {
+      "x": x,
+      "w_gate": w_gate,
+      "w_up": w_up,
+      "w_down": None,
+      "b_gate": b_gate,
+      "b_up": b_up,
+      "b_down": None,
+    }
+    return _run(fn_name, arrays, activation, precision, preferred_element_type, implementation)
+
+
+def gated_mlp(
+  x: ArrayLike,
+  w_gate: ArrayLike,
+  w_up: ArrayLike,
+  w_down: ArrayLike,
+  b_gate: ArrayLike | None = None,
+  b_up: ArrayLike | None = None,
+  b_down: ArrayLike | None = None,
+  *,
+  activation: str | Callable[..., Array] = "silu",
+  precision: lax.PrecisionLike = None,
+  preferred_element_type: DTypeLike | None = None,
+  implementation: Implementation | None = None,
+) -> Array:
+  r"""The gated MLP block of transformers (Llama's, Gemma's, PaLM's), keeping ``x``, ``a``, ``b``.
+
+  Computes
+
+  .. math::
+    y = \bigl(\mathrm{act}(x W_g + b_g) \odot (x W_u + b_u)\bigr) W_d + b_d
+
+  as one op. Between the forward and the backward pass it keeps the input ``x``, the two
+  projections ``a = x W_g + b_g`` and ``b = x W_u + b_u`` and the weights, nothing else: the hidden
+  ``h = act(a) * b``, which the down projection's weight gradient needs, is recomputed from ``a``
+  and ``b`` in the backward pass. Autodiff of the same composition keeps ``act(a)``, ``h`` and the
+  activation's intermediates besides (about six hidden-sized arrays for silu).
+
+  ``activation``, dtypes and ``precision`` as :func:`gated_dense`.
+
+  Args:
+    x: input of shape ``(..., in)``, floating point.
+    w_gate: gate kernel of shape ``(in, hidden)``.
+    w_up: up kernel of shape ``(in, hidden)``.
+    w_down: down kernel of shape ``(hidden, out)``.
+    b_gate: gate bias of shape ``(hidden,)``, or None.
+    b_up: up bias of shape ``(hidden,)``, or None.
+    b_down: down bias of shape ``(out,)``, or None.
+    activation: the gate's activation (default ``"silu"``: a SwiGLU MLP).
+    precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
+    preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
+    implementation: ``None`` (the best available) or ``"xla"``.
+
+  Returns:
+    ``y`` of shape ``(..., out)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxact
+    >>> x = jnp.array([[1.0, 2.0]])
+    >>> w_gate, w_up = jnp.array([[1.0], [1.0]]), jnp.array([[0.5], [0.0]])
+    >>> w_down = jnp.array([[2.0, -1.0]])
+    >>> jaxact.gated_mlp(x, w_gate, w_up, w_down, activation="relu").tolist()
+    [[3.0, -1.5]]
+  """
+  fn_name = "gated_mlp"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    arrays = {
+      "x": x,
+      "w_gate": w_gate,
+      "w_up": w_up,
+      "w_down": w_down,
+      "b_gate": b_gate,
+      "b_up": b_up,
+      "b_down": b_down,
+    }
+    return _run(fn_name, arrays, activation, precision, preferred_element_type, implementation)

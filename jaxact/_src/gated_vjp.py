@@ -1,0 +1,206 @@
+"""The ``custom_vjp`` of the gated ops and their XLA path.
+
+``gated_dense`` computes ``h = act(a) * b`` with ``a = x @ w_gate + b_gate`` and
+``b = x @ w_up + b_up``; ``gated_mlp`` goes on to ``y = h @ w_down + b_down``. Both keep, beyond the
+input ``x`` and the weights (which the weight gradients need anyway), only ``a`` and ``b``: the
+gate's value and derivative, and for ``gated_mlp`` the hidden ``h`` that the down projection's
+weight gradient reads, are recomputed elementwise from them in the backward pass. Autodiff of the
+same composition keeps ``act(a)``, the activation's intermediates and ``h`` besides.
+
+Products of three factors (``gh * act'(a) * b``) are formed so that an intermediate that overflows
+to infinity times an exact zero gives 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from jaxact._src import barriers
+from jaxact._src.dispatch import Decision
+from jaxact._src.fused_vjp import Act
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedPlan:
+  """Everything static about one gated call."""
+
+  act: Act
+  precision: Any
+  acc_dtype: np.dtype  # accumulation and activation dtype
+  out_dtype: np.dtype  # of a, b, h and y
+  has_gate_bias: bool
+  has_up_bias: bool
+  has_down: bool  # gated_mlp (a down projection) or gated_dense
+  has_down_bias: bool = False
+  decision: Decision = dataclasses.field(default_factory=Decision)
+
+
+def safe_mul(p: Array, q: Array) -> Array:
+  """``p * q``, but 0 where one factor is 0 and the other infinite (an intermediate overflow).
+
+  NaN factors still give NaN, so a diverging run shows itself.
+  """
+  prod = p * q
+  zero_inf = ((p == 0) & jnp.isinf(q)) | (jnp.isinf(p) & (q == 0))
+  return jnp.where(zero_inf, jnp.zeros_like(prod), prod)
+
+
+def _matmul_dtype(plan: GatedPlan, operands) -> np.dtype:
+  """The matmuls' result dtype: 16-bit operands give a 16-bit result (as XLA's GPU GEMMs write it,
+  and as :mod:`jaxact._src.fused_vjp` does), float32 and float64 the accumulation dtype."""
+  return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
+
+
+def _dot(plan: GatedPlan, x: Array, w: Array, dtype) -> Array:
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  return lax.dot_general(x, w, dims, plan.precision, preferred_element_type=dtype)
+
+
+def _project(plan: GatedPlan, x: Array, w: Array, bias: Array | None) -> Array:
+  """``x @ w + bias`` in the output dtype (the array that is kept), accumulated in float32+."""
+  z = _dot(plan, x, w, _matmul_dtype(plan, x.dtype)).astype(plan.acc_dtype)
+  if bias is not None:
+    z = z + bias.astype(plan.acc_dtype)
+  return z.astype(plan.out_dtype)
+
+
+def _act(plan: GatedPlan, a: Array, dynamic) -> Array:
+  """``act(a)`` in the accumulation dtype."""
+  act = plan.act
+  if act.fn is not None:  # a plain callable sees what `act(x @ w + b)` would give it
+    return act.fn(a, *dynamic).astype(plan.acc_dtype)
+  return act.rule.spec.fn(a.astype(plan.acc_dtype), **act.rule.params(dynamic))
+
+
+def hidden(plan: GatedPlan, a: Array, b: Array, dynamic) -> Array:
+  """``h = act(a) * b`` in the output dtype, from the kept (rounded) a and b."""
+  return safe_mul(_act(plan, a, dynamic), b.astype(plan.acc_dtype)).astype(plan.out_dtype)
+
+
+def gate_cotangents(plan: GatedPlan, a: Array, b: Array, gh: Array, dynamic):
+  """``(da, db, d_dynamic)`` in the accumulation dtype from the cotangent of h."""
+  acc = plan.acc_dtype
+  act = plan.act
+  gh32, b32 = gh.astype(acc), b.astype(acc)
+  if act.fn is not None:
+    act_a, pull = jax.vjp(act.fn, a, *dynamic)
+    da, *d_dynamic = pull((gh32 * b32).astype(act_a.dtype))
+    return da.astype(acc), gh32 * act_a.astype(acc), d_dynamic
+  spec, params = act.rule.spec, act.rule.params(dynamic)
+  a32 = a.astype(acc)
+  act_a = spec.fn(a32, **params)
+  da = safe_mul(gh32 * spec.derivative_from_input(a32, **params), b32)
+  d_dynamic: list = []
+  if dynamic:  # traced parameters (alpha, slope, ...): autodiff of the forward formula
+
+    def fn_of_params(*p):
+      return spec.fn(a32, **act.rule.params(p))
+
+    d_dynamic = list(jax.vjp(fn_of_params, *dynamic)[1](gh32 * b32))
+  return da, gh32 * act_a, d_dynamic
+
+
+# --------------------------------------------------------------------------------- the rules
+
+
+def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+  """``(out, a, b)``: out is h for gated_dense, y for gated_mlp."""
+  a = _project(plan, x, w_gate, b_gate)
+  b = _project(plan, x, w_up, b_up)
+  out = hidden(plan, a, b, dynamic)
+  if plan.has_down:
+    out = _project(plan, out, w_down, b_down)
+  return out, a, b
+
+
+def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+  out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+  # As barriers.barrier_residual: hide a and b's origin, so that XLA neither recomputes them in
+  # the backward pass nor keeps the forward's act(a) or h alive to share with the backward's.
+  out, a, b = lax.optimization_barrier((out, a, b))
+  return out, (x, w_gate, w_up, w_down, a, b, dynamic)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+  return _gated_fwd(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)[0]
+
+
+def _bias_grad(plan: GatedPlan, present: bool, dz: Array, dtype) -> Array | None:
+  if not present:
+    return None
+  return jnp.sum(dz, tuple(range(dz.ndim - 1)), dtype=plan.acc_dtype).astype(dtype)
+
+
+def _weight_grad(plan: GatedPlan, x: Array, dz: Array, dtype) -> Array:
+  """``x^T dz`` over every axis but the last."""
+  batch = tuple(range(x.ndim - 1))
+  dw = lax.dot_general(
+    x, dz, ((batch, batch), ((), ())), plan.precision, preferred_element_type=plan.acc_dtype
+  )
+  return dw.astype(dtype)
+
+
+def _input_grad(plan: GatedPlan, dz: Array, w: Array, dtype) -> Array:
+  """``dz @ w^T`` (accumulated in float32 or wider) as `dtype`."""
+  dims = (((dz.ndim - 1,), (1,)), ((), ()))
+  return lax.dot_general(dz, w, dims, plan.precision, preferred_element_type=dtype)
+
+
+def _gated_bwd(plan: GatedPlan, res, g: Array):
+  x, w_gate, w_up, w_down, a, b, dynamic = res
+  acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
+  # Nothing of the backward (h, act(a)) may run before the cotangent exists: it would be computed
+  # in the forward pass and kept alive until here (barriers.after_cotangent).
+  (a, b), g = barriers.after_cotangent((a, b), g)
+  d_down = None, None
+  if plan.has_down:
+    h = hidden(plan, a, b, dynamic)
+    gy = g.astype(mm)
+    d_down = (
+      _weight_grad(plan, h, gy, w_down.dtype),
+      _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
+    )
+    gh = _input_grad(plan, gy, w_down, mm)
+  else:
+    gh = g
+  da, db, d_dynamic = gate_cotangents(plan, a, b, gh, dynamic)
+  # 16-bit: the products read (and the bias sums add) the rounded da and db, as autodiff of the
+  # 16-bit composition does; one 16-bit array each instead of a float32 one and its rounding.
+  da, db = da.astype(mm), db.astype(mm)
+  if mm != acc:
+    da, db = lax.optimization_barrier((da, db))
+  d_gate_bias = _bias_grad(plan, plan.has_gate_bias, da, x.dtype)
+  d_up_bias = _bias_grad(plan, plan.has_up_bias, db, x.dtype)
+  dw_gate = _weight_grad(plan, x, da, w_gate.dtype)
+  dw_up = _weight_grad(plan, x, db, w_up.dtype)
+  dx = _input_grad(plan, da, w_gate, mm).astype(acc) + _input_grad(plan, db, w_up, mm).astype(acc)
+  dw_down, d_down_bias = d_down
+  return (
+    dx.astype(x.dtype),
+    dw_gate,
+    dw_up,
+    dw_down,
+    d_gate_bias,
+    d_up_bias,
+    d_down_bias,
+    *d_dynamic,
+  )
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)
+_gated_jit = jax.jit(_gated, static_argnums=0)
+
+
+def gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic) -> Array:
+  """The gated op by `plan`, differentiated by the rule above."""
+  # A closure-converted callable is a new object on every call; jit would retrace each time.
+  run = _gated_jit if plan.act.fn is None else _gated
+  return run(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
