@@ -92,7 +92,7 @@ def train(loss_fn, params, x, y, **jit_kw):
   return first[0], first[1], losses, step.lower(params, opt_state, x, y).compile()
 
 
-def report(name, sharded, single, param_specs, fwd) -> None:
+def report(name, sharded, single, param_specs, fwd, **extra) -> None:
   loss, grads, losses, compiled = sharded
   loss1, grads1, losses1, _ = single
   result = dict(
@@ -105,6 +105,7 @@ def report(name, sharded, single, param_specs, fwd) -> None:
     param_specs=param_specs,
     fwd_collectives=fwd,
     step_collectives=collectives(compiled),
+    **extra,
   )
   print(json.dumps(result), flush=True)
 
@@ -263,6 +264,40 @@ def conv_dp_case(name: str, mesh) -> None:
   report(name, sharded, single, {}, [])
 
 
+# ------------------------------------------------------------------------------- gated MLP
+
+
+def gated_case(name: str, mesh, tensor_parallel: bool) -> None:
+  """jaxact.gated_mlp, data-parallel or Megatron tensor-parallel (w_gate and w_up split over the
+  hidden features, w_down over its input): the forward reduces y once and gathers nothing."""
+  keys = jax.random.split(jax.random.key(2), 3)
+  params = {
+    "w_gate": jax.random.normal(keys[0], (IN, HIDDEN)) * IN**-0.5,
+    "w_up": jax.random.normal(keys[1], (IN, HIDDEN)) * IN**-0.5,
+    "w_down": jax.random.normal(keys[2], (HIDDEN, OUT)) * HIDDEN**-0.5,
+  }
+  x, y = data()
+  split = {"w_gate": P(None, "model"), "w_up": P(None, "model"), "w_down": P("model", None)}
+  specs = split if tensor_parallel else {k: P() for k in params}
+  shardings = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+
+  def mlp(params, x):
+    return jaxact.gated_mlp(x, params["w_gate"], params["w_up"], params["w_down"])
+
+  def loss_fn(params, x, y):
+    return jnp.mean((mlp(params, x) - y) ** 2)
+
+  batch = NamedSharding(mesh, P("data"))
+  xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+  sharded = train(loss_fn, jax.device_put(params, shardings), xs, ys)
+  single = train(loss_fn, one_device(params), one_device(x), one_device(y))
+  fwd = jax.jit(mlp).lower(jax.device_put(params, shardings), xs).compile()
+  param_specs = {k: str(v.spec) for k, v in shardings.items()}
+  # The shapes the forward's collectives produce (per device): y's rows and OUT features only.
+  shapes = re.findall(r"(\w+\[[\d,]*\])\S* (?:all-reduce|all-gather)\(", fwd.as_text())
+  report(name, sharded, single, param_specs, collectives(fwd), fwd_collective_shapes=shapes)
+
+
 def main(names) -> None:
   auto = AxisType.Auto
   cases = {
@@ -279,6 +314,10 @@ def main(names) -> None:
       "nnx_tp_explicit", jax.make_mesh((2, 4), ("data", "model")), True, P("data", None)
     ),
     "conv_dp": lambda: conv_dp_case("conv_dp", jax.make_mesh((8,), ("data",), (auto,))),
+    "gated_dp": lambda: gated_case("gated_dp", jax.make_mesh((8,), ("data",), (auto,)), False),
+    "gated_tp": lambda: gated_case(
+      "gated_tp", jax.make_mesh((2, 4), ("data", "model"), (auto, auto)), True
+    ),
   }
   eight_devices.run_cases(cases, names)
 

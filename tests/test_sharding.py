@@ -11,7 +11,8 @@ Cases: a data-parallel and a tensor-parallel (column-parallel then row-parallel)
 ``jaxact.linen.DenseAct`` (Auto mesh, ``nn.with_partitioning`` metadata), the same with
 ``jaxact.nnx.LinearAct`` (``kernel_metadata={"out_sharding": ...}``; data-parallel on an Explicit
 mesh, tensor-parallel on an Auto mesh and on an Explicit one with ``out_sharding`` for the
-row-parallel layer), and a data-parallel ``ConvAct`` network.
+row-parallel layer), a data-parallel ``ConvAct`` network, and ``jaxact.gated_mlp`` data-parallel
+and Megatron tensor-parallel.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ import pytest
 import eight_devices
 
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
-CASES = ["linen_dp", "linen_tp", "nnx_dp_explicit", "nnx_tp", "nnx_tp_explicit", "conv_dp"]
+CASES = [
+  "linen_dp",
+  "linen_tp",
+  "nnx_dp_explicit",
+  "nnx_tp",
+  "nnx_tp_explicit",
+  "conv_dp",
+  "gated_dp",
+  "gated_tp",
+]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
 
 # The sharded programs sum the batch (and, tensor-parallel, the hidden features) in another order:
@@ -73,7 +83,17 @@ def test_column_parallel_layer_gathers_no_weights(results, name):
   assert set(result["step_collectives"]) == {"all-reduce"}
 
 
-@pytest.mark.parametrize("name", ["linen_dp", "nnx_dp_explicit", "conv_dp"])
+def test_tensor_parallel_gated_mlp_reduces_y_once_and_gathers_nothing(results):
+  """Megatron's split: w_gate and w_up over the hidden features, w_down over its input. The
+  forward's one collective is the all-reduce of y (per device: a quarter of the batch's rows, OUT
+  features); no hidden-sized array moves. The step only all-reduces."""
+  result = get(results, "gated_tp")
+  assert result["fwd_collectives"] == ["all-reduce"]
+  assert result["fwd_collective_shapes"] == ["f32[16,16]"]  # BATCH / 2 data shards, OUT
+  assert set(result["step_collectives"]) == {"all-reduce"}
+
+
+@pytest.mark.parametrize("name", ["linen_dp", "nnx_dp_explicit", "conv_dp", "gated_dp"])
 def test_data_parallel_step_only_all_reduces(results, name):
   """Data parallelism all-reduces gradients and nothing else: no activation moves between devices
   (for the convolution: XLA:CPU's batch-chunked kernel gradient takes device-local chunks)."""
