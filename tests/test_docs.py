@@ -39,6 +39,14 @@ def test_dispatch_table_matches_the_dispatch_rules():
   )
 
 
+def test_codes_table_matches_the_stored_codes():
+  begin = RESIDUAL_PAGE.index(docs.CODES_BEGIN)
+  end = RESIDUAL_PAGE.index(docs.CODES_END) + len(docs.CODES_END)
+  assert RESIDUAL_PAGE[begin:end] == docs.codes_table(), (
+    "docs/residual-policy.md: the codes table is stale; run `python -m jaxact._src.docs`"
+  )
+
+
 def test_every_activation_is_in_the_residual_table():
   import jaxact
 

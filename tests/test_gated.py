@@ -340,6 +340,11 @@ def _call(fn="gated_mlp", **over):
     (dict(activation="relux"), ValueError, r"'relux' is not known"),
     (dict(activation=jaxact.glu), ValueError, r"must keep the gate's shape"),
     (dict(activation=3), TypeError, r"`activation` must be"),
+    (
+      dict(activation=functools.partial(jaxact.gelu, residual_bits=4)),
+      ValueError,
+      r"asks for residual_bits=4, but the gated ops keep",
+    ),
     (dict(implementation="cuda"), ValueError, r"`implementation` 'cuda' is not known"),
     (dict(preferred_element_type=jnp.int8), TypeError, r"`preferred_element_type`"),
   ],

@@ -10,6 +10,8 @@ Residual policy (decided at trace time, per call):
 * ``"input"``: only ``x`` is kept; input-residual activations, and output-residual ones whose
   parameters are traced (their gradient is then also computed) or make ``d_output`` invalid.
 * ``"none"``: identity keeps nothing.
+* ``"code"``: asked for with ``residual_bits`` (gelu, gelu_quick, silu, mish, hard_silu): ``f'(x)``
+  in 8, 4 or 2 bits an element (:mod:`jaxact._src.codes`) instead of ``x``.
 
 Half precision (float16/bfloat16) is computed in float32 and returned, and kept, in its own dtype.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jaxact._src import validation
+from jaxact._src import codes, validation
 from jaxact._src.barriers import after_cotangent, barrier_residual
 from jaxact._src.softmax import apply_glu, apply_softmax
 from jaxact._src.spec import (
@@ -52,6 +54,7 @@ class _Rule:
   residual: Residual
   static_params: tuple[tuple[str, Any], ...]  # Python numbers/bools, baked into the trace
   dynamic_names: tuple[str, ...]  # array parameters, passed as primal arguments
+  code: codes.Code | None = None  # residual "code": the few-bit derivative code kept instead of x
 
   @property
   def spec(self) -> ActivationSpec:
@@ -59,6 +62,21 @@ class _Rule:
 
   def params(self, dynamic) -> dict[str, Any]:
     return dict(self.static_params) | dict(zip(self.dynamic_names, dynamic, strict=True))
+
+
+def with_code(rule: _Rule, bits: int | None) -> _Rule:
+  """`rule` keeping the `bits`-bit derivative code instead of its input (None: unchanged)."""
+  if bits is None:
+    return rule
+  code = codes.get_code(rule.name, rule.static_params, bits)
+  return dataclasses.replace(rule, residual="code", code=code)
+
+
+def encode(rule: _Rule, x: Array, dynamic=()) -> Array:
+  """The packed code of `x` (in the compute dtype) that a ``"code"`` rule keeps."""
+  params = rule.params(dynamic)
+  codes_ = rule.code.encode(x, lambda v: rule.spec.derivative_from_input(v, **params))
+  return rule.code.pack(codes_)
 
 
 def _forward(rule: _Rule, x: Array, dynamic) -> Array:
@@ -72,7 +90,10 @@ def _elementwise(rule: _Rule, x: Array, *dynamic: Array) -> Array:
 
 
 def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
-  y, kept = barrier_residual(rule.residual, _forward(rule, x, dynamic), x)
+  y = _forward(rule, x, dynamic)
+  if rule.residual == "code":
+    x = encode(rule, x.astype(validation.compute_dtype(x.dtype)), dynamic)
+  y, kept = barrier_residual(rule.residual, y, x)
   return y, (kept, dynamic)
 
 
@@ -91,11 +112,15 @@ def rule_cotangents(
   if rule.residual == "none":
     return g.astype(compute_dtype), [None] * len(dynamic)
   kept, g = after_cotangent(kept, g)
-  kept, g = kept.astype(compute_dtype), g.astype(compute_dtype)
+  g = g.astype(compute_dtype)
+  if rule.residual != "code":
+    kept = kept.astype(compute_dtype)
   spec, params = rule.spec, rule.params(dynamic)
   if rule.residual == "output":
     # Output mode is chosen only for concrete parameters, which have no cotangent consumer.
     return g * spec.d_output(kept, **params), [None] * len(dynamic)
+  if rule.residual == "code":  # coded activations have static parameters only
+    return g * rule.code.decode(rule.code.unpack(kept, g.shape), compute_dtype), []
   dx = g * spec.derivative_from_input(kept, **params)
   if not dynamic:
     return dx, []
@@ -166,7 +191,9 @@ def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
   return _Rule(spec.name, residual, tuple(static), tuple(names)), dynamic
 
 
-def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any]) -> Array:
+def _apply_elementwise(
+  spec: ActivationSpec, x: ArrayLike, values: dict[str, Any], bits: int | None = None
+) -> Array:
   x = validation.as_real_array(spec.name, x)
   if not validation.is_floating(x.dtype):
     if spec.jax_nn:  # integer and bool inputs behave exactly as jax.nn's (some cast, some raise)
@@ -179,6 +206,7 @@ def _apply_elementwise(spec: ActivationSpec, x: ArrayLike, values: dict[str, Any
   if dtype != x.dtype and validation.is_floating(dtype):
     x = x.astype(dtype)
   rule, dynamic = _split_params(spec, x, values)
+  rule = with_code(rule, bits)
   with jax.named_scope(f"jaxact.{spec.name}"):
     return _elementwise_jit(rule, x, *dynamic)
 
@@ -203,8 +231,19 @@ def _docstring(spec: ActivationSpec) -> str:
   if spec.kinks:
     kinks = ", ".join(f"f'({k:g}) = {v:g}" for k, v in spec.kinks.items())
     lines += [f"Derivative at kinks: {kinks}."]
+  if spec.name in codes.CODED:
+    lines += [
+      "With ``residual_bits`` (8, 4 or 2) it keeps ``f'(x)`` coded in that many bits an element "
+      "instead of ``x`` (see the residual-policy docs for each code's error).",
+    ]
   lines += ["", "Args:", "  x: input array."]
   lines += [f"  {p.name}: {p.doc}." for p in spec.params]
+  if spec.name in codes.CODED:
+    lines += [
+      "  residual_bits: keyword-only. None (default) keeps ``x``; 8 keeps ``f'(x)`` quantized "
+      "uniformly over its range, 4 and 2 the optimal piecewise-constant code of ``f'`` for a "
+      "standard normal ``x``."
+    ]
   lines += ["", "Returns:", "  An array of the dtype of ``x``.", ""]
   if spec.example[0]:
     lines += [
@@ -220,6 +259,8 @@ def _signature(spec: ActivationSpec) -> inspect.Signature:
   kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD
   params = [inspect.Parameter("x", kinds, annotation="ArrayLike")]
   params += [inspect.Parameter(p.name, kinds, default=p.default) for p in spec.params]
+  if spec.name in codes.CODED:  # jaxact's own, keyword-only: jax.nn's signature is unchanged
+    params.append(inspect.Parameter("residual_bits", inspect.Parameter.KEYWORD_ONLY, default=None))
   return inspect.Signature(params, return_annotation="Array")
 
 
@@ -237,13 +278,17 @@ def _make_public(spec: ActivationSpec) -> Callable[..., Array]:
   else:
 
     def impl(*args, **kwargs):
+      if "residual_bits" in kwargs and spec.name not in codes.CODED:
+        codes.check_bits(spec.name, spec.name, kwargs["residual_bits"])  # says why not
+        kwargs.pop("residual_bits")
       try:
         bound = sig.bind(*args, **kwargs)
       except TypeError as e:
         raise TypeError(f"jaxact.{spec.name}{sig}: {e}") from None
       bound.apply_defaults()
       values = dict(bound.arguments)
-      return _apply_elementwise(spec, values.pop("x"), values)
+      bits = codes.check_bits(spec.name, spec.name, values.pop("residual_bits", None))
+      return _apply_elementwise(spec, values.pop("x"), values, bits)
 
   impl.__name__ = impl.__qualname__ = spec.name
   impl.__module__ = "jaxact"

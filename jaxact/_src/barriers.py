@@ -30,7 +30,7 @@ def barrier_residual(residual: Residual, y: Array, x: Array) -> tuple[Array, Arr
   if residual == "output":
     y = jax.lax.optimization_barrier(y)
     return y, y
-  return jax.lax.optimization_barrier((y, x))
+  return jax.lax.optimization_barrier((y, x))  # x: the input, or its derivative code
 
 
 def after_cotangent(kept, g):

@@ -112,6 +112,8 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
     return "the activation is a plain callable, not a jaxact spec activation"
   if rule.dynamic_names:
     return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
+  if rule.code is not None:
+    return f"residual_bits={rule.code.bits} (the derivative codes run on XLA only so far)"
   for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
     if np.dtype(dtype).name not in _KERNEL_DTYPES:
       return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"

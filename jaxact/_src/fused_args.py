@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import activations, validation
+from jaxact._src import activations, codes, validation
 from jaxact._src.fused_vjp import Act
 from jaxact._src.spec import ActivationSpec
 
@@ -75,6 +75,8 @@ def _spec_and_values(
   if not spec.elementwise:
     return functools.partial(func, **keywords) if keywords else func
   known = {p.name: p.default for p in spec.params}
+  if "residual_bits" in keywords:  # jaxact's own keyword: validated here, with the reason
+    known["residual_bits"] = codes.check_bits(fn_name, spec.name, keywords["residual_bits"])
   unknown = sorted(set(keywords) - set(known))
   if unknown:
     accepted = ", ".join(known) or "none"
@@ -103,6 +105,7 @@ def resolve_activation(fn_name: str, activation, z: jax.ShapeDtypeStruct, arg_dt
       ) from e
     return Act(fn=fn), list(consts)
   spec, values = resolved
+  bits = values.pop("residual_bits", None)
   for p in spec.params:
     v = values[p.name]
     if not p.static and validation.is_arraylike(v) and not isinstance(v, (int, float)):
@@ -117,7 +120,7 @@ def resolve_activation(fn_name: str, activation, z: jax.ShapeDtypeStruct, arg_dt
           f"{shape}, which does not broadcast to the pre-activation shape {z.shape}"
         )
   rule, dynamic = activations._split_params(spec, z, values)
-  return Act(rule=rule), dynamic
+  return Act(rule=activations.with_code(rule, bits)), dynamic
 
 
 # --------------------------------------------------------------------------- operand checks

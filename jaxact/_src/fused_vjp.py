@@ -11,6 +11,8 @@ matmul or convolution. What is kept for the backward pass:
 * ``"input"`` activations (gelu, silu, ... and output ones with traced or invalid parameters): the
   pre-activation ``z`` plus ``x`` and ``w``.
 * ``"none"`` (identity): ``x`` and ``w`` only.
+* ``"code"`` (``residual_bits``): the derivative code of the pre-activation (8, 4 or 2 bits an
+  element) plus ``x`` and ``w``.
 * any other callable: ``z``, ``x``, ``w`` and the arrays the callable closes over; its derivative
   comes from JAX's autodiff of the callable, re-run from ``z`` in the backward pass.
 
@@ -150,7 +152,8 @@ def _preactivation(plan: Plan, x: Array, w: Array, b: Array | None) -> Array:
 
 
 def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
-  """``(y, z)``, z in the output dtype and only where the backward reads it (input residuals)."""
+  """``(y, kept)``: kept is z in the output dtype for input residuals, the packed derivative code
+  for ``"code"`` ones, else None."""
   z = _preactivation(plan, x, w, b)
   act = plan.act
   if act.fn is not None:
@@ -159,6 +162,8 @@ def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Arra
   else:
     spec, params = act.rule.spec, act.rule.params(dynamic)
     y = spec.fn(z, **params).astype(plan.out_dtype)
+    if act.residual == "code":
+      return y, activations.encode(act.rule, z, dynamic)
   return y, (z.astype(plan.out_dtype) if act.residual == "input" else None)
 
 

@@ -66,6 +66,12 @@ def _run(fn_name, arrays, activation, precision, preferred_element_type, impleme
   _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
   a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], w_gate.shape[1]), acc)
   act, dynamic = args.resolve_activation(fn_name, activation, a_shape, out)
+  if act.rule is not None and act.rule.code is not None:
+    raise ValueError(
+      f"jaxact.{fn_name}: `activation` asks for residual_bits={act.rule.code.bits}, but the gated "
+      "ops keep the gate's pre-activation a anyway (the up projection's gradient needs act(a)), so "
+      "a derivative code would save nothing; drop residual_bits"
+    )
   if act.fn is not None:
     got = jax.eval_shape(act.fn, jax.ShapeDtypeStruct(a_shape.shape, out), *dynamic)
     if got.shape != a_shape.shape:

@@ -42,7 +42,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_CUBIC = 0.044715
 _GELU_QUICK_SCALE = 1.702
 
-Residual = Literal["output", "input", "none"]
+Residual = Literal["output", "input", "none", "code"]  # code: few-bit f' (jaxact._src.codes)
 
 
 def _sigmoid(x: Array) -> Array:

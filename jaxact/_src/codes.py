@@ -1,0 +1,326 @@
+"""Few-bit derivative codes: what an input-residual activation keeps instead of its input.
+
+gelu, gelu_quick, silu, mish and hard_silu cannot be differentiated from their output, so by
+default they keep their input ``x``. The backward pass needs only ``f'(x)``, a bounded function of
+one variable, and ``residual_bits`` keeps that instead, in 8, 4 or 2 bits an element:
+
+* 8 bits: ``f'(x)`` quantized uniformly over its exact range ``[lo, hi]`` (255 steps; the error is
+  at most half a step).
+* 4 and 2 bits: the optimal piecewise-constant approximation of ``f'`` with ``2**bits`` pieces
+  (Few-Bit Backward, Novikov et al., ICML 2023): boundaries on ``x`` and one level per interval,
+  chosen to minimise ``E[(f'(x) - q(x))^2]`` for a standard normal ``x``. The code of ``x`` is the
+  number of boundaries below it.
+
+Codes are packed 8 / bits to a byte along the last axis (flattened when that axis does not fill
+bytes). The tables are derived from the spec table's derivatives by :func:`derive` and stored in
+``code_table.py`` (``python -m jaxact._src.codes`` regenerates it; a test re-derives and checks
+optimality).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from jaxact._src.spec import SPECS, ActivationSpec
+
+BITS = (8, 4, 2)
+# The activations a code serves: the elementwise ones that keep their input.
+CODED: tuple[str, ...] = tuple(s.name for s in SPECS if s.elementwise and s.residual == "input")
+
+
+def param_combinations(spec: ActivationSpec) -> list[tuple[tuple[str, Any], ...]]:
+  """Every value combination of the static parameters (gelu's ``approximate``) the table covers."""
+  combos: list[tuple[tuple[str, Any], ...]] = [()]
+  for p in spec.params:
+    if not p.static or not isinstance(p.default, bool):
+      raise NotImplementedError(f"no code table for {spec.name}'s parameter {p.name}")
+    combos = [(*c, (p.name, v)) for c in combos for v in (True, False)]
+  return combos
+
+
+@dataclasses.dataclass(frozen=True)
+class Code:
+  """One activation's code at one bit width (hashable: it is part of the jit-static rule).
+
+  ``bits == 8``: ``levels == (lo, hi)``, the range of ``f'``, and no boundaries. Otherwise
+  ``len(boundaries) == 2**bits - 1`` ascending thresholds on ``x`` and ``len(levels) == 2**bits``.
+  """
+
+  bits: int
+  boundaries: tuple[float, ...]
+  levels: tuple[float, ...]
+
+  @property
+  def max_error(self) -> float | None:
+    """The 8-bit code's bound on ``|f'(x) - decoded|`` (half a step); None for 4 and 2 bits."""
+    if self.bits != 8:
+      return None
+    lo, hi = self.levels
+    return (hi - lo) / 255 / 2
+
+  def encode(self, x: Array, derivative: Callable[[Array], Array]) -> Array:
+    """uint8 codes of `x` (compute dtype), unpacked, of x's shape."""
+    if self.bits == 8:
+      lo, hi = self.levels
+      q = jnp.round((derivative(x) - lo) * (255.0 / (hi - lo)))
+      # A NaN derivative (NaN x) gives code 0: the value y is NaN there already.
+      return jnp.clip(jnp.nan_to_num(q), 0, 255).astype(jnp.uint8)
+    # One compare per boundary, unrolled: elementwise, so XLA fuses it with the forward's other
+    # elementwise work (a broadcast against a vector of boundaries becomes a reduction).
+    code = jnp.zeros(x.shape, jnp.uint8)
+    for t in self.boundaries:
+      code = code + (x > t).astype(jnp.uint8)
+    return code
+
+  def decode(self, codes: Array, dtype) -> Array:
+    """``f'`` as the code gives it, in `dtype`, from unpacked codes."""
+    if self.bits == 8:
+      lo, hi = self.levels
+      return lo + codes.astype(dtype) * ((hi - lo) / 255.0)
+    # A select per level, unrolled (elementwise; a gather from a table is not fused on CPU).
+    out = jnp.full(codes.shape, self.levels[0], dtype)
+    for i, level in enumerate(self.levels[1:], 1):
+      out = jnp.where(codes == i, jnp.asarray(level, dtype), out)
+    return out
+
+  # ------------------------------------------------------------------------------- packing
+
+  def per_byte(self) -> int:
+    return 8 // self.bits
+
+  def pack(self, codes: Array) -> Array:
+    """Codes packed ``8 // bits`` to a byte: along the last axis when its length is a multiple,
+    else flattened (zero-padded to whole bytes)."""
+    per = self.per_byte()
+    if per == 1:
+      return codes
+    if codes.ndim and codes.shape[-1] % per == 0:
+      groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    else:
+      flat = codes.reshape(-1)
+      flat = jnp.pad(flat, (0, -flat.size % per))
+      groups = flat.reshape(-1, per)
+    packed = groups[..., 0]
+    for j in range(1, per):
+      packed = packed | (groups[..., j] << jnp.uint8(j * self.bits))
+    return packed
+
+  def unpack(self, packed: Array, shape: tuple[int, ...]) -> Array:
+    """The unpacked codes of an array of `shape` from :meth:`pack`'s bytes."""
+    per = self.per_byte()
+    if per == 1:
+      return packed
+    mask = jnp.uint8((1 << self.bits) - 1)
+    codes = jnp.stack([(packed >> jnp.uint8(j * self.bits)) & mask for j in range(per)], axis=-1)
+    if len(shape) and shape[-1] % per == 0:
+      return codes.reshape(shape)
+    return codes.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+  def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    per = self.per_byte()
+    if per == 1:
+      return shape
+    if len(shape) and shape[-1] % per == 0:
+      return (*shape[:-1], shape[-1] // per)
+    return (-(-math.prod(shape) // per),)
+
+
+def get_code(name: str, params: tuple[tuple[str, Any], ...], bits: int) -> Code:
+  """The stored code of activation `name` with static `params` at `bits`."""
+  from jaxact._src.code_table import TABLE
+
+  boundaries, levels = TABLE[(name, tuple(params), bits)]
+  return Code(bits, tuple(boundaries), tuple(levels))
+
+
+def check_bits(fn_name: str, spec_name: str, bits) -> int | None:
+  """`residual_bits` validated for activation `spec_name`: None, 8, 4 or 2."""
+  if bits is None:
+    return None
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in BITS:
+    raise ValueError(
+      f"jaxact.{fn_name}: `residual_bits` must be None (keep the input), 8, 4 or 2; got {bits!r}"
+    )
+  if spec_name not in CODED:
+    raise ValueError(
+      f"jaxact.{fn_name}: `residual_bits` applies to the activations that keep their input "
+      f"({', '.join(CODED)}); jaxact.{spec_name} keeps its output or nothing, which a derivative "
+      "code cannot undercut, so residual_bits must be None for it"
+    )
+  return int(bits)
+
+
+# ------------------------------------------------------------------------------- derivation
+
+_Z = 10.0  # beyond |x| = 10 a standard normal has mass 1.5e-23: nothing to the expected error
+
+
+def _normal_pdf(z: np.ndarray) -> np.ndarray:
+  return np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def _x64():
+  """A context that enables float64 (``jax.enable_x64``; ``jax.experimental``'s in older jax)."""
+  import jax
+
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64  # jax < 0.12
+
+  return enable_x64()
+
+
+def _derivative_fn(spec: ActivationSpec, params) -> Callable[[np.ndarray], np.ndarray]:
+  """``f'`` of the spec row in float64, on NumPy arrays."""
+
+  def d(z):
+    with _x64():
+      return np.asarray(spec.derivative_from_input(jnp.asarray(z, jnp.float64), **dict(params)))
+
+  return d
+
+
+def decoded(code: Code, z: np.ndarray, d) -> np.ndarray:
+  """What `code` gives for ``f'`` at `z` (float64, NumPy): the reference of encode + decode."""
+  if code.bits == 8:
+    lo, hi = code.levels
+    q = np.clip(np.round((d(z) - lo) * (255.0 / (hi - lo))), 0, 255)
+    return lo + q * ((hi - lo) / 255.0)
+  return np.asarray(code.levels)[np.searchsorted(np.asarray(code.boundaries), z, side="left")]
+
+
+def error_stats(name: str, params, bits: int) -> tuple[float, float]:
+  """``(max |f' - q|, E|f' - q|)`` of the stored code, the max over every x (a fine grid on
+  [-60, 60], beyond which f' is constant), the mean for a standard normal x."""
+  spec = {s.name: s for s in SPECS}[name]
+  code, d = get_code(name, params, bits), _derivative_fn(spec, params)
+  z = np.linspace(-60.0, 60.0, 1_200_001)
+  worst = float(np.max(np.abs(d(z) - decoded(code, z, d))))
+  z = np.linspace(-_Z, _Z, 400_001)
+  w = _normal_pdf(z)
+  mean = float(np.sum(w * np.abs(d(z) - decoded(code, z, d))) / np.sum(w))
+  return worst, mean
+
+
+def _segment(values: np.ndarray, weights: np.ndarray, pieces: int) -> list[int]:
+  """Optimal split of a weighted sequence into `pieces` runs (least weighted squared error), by
+  dynamic programming; the start indices of runs 2.. ."""
+  n = len(values)
+  s0 = np.concatenate([[0.0], np.cumsum(weights)])
+  s1 = np.concatenate([[0.0], np.cumsum(weights * values)])
+  s2 = np.concatenate([[0.0], np.cumsum(weights * values * values)])
+  i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+  w = s0[j] - s0[i]
+  with np.errstate(divide="ignore", invalid="ignore"):
+    cost = (s2[j] - s2[i]) - np.where(w > 0, (s1[j] - s1[i]) ** 2 / w, 0.0)
+  cost = np.where(j > i, cost, np.inf)
+  best = cost[0]  # one run over [0, j)
+  back = []
+  for _ in range(pieces - 1):
+    total = best[:, None] + cost
+    arg = np.argmin(total, axis=0)
+    back.append(arg)
+    best = total[arg, np.arange(n + 1)]
+  cuts, j = [], n
+  for arg in reversed(back):
+    j = int(arg[j])
+    cuts.append(j)
+  return sorted(cuts)
+
+
+def _conditional_means(d, boundaries: np.ndarray, grid: np.ndarray) -> np.ndarray:
+  """``E[f'(x) | x in interval]`` for a standard normal x, by quadrature on `grid`."""
+  w = _normal_pdf(grid)
+  v = d(grid)
+  edges = np.concatenate([[-np.inf], boundaries, [np.inf]])
+  means = []
+  for lo, hi in itertools.pairwise(edges):
+    m = (grid > lo) & (grid <= hi)
+    means.append(float(np.sum(w[m] * v[m]) / np.sum(w[m])))
+  return np.asarray(means)
+
+
+def expected_error(d, boundaries, levels, grid: np.ndarray | None = None) -> float:
+  """``E[(f'(x) - q(x))^2]`` for a standard normal x, by quadrature."""
+  grid = np.linspace(-_Z, _Z, 400_001) if grid is None else grid
+  w = _normal_pdf(grid)
+  q = np.asarray(levels)[np.searchsorted(np.asarray(boundaries), grid, side="left")]
+  return float(np.sum(w * (d(grid) - q) ** 2) / np.sum(w))
+
+
+def derive(spec: ActivationSpec, params, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """``(boundaries, levels)`` of the optimal code (4 and 2 bits) or ``((), (lo, hi))`` (8 bits)."""
+  d = _derivative_fn(spec, params)
+  if bits == 8:
+    z = np.linspace(-60.0, 60.0, 1_200_001)
+    v = d(z)
+    # Refine around the grid's extremes (hard_silu's are limits at its jumps).
+    step = z[1] - z[0]
+    lo, hi = v.min(), v.max()
+    for at in (z[np.argmin(v)], z[np.argmax(v)]):
+      local = d(np.linspace(at - step, at + step, 200_001))
+      lo, hi = min(lo, local.min()), max(hi, local.max())
+    return (), (float(lo), float(hi))
+  pieces = 2**bits
+  coarse = np.linspace(-_Z, _Z, 2001)
+  cuts = _segment(d(coarse), _normal_pdf(coarse), pieces)
+  boundaries = np.asarray([(coarse[c - 1] + coarse[c]) / 2 for c in cuts])
+  # Lloyd refinement on a fine grid: levels are the conditional means, and each boundary moves to
+  # where f' is halfway between its two neighbours' levels (the first-order condition).
+  fine = np.linspace(-_Z, _Z, 400_001)
+  dv = d(fine)
+  for _ in range(60):
+    levels = _conditional_means(d, boundaries, fine)
+    new = boundaries.copy()
+    for k, t in enumerate(boundaries):
+      mid = 0.5 * (levels[k] + levels[k + 1])
+      lo = boundaries[k - 1] if k else -_Z
+      hi = boundaries[k + 1] if k + 1 < len(boundaries) else _Z
+      m = (fine > lo) & (fine < hi)
+      zs, g = fine[m], dv[m] - mid
+      crossings = np.nonzero(np.sign(g[:-1]) != np.sign(g[1:]))[0]
+      if len(crossings):
+        c = crossings[np.argmin(np.abs(zs[crossings] - t))]
+        new[k] = zs[c] - g[c] * (zs[c + 1] - zs[c]) / (g[c + 1] - g[c])
+    if np.max(np.abs(new - boundaries)) < 1e-12:
+      break
+    boundaries = new
+  levels = _conditional_means(d, boundaries, fine)
+  return tuple(float(t) for t in boundaries), tuple(float(v) for v in levels)
+
+
+def main() -> None:
+  import pathlib
+
+  lines = [
+    '"""Few-bit derivative codes, generated by `python -m jaxact._src.codes`: do not edit."""',
+    "",
+    "# (activation, static params, bits) -> (boundaries on x, levels of f');",
+    "# 8 bits: ((), (lo, hi)), the range of f'.",
+    "TABLE = {",
+  ]
+  by_name = {s.name: s for s in SPECS}
+  for name in CODED:
+    for params in param_combinations(by_name[name]):
+      for bits in BITS:
+        boundaries, levels = derive(by_name[name], params, bits)
+        lines.append(f"  ({name!r}, {params!r}, {bits}): (")
+        lines.append(f"    ({''.join(f'{t!r}, ' for t in boundaries)}),")
+        lines.append(f"    ({''.join(f'{v!r}, ' for v in levels)}),")
+        lines.append("  ),")
+  lines.append("}")
+  path = pathlib.Path(__file__).with_name("code_table.py")
+  path.write_text("\n".join(lines) + "\n")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
