@@ -109,7 +109,9 @@ def gated_unsupported(
   """Why the kernel cannot run an ``(M, K, N)`` gated layer of `dtype` at `tiles`, or None."""
   m, k, n = shape
   if np.dtype(dtype) not in HALF:
-    return f"operand dtype {np.dtype(dtype).name} (the gated Hopper kernel takes bfloat16 or float16)"
+    return (
+      f"operand dtype {np.dtype(dtype).name} (the gated Hopper kernel takes bfloat16 or float16)"
+    )
   for name, d, step in (("M", m, 2 * tiles.tile_m), ("N", n, tiles.tile_n), ("K", k, tiles.tile_k)):
     if d % step:
       return f"{name}={d} is not a multiple of {step} (the gated Hopper kernel's tile)"
@@ -296,7 +298,9 @@ def gated_forward(
   n = w_gate.shape[1]
   for name, bias in (("b_gate", b_gate), ("b_up", b_up)):
     if bias is not None and bias.shape != (n,):
-      raise ValueError(f"pallas_kernels.gated_hopper: `{name}` must have shape ({n},); got {bias.shape}")
+      raise ValueError(
+        f"pallas_kernels.gated_hopper: `{name}` must have shape ({n},); got {bias.shape}"
+      )
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
       raise TypeError(f"pallas_kernels.gated_hopper: `{name}` must be floating; got {bias.dtype}")
   if not x.dtype == w_gate.dtype == w_up.dtype:
@@ -358,9 +362,7 @@ def gated_forward_reference(
   dtype = x.dtype
 
   def project(w, bias):
-    z = jnp.dot(
-      x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST
-    )
+    z = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return (z if bias is None else z + bias.astype(jnp.float32)).astype(dtype)
 
   a, b = project(w_gate, b_gate), project(w_up, b_up)
