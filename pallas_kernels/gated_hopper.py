@@ -104,10 +104,12 @@ def gated_block_config(shape: tuple[int, int, int], dtype, *, keep_ab: bool = Tr
 
 
 def gated_unsupported(
-  shape: tuple[int, int, int], dtype, epilogue: Epilogue, tiles: GatedTiles
+  shape: tuple[int, int, int], dtype, epilogue: Epilogue, tiles: GatedTiles | None = None
 ) -> str | None:
-  """Why the kernel cannot run an ``(M, K, N)`` gated layer of `dtype` at `tiles`, or None."""
+  """Why the kernel cannot run an ``(M, K, N)`` gated layer of `dtype` at `tiles` (by default
+  :func:`gated_block_config`'s, whose divisibility is the same with or without a and b), or None."""
   m, k, n = shape
+  tiles = tiles or gated_block_config(shape, dtype)
   if np.dtype(dtype) not in HALF:
     return (
       f"operand dtype {np.dtype(dtype).name} (the gated Hopper kernel takes bfloat16 or float16)"
@@ -273,7 +275,8 @@ def gated_forward(
     b_gate, b_up: ``(N,)`` (any float dtype: added in float32) or None.
     epilogue: the activation: ``epilogue.fn`` applied to float32 tiles, or None for identity (the
       bilinear GLU); its ``derivative`` and ``residual`` are not used. Its operations must be ones
-      Mosaic GPU lowers (``expm1`` and ``log1p`` are rewritten: :mod:`pallas_kernels._mosaic`).
+      Mosaic GPU lowers (``expm1`` and ``log1p`` are rewritten: :mod:`pallas_kernels._mosaic`),
+      and its parameters Python numbers (as ``kernel_calls.epilogue`` builds it from a spec).
     num_sms: the GPU's streaming multiprocessors, one persistent CTA each (132 on an H100 SXM).
     keep_ab: write `a` and `b` as well as `h` (for a backward pass); else only `h`.
     tiles: the tiling; :func:`gated_block_config`'s by default. With the default, ``M`` must be a
@@ -286,7 +289,8 @@ def gated_forward(
 
   Raises:
     ValueError: shapes that do not match, or that the tiles do not divide, or an activation Mosaic
-      GPU cannot lower (:func:`gated_unsupported` gives the reason without raising).
+      GPU cannot lower (:func:`gated_unsupported` gives the reason without raising: a dispatcher
+      asks it first and falls back to XLA).
     TypeError: operand dtypes that differ, or are not 16-bit floats.
   """
   batch, k = x.shape[:-1], x.shape[-1]

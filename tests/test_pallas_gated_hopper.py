@@ -183,7 +183,8 @@ def test_bad_operands_are_refused_with_reasons():
   erf_inv = Epilogue(fn=jax.lax.erf_inv, derivative=None, residual="input")
   t = gated_hopper.GatedTiles()
   assert "erf_inv" in gated_hopper.gated_unsupported((128, 64, 128), jnp.bfloat16, erf_inv, t)
-  assert gated_hopper.gated_unsupported((128, 64, 128), jnp.bfloat16, silu, t) is None
+  assert gated_hopper.gated_unsupported((128, 64, 128), jnp.bfloat16, silu) is None
+  assert "N=200" in gated_hopper.gated_unsupported((128, 64, 200), jnp.float16, silu)
 
 
 # ---------------------------------------------------------------------- an H100, no GPU
