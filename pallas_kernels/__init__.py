@@ -11,7 +11,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   epilogue and its backward), :mod:`pallas_kernels.bias_act` (convolution epilogue and its
   backward, the bias gradient pass).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
-  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward).
+  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward),
+  :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass).
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
 The package is installed as ``pallas_kernels`` beside ``jaxact`` rather than inside it so that it

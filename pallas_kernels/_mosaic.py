@@ -157,8 +157,10 @@ def transforms(cols: int, dtype) -> tuple[Any, ...]:
 def write_tile(z, values, outs, out_smem) -> None:
   """Write ``values(z[sub])`` (one array for each gmem ref of `outs`, each of z's shape) by TMA,
   sub-tile by sub-tile through `out_smem` (``(len(outs), 2, epi_m, epi_n)``: two slots an
-  output), keeping one store group in flight while the next sub-tile is computed."""
-  rows, cols = z.shape
+  output), keeping one store group in flight while the next sub-tile is computed. `z` may be a
+  tuple of arrays of one shape: then ``values(*(v[sub] for v in z))``."""
+  zs = z if isinstance(z, tuple) else (z,)
+  rows, cols = zs[0].shape
   epi_m, epi_n = out_smem.shape[-2:]
   # The previous tile's stores must have read out_smem before it is overwritten.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -166,7 +168,7 @@ def write_tile(z, values, outs, out_smem) -> None:
     for en in range(cols // epi_n):
       sub = (slice(em * epi_m, (em + 1) * epi_m), slice(en * epi_n, (en + 1) * epi_n))
       slot = (em * (cols // epi_n) + en) % 2
-      vals = values(z[sub])
+      vals = values(*(v[sub] for v in zs))
       # The slot written now was read by the store two sub-tiles ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       for o, v in enumerate(vals):
