@@ -3,7 +3,9 @@
 ``DenseAct`` and ``ConvAct`` take exactly the attributes of ``flax.linen.Dense`` and
 ``flax.linen.Conv`` plus ``activation``, create the same ``kernel`` and ``bias`` parameters, and
 compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
-:func:`jaxact.conv_bias_act`. This module imports Flax; ``import jaxact`` alone does not::
+:func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of transformers (SwiGLU, ...) with the
+parameters of three ``nn.Dense`` (``gate_proj``, ``up_proj``, ``down_proj``) and one
+:func:`jaxact.gated_mlp`. This module imports Flax; ``import jaxact`` alone does not::
 
   import jaxact.linen as jnn
 
@@ -20,5 +22,6 @@ require_flax("jaxact.linen")
 
 from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
+from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 
-__all__ = ["DenseAct", "ConvAct"]
+__all__ = ["DenseAct", "ConvAct", "GatedMLP"]

@@ -3,7 +3,9 @@
 ``LinearAct`` and ``ConvAct`` take exactly the arguments of ``flax.nnx.Linear`` and
 ``flax.nnx.Conv`` plus ``activation``, create the same ``kernel`` and ``bias`` parameters (sharding
 metadata included), and compute ``activation(nnx.Linear(...)(x))`` as one
-:func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. This module imports Flax;
+:func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of
+transformers (SwiGLU, ...) holding three ``nnx.Linear`` (``gate_proj``, ``up_proj``,
+``down_proj``) and computing with one :func:`jaxact.gated_mlp`. This module imports Flax;
 ``import jaxact`` alone does not::
 
   from flax import nnx
@@ -17,6 +19,7 @@ from jaxact._src.validation import require_flax
 require_flax("jaxact.nnx")
 
 from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
+from jaxact._src.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
 
-__all__ = ["LinearAct", "ConvAct"]
+__all__ = ["LinearAct", "ConvAct", "GatedMLP"]

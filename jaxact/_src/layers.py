@@ -19,9 +19,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from jaxact._src import activations
+from jaxact._src import activations, gated
 
 Activation = str | Callable[..., jax.Array]
 
@@ -39,6 +40,18 @@ def check_activation(layer: str, activation) -> None:
       "function, a functools.partial of one with keyword parameters, or a callable; got "
       f"{type(activation).__name__} {activation!r}"
     )
+
+
+def check_features(layer: str, name: str, value, *, optional: bool = False) -> None:
+  """TypeError/ValueError, naming the layer and the attribute, unless `value` is a positive int
+  (or None where `optional`)."""
+  if value is None and optional:
+    return
+  accepted = "a positive int" + (" or None" if optional else "")
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{layer}: `{name}` must be {accepted}; got {type(value).__name__} {value!r}")
+  if value <= 0:
+    raise ValueError(f"{layer}: `{name}` must be {accepted}; got {value!r}")
 
 
 def activate(activation, y: jax.Array) -> jax.Array:
@@ -70,6 +83,24 @@ def fused_out_dtype(preferred_element_type, bias: jax.Array | None):
   if bias is None:
     return preferred_element_type
   return jnp.promote_types(preferred_element_type, bias.dtype)
+
+
+def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision) -> jax.Array:
+  """Flax ``Dense``'s computation on promoted arrays."""
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+  if bias is not None:
+    y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+def gated_mlp(activation, precision, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> jax.Array:
+  """``down(act(gate(x)) * up(x))`` on promoted arrays: one :func:`jaxact.gated_mlp`, or, for
+  dtypes it does not take (complex), Flax's three ``Dense`` computations and the activation."""
+  arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+  if fusable(*arrays):
+    return gated.gated_mlp(*arrays, activation=activation, precision=precision)
+  h = activate(activation, _dense(x, w_gate, b_gate, precision)) * _dense(x, w_up, b_up, precision)
+  return _dense(h, w_down, b_down, precision)
 
 
 def _broadcast(x: int | Sequence[int] | None, n: int) -> tuple[int, ...]:
