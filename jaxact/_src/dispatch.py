@@ -103,13 +103,8 @@ def target() -> Target:
 # ---------------------------------------------------------------------------------- support
 
 
-def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
-  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
-  dense = plan.linear.kind == "dense"
-  if not dense:
-    out_spec = plan.linear.dimension_numbers.out_spec
-    if out_spec[1] != len(out_spec) - 1:
-      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
+def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
+  """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call."""
   rule = plan.act.rule
   if rule is None:
     return "the activation is a plain callable, not a jaxact spec activation"
@@ -122,6 +117,19 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
     return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
   if 0 in x.shape or 0 in w.shape:
     return "zero-size operands"
+  return None
+
+
+def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
+  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
+  dense = plan.linear.kind == "dense"
+  if not dense:
+    out_spec = plan.linear.dimension_numbers.out_spec
+    if out_spec[1] != len(out_spec) - 1:
+      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
+  why = _call_unsupported(plan, x, w)
+  if why is not None:
+    return why
   if dense:
     sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for known patterns
   else:
@@ -164,18 +172,9 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
 
 def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Array) -> str | None:
   """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call, or None."""
-  rule = plan.act.rule
-  if rule is None:
-    return "the activation is a plain callable, not a jaxact spec activation"
-  if rule.dynamic_names:
-    return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
-  for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
-    if np.dtype(dtype).name not in _KERNEL_DTYPES:
-      return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"
-  if np.dtype(plan.acc_dtype) != np.float32:
-    return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
-  if 0 in x.shape or 0 in w_gate.shape:
-    return "zero-size operands"
+  why = _call_unsupported(plan, x, w_gate)
+  if why is not None:
+    return why
   sharded = pallas_sharding.gated_reason(x, w_gate, w_up)
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
@@ -185,6 +184,7 @@ def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Arr
     allow_tf32(plan.precision)
   except NotImplementedError as e:
     return str(e)
+  rule = plan.act.rule
   epilogue = kernel_calls.epilogue(rule)
   z = jax.ShapeDtypeStruct((), np.float32)
   parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
@@ -387,7 +387,8 @@ def decide_gated(
 
 
 def rules_table() -> str:
-  """:data:`AUTO_RULES` as a Markdown table (the docs' dispatch page)."""
+  """:data:`AUTO_RULES` and :data:`GATED_AUTO_RULES` as a Markdown table (the docs' dispatch
+  page)."""
   rows = [
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
