@@ -125,15 +125,17 @@ def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dy
   return out, a, b
 
 
-def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep=True):
   """:func:`_forward` with the gated projection in the plan's kernel (the down projection is
-  XLA's); only calls without array parameters get here."""
+  XLA's); only calls without array parameters get here. Without `keep` (no gradient to come)
+  the kernel writes h alone, and a and b are None."""
 
   def xla(x, w_gate, w_up, b_gate, b_up):
     a, b = _project(plan, x, w_gate, b_gate), _project(plan, x, w_up, b_up)
-    return hidden(plan, a, b, ()), a, b
+    return (hidden(plan, a, b, ()), a, b) if keep else (hidden(plan, a, b, ()), None, None)
 
-  out, a, b = kernel_calls.gated_forward(plan, x, w_gate, w_up, b_gate, b_up, xla)
+  args = (x, w_gate, w_up, b_gate, b_up)
+  out, a, b = kernel_calls.gated_forward(plan, *args, xla, keep=keep)
   if plan.has_down:
     out = _project(plan, out, w_down, b_down)
   return out, a, b
@@ -152,6 +154,8 @@ def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+  if plan.decision.forward != "xla":  # no gradient: XLA drops a and b, a kernel must not write them
+    return _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep=False)[0]
   return _gated_fwd(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)[0]
 
 

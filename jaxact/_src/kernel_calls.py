@@ -183,8 +183,11 @@ def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_
   return _switch((x, w, kept, g), triton_conv, xla, d, mosaic)
 
 
-def gated_forward(plan: GatedPlan, x, w_gate, w_up, b_gate, b_up, xla: Callable[..., Any]):
-  """``(h, a, b)`` of a gated projection, as `xla` returns them, by the Triton forward kernel."""
+def gated_forward(
+  plan: GatedPlan, x, w_gate, w_up, b_gate, b_up, xla: Callable[..., Any], *, keep: bool = True
+):
+  """``(h, a, b)`` of a gated projection, as `xla` returns them, by the Triton forward kernel;
+  without `keep` (no gradient to come) a and b are None and only h is written."""
   from pallas_kernels import gated
 
   d, ep = plan.decision, epilogue(plan.act.rule)
@@ -198,6 +201,7 @@ def gated_forward(plan: GatedPlan, x, w_gate, w_up, b_gate, b_up, xla: Callable[
       b_up,
       epilogue=ep,
       out_dtype=plan.out_dtype,
+      keep=keep,
       precision=plan.precision,
       block_config=gated.default_block_config(_dense_shape(x, w_gate), x.dtype),
       interpret=interpret,
