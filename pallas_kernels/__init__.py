@@ -9,7 +9,9 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
 
 * Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense` (fused matmul +
   epilogue and its backward), :mod:`pallas_kernels.bias_act` (convolution epilogue and its
-  backward, the bias gradient pass).
+  backward, the bias gradient pass),
+  :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
+  b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
   :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward),
   :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass).
@@ -21,6 +23,7 @@ what it holds.
 """
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
+from pallas_kernels._triton import unlowered_primitives as unlowered_primitives
 from pallas_kernels.bias_act import EltwiseTiles as EltwiseTiles
 from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
 from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
@@ -37,12 +40,19 @@ from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
 from pallas_kernels.dense import supported_dtypes as supported_dtypes
 from pallas_kernels.epilogue import Epilogue as Epilogue
+from pallas_kernels.gated import GatedBlockConfig as GatedBlockConfig
+from pallas_kernels.gated import gated_bwd as gated_bwd
+from pallas_kernels.gated import gated_bwd_reference as gated_bwd_reference
+from pallas_kernels.gated import gated_dense as gated_dense
+from pallas_kernels.gated import gated_dense_reference as gated_dense_reference
+from pallas_kernels.gated import gated_fwd as gated_fwd
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
   "BlockConfig",
   "EltwiseTiles",
   "Epilogue",
+  "GatedBlockConfig",
   "Tiles",
   "allow_tf32",
   "bias_act_bwd",
@@ -55,5 +65,11 @@ __all__ = [
   "dense_bias_act_bwd",
   "dense_bias_act_fwd",
   "dense_bias_act_reference",
+  "gated_bwd",
+  "gated_bwd_reference",
+  "gated_dense",
+  "gated_dense_reference",
+  "gated_fwd",
   "supported_dtypes",
+  "unlowered_primitives",
 ]

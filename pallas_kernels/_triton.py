@@ -22,6 +22,9 @@ warnings.filterwarnings(
   category=DeprecationWarning,
 )
 
+from collections.abc import Callable  # noqa: E402
+
+import jax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
@@ -30,4 +33,36 @@ CUSTOM_CALL_TARGET_NAME: str = plgpu.CUSTOM_CALL_TARGET_NAME
 load = plgpu.load
 store = plgpu.store
 
-__all__ = ["CUSTOM_CALL_TARGET_NAME", "CompilerParams", "load", "pl", "store"]
+
+def unlowered_primitives(fn: Callable[..., jax.Array], *args: jax.ShapeDtypeStruct) -> list[str]:
+  """The primitives of ``fn(*args)`` that the Triton backend has no lowering for (``erfc``, for
+  one), sorted; empty when every one lowers, or when this JAX keeps its rule table elsewhere (then
+  lowering itself reports them). In interpret mode every primitive runs."""
+  try:
+    from jax._src.pallas.triton.lowering import triton_lowering_rules
+  except ImportError:  # pragma: no cover - depends on the JAX release
+    return []
+  missing: set[str] = set()
+
+  def walk(jaxpr) -> None:
+    for eqn in jaxpr.eqns:
+      subs = [v for p in eqn.params.values() for v in (p if isinstance(p, (tuple, list)) else [p])]
+      subs = [getattr(v, "jaxpr", v) for v in subs if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+      if subs:
+        for sub in subs:
+          walk(sub)
+      elif eqn.primitive not in triton_lowering_rules:
+        missing.add(eqn.primitive.name)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return sorted(missing)
+
+
+__all__ = [
+  "CUSTOM_CALL_TARGET_NAME",
+  "CompilerParams",
+  "load",
+  "pl",
+  "store",
+  "unlowered_primitives",
+]

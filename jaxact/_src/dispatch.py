@@ -8,8 +8,10 @@ declined a kernel, why. The rules, in the order they are tried:
 1. ``implementation="xla"``: XLA.
 2. ``implementation="pallas"`` / ``"mosaic"``: the Triton / Mosaic GPU kernels, forward and
    backward, on every platform (interpret mode off CUDA); a call they cannot run raises
-   ``NotImplementedError`` with the reason (:func:`triton_unsupported`, :func:`mosaic_unsupported`).
-3. ``implementation=None``: the first row of :data:`AUTO_RULES` that holds. Kernels chosen there
+   ``NotImplementedError`` with the reason (:func:`triton_unsupported`, :func:`mosaic_unsupported`,
+   :func:`gated_triton_unsupported`; the gated ops have no Mosaic GPU kernel yet).
+3. ``implementation=None``: the first row of :data:`AUTO_RULES` that holds (for the gated ops,
+   :func:`decide_gated`, of :data:`GATED_AUTO_RULES`). Kernels chosen there
    run only where the program is lowered for CUDA; lowered for anything else the call is XLA's.
    A call the kernels cannot run is XLA's, silently.
 
@@ -34,6 +36,7 @@ from jaxact._src import kernel_calls, pallas_sharding
 
 if TYPE_CHECKING:
   from jaxact._src.fused_vjp import Plan
+  from jaxact._src.gated_vjp import GatedPlan
 
 Backend = Literal["xla", "triton", "mosaic"]
 Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`
@@ -100,13 +103,8 @@ def target() -> Target:
 # ---------------------------------------------------------------------------------- support
 
 
-def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
-  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
-  dense = plan.linear.kind == "dense"
-  if not dense:
-    out_spec = plan.linear.dimension_numbers.out_spec
-    if out_spec[1] != len(out_spec) - 1:
-      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
+def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
+  """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call."""
   rule = plan.act.rule
   if rule is None:
     return "the activation is a plain callable, not a jaxact spec activation"
@@ -121,6 +119,19 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
     return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
   if 0 in x.shape or 0 in w.shape:
     return "zero-size operands"
+  return None
+
+
+def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
+  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
+  dense = plan.linear.kind == "dense"
+  if not dense:
+    out_spec = plan.linear.dimension_numbers.out_spec
+    if out_spec[1] != len(out_spec) - 1:
+      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
+  why = _call_unsupported(plan, x, w)
+  if why is not None:
+    return why
   if dense:
     sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for known patterns
   else:
@@ -161,6 +172,33 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   return why
 
 
+def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Array) -> str | None:
+  """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call, or None."""
+  why = _call_unsupported(plan, x, w_gate)
+  if why is not None:
+    return why
+  sharded = pallas_sharding.gated_reason(x, w_gate, w_up)
+  if sharded is not None:
+    return f"inputs sharded over a mesh: {sharded}"
+  from pallas_kernels import allow_tf32, unlowered_primitives
+
+  try:
+    allow_tf32(plan.precision)
+  except NotImplementedError as e:
+    return str(e)
+  rule = plan.act.rule
+  epilogue = kernel_calls.epilogue(rule)
+  z = jax.ShapeDtypeStruct((), np.float32)
+  parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
+  missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
+  if missing:
+    return (
+      f"the activation {rule.name} computes {', '.join(missing)}, which Pallas Triton does not "
+      "lower"
+    )
+  return None
+
+
 # -------------------------------------------------------------------------------- decisions
 
 
@@ -188,7 +226,7 @@ class Rule:
   """One row of :data:`AUTO_RULES`: where it applies, what it picks, and on what evidence."""
 
   where: str
-  applies: Callable[[_Facts], bool]
+  applies: Callable[[_Facts], bool] | Callable[[_GatedFacts], bool]
   forward: Backend
   backward: Backend
   why: str
@@ -246,6 +284,29 @@ AUTO_RULES: tuple[Rule, ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _GatedFacts:
+  """What the gated rules ask of one call."""
+
+  plan: GatedPlan
+  x: Array
+  w_gate: Array
+  target: Target
+
+
+# The gated ops' rules for implementation=None, tried after gated_triton_unsupported.
+GATED_AUTO_RULES: tuple[Rule, ...] = (
+  Rule(
+    "`gated_dense`, `gated_mlp`: every target",
+    lambda f: True,
+    "xla",
+    "xla",
+    "no GPU measurement supports the gated Triton kernels yet (they compile for H100 and A100 "
+    "without spills; implementation='pallas' runs them)",
+  ),
+)
+
+
 def check_implementation(fn_name: str, implementation) -> None:
   """Raise ``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
   if implementation is not None and (
@@ -255,20 +316,6 @@ def check_implementation(fn_name: str, implementation) -> None:
       f"jaxact.{fn_name}: `implementation` {implementation!r} is not known; choose one of: "
       f"None (best available), {', '.join(repr(i) for i in IMPLEMENTATIONS)}"
     )
-
-
-def decide_gated(fn_name: str, implementation: str | None, plan, x: Array, w_gate: Array):
-  """`plan` (a :class:`~jaxact._src.gated_vjp.GatedPlan`) with its :class:`Decision`.
-
-  The gated ops run on XLA: no gated kernel exists yet, so kernels asked for by name raise
-  ``NotImplementedError``."""
-  check_implementation(fn_name, implementation)
-  if implementation in ("pallas", "mosaic"):
-    raise NotImplementedError(
-      f"jaxact.{fn_name}: implementation={implementation!r} has no kernel for the gated ops yet; "
-      "use implementation='xla' or None"
-    )
-  return plan
 
 
 def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array) -> Decision:
@@ -302,13 +349,53 @@ def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Ar
       return Decision(rule.forward, rule.backward, target=facts.target)
 
 
+def decide_gated(
+  fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
+) -> Decision:
+  """The backends for one gated call, as :func:`decide` for the fused ops: ``"pallas"`` takes
+  the Triton kernels (:mod:`pallas_kernels.gated`), forward and backward pass, or raises
+  ``NotImplementedError`` with the reason; ``None`` takes the first row of
+  :data:`GATED_AUTO_RULES` that holds."""
+  check_implementation(fn_name, implementation)
+  match implementation:
+    case "xla":
+      return Decision()
+    case "pallas":
+      why = gated_triton_unsupported(plan, x, w_gate, w_up)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
+          "implementation='xla' or None"
+        )
+      return Decision("triton", "triton", forced=True, target=target())
+    case "mosaic":
+      # The hook for a Mosaic GPU forward (pallas_kernels/gated_hopper.py): its support check
+      # here, then Decision("mosaic", "triton", forced=True, target=target()) (the backward pass
+      # stays the Triton elementwise kernel, which Hopper runs) and its call in
+      # kernel_calls.gated_forward.
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation='mosaic': no Mosaic gated kernel yet; use "
+        "implementation='pallas', 'xla' or None"
+      )
+    case _:  # None
+      why = gated_triton_unsupported(plan, x, w_gate, w_up)
+      if why is not None:
+        return Decision(declined=why)
+      facts = _GatedFacts(plan, x, w_gate, target())
+      rule = next(r for r in GATED_AUTO_RULES if r.applies(facts))
+      if rule.forward == rule.backward == "xla":
+        return Decision(declined=rule.why)
+      return Decision(rule.forward, rule.backward, target=facts.target)
+
+
 def rules_table() -> str:
-  """:data:`AUTO_RULES` as a Markdown table (the docs' dispatch page)."""
+  """:data:`AUTO_RULES` and :data:`GATED_AUTO_RULES` as a Markdown table (the docs' dispatch
+  page)."""
   rows = [
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
-  for r in AUTO_RULES:
+  for r in (*AUTO_RULES, *GATED_AUTO_RULES):
     evidence = f"RESULTS.md: {r.evidence}" if r.evidence else ""
     rows.append(f"| {r.where} | {r.forward} | {r.backward} | {r.why} | {evidence} |")
   return "\n".join(rows) + "\n"

@@ -8,6 +8,7 @@ This module checks the arguments and builds the call's static plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -89,7 +90,8 @@ def _run(fn_name, arrays, activation, precision, preferred_element_type, impleme
     has_down=w_down is not None,
     has_down_bias=b_down is not None,
   )
-  plan = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate)
+  decision = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate, w_up)
+  plan = dataclasses.replace(plan, decision=decision)
   return gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
 
 
@@ -133,7 +135,8 @@ def gated_dense(
     activation: the gate's activation (default ``"silu"``: SwiGLU).
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
-    implementation: ``None`` (the best available) or ``"xla"``.
+    implementation: ``None`` (the best available), ``"xla"`` or ``"pallas"`` (the Triton kernels
+      of :mod:`pallas_kernels.gated`; see the dispatch docs).
 
   Returns:
     ``h`` of shape ``(..., hidden)``.
@@ -199,7 +202,8 @@ def gated_mlp(
     activation: the gate's activation (default ``"silu"``: a SwiGLU MLP).
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
-    implementation: ``None`` (the best available) or ``"xla"``.
+    implementation: ``None`` (the best available), ``"xla"`` or ``"pallas"`` (the Triton kernels
+      of :mod:`pallas_kernels.gated`; see the dispatch docs).
 
   Returns:
     ``y`` of shape ``(..., out)``.

@@ -9,6 +9,11 @@ same composition keeps ``act(a)``, the activation's intermediates and ``h`` besi
 
 Products of three factors (``gh * act'(a) * b``) are formed so that an intermediate that overflows
 to infinity times an exact zero gives 0, not NaN.
+
+The plan's :class:`~jaxact._src.dispatch.Decision` says whether the gated projection (forward) and
+the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton kernels
+(:mod:`jaxact._src.kernel_calls`, :mod:`pallas_kernels.gated`); the matmuls of the backward pass
+and the down projection are XLA's either way.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import barriers
+from jaxact._src import barriers, kernel_calls
 from jaxact._src.dispatch import Decision
 from jaxact._src.fused_vjp import Act
 
@@ -120,8 +125,27 @@ def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dy
   return out, a, b
 
 
+def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep=True):
+  """:func:`_forward` with the gated projection in the plan's kernel (the down projection is
+  XLA's); only calls without array parameters get here. Without `keep` (no gradient to come)
+  the kernel writes h alone, and a and b are None."""
+
+  def xla(x, w_gate, w_up, b_gate, b_up):
+    a, b = _project(plan, x, w_gate, b_gate), _project(plan, x, w_up, b_up)
+    return (hidden(plan, a, b, ()), a, b) if keep else (hidden(plan, a, b, ()), None, None)
+
+  args = (x, w_gate, w_up, b_gate, b_up)
+  out, a, b = kernel_calls.gated_forward(plan, *args, xla, keep=keep)
+  if plan.has_down:
+    out = _project(plan, out, w_down, b_down)
+  return out, a, b
+
+
 def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
-  out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+  if plan.decision.forward == "xla":
+    out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+  else:
+    out, a, b = _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
   # As barriers.barrier_residual: hide a and b's origin, so that XLA neither recomputes them in
   # the backward pass nor keeps the forward's act(a) or h alive to share with the backward's.
   out, a, b = lax.optimization_barrier((out, a, b))
@@ -130,6 +154,8 @@ def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+  if plan.decision.forward != "xla":  # no gradient: XLA drops a and b, a kernel must not write them
+    return _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep=False)[0]
   return _gated_fwd(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)[0]
 
 
@@ -160,6 +186,8 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
   # Nothing of the backward (h, act(a)) may run before the cotangent exists: it would be computed
   # in the forward pass and kept alive until here (barriers.after_cotangent).
   (a, b), g = barriers.after_cotangent((a, b), g)
+  if plan.decision.backward != "xla":
+    return _kernel_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
   d_down = None, None
   if plan.has_down:
     h = hidden(plan, a, b, dynamic)
@@ -177,6 +205,12 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
   da, db = da.astype(mm), db.astype(mm)
   if mm != acc:
     da, db = lax.optimization_barrier((da, db))
+  return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, d_dynamic)
+
+
+def _projection_grads(plan: GatedPlan, x, w_gate, w_up, da, db, d_down, d_dynamic):
+  """The cotangents of the primal arguments from da and db (in the backward matmul dtype)."""
+  acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
   d_gate_bias = _bias_grad(plan, plan.has_gate_bias, da, x.dtype)
   d_up_bias = _bias_grad(plan, plan.has_up_bias, db, x.dtype)
   dw_gate = _weight_grad(plan, x, da, w_gate.dtype)
@@ -193,6 +227,29 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
     d_down_bias,
     *d_dynamic,
   )
+
+
+def _kernel_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
+  """:func:`_gated_bwd` with da, db (and h) from the plan's one-pass kernel, which also recomputes
+  h for the down projection's weight gradient after gh exists (gh does not need it)."""
+  mm = _matmul_dtype(plan, x.dtype)
+
+  def xla(gh, a, b):
+    da, db, _ = gate_cotangents(plan, a, b, gh, ())
+    return da.astype(mm), db.astype(mm), hidden(plan, a, b, ()) if plan.has_down else None
+
+  d_down = None, None
+  if plan.has_down:
+    gy = g.astype(mm)
+    gh = _input_grad(plan, gy, w_down, mm)
+    da, db, h = kernel_calls.gated_backward(plan, gh, a, b, xla, with_h=True, grad_dtype=mm)
+    d_down = (
+      _weight_grad(plan, h, gy, w_down.dtype),
+      _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
+    )
+  else:
+    da, db, _ = kernel_calls.gated_backward(plan, g, a, b, xla, with_h=False, grad_dtype=mm)
+  return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, [])
 
 
 _gated.defvjp(_gated_fwd, _gated_bwd)

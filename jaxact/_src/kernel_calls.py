@@ -1,4 +1,5 @@
-"""The fused ops' kernel calls: epilogues from the spec table, the platform switch, per-shard runs.
+"""The fused and gated ops' kernel calls: epilogues from the spec table, the platform switch,
+per-shard runs.
 
 The kernels (``pallas_kernels``) know nothing of jaxact: they take the activation as a
 :class:`pallas_kernels.Epilogue` and their tiles as arguments. This module builds the epilogue from
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
   from jaxact._src.activations import _Rule
   from jaxact._src.dispatch import Decision
   from jaxact._src.fused_vjp import Plan
+  from jaxact._src.gated_vjp import GatedPlan
 
 
 def epilogue(rule: _Rule):
@@ -179,3 +181,49 @@ def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_
     kernels = pallas_sharding.dense_backward(mosaic_dense if mosaic else triton_dense)
     return _switch((x, w, kept, g), kernels, xla, d, mosaic)
   return _switch((x, w, kept, g), triton_conv, xla, d, mosaic)
+
+
+def gated_forward(
+  plan: GatedPlan, x, w_gate, w_up, b_gate, b_up, xla: Callable[..., Any], *, keep: bool = True
+):
+  """``(h, a, b)`` of a gated projection, as `xla` returns them, by the Triton forward kernel;
+  without `keep` (no gradient to come) a and b are None and only h is written."""
+  from pallas_kernels import gated
+
+  d, ep = plan.decision, epilogue(plan.act.rule)
+
+  def triton(x, w_gate, w_up, b_gate, b_up, *, interpret):
+    return gated.gated_fwd(
+      x,
+      w_gate,
+      w_up,
+      b_gate,
+      b_up,
+      epilogue=ep,
+      out_dtype=plan.out_dtype,
+      keep=keep,
+      precision=plan.precision,
+      block_config=gated.default_block_config(_dense_shape(x, w_gate), x.dtype),
+      interpret=interpret,
+    )
+
+  # A Mosaic GPU forward (pallas_kernels/gated_hopper.py) is the second entry, for d.forward ==
+  # "mosaic"; _switch stages forced Mosaic kernels alone when the trace is for CUDA.
+  kernels = {"triton": triton}[d.forward]
+  args = (x, w_gate, w_up, b_gate, b_up)
+  return _switch(args, pallas_sharding.gated_forward(kernels), xla, d, d.forward == "mosaic")
+
+
+def gated_backward(plan: GatedPlan, gh, a, b, xla: Callable[..., Any], *, with_h: bool, grad_dtype):
+  """``(da, db, h)`` from the cotangent `gh` of ``h = act(a) * b`` by the one-pass Triton kernel
+  (h None unless `with_h`), as `xla` returns them: da and db in `grad_dtype`, h in a's dtype."""
+  from pallas_kernels import gated
+
+  ep = epilogue(plan.act.rule)
+
+  def triton(gh, a, b, *, interpret):
+    return gated.gated_bwd(
+      gh, a, b, epilogue=ep, with_h=with_h, grad_dtype=grad_dtype, interpret=interpret
+    )
+
+  return _switch((gh, a, b), pallas_sharding.pointwise(triton), xla, plan.decision, False)

@@ -338,3 +338,55 @@ def elementwise_backward(kernel: Callable[..., Any], feature_axis: int = -1) -> 
     )
 
   return run
+
+
+# -------------------------------------------------------------------------------------- gated
+
+
+def gated_reason(x: Array, w_gate: Array, w_up: Array) -> str | None:
+  """Why the per-shard gated forward kernel cannot run on these sharded operands, or None."""
+  mesh = _mesh(x, w_gate, w_up)
+  if isinstance(mesh, str):
+    return mesh
+  return dense_reason(x, w_gate)
+
+
+def gated_forward(kernel: Callable[..., Any]) -> Callable[..., Any]:
+  """``kernel(x, w_gate, w_up, b_gate, b_up, **static) -> (h, a, b)`` per shard, in the dense
+  patterns (x's rows and the weights' columns split; `w_up` split as `w_gate`, the biases as
+  their columns). No sum: each device's h, a and b are its block of the whole."""
+
+  def run(x, w_gate, w_up, b_gate, b_up, **static):
+    plan = _require(_dense_plan(x, w_gate))
+    if plan is None:
+      return kernel(x, w_gate, w_up, b_gate, b_up, **static)
+    bias = (plan.model,)
+    return per_shard(
+      kernel,
+      (x, w_gate, w_up, b_gate, b_up),
+      (plan.x, plan.w, plan.w, bias, bias),
+      (plan.y, plan.y, plan.y),
+      mesh=plan.mesh,
+      **static,
+    )
+
+  return run
+
+
+def pointwise(kernel: Callable[..., Any]) -> Callable[..., Any]:
+  """``kernel(*arrays, **static)`` per shard, for a kernel that maps arrays of one shape to a tuple
+  of arrays (or None) of that shape, elementwise: any sharding, the first array's for every input
+  and output, and no collective."""
+
+  def run(*arrays, **static):
+    mesh = _mesh(*arrays)
+    if isinstance(mesh, str):
+      raise NotImplementedError(f"per-shard kernels: {mesh}")
+    if mesh is None:
+      return kernel(*arrays, **static)
+    spec = spec_of(arrays[0])
+    # One output, the kernel's whole result, as in elementwise_forward.
+    whole = lambda *a: (kernel(*a, **static),)
+    return per_shard(whole, arrays, (spec,) * len(arrays), (spec,), mesh=mesh)[0]
+
+  return run
