@@ -288,10 +288,11 @@ def gated_case(name: str, mesh, tensor_parallel: bool) -> None:
     return jnp.mean((mlp(params, x) - y) ** 2)
 
   batch = NamedSharding(mesh, P("data"))
-  xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
-  sharded = train(loss_fn, jax.device_put(params, shardings), xs, ys)
   single = train(loss_fn, one_device(params), one_device(x), one_device(y))
-  fwd = jax.jit(mlp).lower(jax.device_put(params, shardings), xs).compile()
+  with jax.set_mesh(mesh):  # Explicit axes: the sharding is in the types
+    xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+    sharded = train(loss_fn, jax.device_put(params, shardings), xs, ys)
+    fwd = jax.jit(mlp).lower(jax.device_put(params, shardings), xs).compile()
   param_specs = {k: str(v.spec) for k, v in shardings.items()}
   # The shapes the forward's collectives produce (per device): y's rows and OUT features only.
   shapes = re.findall(r"(\w+\[[\d,]*\])\S* (?:all-reduce|all-gather)\(", fwd.as_text())
@@ -315,6 +316,9 @@ def main(names) -> None:
     ),
     "conv_dp": lambda: conv_dp_case("conv_dp", jax.make_mesh((8,), ("data",), (auto,))),
     "gated_dp": lambda: gated_case("gated_dp", jax.make_mesh((8,), ("data",), (auto,)), False),
+    "gated_dp_explicit": lambda: gated_case(
+      "gated_dp_explicit", jax.make_mesh((8,), ("data",)), False
+    ),
     "gated_tp": lambda: gated_case(
       "gated_tp", jax.make_mesh((2, 4), ("data", "model"), (auto, auto)), True
     ),

@@ -12,7 +12,7 @@ Cases: a data-parallel and a tensor-parallel (column-parallel then row-parallel)
 ``jaxact.nnx.LinearAct`` (``kernel_metadata={"out_sharding": ...}``; data-parallel on an Explicit
 mesh, tensor-parallel on an Auto mesh and on an Explicit one with ``out_sharding`` for the
 row-parallel layer), a data-parallel ``ConvAct`` network, and ``jaxact.gated_mlp`` data-parallel
-and Megatron tensor-parallel.
+(Auto and Explicit axes) and Megatron tensor-parallel.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CASES = [
   "nnx_tp_explicit",
   "conv_dp",
   "gated_dp",
+  "gated_dp_explicit",
   "gated_tp",
 ]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
@@ -93,7 +94,9 @@ def test_tensor_parallel_gated_mlp_reduces_y_once_and_gathers_nothing(results):
   assert set(result["step_collectives"]) == {"all-reduce"}
 
 
-@pytest.mark.parametrize("name", ["linen_dp", "nnx_dp_explicit", "conv_dp", "gated_dp"])
+@pytest.mark.parametrize(
+  "name", ["linen_dp", "nnx_dp_explicit", "conv_dp", "gated_dp", "gated_dp_explicit"]
+)
 def test_data_parallel_step_only_all_reduces(results, name):
   """Data parallelism all-reduces gradients and nothing else: no activation moves between devices
   (for the convolution: XLA:CPU's batch-chunked kernel gradient takes device-local chunks)."""

@@ -165,19 +165,20 @@ def _bias_grad(plan: GatedPlan, present: bool, dz: Array, dtype) -> Array | None
   return jnp.sum(dz, tuple(range(dz.ndim - 1)), dtype=plan.acc_dtype).astype(dtype)
 
 
-def _weight_grad(plan: GatedPlan, x: Array, dz: Array, dtype) -> Array:
-  """``x^T dz`` over every axis but the last."""
-  batch = tuple(range(x.ndim - 1))
-  dw = lax.dot_general(
-    x, dz, ((batch, batch), ((), ())), plan.precision, preferred_element_type=plan.acc_dtype
-  )
-  return dw.astype(dtype)
+def _weight_grad(plan: GatedPlan, x: Array, w: Array, dz: Array) -> Array:
+  """``x^T dz`` over every axis but the last, as the transpose in `w` of ``x @ w``.
+
+  Transposes rather than a hand-written dot_general: under Explicit mesh axes the transpose rules
+  give the result `w`'s sharding, where a contraction over a sharded batch would be ambiguous.
+  """
+  (dw,) = jax.linear_transpose(lambda w_: _dot(plan, x, w_, dz.dtype), w)(dz)
+  return dw
 
 
-def _input_grad(plan: GatedPlan, dz: Array, w: Array, dtype) -> Array:
-  """``dz @ w^T`` (accumulated in float32 or wider) as `dtype`."""
-  dims = (((dz.ndim - 1,), (1,)), ((), ()))
-  return lax.dot_general(dz, w, dims, plan.precision, preferred_element_type=dtype)
+def _input_grad(plan: GatedPlan, dz: Array, w: Array, x: Array) -> Array:
+  """``dz @ w^T``, the transpose in `x` of ``x @ w``, in x's dtype."""
+  (dx,) = jax.linear_transpose(lambda x_: _dot(plan, x_, w, dz.dtype), x)(dz)
+  return dx
 
 
 def _gated_bwd(plan: GatedPlan, res, g: Array):
@@ -193,10 +194,10 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
     h = hidden(plan, a, b, dynamic)
     gy = g.astype(mm)
     d_down = (
-      _weight_grad(plan, h, gy, w_down.dtype),
+      _weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
-    gh = _input_grad(plan, gy, w_down, mm)
+    gh = _input_grad(plan, gy, w_down, h)
   else:
     gh = g
   da, db, d_dynamic = gate_cotangents(plan, a, b, gh, dynamic)
@@ -210,12 +211,12 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
 
 def _projection_grads(plan: GatedPlan, x, w_gate, w_up, da, db, d_down, d_dynamic):
   """The cotangents of the primal arguments from da and db (in the backward matmul dtype)."""
-  acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
+  acc = plan.acc_dtype
   d_gate_bias = _bias_grad(plan, plan.has_gate_bias, da, x.dtype)
   d_up_bias = _bias_grad(plan, plan.has_up_bias, db, x.dtype)
-  dw_gate = _weight_grad(plan, x, da, w_gate.dtype)
-  dw_up = _weight_grad(plan, x, db, w_up.dtype)
-  dx = _input_grad(plan, da, w_gate, mm).astype(acc) + _input_grad(plan, db, w_up, mm).astype(acc)
+  dw_gate = _weight_grad(plan, x, w_gate, da)
+  dw_up = _weight_grad(plan, x, w_up, db)
+  dx = _input_grad(plan, da, w_gate, x).astype(acc) + _input_grad(plan, db, w_up, x).astype(acc)
   dw_down, d_down_bias = d_down
   return (
     dx.astype(x.dtype),
@@ -241,10 +242,10 @@ def _kernel_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
   d_down = None, None
   if plan.has_down:
     gy = g.astype(mm)
-    gh = _input_grad(plan, gy, w_down, mm)
+    gh = _input_grad(plan, gy, w_down, a)  # a: an array of h's shape and dtype (h comes after)
     da, db, h = kernel_calls.gated_backward(plan, gh, a, b, xla, with_h=True, grad_dtype=mm)
     d_down = (
-      _weight_grad(plan, h, gy, w_down.dtype),
+      _weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
   else:
