@@ -26,7 +26,7 @@ import jaxact
 from jaxact._src import activations, dispatch, pallas_sharding, test_util
 from jaxact._src.fused_vjp import Act
 from jaxact._src.gated_vjp import GatedPlan, gate_cotangents, hidden
-from kernel_cases import TRITON, cuda_mesh, lowered_text
+from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
 from pallas_kernels import gated as kernels
 
 from cases import representatives
@@ -230,8 +230,11 @@ def test_what_pallas_declines_raises_with_the_reason():
     jaxact.gated_mlp(
       *(v.astype(jnp.float64) for v in (x, wg, wu, wd)), activation="relu", implementation="pallas"
     )
-  with pytest.raises(NotImplementedError, match=r"'mosaic': no Mosaic gated kernel yet"):
+  with pytest.raises(NotImplementedError, match=r"'mosaic' .* operand dtype float32"):
     jaxact.gated_dense(x, wg, wu, implementation="mosaic")
+  xb, wgb, wub = (v.astype(jnp.bfloat16) for v in (x, wg, wu))
+  with pytest.raises(NotImplementedError, match=r"'mosaic' .* M=4 is not a multiple of 128"):
+    jaxact.gated_dense(xb, wgb, wub, implementation="mosaic")
   # None falls back to XLA, silently, for the same calls.
   jax.eval_shape(lambda: jaxact.gated_dense(x, wg, wu, activation=leaky))
   jax.eval_shape(lambda: jaxact.gated_dense(x, wg, wu, activation=ACTIVATIONS["gelu_exact"]))
@@ -440,3 +443,42 @@ def test_the_kernels_keep_the_xla_paths_memory_in_the_compiled_step(op):
     return compiled.memory_analysis().temp_size_in_bytes
 
   assert temp("pallas") <= temp("xla") + 2**20  # beside 3 hidden-sized arrays (516 MiB)
+
+
+# ------------------------------------------------------------------- the Mosaic GPU forward
+
+
+def _mosaic_step(name):
+  def step(x, wg, wu, wd):
+    loss = lambda *a: jnp.sum(
+      jaxact.gated_mlp(*a, activation=name, implementation="mosaic").astype(jnp.float32) ** 2
+    )
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+
+  return step
+
+
+def test_mosaic_forward_and_triton_backward_are_what_a_hopper_step_lowers_to():
+  shapes = [
+    jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 128), (128, 256), (128, 256), (256, 128))
+  ]
+  text = lowered_text(_mosaic_step("silu"), shapes, "cuda", "H100")
+  # The gated forward (a, b and h in one kernel), then the one-pass (da, db, h) backward.
+  assert text.count(f"custom_call @{MOSAIC}(") == 1
+  assert text.count(f"custom_call @{TRITON}(") == 1
+
+
+@pytest.mark.exhaustive
+def test_mosaic_forward_matches_the_xla_path_in_the_interpreter():
+  x, wg, wu, wd, *_ = operands((128, 64, 128, 64), jnp.bfloat16)
+  got = jax.jit(_mosaic_step("gelu"))(x, wg, wu, wd)
+
+  def xla(x, wg, wu, wd):
+    loss = lambda *a: jnp.sum(
+      jaxact.gated_mlp(*a, activation="gelu", implementation="xla").astype(jnp.float32) ** 2
+    )
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+
+  want = jax.jit(xla)(x, wg, wu, wd)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert_close(g, w, jnp.bfloat16)

@@ -199,6 +199,21 @@ def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Arr
   return None
 
 
+def gated_mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:
+  """Why the gated Hopper forward (:mod:`pallas_kernels.gated_hopper`) cannot run this call."""
+  from pallas_kernels import gated_hopper
+
+  if np.dtype(plan.out_dtype) != np.dtype(x.dtype):
+    return (
+      f"output dtype {np.dtype(plan.out_dtype).name} differs from the operands' "
+      f"{np.dtype(x.dtype).name} (the kernel writes a, b and h in the operands' dtype)"
+    )
+  if plan.precision is not None:
+    return f"precision={plan.precision!r} (the kernel's wgmma takes the default precision only)"
+  shape = (math.prod(x.shape[:-1]), *w_gate.shape)
+  return gated_hopper.gated_unsupported(shape, x.dtype, kernel_calls.epilogue(plan.act.rule))
+
+
 # -------------------------------------------------------------------------------- decisions
 
 
@@ -353,9 +368,10 @@ def decide_gated(
   fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
 ) -> Decision:
   """The backends for one gated call, as :func:`decide` for the fused ops: ``"pallas"`` takes
-  the Triton kernels (:mod:`pallas_kernels.gated`), forward and backward pass, or raises
-  ``NotImplementedError`` with the reason; ``None`` takes the first row of
-  :data:`GATED_AUTO_RULES` that holds."""
+  the Triton kernels (:mod:`pallas_kernels.gated`), forward and backward pass; ``"mosaic"`` the
+  Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the Triton backward; either raises
+  ``NotImplementedError`` with the reason when it cannot run the call. ``None`` takes the first
+  row of :data:`GATED_AUTO_RULES` that holds."""
   check_implementation(fn_name, implementation)
   match implementation:
     case "xla":
@@ -369,14 +385,17 @@ def decide_gated(
         )
       return Decision("triton", "triton", forced=True, target=target())
     case "mosaic":
-      # The hook for a Mosaic GPU forward (pallas_kernels/gated_hopper.py): its support check
-      # here, then Decision("mosaic", "triton", forced=True, target=target()) (the backward pass
-      # stays the Triton elementwise kernel, which Hopper runs) and its call in
-      # kernel_calls.gated_forward.
-      raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation='mosaic': no Mosaic gated kernel yet; use "
-        "implementation='pallas', 'xla' or None"
+      # The Mosaic GPU forward (both projections from one pass over x); the backward pass is the
+      # Triton elementwise kernel, which Hopper runs.
+      why = gated_triton_unsupported(plan, x, w_gate, w_up) or gated_mosaic_unsupported(
+        plan, x, w_gate
       )
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
+          "implementation='pallas', 'xla' or None"
+        )
+      return Decision("mosaic", "triton", forced=True, target=target())
     case _:  # None
       why = gated_triton_unsupported(plan, x, w_gate, w_up)
       if why is not None:

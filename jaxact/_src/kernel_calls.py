@@ -207,9 +207,24 @@ def gated_forward(
       interpret=interpret,
     )
 
-  # A Mosaic GPU forward (pallas_kernels/gated_hopper.py) is the second entry, for d.forward ==
-  # "mosaic"; _switch stages forced Mosaic kernels alone when the trace is for CUDA.
-  kernels = {"triton": triton}[d.forward]
+  def mosaic(x, w_gate, w_up, b_gate, b_up, *, interpret):
+    from pallas_kernels import gated_hopper
+
+    a, b, h = gated_hopper.gated_forward(
+      x,
+      w_gate,
+      w_up,
+      b_gate,
+      b_up,
+      epilogue=ep,
+      num_sms=d.target.sms,
+      keep_ab=keep,
+      interpret=interpret,
+    )
+    return h, a, b
+
+  # _switch stages forced Mosaic kernels alone when the trace is for CUDA.
+  kernels = {"triton": triton, "mosaic": mosaic}[d.forward]
   args = (x, w_gate, w_up, b_gate, b_up)
   return _switch(args, pallas_sharding.gated_forward(kernels), xla, d, d.forward == "mosaic")
 
