@@ -135,8 +135,12 @@ def gated_dense(
     activation: the gate's activation (default ``"silu"``: SwiGLU).
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
-    implementation: ``None`` (the best available), ``"xla"`` or ``"pallas"`` (the Triton kernels
-      of :mod:`pallas_kernels.gated`; see the dispatch docs).
+    implementation: ``None`` (the best available: XLA until a GPU measurement says otherwise,
+      see the dispatch docs), ``"xla"``, ``"pallas"`` (the Triton kernels: both projections from
+      one pass over x with the gated epilogue, and a one-pass backward for da and db) or
+      ``"mosaic"`` (the Hopper forward with the Triton backward; bfloat16/float16, ``M`` a
+      multiple of 128, ``hidden`` of 128, ``in`` of 64). Kernels run in interpret mode off CUDA;
+      calls they do not support raise ``NotImplementedError``.
 
   Returns:
     ``h`` of shape ``(..., hidden)``.
@@ -202,8 +206,12 @@ def gated_mlp(
     activation: the gate's activation (default ``"silu"``: a SwiGLU MLP).
     precision: passed to :func:`jax.lax.dot_general` in the forward and backward passes.
     preferred_element_type: dtype of the result (and of the kept ``a`` and ``b``).
-    implementation: ``None`` (the best available), ``"xla"`` or ``"pallas"`` (the Triton kernels
-      of :mod:`pallas_kernels.gated`; see the dispatch docs).
+    implementation: ``None`` (the best available: XLA until a GPU measurement says otherwise,
+      see the dispatch docs), ``"xla"``, ``"pallas"`` (the Triton kernels: both projections from
+      one pass over x with the gated epilogue, and a one-pass backward for da and db) or
+      ``"mosaic"`` (the Hopper forward with the Triton backward; bfloat16/float16, ``M`` a
+      multiple of 128, ``hidden`` of 128, ``in`` of 64). Kernels run in interpret mode off CUDA;
+      calls they do not support raise ``NotImplementedError``.
 
   Returns:
     ``y`` of shape ``(..., out)``.
