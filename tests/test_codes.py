@@ -297,3 +297,39 @@ def test_signatures_add_only_a_keyword_only_parameter():
     assert params["residual_bits"].kind is inspect.Parameter.KEYWORD_ONLY
     assert params["residual_bits"].default is None
   assert "residual_bits" not in inspect.signature(jaxact.relu).parameters
+
+
+def test_flax_layers_take_residual_bits():
+  """``residual_bits=`` on DenseAct / ConvAct / LinearAct / nnx.ConvAct is the fused op with
+  ``partial(act, residual_bits=...)``: same values and gradients, the code kept."""
+  import flax.linen as nn
+  from flax import nnx
+
+  import jaxact.linen as jlinen
+  import jaxact.nnx as jnnx
+
+  x = jax.random.normal(jax.random.key(0), (8, 6), jnp.float32)
+  layer = jlinen.DenseAct(10, activation="silu", residual_bits=4)
+  params = layer.init(jax.random.key(1), x)
+  k, b = params["params"]["kernel"], params["params"]["bias"]
+  act = functools.partial(jaxact.silu, residual_bits=4)
+  y, pull = jax.vjp(lambda p, x: layer.apply(p, x), params, x)
+  y_op, pull_op = jax.vjp(lambda k, b, x: jaxact.dense_bias_act(x, k, b, activation=act), k, b, x)
+  np.testing.assert_array_equal(y, y_op)
+  g = jnp.ones_like(y)
+  (dp, dx), (dk, db, dx_op) = pull(g), pull_op(g)
+  np.testing.assert_array_equal(dp["params"]["bias"], db)
+  np.testing.assert_array_equal(dp["params"]["kernel"], dk)
+  np.testing.assert_array_equal(dx, dx_op)
+  assert [leaf.dtype for leaf in jax.tree.leaves(pull)].count(jnp.uint8) == 1
+  img = jnp.ones((1, 5, 5, 2), jnp.float32)
+  conv = jlinen.ConvAct(3, (3, 3), activation="gelu", residual_bits=2)
+  _, pull = jax.vjp(lambda p: conv.apply(p, img), conv.init(jax.random.key(2), img))
+  assert [leaf.dtype for leaf in jax.tree.leaves(pull)].count(jnp.uint8) == 1
+  linear = jnnx.LinearAct(6, 10, activation="mish", residual_bits=8, rngs=nnx.Rngs(0))
+  _, pull = jax.vjp(lambda x: linear(x), x)
+  assert [leaf.dtype for leaf in jax.tree.leaves(pull)].count(jnp.uint8) == 1
+  with pytest.raises(ValueError, match=r"jaxact.linen.DenseAct: `residual_bits` applies to"):
+    jlinen.DenseAct(4, activation="relu", residual_bits=4).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"jaxact.nnx.ConvAct: `residual_bits` applies to jaxact"):
+    jnnx.ConvAct(2, 3, (3,), activation=nn.gelu, residual_bits=4, rngs=nnx.Rngs(0))

@@ -14,6 +14,7 @@ are plain array code that the fused op then receives, not fallbacks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from jaxact._src import activations, gated
+from jaxact._src import activations, codes, gated
 
 Activation = str | Callable[..., jax.Array]
 
@@ -52,6 +53,27 @@ def check_features(layer: str, name: str, value, *, optional: bool = False) -> N
     raise TypeError(f"{layer}: `{name}` must be {accepted}; got {type(value).__name__} {value!r}")
   if value <= 0:
     raise ValueError(f"{layer}: `{name}` must be {accepted}; got {value!r}")
+
+
+def with_bits(layer: str, activation, residual_bits) -> Activation:
+  """`activation` carrying ``residual_bits`` (the layers' attribute of that name), checked."""
+  if residual_bits is None:
+    return activation
+  func = activation.func if isinstance(activation, functools.partial) else activation
+  if isinstance(activation, str):
+    func = activation = activations.get_activation(activation)
+  name = getattr(func, "__name__", None)
+  if (
+    not callable(func)
+    or name not in activations.ACTIVATIONS
+    or (activations.get_activation(name) is not func)
+  ):
+    raise TypeError(
+      f"{layer}: `residual_bits` applies to jaxact's own activations (a name, a jaxact function "
+      f"or a functools.partial of one); got activation {activation!r}"
+    )
+  codes.check_bits(layer.removeprefix("jaxact."), name, residual_bits)
+  return functools.partial(activation, residual_bits=residual_bits)
 
 
 def activate(activation, y: jax.Array) -> jax.Array:

@@ -68,6 +68,9 @@ class DenseAct(nn.Module):
     activation: an activation name (``"relu"``), a jaxact function, a ``functools.partial`` of
       one with keyword parameters, or any callable (applied to the pre-activation, which is then
       kept). Default ``"identity"``: the layer is ``nn.Dense``.
+    residual_bits: None (default), or 8, 4, 2: the activation (gelu, gelu_quick, silu, mish,
+      hard_silu) keeps its derivative coded in that many bits an element instead of the
+      pre-activation, as ``partial(jaxact.gelu, residual_bits=...)`` does.
   """
 
   features: int
@@ -81,11 +84,13 @@ class DenseAct(nn.Module):
   dot_general: DotGeneralT | None = None
   dot_general_cls: Any = None
   activation: Activation = "identity"
+  residual_bits: int | None = None
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`."""
     layers.check_activation("jaxact.linen.DenseAct", self.activation)
+    activation = layers.with_bits("jaxact.linen.DenseAct", self.activation, self.residual_bits)
     kernel = self.param(
       "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
     )
@@ -101,7 +106,7 @@ class DenseAct(nn.Module):
       and layers.fusable(inputs, kernel, bias)
     ):
       return fused.dense_bias_act(
-        inputs, kernel, bias, activation=self.activation, precision=self.precision
+        inputs, kernel, bias, activation=activation, precision=self.precision
       )
     # Flax's own computation, then the activation.
     if self.dot_general_cls is not None:
@@ -115,7 +120,7 @@ class DenseAct(nn.Module):
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return layers.activate(self.activation, y)
+    return layers.activate(activation, y)
 
 
 class ConvAct(nn.Module):
@@ -162,6 +167,7 @@ class ConvAct(nn.Module):
       ``lax.conv_general_dilated``), Flax's computation runs, then the activation.
     conv_general_dilated_cls: a factory of a custom convolution; likewise.
     activation: as :class:`DenseAct`. Default ``"identity"``: the layer is ``nn.Conv``.
+    residual_bits: as :class:`DenseAct`.
   """
 
   features: int
@@ -182,6 +188,7 @@ class ConvAct(nn.Module):
   conv_general_dilated: ConvGeneralDilatedT | None = None
   conv_general_dilated_cls: Any = None
   activation: Activation = "identity"
+  residual_bits: int | None = None
 
   @property
   def shared_weights(self) -> bool:
@@ -193,6 +200,7 @@ class ConvAct(nn.Module):
     """``activation(conv(inputs, kernel) + bias)``, inputs ``(*batch, *spatial, features)``."""
     name = "jaxact.linen.ConvAct"
     layers.check_activation(name, self.activation)
+    activation = layers.with_bits(name, self.activation, self.residual_bits)
     if isinstance(self.kernel_size, int):
       kernel_size = (self.kernel_size,)
     else:
@@ -222,7 +230,7 @@ class ConvAct(nn.Module):
         x,
         kernel,
         bias,
-        activation=self.activation,
+        activation=activation,
         window_strides=conv.strides,
         padding=conv.padding,
         lhs_dilation=conv.input_dilation,
@@ -251,7 +259,7 @@ class ConvAct(nn.Module):
     )
     if bias is not None:
       y += bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
-    return layers.activate(self.activation, conv.restore(y))
+    return layers.activate(activation, conv.restore(y))
 
 
 class _Projection(nn.Module):

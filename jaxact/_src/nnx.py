@@ -77,6 +77,9 @@ class LinearAct(nnx.Module):
     activation: an activation name (``"relu"``), a jaxact function, a ``functools.partial`` of
       one with keyword parameters, or any callable (applied to the pre-activation, which is then
       kept). Default ``"identity"``: the layer is ``nnx.Linear``.
+    residual_bits: None (default), or 8, 4, 2: the activation (gelu, gelu_quick, silu, mish,
+      hard_silu) keeps its derivative coded in that many bits an element instead of the
+      pre-activation, as ``partial(jaxact.gelu, residual_bits=...)`` does.
   """
 
   def __init__(
@@ -97,8 +100,10 @@ class LinearAct(nnx.Module):
     kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     activation: Activation = "identity",
+    residual_bits: int | None = None,
   ):
     layers.check_activation("jaxact.nnx.LinearAct", activation)
+    layers.with_bits("jaxact.nnx.LinearAct", activation, residual_bits)
     kernel_key = rngs.params()
     self.kernel = nnx.Param(
       kernel_init(kernel_key, (in_features, out_features), param_dtype), **kernel_metadata
@@ -120,6 +125,7 @@ class LinearAct(nnx.Module):
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
     self.activation = activation
+    self.residual_bits = residual_bits
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`.
@@ -130,6 +136,7 @@ class LinearAct(nnx.Module):
         Flax's computation runs (``dot_general(..., out_sharding=)``), then the activation.
     """
     layers.check_activation("jaxact.nnx.LinearAct", self.activation)
+    activation = layers.with_bits("jaxact.nnx.LinearAct", self.activation, self.residual_bits)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -144,7 +151,7 @@ class LinearAct(nnx.Module):
         inputs,
         kernel,
         bias,
-        activation=self.activation,
+        activation=activation,
         precision=self.precision,
         preferred_element_type=layers.fused_out_dtype(pet, bias),
       )
@@ -161,7 +168,7 @@ class LinearAct(nnx.Module):
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return layers.activate(self.activation, y)
+    return layers.activate(activation, y)
 
 
 class ConvAct(nnx.Module):
@@ -214,6 +221,7 @@ class ConvAct(nnx.Module):
     kernel_metadata: metadata of the kernel ``Param``.
     bias_metadata: metadata of the bias ``Param``.
     activation: as :class:`LinearAct`. Default ``"identity"``: the layer is ``nnx.Conv``.
+    residual_bits: as :class:`LinearAct`.
   """
 
   def __init__(
@@ -241,8 +249,10 @@ class ConvAct(nnx.Module):
     kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     activation: Activation = "identity",
+    residual_bits: int | None = None,
   ):
     layers.check_activation("jaxact.nnx.ConvAct", activation)
+    layers.with_bits("jaxact.nnx.ConvAct", activation, residual_bits)
     layers.check_groups("jaxact.nnx.ConvAct", in_features, feature_group_count)
     kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
     kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
@@ -274,6 +284,7 @@ class ConvAct(nnx.Module):
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
     self.activation = activation
+    self.residual_bits = residual_bits
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     """``activation(conv(inputs, kernel) + bias)``, inputs ``(*batch, *spatial, features)``.
@@ -284,6 +295,7 @@ class ConvAct(nnx.Module):
     """
     name = "jaxact.nnx.ConvAct"
     layers.check_activation(name, self.activation)
+    activation = layers.with_bits(name, self.activation, self.residual_bits)
     conv = layers.ConvInputs.prepare(
       inputs,
       self.kernel_size,
@@ -310,7 +322,7 @@ class ConvAct(nnx.Module):
         x,
         kernel,
         bias,
-        activation=self.activation,
+        activation=activation,
         window_strides=conv.strides,
         padding=conv.padding,
         lhs_dilation=conv.input_dilation,
@@ -338,7 +350,7 @@ class ConvAct(nnx.Module):
     )
     if bias is not None:
       y += bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
-    return layers.activate(self.activation, conv.restore(y))
+    return layers.activate(activation, conv.restore(y))
 
 
 class GatedMLP(nnx.Module):
