@@ -55,7 +55,8 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--finite-only",
     action="store_true",
-    help="count NaN values and non-finite gradients only (no float64 reference: ~3x faster)",
+    help="NaN and non-finite-gradient counts only, the float64 reference only where a gradient "
+    "is non-finite (about 3x faster)",
   )
   args = parser.parse_args(argv)
   jax.config.update("jax_enable_x64", True)
