@@ -147,8 +147,8 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    batch, time, dim = x.shape
-    shape = (batch, time, self.heads, dim // self.heads)
+    batch, length, dim = x.shape
+    shape = (batch, length, self.heads, dim // self.heads)
     q, k, v = (nn.Dense(dim, use_bias=False, name=f"{n}_proj")(x).reshape(shape) for n in "qkv")
     y = jax.nn.dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
     return nn.Dense(dim, use_bias=False, name="o_proj")(y.reshape(x.shape))
