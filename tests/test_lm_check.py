@@ -1,6 +1,6 @@
 """Three optax adamw steps of a tiny byte LM: jaxact.gated_mlp trains like its composition.
 
-The model (embedding, two pre-RMSNorm residual gated-MLP blocks, head) is trained on the Python
+The model (embedding, a pre-RMSNorm residual gated-MLP block, head) is trained on the Python
 documentation's text from one initialisation on the same batches, once with the MLP written as
 ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` and once as :func:`jaxact.gated_mlp`. The first
 step's gradients are compared directly (Adam's update hardly changes when a gradient is scaled),
@@ -18,7 +18,7 @@ import optax
 
 import jaxact
 
-DIM, HIDDEN, BLOCKS, CONTEXT, BATCH, STEPS = 32, 64, 2, 32, 4, 3
+DIM, HIDDEN, BLOCKS, CONTEXT, BATCH, STEPS = 32, 64, 1, 32, 4, 3
 
 
 def composition_mlp(x, p):
