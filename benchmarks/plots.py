@@ -126,3 +126,34 @@ def nan_counts(counts: dict[str, dict[str, int]], path: pathlib.Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def lm_loss(losses: dict[str, np.ndarray], path: pathlib.Path) -> None:
+  """Training-loss curves of the language-model check and each run's difference from the first.
+
+  losses: {run: loss per step}; the first run is the reference.
+  """
+  names = list(losses)
+  base = losses[names[0]]
+  steps = np.arange(len(base))
+  fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+  ax = axes[0]
+  for i, (name, loss) in enumerate(losses.items()):
+    ax.plot(steps, loss, f"C{i}", lw=1.6 if i == 0 else 0.9, ls="-" if i == 0 else "--", label=name)
+  ax.set_ylabel("training loss (nats / byte)")
+  ax.set_title("Llama-style byte LM on pydoc_data.topics, one init, one batch sequence")
+  ax.legend(fontsize=8)
+  ax = axes[1]
+  for i, name in enumerate(names[1:], start=1):
+    diff = np.abs(losses[name] - base)
+    # A log axis cannot show equal losses: those steps are left out of the line.
+    ax.plot(steps, np.where(diff > 0, diff, np.nan), f"C{i}", lw=0.9, marker=".", ms=3, label=name)
+  ulp = np.spacing(base.astype(np.float32))
+  ax.plot(steps, ulp, color="k", lw=0.8, ls=":", label="one float32 ulp of the loss")
+  ax.set_yscale("log")
+  ax.set_xlabel("step")
+  ax.set_ylabel(f"|loss - {names[0]} loss|")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
