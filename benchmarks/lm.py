@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import pathlib
 import time
-from collections.abc import Callable
 from pydoc_data.topics import topics
 
 import flax.linen as nn
@@ -31,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxact
 import jaxact.linen as jnn
 from benchmarks import plots
 
@@ -79,52 +77,9 @@ class DenseActMLP(nn.Module):
     return nn.Dense(x.shape[-1], use_bias=False, name="down_proj")(gate * up)
 
 
-class _DenseParams(nn.Module):
-  """nn.Dense's parameters (same names, shapes, initializers and RNG path), not its product."""
-
-  features: int
-  use_bias: bool
-  kernel_init: Callable
-  bias_init: Callable
-
-  @nn.compact
-  def __call__(self, in_features: int):
-    kernel = self.param("kernel", self.kernel_init, (in_features, self.features), jnp.float32)
-    bias = (
-      self.param("bias", self.bias_init, (self.features,), jnp.float32) if self.use_bias else None
-    )
-    return kernel, bias
-
-
-class _GatedMLP(nn.Module):
-  """nn.Dense's parameters under FlaxLlamaMLP's names, computed as one jaxact.gated_mlp.
-
-  jaxact.linen.GatedMLP replaces this module once it lands (same attributes and parameters).
-  """
-
-  hidden_features: int
-  features: int | None = None
-  activation: str = "silu"
-  use_bias: bool = False
-  kernel_init: Callable = nn.initializers.lecun_normal()
-  bias_init: Callable = nn.initializers.zeros_init()
-
-  @nn.compact
-  def __call__(self, x):
-    def dense(features, name):
-      return _DenseParams(features, self.use_bias, self.kernel_init, self.bias_init, name=name)
-
-    w_gate, b_gate = dense(self.hidden_features, "gate_proj")(x.shape[-1])
-    w_up, b_up = dense(self.hidden_features, "up_proj")(x.shape[-1])
-    w_down, b_down = dense(self.features or x.shape[-1], "down_proj")(self.hidden_features)
-    return jaxact.gated_mlp(
-      x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation=self.activation
-    )
-
-
 MLPS: dict[str, type[nn.Module]] = {
   "flax": FlaxMLP,
-  "jaxact": _GatedMLP,
+  "jaxact": jnn.GatedMLP,
   "denseact": DenseActMLP,
 }
 
