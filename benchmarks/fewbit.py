@@ -14,7 +14,8 @@ The noise floor is the exact residual once more on another batch order (same ini
 coded run that stays closer to exact than that differs by less than ordinary run-to-run noise.
 The logged loss is the loss on a fixed set of training examples every few steps (the whole digits
 training set; fixed windows of the training text), which does not depend on the batch order; the
-minibatch loss of every step is compared too. Writes DIR/fewbit.md (tables), DIR/fewbit.json
+minibatch loss of every step is compared too. Two seeds (initialisation and batch order) by
+default; `--quick` trains fewer steps, one seed. Writes DIR/fewbit.md (tables), DIR/fewbit.json
 (the curves) and DIR/fewbit_training.png.
 """
 
@@ -439,7 +440,8 @@ def _machine() -> str:
 def render(res: Results, figure: str) -> str:
   setups = [
     f"- {t.name}: {t.steps} steps of adam (learning rate {t.learning_rate}), batch "
-    f"{t.batch_size}, loss logged every {t.log_every} steps"
+    f"{t.batch_size}, loss logged every {t.log_every} steps; {t.test[1].size} test predictions "
+    f"(one is {100 / t.test[1].size:.3f} accuracy points)"
     for t in res.tasks
   ]
   lines = [
@@ -456,6 +458,7 @@ def render(res: Results, figure: str) -> str:
     "accuracy columns: the mean over seeds; difference columns: against the exact run of the same",
     "seed, the largest over seeds. The logged loss is on fixed training examples (the digits",
     "training set; 64 fixed windows of the training text); the minibatch loss is every step's.",
+    "The figure shows seed 0.",
     "",
     *table(res),
     "",
@@ -502,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.fewbit", description=__doc__.splitlines()[0]
   )
-  parser.add_argument("--quick", action="store_true", help="fewer steps (about a minute)")
+  parser.add_argument("--quick", action="store_true", help="fewer steps, one seed")
   parser.add_argument(
     "--seeds", type=int, default=None, help="initialisations and batch orders (2; --quick: 1)"
   )
