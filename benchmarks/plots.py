@@ -157,3 +157,51 @@ def lm_loss(losses: dict[str, np.ndarray], path: pathlib.Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+FEWBIT_COLORS = {
+  "exact": "#000000",
+  "exact, other batch order": "#9e9e9e",
+  "8 bits": "#5b8bd0",
+  "4 bits": "#e4572e",
+  "2 bits": "#8e6cc2",
+}
+
+
+def fewbit_training(
+  curves: dict[str, dict[str, tuple[list[int], list[float]]]],
+  reference: str,
+  band: float,
+  path: pathlib.Path,
+) -> None:
+  """Loss curves of each model per residual (top) and their difference relative to one (bottom).
+
+  curves: {model: {residual label: (steps, logged losses)}}; reference: the label the bottom row
+  is relative to; band: the +-fraction shaded there (the 8-bit target).
+  """
+  fig, axes = plt.subplots(2, len(curves), figsize=(5 * len(curves), 6.5), squeeze=False)
+  for col, (model, by_label) in enumerate(curves.items()):
+    ref = np.asarray(by_label[reference][1])
+    top, bottom = axes[0, col], axes[1, col]
+    for label, (steps, losses) in by_label.items():
+      style = {"color": FEWBIT_COLORS.get(label), "lw": 1.2, "label": label}
+      if label == "exact, other batch order":
+        style["ls"] = "--"
+      top.plot(steps, losses, **style)
+      if label != reference:
+        bottom.plot(steps, 100 * (np.asarray(losses) / ref - 1), **style)
+    top.set_yscale("log")
+    top.set_title(model)
+    top.set_ylabel("loss on fixed training examples")
+    top.legend(fontsize=8)
+    bottom.axhspan(-100 * band, 100 * band, color="#5b8bd0", alpha=0.15, lw=0)
+    bottom.axhline(0, color="k", lw=0.8)
+    # Linear within +-1%, logarithmic beyond: the codes' small differences and the other batch
+    # order's large ones on one axis.
+    bottom.set_yscale("symlog", linthresh=1)
+    bottom.set_title(f"relative to {reference} (shaded: +-{band:.1%})")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("loss difference, %")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
