@@ -192,7 +192,7 @@ def measure(quick: bool) -> Results:
   res.gated = gated.section_cpu(with_kept=not quick)
   progress.step("memory")
   if plan.gated_timed:
-    res.gated_times = gated.step_times(repeats=3)
+    res.gated_times = gated.step_times(repeats=3, unrolled=False)
     progress.step("step time")
 
   progress.section("NaN counts")
