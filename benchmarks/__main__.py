@@ -75,7 +75,8 @@ class Results:
     default_factory=dict
   )
   gated: list[gated.MemoryRow] = dataclasses.field(default_factory=list)
-  gated_times: dict[tuple[str, str], float] | None = None  # (peer, program): seconds
+  # (peer, program): (wall, CPU) seconds
+  gated_times: dict[tuple[str, str], tuple[float, float]] | None = None
   gpu_layers: list[gpu.LayerRow] | None = None
   gpu_elementwise: list[gpu.ElementwiseRow] | None = None
   seconds: float = 0.0
@@ -482,7 +483,7 @@ def render(res: Results, figures: list[str]) -> str:
     *gated.render_memory(res.gated, None if res.quick else "kept"),
   ]
   if res.gated_times is not None:
-    lines += ["", "CPU step time, the minimum of 3 interleaved runs:", ""]
+    lines += ["", "CPU step time (wall, process CPU), the minimum of 3 interleaved runs:", ""]
     lines += gated.render_times(res.gated_times)
   lines += [
     "",
