@@ -1,6 +1,6 @@
 """Gated MLP stack: `jaxact.gated_mlp` against Flax, Flax + remat and tokamax; memory and time.
 
-Run with ``JAX_PLATFORMS=cpu python -m benchmarks.gated [--sections S,...] [--quick]``. The model
+Run with ``JAX_PLATFORMS=cpu python -m benchmarks.gated [--sections S,...]``. The model
 is a stack of residual gated-MLP blocks, ``x = x + mlp(rms_norm(x))`` with the plain-jnp RMS norm
 ``x * rsqrt(mean(x^2) + eps)`` (no scale, the same in every peer, evaluated once a block in float32)
 and a silu gate, built both unrolled under ``jit`` and as ``jax.lax.scan`` over stacked block
@@ -16,13 +16,16 @@ parameters. Peers, all with the same weights:
 Sections (loss: mean square of the output; gradients with respect to the parameters):
 
 * ``cpu``: float32, 4096 tokens, D = 512, F = 1408: compiled temp of ``jit(value_and_grad)`` for
-  1 and 8 blocks, growth per block, and the activation-sized arrays ``jax.vjp``'s pullback keeps;
+  1, 2 and 8 blocks, growth per block, and the activation-sized arrays ``jax.vjp``'s pullback keeps
+  (``python -m benchmarks`` measures this section too);
 * ``h100``: the same compiled for an H100 on this machine (``jaxact._src.test_util.compile_for``),
-  bfloat16, 8192 tokens, D = 4096, F = 11008, and the largest token count that fits the H100;
-* ``time``: CPU step time of ``jit(value_and_grad)``, minimum over interleaved repeats;
+  bfloat16, 8192 tokens, D = 4096, F = 11008, and the largest token count that fits the H100
+  (found by compiling: :func:`largest_fit`);
+* ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
+  interleaved repeats;
 * ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused_memory` (``dense_bias_act``
   / ``conv_bias_act`` as ``jaxact.linen`` layers against ``nn.Dense`` / ``nn.Conv`` + jax.nn),
-  unrolled and scanned, on CPU and compiled for an H100.
+  unrolled and scanned, on CPU (``layers``) and compiled for an H100 (``layers-h100``).
 """
 
 from __future__ import annotations
