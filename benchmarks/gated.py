@@ -253,17 +253,22 @@ def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int
     if guess in known or guess <= 0:
       break
     known[guess] = _gpu_total(loss, guess, size)
+
+  def total(t):
+    if t not in known:
+      known[t] = _gpu_total(loss, t, size)
+    return known[t]
+
   fits = [t for t, m in known.items() if m <= capacity]
-  tokens = max(fits) if fits else step
-  while (tokens + step) not in known or known[tokens + step] <= capacity:
-    if tokens + step not in known:
-      known[tokens + step] = _gpu_total(loss, tokens + step, size)
-    if known[tokens + step] > capacity:
-      break
-    tokens += step
-  while known.setdefault(tokens, _gpu_total(loss, tokens, size)) > capacity and tokens > step:
-    tokens -= step
-  return tokens, known[tokens]
+  if fits:  # walk up from the largest that fits
+    tokens = max(fits)
+    while total(tokens + step) <= capacity:
+      tokens += step
+  else:  # walk down from the smallest tried
+    tokens = min(known) - step
+    while tokens > step and total(tokens) > capacity:
+      tokens -= step
+  return tokens, total(tokens)
 
 
 def capacity(device_kind=test_util.H100) -> int:
