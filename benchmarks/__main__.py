@@ -4,8 +4,9 @@ Measures everything in one run on this machine, with a progress bar on stderr; w
 DIR/results.md (markdown tables, machine and versions) and PNG figures to DIR, and prints the
 summary table. `--quick` keeps the model sizes and every memory figure the README quotes (they
 come from XLA's compiled buffer assignment and need no long runs) but times fewer repetitions and
-fewer activations, measures the Flax models for relu and gelu only, and times the fused layers only
-there (as `jaxact.linen` layers against Flax). On a GPU the suite also times the fused layers and
+fewer activations, measures the Flax models for relu and gelu only, times the fused layers only
+there (as `jaxact.linen` layers against Flax), and skips the gated MLP stack's step times (its
+memory, from compiles, stays). On a GPU the suite also times the fused layers and
 the activations against their peak bandwidth and throughput (benchmarks/gpu.py).
 """
 
@@ -31,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
-from benchmarks import flax_models, gpu, plots  # noqa: E402
+from benchmarks import flax_models, gated, gpu, plots  # noqa: E402
 from benchmarks import fused_memory as fused  # noqa: E402
 
 QUICK_TIMED = ("sigmoid", "tanh", "relu", "elu", "softplus", "gelu", "silu", "softmax")
@@ -73,6 +74,9 @@ class Results:
   nans: dict[str, dict[str, dict[str, tuple[int, int] | None]]] = dataclasses.field(
     default_factory=dict
   )
+  gated: list[gated.MemoryRow] = dataclasses.field(default_factory=list)
+  # (peer, program): (wall, CPU) seconds
+  gated_times: dict[tuple[str, str], tuple[float, float]] | None = None
   gpu_layers: list[gpu.LayerRow] | None = None
   gpu_elementwise: list[gpu.ElementwiseRow] | None = None
   seconds: float = 0.0
@@ -89,6 +93,7 @@ class Plan:
   fused_timed: set[tuple[str, str]]
   flax: list[tuple[str, str]]  # (model, activation): memory and time
   nans: list[str]
+  gated_timed: bool
   gpu: bool
 
   @classmethod
@@ -103,13 +108,15 @@ class Plan:
       fused_timed=set() if quick else {(m, a) for m, _, _ in MODELS for a in fused.ACTIVATIONS},
       flax=[(m, a) for m in flax_models.MODELS for a in model_acts],
       nans=names,
+      gated_timed=not quick,
       gpu=jax.default_backend() == "gpu",
     )
 
   @property
   def total(self) -> int:
     n = len(self.memory) + len(self.timed) + len(self.fused) + len(self.fused_timed)
-    return n + len(self.flax) + len(self.nans) + (2 if self.gpu else 0)
+    n += len(self.flax) + len(self.nans) + 1 + int(self.gated_timed)
+    return n + (2 if self.gpu else 0)
 
 
 class _Progress:
@@ -181,6 +188,13 @@ def measure(quick: bool) -> Results:
     times = flax_models.step_times(label, act, res.flax_runs)
     res.flax.append(FlaxRow(label, act, memory, times))
     progress.step(f"{label} {act}")
+
+  progress.section("gated MLP stack")
+  res.gated = gated.section_cpu(with_kept=not quick)
+  progress.step("memory")
+  if plan.gated_timed:
+    res.gated_times = gated.step_times(repeats=3, unrolled=False)
+    progress.step("step time")
 
   progress.section("NaN counts")
   for name in plan.nans:
@@ -284,6 +298,13 @@ def summary(res: Results) -> str:
     )
     lines.append(
       f"| {model} step time relative to Flax | " + " | ".join(cells(model, speed)) + " |"
+    )
+  stack = {r.peer: r for r in res.gated if r.layout == "scan"}
+  if stack:
+    ref = stack["flax"].temp8
+    lines.append(
+      f"| gated MLP, {gated.BLOCKS} scanned blocks: training temp relative to Flax | — | 1 | "
+      f"{stack['remat'].temp8 / ref:.2f} | {stack['jaxact'].temp8 / ref:.2f} |"
     )
   ratios = [r.temp_jaxact / r.temp_jaxnn for r in res.memory if r.temp_jaxnn]
   lines.append(
@@ -448,6 +469,22 @@ def render(res: Results, figures: list[str]) -> str:
     ratio = " | ".join(f"{r.times[v] / r.times['flax']:.2f}" for v in timed if v != "flax")
     lines.append(f"| {r.model} | {r.activation} | {ms} | {ratio} |")
 
+  t, d, f = gated.CPU_SIZE
+  lines += [
+    "",
+    f"## Gated MLP stack: {gated.BLOCKS} residual blocks `x + mlp(rms_norm(x))`, {t} tokens, "
+    f"D = {d}, F = {f}, float32",
+    "",
+    "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
+    "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
+    "`jit(value_and_grad(loss))` in MiB, unrolled and as `lax.scan` over stacked parameters;",
+    "ratios against Flax (`python -m benchmarks.gated` for the H100 figures and tokamax).",
+    "",
+    *gated.render_memory(res.gated, None if res.quick else "kept"),
+  ]
+  if res.gated_times is not None:
+    lines += ["", "CPU step time (wall, process CPU), the minimum of 3 interleaved runs:", ""]
+    lines += gated.render_times(res.gated_times)
   lines += [
     "",
     "## Numerics: NaN values / non-finite gradients on the finite extreme-input grid",

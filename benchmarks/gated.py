@@ -1,0 +1,492 @@
+"""Gated MLP stack: `jaxact.gated_mlp` against Flax, Flax + remat and tokamax; memory and time.
+
+Run with ``JAX_PLATFORMS=cpu python -m benchmarks.gated [--sections S,...]``. The model
+is a stack of residual gated-MLP blocks, ``x = x + mlp(rms_norm(x))`` with the plain-jnp RMS norm
+``x * rsqrt(mean(x^2) + eps)`` (no scale, the same in every peer, evaluated once a block in float32)
+and a silu gate, built both unrolled under ``jit`` and as ``jax.lax.scan`` over stacked block
+parameters. Peers, all with the same weights:
+
+* ``flax``: three ``nn.Dense(use_bias=False)`` (gate, up, down) and ``jax.nn.silu``;
+* ``remat``: the same block under ``jax.checkpoint(policy=nothing_saveable)``: it keeps only its
+  input and recomputes the rest in the backward pass;
+* ``jaxact``: ``jaxact.gated_mlp(h, w_gate, w_up, w_down)``;
+* ``tokamax``: ``tokamax.gated_linear_unit(h, (w_gate, w_up), activation=jax.nn.silu)``, then
+  the down ``nn.Dense`` (only where tokamax imports; it needs its own venv, see RESULTS.md).
+
+Sections (loss: mean square of the output; gradients with respect to the parameters):
+
+* ``cpu``: float32, 4096 tokens, D = 512, F = 1408: compiled temp of ``jit(value_and_grad)`` for
+  1, 2 and 8 blocks, growth per block, and the activation-sized arrays ``jax.vjp``'s pullback keeps
+  (``python -m benchmarks`` measures this section too);
+* ``h100``: the same compiled for an H100 on this machine (``jaxact._src.test_util.compile_for``),
+  bfloat16, 8192 tokens, D = 4096, F = 11008, and the largest token count that fits the H100
+  (found by compiling: :func:`largest_fit`);
+* ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
+  interleaved repeats;
+* ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused_memory` (``dense_bias_act``
+  / ``conv_bias_act`` as ``jaxact.linen`` layers against ``nn.Dense`` / ``nn.Conv`` + jax.nn),
+  unrolled and scanned, on CPU (``layers``) and compiled for an H100 (``layers-h100``).
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxact
+import jaxact.linen
+from jaxact._src import test_util
+
+try:
+  import tokamax
+except ImportError:  # not in jaxact's venv: it would change its packages (RESULTS.md)
+  tokamax = None
+
+EPS = 1e-6
+BLOCKS = 8
+CPU_SIZE = (4096, 512, 1408)  # tokens, D, F
+GPU_SIZE = (8192, 4096, 11008)
+MiB = 2**20
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+def rms_norm(x):
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS)).astype(x.dtype)
+
+
+class FlaxGatedMLP(nn.Module):
+  """The Llama MLP as a Flax user writes it."""
+
+  hidden: int
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    gate = nn.Dense(self.hidden, use_bias=False, name="gate")(x)
+    up = nn.Dense(self.hidden, use_bias=False, name="up")(x)
+    return nn.Dense(self.features, use_bias=False, name="down")(jax.nn.silu(gate) * up)
+
+
+def _flax_mlp(h, w_gate, w_up, w_down):
+  params = {"gate": {"kernel": w_gate}, "up": {"kernel": w_up}, "down": {"kernel": w_down}}
+  return FlaxGatedMLP(w_gate.shape[1], w_down.shape[1]).apply({"params": params}, h)
+
+
+def _jaxact_mlp(h, w_gate, w_up, w_down):
+  return jaxact.gated_mlp(h, w_gate, w_up, w_down)
+
+
+def _tokamax_mlp(h, w_gate, w_up, w_down, implementation=None):
+  hid = tokamax.gated_linear_unit(
+    h, (w_gate, w_up), activation=jax.nn.silu, implementation=implementation
+  )
+  dense = nn.Dense(w_down.shape[1], use_bias=False)
+  return dense.apply({"params": {"kernel": w_down}}, hid)
+
+
+def _block(mlp):
+  def block(x, p):
+    return x + mlp(rms_norm(x), *p)
+
+  return block
+
+
+def peers(tokamax_implementation=None) -> dict[str, Callable]:
+  """label: ``block(x, (w_gate, w_up, w_down)) -> x``."""
+  out = {
+    "flax": _block(_flax_mlp),
+    "remat": jax.checkpoint(_block(_flax_mlp), policy=jax.checkpoint_policies.nothing_saveable),
+    "jaxact": _block(_jaxact_mlp),
+  }
+  if tokamax is not None:
+    mlp = functools.partial(_tokamax_mlp, implementation=tokamax_implementation)
+    out["tokamax"] = _block(mlp)
+  return out
+
+
+LABELS = {
+  "flax": "Flax",
+  "remat": "Flax + remat",
+  "jaxact": "jaxact.gated_mlp",
+  "tokamax": "tokamax GLU + Dense",
+}
+
+
+def stack(block, scan: bool):
+  """``loss(params, x)`` of the blocks: params are (w_gate, w_up, w_down), each stacked (L, ...)."""
+
+  def forward(params, x):
+    if scan:
+      x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params)
+    else:
+      for i in range(params[0].shape[0]):
+        x = block(x, tuple(w[i] for w in params))
+    return x
+
+  def loss(params, x):
+    return jnp.mean(jnp.square(forward(params, x).astype(jnp.float32)))
+
+  return forward, loss
+
+
+def shapes(blocks, size, dtype):
+  t, d, f = size
+  params = tuple(jax.ShapeDtypeStruct((blocks, *s), dtype) for s in ((d, f), (d, f), (f, d)))
+  return params, jax.ShapeDtypeStruct((t, d), dtype)
+
+
+def make(blocks, size, dtype, key=0):
+  t, d, f = size
+  k = jax.random.split(jax.random.key(key), 4)
+  params = tuple(
+    (jax.random.normal(kk, (blocks, *s), jnp.float32) / s[0] ** 0.5).astype(dtype)
+    for kk, s in zip(k[:3], ((d, f), (d, f), (f, d)), strict=True)
+  )
+  return params, jax.random.normal(k[3], (t, d), jnp.float32).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def cpu_memory(loss, params, x) -> int:
+  compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def gpu_memory(loss, params, x, device_kind=test_util.H100) -> tuple[int, int]:
+  """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU."""
+
+  def step(x, *params):
+    return jax.value_and_grad(loss)(params, x)
+
+  m = test_util.compile_for(step, [x, *params], device_kind).memory_analysis()
+  total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+  return m.temp_size_in_bytes, total - m.alias_size_in_bytes
+
+
+def kept(forward, params, x, size) -> str:
+  """The activation-sized arrays ``jax.vjp``'s pullback keeps per block, by shape."""
+  t, d, f = size
+  blocks = params[0].shape[0]
+  _, pullback = jax.vjp(lambda p: forward(p, x), params)
+  excluded = {id(a) for a in (x, *params)}
+  arrays = {id(a): a for a in jax.tree.leaves(pullback) if hasattr(a, "shape")}
+  counts = {"(T,D)": 0, "(T,F)": 0}
+  for i, a in arrays.items():
+    if i in excluded:
+      continue
+    shape = a.shape[1:] if a.ndim == 3 and a.shape[0] == blocks else a.shape
+    n = blocks if a.ndim == 3 and a.shape[0] == blocks else 1
+    for label, s in (("(T,D)", (t, d)), ("(T,F)", (t, f))):
+      if shape == s:
+        counts[label] += n
+  per = {k: v / blocks for k, v in counts.items()}
+  mib = (per["(T,D)"] * t * d + per["(T,F)"] * t * f) * x.dtype.itemsize / MiB
+  return f"{per['(T,D)']:g} (T,D) + {per['(T,F)']:g} (T,F) = {mib:.1f} MiB"
+
+
+@dataclasses.dataclass
+class MemoryRow:
+  peer: str
+  layout: str  # "scan" or "unrolled"
+  temp1: float  # MiB, one block
+  temp2: float  # MiB, two blocks
+  temp8: float  # MiB, BLOCKS blocks
+  kept: str = ""
+  total8: float | None = None  # bytes with arguments and outputs (GPU)
+  fit: str = ""
+
+  @property
+  def growth(self) -> float:
+    return (self.temp8 - self.temp1) / (BLOCKS - 1)
+
+  @property
+  def growth2(self) -> float:
+    """Without the first block: XLA turns a scan of length 1 into straight-line code."""
+    return (self.temp8 - self.temp2) / (BLOCKS - 2)
+
+
+def section_cpu(with_kept: bool = True) -> list[MemoryRow]:
+  rows = []
+  for scan in (True, False):
+    for label, block in peers().items():
+      forward, loss = stack(block, scan)
+      temps = [cpu_memory(loss, *shapes(n, CPU_SIZE, jnp.float32)) / MiB for n in (1, 2, BLOCKS)]
+      row = MemoryRow(label, "scan" if scan else "unrolled", *temps)
+      if with_kept:
+        row.kept = kept(forward, *make(BLOCKS, CPU_SIZE, jnp.float32), CPU_SIZE)
+      rows.append(row)
+  return rows
+
+
+def _gpu_total(loss, tokens, size) -> int:
+  params, x = shapes(BLOCKS, (tokens, *size[1:]), jnp.bfloat16)
+  return gpu_memory(loss, params, x)[1]
+
+
+def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int]:
+  """The largest multiple of `step` tokens whose step (temp, arguments, outputs) fits `capacity`
+  bytes: secant steps from compiles at 8192 and 16384 tokens, then `step` at a time, every
+  candidate compiled (near the limit XLA's rematerialization makes memory non-linear)."""
+  known = {t: _gpu_total(loss, t, size) for t in (8192, 16384)}
+  for _ in range(4):  # secant through the two candidates nearest the limit
+    (t0, m0), (t1, m1) = sorted(known.items(), key=lambda tm: abs(tm[1] - capacity))[:2]
+    if m1 == m0:
+      break
+    guess = int((t0 + (capacity - m0) * (t1 - t0) / (m1 - m0)) // step * step)
+    if guess in known or guess <= 0:
+      break
+    known[guess] = _gpu_total(loss, guess, size)
+
+  def total(t):
+    if t not in known:
+      known[t] = _gpu_total(loss, t, size)
+    return known[t]
+
+  fits = [t for t, m in known.items() if m <= capacity]
+  if fits:  # walk up from the largest that fits
+    tokens = max(fits)
+    while total(tokens + step) <= capacity:
+      tokens += step
+  else:  # walk down from the smallest tried
+    tokens = min(known) - step
+    while tokens > step and total(tokens) > capacity:
+      tokens -= step
+  return tokens, total(tokens)
+
+
+def capacity(device_kind=test_util.H100) -> int:
+  """The GPU's memory in bytes, from XLA's target config for it."""
+  import re
+
+  found = re.search(r"device_memory_size:\s*(\d+)", test_util.target_config(device_kind))
+  return int(found.group(1))
+
+
+def section_h100(fits: bool = True, tokamax_implementation=None) -> list[MemoryRow]:
+  rows = []
+  for scan in (True, False):
+    for label, block in peers(tokamax_implementation).items():
+      _, loss = stack(block, scan)
+      out = [gpu_memory(loss, *shapes(n, GPU_SIZE, jnp.bfloat16)) for n in (1, 2, BLOCKS)]
+      row = MemoryRow(
+        label, "scan" if scan else "unrolled", *(o[0] / MiB for o in out), total8=out[-1][1]
+      )
+      if fits and scan:
+        tokens, total = largest_fit(loss, capacity())
+        row.fit = f"{tokens} ({total / 2**30:.1f} GiB)"
+      rows.append(row)
+  return rows
+
+
+def step_times(
+  size=CPU_SIZE, repeats: int = 5, unrolled: bool = True, block_repeats: int | None = None
+) -> dict[tuple[str, str], tuple[float, float]]:
+  """(wall, process CPU) seconds of a CPU step, each the minimum over rounds that run every peer
+  once (the peer that starts a round rotates): `repeats` rounds for the stacks, `block_repeats`
+  (5 x `repeats`) for one block. On a shared machine the CPU time (all of XLA's threads) is the
+  steadier figure: other processes' load stretches the wall time, not the work done."""
+  programs = [("1 block", 1, False, block_repeats or 5 * repeats)]
+  programs.append((f"{BLOCKS} blocks, scan", BLOCKS, True, repeats))
+  if unrolled:
+    programs.append((f"{BLOCKS} blocks, unrolled", BLOCKS, False, repeats))
+  best = {}
+  for layout, blocks, scan, rounds in programs:
+    params, x = make(blocks, size, jnp.float32)
+    calls = {}
+    for label, block in peers().items():
+      step = jax.jit(jax.value_and_grad(stack(block, scan)[1]))
+      calls[label, layout] = functools.partial(step, params, x)
+    for call in calls.values():
+      jax.block_until_ready(call())
+    keys = list(calls)
+    for r in range(rounds):
+      for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+        start, cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready(calls[key]())
+        now = (time.perf_counter() - start, time.process_time() - cpu)
+        best[key] = tuple(map(min, best.get(key, now), now))
+  return best
+
+
+# ----------------------------------------------------- the MLP and CNN of fused_memory, scanned
+
+LAYER_PEERS = ("flax", "remat", "jaxact")
+LAYER_LABELS = {"flax": "Flax", "remat": "Flax + remat", "jaxact": "jaxact layers"}
+LAYER_SIZES = {
+  # model: (layers, CPU x shape, GPU x shape)
+  "MLP": (8, (8192, 512), (8192, 4096)),
+  "CNN": (6, (32, 32, 32, 64), (128, 56, 56, 256)),
+}
+
+
+def _layer(model: str, peer: str, activation: str, features: int):
+  conv = model == "CNN"
+  if peer == "jaxact":
+    if conv:
+      module = jaxact.linen.ConvAct(features, (3, 3), activation=activation)
+    else:
+      module = jaxact.linen.DenseAct(features, activation=activation)
+    return lambda x, p: module.apply({"params": {"kernel": p[0], "bias": p[1]}}, x)
+  module = nn.Conv(features, (3, 3)) if conv else nn.Dense(features)
+  act = getattr(jax.nn, activation)
+
+  def layer(x, p):
+    return act(module.apply({"params": {"kernel": p[0], "bias": p[1]}}, x))
+
+  if peer == "remat":
+    return jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  return layer
+
+
+def layer_shapes(model: str, layers: int, x_shape, dtype):
+  c = x_shape[-1]
+  kernel = (3, 3, c, c) if model == "CNN" else (c, c)
+  params = (
+    jax.ShapeDtypeStruct((layers, *kernel), dtype),
+    jax.ShapeDtypeStruct((layers, c), dtype),
+  )
+  return params, jax.ShapeDtypeStruct(x_shape, dtype)
+
+
+def section_layers(gpu: bool, activations=("relu", "gelu")) -> list[dict]:
+  rows = []
+  for model, (layers, cpu_x, gpu_x) in LAYER_SIZES.items():
+    x_shape, dtype = (gpu_x, jnp.bfloat16) if gpu else (cpu_x, jnp.float32)
+    buffer = jnp.dtype(dtype).itemsize
+    for s in x_shape:
+      buffer *= s
+    for activation in activations:
+      for peer in LAYER_PEERS:
+        row = {"model": model, "activation": activation, "peer": peer}
+        layer = _layer(model, peer, activation, x_shape[-1])
+        for scan in (False, True):
+          _, loss = stack(layer, scan)
+          params, x = layer_shapes(model, layers, x_shape, dtype)
+          temp = gpu_memory(loss, params, x)[0] if gpu else cpu_memory(loss, params, x)
+          row["scan" if scan else "unrolled"] = temp / buffer
+        rows.append(row)
+  return rows
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _ratio(v, ref) -> str:
+  return f"{v / ref:.2f}" if ref else "—"
+
+
+def render_memory(rows: list[MemoryRow], extra: str | None = None) -> list[str]:
+  """`extra`: "kept" or "fit", the last column."""
+  ref = {r.layout: r for r in rows if r.peer == "flax"}
+  header = {"kept": "kept by jax.vjp per block", "fit": "largest tokens that fit"}
+  lines = [
+    f"| layout | peer | temp L=1 | L=2 | L={BLOCKS} | growth/block (L{BLOCKS}-L1)/{BLOCKS - 1} "
+    f"| ratio | growth/block (L{BLOCKS}-L2)/{BLOCKS - 2} | ratio | L={BLOCKS} ratio "
+    + (f"| {header[extra]} |" if extra else "|"),
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if extra else ""),
+  ]
+  for r in rows:
+    f = ref[r.layout]
+    lines.append(
+      f"| {r.layout} | {LABELS[r.peer]} | {r.temp1:.1f} | {r.temp2:.1f} | {r.temp8:.1f} | "
+      f"{r.growth:.1f} | {_ratio(r.growth, f.growth)} | {r.growth2:.1f} | "
+      f"{_ratio(r.growth2, f.growth2)} | {_ratio(r.temp8, f.temp8)} |"
+      + (f" {getattr(r, extra) or '—'} |" if extra else "")
+    )
+  return lines
+
+
+def render_times(times: dict[tuple[str, str], tuple[float, float]]) -> list[str]:
+  lines = [
+    "| program | peer | wall ms | / Flax | / Flax + remat | CPU ms | / Flax | / Flax + remat |",
+    "|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for (peer, layout), t in times.items():
+    f, r = times["flax", layout], times["remat", layout]
+    cells = [f"{t[i] * 1e3:.1f} | {t[i] / f[i]:.2f} | {t[i] / r[i]:.2f}" for i in (0, 1)]
+    lines.append(f"| {layout} | {LABELS[peer]} | {cells[0]} | {cells[1]} |")
+  return lines
+
+
+def render_layers(rows: list[dict]) -> list[str]:
+  lines = [
+    "| model | activation | peer | unrolled temp, buffers | scan temp, buffers | "
+    "unrolled / Flax | scan / Flax |",
+    "|---|---|---|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    ref = next(
+      f
+      for f in rows
+      if f["peer"] == "flax" and f["model"] == r["model"] and f["activation"] == r["activation"]
+    )
+    lines.append(
+      f"| {r['model']} | {r['activation']} | {LAYER_LABELS[r['peer']]} | {r['unrolled']:.1f} | "
+      f"{r['scan']:.1f} | {_ratio(r['unrolled'], ref['unrolled'])} | "
+      f"{_ratio(r['scan'], ref['scan'])} |"
+    )
+  return lines
+
+
+SECTIONS = ("cpu", "h100", "time", "layers", "layers-h100")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {','.join(SECTIONS)}")
+  parser.add_argument("--repeats", type=int, default=5, help="timed rounds (section time)")
+  parser.add_argument("--tokamax-implementation", default=None, help="e.g. xla (H100 section)")
+  args = parser.parse_args(argv)
+  names = args.sections.split(",")
+  if any(n.endswith("h100") for n in names):
+    try:  # before the first computation starts jax's backends
+      test_util.device(test_util.H100)
+    except test_util.Unavailable as e:
+      print(f"benchmarks.gated: {e}", file=sys.stderr)
+      return 2
+  print(
+    f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
+    f"{getattr(tokamax, '__version__', 'not installed')}",
+    flush=True,
+  )
+  for name in names:
+    start = time.perf_counter()
+    if name == "cpu":
+      lines = render_memory(section_cpu(), "kept")
+    elif name == "h100":
+      rows = section_h100(tokamax_implementation=args.tokamax_implementation)
+      lines = render_memory(rows, "fit")
+      lines.append("")
+      lines += [f"{r.layout} {r.peer}: L={BLOCKS} total {r.total8 / 2**30:.2f} GiB" for r in rows]
+    elif name == "time":
+      lines = render_times(step_times(repeats=args.repeats))
+    elif name == "layers":
+      lines = render_layers(section_layers(gpu=False))
+    elif name == "layers-h100":
+      lines = render_layers(section_layers(gpu=True))
+    else:
+      parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}")
+    print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)
+    print("\n".join(lines), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
