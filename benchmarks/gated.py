@@ -113,6 +113,11 @@ def peers(tokamax_implementation=None) -> dict[str, Callable]:
     "flax": _block(_flax_mlp),
     "remat": jax.checkpoint(_block(_flax_mlp), policy=jax.checkpoint_policies.nothing_saveable),
     "jaxact": _block(_jaxact_mlp),
+    # The block under remat that saves gated_mlp's a and b by name: the norm is recomputed.
+    "jaxact_saved": jax.checkpoint(
+      _block(_jaxact_mlp),
+      policy=jax.checkpoint_policies.save_only_these_names(*jaxact.GATED_CHECKPOINT_NAMES),
+    ),
   }
   if tokamax is not None:
     mlp = functools.partial(_tokamax_mlp, implementation=tokamax_implementation)
@@ -124,6 +129,7 @@ LABELS = {
   "flax": "Flax",
   "remat": "Flax + remat",
   "jaxact": "jaxact.gated_mlp",
+  "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
   "tokamax": "tokamax GLU + Dense",
 }
 

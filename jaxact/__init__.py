@@ -38,6 +38,7 @@ from jaxact._src.fused import conv_bias_act as conv_bias_act
 from jaxact._src.fused import dense_bias_act as dense_bias_act
 from jaxact._src.gated import gated_dense as gated_dense
 from jaxact._src.gated import gated_mlp as gated_mlp
+from jaxact._src.gated_vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
 
 __version__ = "0.1.0.dev0"
 
@@ -76,4 +77,5 @@ __all__ = [
   "conv_bias_act",
   "gated_dense",
   "gated_mlp",
+  "GATED_CHECKPOINT_NAMES",
 ]

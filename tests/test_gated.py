@@ -358,3 +358,25 @@ def test_bad_input_raises_naming_the_argument(over, exc, match):
 def test_gated_dense_errors_name_its_function():
   with pytest.raises(ValueError, match=r"jaxact.gated_dense: `w_up` must have the shape"):
     _call("gated_dense", w_up=jnp.ones((D, F - 1)))
+
+
+def test_named_residuals_let_a_remat_block_keep_only_its_input_a_and_b():
+  """Under ``jax.checkpoint(policy=save_only_these_names(*GATED_CHECKPOINT_NAMES))`` a block
+  ``x + gated_mlp(norm(x))`` keeps a and b (and its input), not the normed input; the gradients
+  are the plain block's."""
+  x, w_gate, w_up, w_down = operands(jnp.float32)[:4]
+  w_down = jnp.ones((F, D), jnp.float32) / F
+
+  def block(x, w_gate, w_up, w_down):
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    return x + jaxact.gated_mlp(h, w_gate, w_up, w_down)
+
+  policy = jax.checkpoint_policies.save_only_these_names(*jaxact.GATED_CHECKPOINT_NAMES)
+  args = (x, w_gate, w_up, w_down)
+  ct = jnp.ones_like(x)
+  _, pull = jax.vjp(jax.checkpoint(block, policy=policy), *args)
+  kept = sorted(leaf.shape for leaf in jax.tree.leaves(pull) if leaf.size >= x.size)
+  assert kept == sorted([x.shape, (*BATCH, F), (*BATCH, F)]), kept
+  _, plain = jax.vjp(block, *args)
+  assert len([leaf for leaf in jax.tree.leaves(plain) if leaf.shape == x.shape]) == 2  # x, h
+  assert_close(pull(ct), plain(ct), jnp.float32, "remat")

@@ -26,10 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src import barriers, kernel_calls
 from jaxact._src.dispatch import Decision
 from jaxact._src.fused_vjp import Act
+
+# The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name): under
+# jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps a and b and its
+# input, and recomputes the rest (its norm) in the backward pass.
+CHECKPOINT_NAMES = ("jaxact.gated.a", "jaxact.gated.b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +155,7 @@ def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *
   # As barriers.barrier_residual: hide a and b's origin, so that XLA neither recomputes them in
   # the backward pass nor keeps the forward's act(a) or h alive to share with the backward's.
   out, a, b = lax.optimization_barrier((out, a, b))
+  a, b = (checkpoint_name(v, n) for v, n in zip((a, b), CHECKPOINT_NAMES, strict=True))
   return out, (x, w_gate, w_up, w_down, a, b, dynamic)
 
 
