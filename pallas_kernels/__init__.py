@@ -36,11 +36,13 @@ from pallas_kernels.dense import dense_bias_act_bwd as dense_bias_act_bwd
 from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
 from pallas_kernels.dense import supported_dtypes as supported_dtypes
+from pallas_kernels.epilogue import DerivativeCode as DerivativeCode
 from pallas_kernels.epilogue import Epilogue as Epilogue
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
   "BlockConfig",
+  "DerivativeCode",
   "EltwiseTiles",
   "Epilogue",
   "Tiles",

@@ -112,8 +112,6 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
     return "the activation is a plain callable, not a jaxact spec activation"
   if rule.dynamic_names:
     return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
-  if rule.code is not None:
-    return f"residual_bits={rule.code.bits} (the derivative codes run on XLA only so far)"
   for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
     if np.dtype(dtype).name not in _KERNEL_DTYPES:
       return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"
@@ -130,6 +128,14 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
+  if rule.code is not None:  # packed along the features, which each device must fill bytes of
+    if dense:
+      features = pallas_sharding.dense_shard_shape(x, w)[2]
+    else:
+      features = w.shape[plan.linear.dimension_numbers.rhs_spec[0]]
+    why = kernel_calls.epilogue(rule).code.unsupported(features)
+    if why is not None:
+      return f"residual_bits={rule.code.bits}: {why}"
   if dense:
     from pallas_kernels import allow_tf32
 
@@ -148,6 +154,8 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   why = triton_unsupported(plan, x, w)
   if why is not None:
     return why
+  if plan.act.rule.code is not None:
+    return f"residual_bits={plan.act.rule.code.bits} (the Hopper kernels keep z, not a code)"
   from pallas_kernels import hopper, hopper_bwd
 
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
