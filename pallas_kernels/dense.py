@@ -75,9 +75,10 @@ def _tile(d: int) -> int:
 
 
 def default_block_config(
-  shape: tuple[int, int, int], dtype, *, hopper: bool = False
+  shape: tuple[int, int, int], dtype, *, hopper: bool = False, coded: bool = False
 ) -> BlockConfig:
-  """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``.
+  """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``; `coded`:
+  the forward's epilogue writes a derivative code (``Epilogue.code``) beside ``y``.
 
   Reasoning:
   * Output tiles are 128 x 128 where the dimension allows: a float32 accumulator of that size is
@@ -98,10 +99,17 @@ def default_block_config(
     and 256 x 128 x 64 for dw, 8 warps, 3 stages (the fastest of a tile sweep on an H100; 192 KiB
     of shared memory, more than the A100 has). Ragged layers keep the tiles below: the masks cost
     the registers the wide tiles lack (they spill), as does float16 gelu's backward.
+  * A `coded` forward evaluates the activation and its code (for 8 bits, the derivative too) on
+    the accumulator at once: at 128 rows that spilled registers when compiled (gelu, 8 bits at
+    128 x 128 on an A100; 4 and 2 bits, whose packing moves the codes between threads, at
+    128 x 256 on an H100), so its tile has at most 64 rows. The backward tiles are unchanged.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
   bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
+  if coded:
+    cfg = default_block_config(shape, dtype, hopper=hopper)
+    return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, rows=min(cfg.fwd.rows, 64)))
   if hopper and bf16 and m % 128 == 0 and k % 256 == 0 and n % 256 == 0:
     return BlockConfig(
       fwd=Tiles(128, 256, 64, 8, 3), dx=Tiles(128, 256, 64, 8, 3), dw=Tiles(256, 128, 64, 8, 3)

@@ -117,7 +117,9 @@ def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., 
       epilogue=ep,
       out_dtype=plan.out_dtype,
       precision=plan.linear.precision,
-      block_config=default_block_config(_dense_shape(x, w), x.dtype, hopper=d.target.hopper),
+      block_config=default_block_config(
+        _dense_shape(x, w), x.dtype, hopper=d.target.hopper, coded=ep.code is not None
+      ),
       interpret=interpret,
     )
 
