@@ -47,15 +47,19 @@ class DerivativeCode:
       )
     return None
 
-  def encode(self, z: Array, derivative: Callable[[Array], Array]) -> Array:
-    """int32 codes of a float32 tile `z`."""
+  def encode(
+    self, z: Array, derivative: Callable[[Array], Array], *, native_round: bool = False
+  ) -> Array:
+    """int32 codes of a float32 tile `z`; `native_round`: round with ``jnp.round`` (Mosaic GPU
+    lowers it, Triton does not), else from ``floor`` (Triton lowers it, Mosaic GPU does not)."""
     if self.bits == 8:
       lo, hi = self.levels
       v = (derivative(z) - lo) * (255.0 / (hi - lo))
       v = jnp.where(v == v, v, 0.0)  # NaN gives code 0
       v = jnp.minimum(jnp.maximum(v, 0.0), 255.0)
-      # Round half to even (jnp.round's, which the Triton backend does not lower): exact here,
-      # since v is in [0, 255] and so is its floor.
+      if native_round:
+        return jnp.round(v).astype(jnp.int32)
+      # Round half to even, as jnp.round: exact here, since v is in [0, 255] and so is its floor.
       r = jnp.floor(v)
       frac = v - r
       odd = r - 2.0 * jnp.floor(0.5 * r)

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import codes, test_util
-from kernel_cases import TRITON, lowered_text
-from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense
+from jaxact._src import activations, codes, kernel_calls, test_util
+from kernel_cases import MOSAIC, TRITON, lowered_text
+from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense, hopper
 
 from cases import representatives
 
@@ -143,6 +143,49 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
   assert TRITON not in lowered_text(step, shapes, "cuda", "A100")
 
 
+# ------------------------------------------------------------------------------------ Hopper
+
+
+def coded_rule(name: str, bits: int):
+  """The rule jaxact builds for `name` (default parameters) with a `bits`-bit code."""
+  spec = jaxact.get_spec(name)
+  z = jax.ShapeDtypeStruct((), jnp.float32)
+  rule, _ = activations._split_params(spec, z, test_util.param_defaults(spec))
+  return activations.with_code(rule, bits)
+
+
+@pytest.mark.exhaustive  # Mosaic GPU's interpreter: seconds a tile
+def test_hopper_forward_writes_the_xla_paths_8_bit_code():
+  """The Mosaic GPU forward in its interpreter (a 128 x 256 tile of two warpgroups): y, and the
+  8-bit code of gelu' byte for byte as the XLA path encodes the same float32 z."""
+  rule = coded_rule("gelu", 8)
+  x, w, b = dense_args((128, 64, 256), jnp.bfloat16)
+  y, kept = hopper.hopper_dense_bias_act_fwd(
+    x, w, b, epilogue=kernel_calls.epilogue(rule), num_sms=1, interpret=True
+  )
+  z = x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)  # exact
+  np.testing.assert_array_equal(np.asarray(kept), np.asarray(activations.encode(rule, z)))
+  want = jax.nn.gelu(z).astype(jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=1e-2)
+
+
+def test_hopper_runs_8_bit_codes_forward_only():
+  """On an H100, ``None`` runs a coded layer's forward on the Mosaic GPU kernel when the code is
+  8-bit (its backward on XLA, reading the code), and the whole layer on XLA for 4 and 2 bits
+  (the Hopper kernel does not pack); the Hopper kernels asked for by name raise, saying why."""
+  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
+  text = lowered_text(test_util.train_step(coded("gelu", 8), None), shapes, "cuda", "H100")
+  assert text.count(MOSAIC) == 1 and TRITON not in text
+  x, w, b = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+  for bits, why in ((8, r"the Hopper backward kernels read z, not a code"), (4, r"4-bit codes")):
+    with pytest.raises(NotImplementedError, match=why):
+      jaxact.dense_bias_act(x, w, b, activation=coded("gelu", bits), implementation="mosaic")
+  ep = kernel_calls.epilogue(coded_rule("gelu", 2))
+  assert "2-bit codes (the Hopper kernel writes 8-bit ones" in hopper.hopper_unsupported(
+    (256, 128, 256), jnp.bfloat16, jnp.bfloat16, ep
+  )
+
+
 # --------------------------------------------------------------------------- compiled for GPUs
 
 
@@ -160,7 +203,10 @@ def float32_defaults():
     yield
 
 
-_COMPILED = list(itertools.product(("A100", "H100"), ("dense", "conv"), (8, 4, 2)))
+_COMPILED = [
+  *itertools.product(("A100", "H100"), ("dense", "conv"), (8, 4, 2)),
+  ("H100", "mosaic", 8),
+]
 
 
 # By default the case that spilled before the coded forward took 64-row tiles: 8-bit gelu, whose
@@ -172,15 +218,18 @@ _COMPILED = list(itertools.product(("A100", "H100"), ("dense", "conv"), (8, 4, 2
 def test_coded_kernels_compile_without_spilling(gpu, op, bits, float32_defaults):
   """The training step of a bfloat16 layer with 8-, 4- or 2-bit gelu codes: the Triton kernels
   (dense: the widest tiles, Hopper's 128 x 256 included; conv: the epilogue's 256-channel tile)
-  compile for the GPU with no register spilled."""
+  compile for the GPU with no register spilled; on an H100 ``None`` compiles the Mosaic GPU
+  forward with an 8-bit code (and XLA's backward)."""
   _compiler_or_skip()
-  if op == "dense":
-    shapes = test_util.layer_shapes(512, 512, 512, jnp.bfloat16)
-  else:
+  if op == "conv":
     shapes = [
       jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))
     ]
-  step = test_util.train_step(coded("gelu", bits), "pallas", conv=op == "conv")
+  else:
+    shapes = test_util.layer_shapes(512, 512, 512, jnp.bfloat16)
+  impl = None if op == "mosaic" else "pallas"
+  step = test_util.train_step(coded("gelu", bits), impl, conv=op == "conv")
   compiled = test_util.compile_for(step, shapes, test_util.GPUS[gpu], test_util.NO_SPILLS)
-  calls = compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"')
-  assert calls == (3 if op == "dense" else 2), calls
+  text = compiled.as_text()
+  want = {"dense": (3, 0), "conv": (2, 0), "mosaic": (0, 1)}[op]
+  assert (text.count('"__gpu$xla.gpu.triton"'), text.count(f'"{MOSAIC}"')) == want

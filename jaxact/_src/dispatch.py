@@ -154,13 +154,16 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   why = triton_unsupported(plan, x, w)
   if why is not None:
     return why
-  if plan.act.rule.code is not None:
-    return f"residual_bits={plan.act.rule.code.bits} (the Hopper kernels keep z, not a code)"
   from pallas_kernels import hopper, hopper_bwd
 
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
   epilogue = kernel_calls.epilogue(plan.act.rule)
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
+  if why is None and backward and epilogue.code is not None:
+    why = (
+      f"residual_bits={epilogue.code.bits}: the Hopper backward kernels read z, not a code "
+      "(implementation=None runs such a call's forward on the Hopper kernel, its backward on XLA)"
+    )
   if why is None and backward:
     why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
   whole = (math.prod(x.shape[:-1]), *w.shape)
