@@ -100,16 +100,18 @@ def default_block_config(
     of shared memory, more than the A100 has). Ragged layers keep the tiles below: the masks cost
     the registers the wide tiles lack (they spill), as does float16 gelu's backward.
   * A `coded` forward evaluates the activation and its code (for 8 bits, the derivative too) on
-    the accumulator at once: at 128 rows that spilled registers when compiled (gelu, 8 bits at
-    128 x 128 on an A100; 4 and 2 bits, whose packing moves the codes between threads, at
-    128 x 256 on an H100), so its tile has at most 64 rows. The backward tiles are unchanged.
+    the accumulator at once, which spilled registers when compiled at 128 rows (gelu, 8 bits at
+    128 x 128 on an A100; 4 and 2 bits, whose packing moves codes between threads, at 128 x 256
+    on an H100) and at 64 x 256 (mish, 8 bits, H100): its tile is at most 64 x 128. The backward
+    tiles are unchanged.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
   bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
   if coded:
     cfg = default_block_config(shape, dtype, hopper=hopper)
-    return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, rows=min(cfg.fwd.rows, 64)))
+    fwd = dataclasses.replace(cfg.fwd, rows=min(cfg.fwd.rows, 64), cols=min(cfg.fwd.cols, 128))
+    return dataclasses.replace(cfg, fwd=fwd)
   if hopper and bf16 and m % 128 == 0 and k % 256 == 0 and n % 256 == 0:
     return BlockConfig(
       fwd=Tiles(128, 256, 64, 8, 3), dx=Tiles(128, 256, 64, 8, 3), dw=Tiles(256, 128, 64, 8, 3)
