@@ -39,6 +39,7 @@ from pallas_kernels.dense import dense_bias_act_bwd as dense_bias_act_bwd
 from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
 from pallas_kernels.dense import supported_dtypes as supported_dtypes
+from pallas_kernels.epilogue import DerivativeCode as DerivativeCode
 from pallas_kernels.epilogue import Epilogue as Epilogue
 from pallas_kernels.gated import GatedBlockConfig as GatedBlockConfig
 from pallas_kernels.gated import gated_bwd as gated_bwd
@@ -50,6 +51,7 @@ from pallas_kernels.gated import gated_fwd as gated_fwd
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
   "BlockConfig",
+  "DerivativeCode",
   "EltwiseTiles",
   "Epilogue",
   "GatedBlockConfig",

@@ -5,12 +5,13 @@ the elementwise passes around them, each of which would otherwise be one or more
 
 * forward, :func:`bias_act_fwd`: ``y = fn(z + b)`` over the convolution's output ``z``, written in
   place of ``z`` when their dtypes agree (``input_output_aliases``); for input-residual activations
-  the biased pre-activation ``z + b`` is written in place of ``z`` and ``y`` beside it;
+  the biased pre-activation ``z + b`` is written in place of ``z`` and ``y`` beside it, and with a
+  derivative code (``Epilogue.code``) the code's packed bytes of ``act'(z + b)`` beside ``y``;
 * backward, :func:`bias_act_bwd`: ``dz = g * act'(r)`` and the bias gradient ``db = sum dz`` in one
-  read of ``g`` and ``r`` (``r`` is what the forward kept: ``y`` or ``z + b``); ``dz`` is written in
-  place of ``g`` when their dtypes agree, and each program adds its rows of ``dz`` into a float32
-  row of per-block partial sums, which a tiny XLA reduction finishes (``rows / block_rows`` by
-  ``C`` values).
+  read of ``g`` and ``r`` (``r`` is what the forward kept: ``y``, ``z + b`` or the code); ``dz`` is
+  written in place of ``g`` when their dtypes agree, and each program adds its rows of ``dz`` into a
+  float32 row of per-block partial sums, which a tiny XLA reduction finishes (``rows /
+  block_rows`` by ``C`` values).
 
 Arrays are channels-last, ``(..., C)``, seen as ``(rows, C)``; tiles are ``(block_rows,
 block_cols)`` with ragged edges masked. Every activation of the spec table works, as an
@@ -28,7 +29,16 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, pl
-from pallas_kernels.dense import _DTYPES, Epilogue, _dz_tile, _load_tile, _slots, _store_tile
+from pallas_kernels.dense import (
+  _DTYPES,
+  Epilogue,
+  _dz_tile,
+  _load_tile,
+  _slots,
+  _store_kept,
+  _store_tile,
+  check_code,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +77,7 @@ def _fwd_kernel(z_ref, b_ref, y_ref, zb_ref, *, epilogue: Epilogue, tiles: Eltwi
     z = z + bias
   _store_tile(y_ref, r0, c0, epilogue.fn(z))
   if zb_ref is not None:
-    _store_tile(zb_ref, r0, c0, z)
+    _store_kept(zb_ref, r0, c0, z, epilogue)
 
 
 def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
@@ -111,7 +121,8 @@ def bias_act_fwd(
   interpret: bool = False,
 ) -> tuple[Array, Array | None]:
   """``(y, zb)``: ``y = fn(z + b)`` in `out_dtype` (default z's) and, when
-  ``epilogue.residual == "input"``, ``zb = z + b`` in `out_dtype` (else None).
+  ``epilogue.residual == "input"``, ``zb = z + b`` in `out_dtype`; for ``"code"`` the packed
+  derivative code of ``z + b`` (uint8, ``(..., C // per_byte)``); else None.
 
   `z` is channels-last ``(..., C)``; `b` is ``(C,)`` or None. The output that can take `z`'s
   buffer (``zb`` for input residuals, else ``y``) does so when the dtypes agree and `in_place`.
@@ -127,16 +138,19 @@ def bias_act_fwd(
   if out_dtype not in _DTYPES:
     raise TypeError(f"pallas_kernels.bias_act: `out_dtype` {out_dtype} is not supported")
   c = z.shape[-1]
+  check_code("bias_act", epilogue, c)
   z2 = z.reshape(-1, c)
   rows = z2.shape[0]
   t = block_config or default_tiles((rows, c), z.dtype)
-  keep_zb = epilogue.residual == "input"
+  keep_zb = epilogue.residual in ("input", "code")
   out = jax.ShapeDtypeStruct((rows, c), out_dtype)
-  # The output written last from each tile (zb, else y) may share z's buffer.
-  aliases = {0: 1 if keep_zb else 0} if in_place and out_dtype == z.dtype else {}
+  kept = jax.ShapeDtypeStruct(epilogue.kept_shape((rows, c)), epilogue.kept_dtype(out_dtype))
+  # The output written last from each tile (zb, else y) may share z's buffer; a code is smaller.
+  last = 1 if epilogue.residual == "input" else 0
+  aliases = {0: last} if in_place and out_dtype == z.dtype else {}
   outs = pl.pallas_call(
     _slots(_fwd_kernel, (True, b is not None, True, keep_zb), epilogue=epilogue, tiles=t),
-    out_shape=(out, out) if keep_zb else (out,),
+    out_shape=(out, kept) if keep_zb else (out,),
     grid=(pl.cdiv(rows, t.rows), pl.cdiv(c, t.cols)),
     input_output_aliases=aliases,
     compiler_params=_params(t),
@@ -144,7 +158,7 @@ def bias_act_fwd(
     name="jaxact_bias_act_fwd",
   )(*(v for v in (z2, None if b is None else b.reshape(1, c)) if v is not None))
   y = outs[0].reshape(z.shape)
-  return y, (outs[1].reshape(z.shape) if keep_zb else None)
+  return y, (outs[1].reshape(epilogue.kept_shape(z.shape)) if keep_zb else None)
 
 
 def bias_act_bwd(
@@ -180,17 +194,19 @@ def _backward(
   """:func:`bias_act_bwd`, and without `keep_dz` :func:`bias_grad`; `steps` row tiles a program
   where `block_config` is not given."""
   _check("g", g)
+  c = g.shape[-1]
+  check_code("bias_act", epilogue, c)
   needs_r = epilogue.residual != "none"
-  if needs_r and (residual is None or residual.shape != g.shape):
+  kept_shape = epilogue.kept_shape(g.shape)
+  if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
       f"pallas_kernels.bias_act: a {epilogue.residual!r} epilogue needs the residual of shape "
-      f"{g.shape}; got {None if residual is None else residual.shape}"
+      f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
   dz_dtype = np.dtype(g.dtype if dz_dtype is None else dz_dtype)
-  c = g.shape[-1]
   g2 = g.reshape(-1, c)
   rows = g2.shape[0]
-  r2 = residual.reshape(-1, c) if needs_r else None
+  r2 = residual.reshape(-1, kept_shape[-1]) if needs_r else None
   t = block_config or dataclasses.replace(default_tiles((rows, c), g.dtype), steps=steps)
   blocks = pl.cdiv(rows, t.rows * t.steps)
   out_shape = [jax.ShapeDtypeStruct((rows, c), dz_dtype)] if keep_dz else []

@@ -2,9 +2,11 @@
 
 Forward: one tiled matmul per ``(block_m, block_n)`` output tile, accumulated in float32 over
 ``block_k`` steps of the contraction, then the epilogue in registers: ``z = acc + b``,
-``y = fn(z)``; ``y`` is stored, and ``z`` too only when the activation's derivative needs its input.
+``y = fn(z)``; ``y`` is stored, and ``z`` too only when the activation's derivative needs its input
+(or, with a derivative code, the code's bytes of ``act'(z)``, packed in registers).
 
-Backward, from the cotangent ``g`` and the kept residual ``r`` (``y`` or ``z``, none for identity):
+Backward, from the cotangent ``g`` and the kept residual ``r`` (``y``, ``z`` or the code of
+``act'(z)``, which it decodes; none for identity):
 
 * ``dx = dz @ w^T``: one kernel per ``(block_m, block_k)`` tile of ``dx``, looping over ``n``;
 * ``dw = x^T @ dz`` and ``db = sum_m dz``: one kernel per ``(block_k, block_n)`` tile of ``dw``,
@@ -73,9 +75,10 @@ def _tile(d: int) -> int:
 
 
 def default_block_config(
-  shape: tuple[int, int, int], dtype, *, hopper: bool = False
+  shape: tuple[int, int, int], dtype, *, hopper: bool = False, coded: bool = False
 ) -> BlockConfig:
-  """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``.
+  """Tile sizes and launch parameters for a dense layer of ``(M, K, N)`` in ``dtype``; `coded`:
+  the forward's epilogue writes a derivative code (``Epilogue.code``) beside ``y``.
 
   Reasoning:
   * Output tiles are 128 x 128 where the dimension allows: a float32 accumulator of that size is
@@ -96,10 +99,19 @@ def default_block_config(
     and 256 x 128 x 64 for dw, 8 warps, 3 stages (the fastest of a tile sweep on an H100; 192 KiB
     of shared memory, more than the A100 has). Ragged layers keep the tiles below: the masks cost
     the registers the wide tiles lack (they spill), as does float16 gelu's backward.
+  * A `coded` forward evaluates the activation and its code (for 8 bits, the derivative too) on
+    the accumulator at once, which spilled registers when compiled at 128 rows (gelu, 8 bits at
+    128 x 128 on an A100; 4 and 2 bits, whose packing moves codes between threads, at 128 x 256
+    on an H100) and at 64 x 256 (mish, 8 bits, H100): its tile is at most 64 x 128. The backward
+    tiles are unchanged.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
   bf16 = np.dtype(dtype) == np.dtype(jnp.bfloat16)
+  if coded:
+    cfg = default_block_config(shape, dtype, hopper=hopper)
+    fwd = dataclasses.replace(cfg.fwd, rows=min(cfg.fwd.rows, 64), cols=min(cfg.fwd.cols, 128))
+    return dataclasses.replace(cfg, fwd=fwd)
   if hopper and bf16 and m % 128 == 0 and k % 256 == 0 and n % 256 == 0:
     return BlockConfig(
       fwd=Tiles(128, 256, 64, 8, 3), dx=Tiles(128, 256, 64, 8, 3), dw=Tiles(256, 128, 64, 8, 3)
@@ -178,10 +190,29 @@ def _dz_tile(g_ref, r_ref, r0, c0, rows: int, cols: int, epilogue: Epilogue) -> 
   g = _load_tile(g_ref, r0, c0, rows, cols).astype(jnp.float32)
   if epilogue.residual == "none":
     return g  # out-of-range entries loaded as 0 already
-  r = _load_tile(r_ref, r0, c0, rows, cols).astype(jnp.float32)
   n_rows, n_cols = g_ref.shape
   inside = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
+  if epilogue.residual == "code":
+    code = epilogue.code
+    packed = _load_tile(r_ref, r0, _packed_col(c0, code), rows, code.packed_cols(cols))
+    return jnp.where(inside, g * code.decode(code.unpack(packed)), 0.0)
+  r = _load_tile(r_ref, r0, c0, rows, cols).astype(jnp.float32)
   return jnp.where(inside, g * epilogue.derivative(r), 0.0)
+
+
+def _packed_col(c0, code) -> Array:
+  """The byte column where the codes of column `c0` (a multiple of the code's group) start."""
+  c0 = jnp.asarray(c0)
+  return lax.div(c0, jnp.asarray(code.per_byte(), c0.dtype))
+
+
+def _store_kept(ref, r0, c0, z: Array, epilogue: Epilogue) -> None:
+  """Store what the backward pass reads of the float32 tile `z`: z itself, or its code's bytes."""
+  if epilogue.residual == "code":
+    code = epilogue.code
+    _store_tile(ref, r0, _packed_col(c0, code), code.pack(code.encode(z, epilogue.derivative)))
+  else:
+    _store_tile(ref, r0, c0, z)
 
 
 def _dense_fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref, *, epilogue, tiles, tf32):
@@ -203,7 +234,7 @@ def _dense_fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref, *, epilogue, tiles, tf3
     acc = acc + bias.astype(jnp.float32)[None, :]
   _store_tile(y_ref, r0, c0, epilogue.fn(acc))
   if z_ref is not None:
-    _store_tile(z_ref, r0, c0, acc)
+    _store_kept(z_ref, r0, c0, acc, epilogue)
 
 
 def _dense_dx_kernel(g_ref, r_ref, w_ref, dx_ref, *, epilogue, tiles, tf32):
@@ -287,6 +318,14 @@ def _check(x: Array, w: Array, b: Array | None) -> None:
     )
 
 
+def check_code(where: str, epilogue: Epilogue, features: int) -> None:
+  """Raise ValueError when a ``"code"`` epilogue cannot pack rows of `features` codes."""
+  if epilogue.residual == "code":
+    why = epilogue.code.unsupported(features)
+    if why is not None:
+      raise ValueError(f"pallas_kernels.{where}: {why}")
+
+
 def dense_bias_act_fwd(
   x: Array,
   w: Array,
@@ -299,7 +338,8 @@ def dense_bias_act_fwd(
   interpret: bool = False,
 ) -> tuple[Array, Array | None]:
   """``(y, z)``: ``y = fn(x @ w + b)`` in `out_dtype` (default x's), and ``z`` (same dtype) when
-  ``epilogue.residual == "input"``, else None. `x` may have batch dimensions.
+  ``epilogue.residual == "input"``, its packed derivative code (uint8, ``(..., N // per_byte)``)
+  for ``"code"``, else None. `x` may have batch dimensions.
 
   `block_config` replaces :func:`default_block_config`'s choice (only ``.fwd`` is read)."""
   _check(x, w, b)
@@ -309,9 +349,11 @@ def dense_bias_act_fwd(
   batch, (k, n) = x.shape[:-1], w.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
+  check_code("dense", epilogue, n)
   t = (block_config or default_block_config((m, k, n), x.dtype)).fwd
-  keep_z = epilogue.residual == "input"
+  keep_z = epilogue.residual in ("input", "code")
   out = jax.ShapeDtypeStruct((m, n), out_dtype)
+  kept = jax.ShapeDtypeStruct(epilogue.kept_shape((m, n)), epilogue.kept_dtype(out_dtype))
   kernel = _slots(
     _dense_fwd_kernel,
     (True, True, b is not None, True, keep_z),
@@ -321,14 +363,14 @@ def dense_bias_act_fwd(
   )
   outs = pl.pallas_call(
     kernel,
-    out_shape=(out, out) if keep_z else (out,),
+    out_shape=(out, kept) if keep_z else (out,),
     grid=(pl.cdiv(m, t.rows), pl.cdiv(n, t.cols)),
     compiler_params=_params(t),
     interpret=interpret,
     name="jaxact_dense_fwd",
   )(*(v for v in (x2, w, b) if v is not None))
   y = outs[0].reshape(*batch, n)
-  z = outs[1].reshape(*batch, n) if keep_z else None
+  z = outs[1].reshape(*batch, kept.shape[-1]) if keep_z else None
   return y, z
 
 
@@ -355,14 +397,16 @@ def dense_bias_act_bwd(
     raise ValueError(
       f"pallas_kernels.dense: `g` must have shape {(*x.shape[:-1], n)}; got {g.shape}"
     )
+  check_code("dense", epilogue, n)
   needs_r = epilogue.residual != "none"
-  if needs_r and (residual is None or residual.shape != g.shape):
+  kept_shape = epilogue.kept_shape(g.shape)
+  if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
       f"pallas_kernels.dense: a {epilogue.residual!r} epilogue needs the residual of shape "
-      f"{g.shape}; got {None if residual is None else residual.shape}"
+      f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-  r2 = residual.reshape(-1, n) if needs_r else None
+  r2 = residual.reshape(-1, kept_shape[-1]) if needs_r else None
   m = x2.shape[0]
   cfg = block_config or default_block_config((m, k, n), x.dtype)
   tf32 = allow_tf32(precision)

@@ -11,7 +11,8 @@ reach Hopper's tensor-core rate; this kernel is written for Hopper's own machine
 * **Epilogue in registers**: each compute warpgroup's bias tile is brought into shared memory by TMA
   while its main loop runs; then ``z = acc + b`` and ``y = fn(z)`` are computed on the accumulator
   and written back through shared memory by TMA, in ``epi_m x epi_n`` sub-tiles, double-buffered.
-  ``z`` is written too (same way) when the activation's derivative needs its input.
+  ``z`` is written too (same way) when the activation's derivative needs its input, or, with an
+  8-bit derivative code (``Epilogue.code``), the code of ``act'(z)`` (through a uint8 buffer).
 * **Persistent**: one CTA per SM (``num_sms``, the caller's) walks the output tiles in a "planar
   snake" order that keeps the tiles running together on neighbouring rows/columns (L2 reuse).
 
@@ -41,6 +42,7 @@ from pallas_kernels._mosaic import (
   pl,
   plgpu,
   transforms,
+  unlowerable,
   write_tile,
 )
 from pallas_kernels.epilogue import Epilogue
@@ -106,6 +108,15 @@ def hopper_unsupported(
   for name, d, step in (("M", m, t.tile_m), ("N", n, 2 * t.tile_n), ("K", k, t.tile_k)):
     if d % step:
       return f"{name}={d} is not a multiple of {step} (the Hopper kernel's tile)"
+  if epilogue.residual == "code":
+    if epilogue.code.bits != 8:
+      return (
+        f"{epilogue.code.bits}-bit codes (the Hopper kernel writes 8-bit ones: packing 2 or 4 to "
+        "a byte would move codes between the threads of the wgmma accumulator's layout)"
+      )
+    why = unlowerable(epilogue.derivative, "derivative the code quantizes")
+    if why is not None:
+      return why
   return epilogue_unsupported(epilogue)
 
 
@@ -114,7 +125,8 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
   n = w_gmem.shape[1]
   cta_n = 2 * t.tile_n
   m_iters, n_iters, k_iters = m // t.tile_m, n // cta_n, k // t.tile_k
-  outs = (y_gmem,) if z_gmem is None else (y_gmem, z_gmem)
+  coded = epilogue.residual == "code"
+  outs = (y_gmem,) if z_gmem is None or coded else (y_gmem, z_gmem)
   out_dtype = y_gmem.dtype
   operand_transforms = transforms(t.tile_k, x_gmem.dtype)
 
@@ -151,12 +163,17 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
     out_smem=plgpu.SMEM(
       (2, len(outs), 2, t.epi_m, t.epi_n), out_dtype, transforms=transforms(t.epi_n, out_dtype)
     ),
+    code_smem=None
+    if not coded
+    else plgpu.SMEM(
+      (2, 1, 2, t.epi_m, t.epi_n), jnp.uint8, transforms=transforms(t.epi_n, jnp.uint8)
+    ),
     bias_smem=None if b_gmem is None else plgpu.SMEM((2, t.tile_n), b_gmem.dtype),
     bias_barrier=None if b_gmem is None else plgpu.Barrier(num_barriers=2),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(pipeline_allocs, out_smem, bias_smem, bias_barrier):
+  def _scope(pipeline_allocs, out_smem, code_smem, bias_smem, bias_barrier):
     wg = lax.axis_index("wg")
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -180,6 +197,11 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
             z = z + lax.broadcast_in_dim(bias.astype(jnp.float32), z.shape, [1])
           values = lambda z_sub: (epilogue.fn(z_sub), z_sub)[: len(outs)]
           write_tile(z, values, [o.at[m_slice, n_slice] for o in outs], out_smem.at[wg])
+          if coded:
+            encode = lambda z_sub: (
+              epilogue.code.encode(z_sub, epilogue.derivative, native_round=True),
+            )
+            write_tile(z, encode, [z_gmem.at[m_slice, n_slice]], code_smem.at[wg])
 
       def mma(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
@@ -221,13 +243,14 @@ def hopper_dense_bias_act_fwd(
     raise TypeError(f"pallas_kernels.hopper: x and w dtypes differ ({x.dtype}, {w.dtype})")
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
-  keep_z = epilogue.residual == "input"
+  keep_z = epilogue.residual in ("input", "code")
   t = tiles or hopper_tiles((m, k, n), 2 if keep_z else 1)
   why = hopper_unsupported((m, k, n), x.dtype, x.dtype, epilogue, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.hopper: {why}")
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
+  kept = jax.ShapeDtypeStruct((m, n), epilogue.kept_dtype(x.dtype))  # 8-bit codes: unpacked
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
@@ -239,7 +262,7 @@ def hopper_dense_bias_act_fwd(
   sms = 1 if interpret else num_sms
   kernel = plgpu.kernel(
     body,
-    out_type=(out, out) if keep_z else (out,),
+    out_type=(out, kept) if keep_z else (out,),
     grid=(sms,),
     grid_names=("sm",),
     num_threads=3,

@@ -110,8 +110,6 @@ def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
     return "the activation is a plain callable, not a jaxact spec activation"
   if rule.dynamic_names:
     return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
-  if rule.code is not None:
-    return f"residual_bits={rule.code.bits} (the derivative codes run on XLA only so far)"
   for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
     if np.dtype(dtype).name not in _KERNEL_DTYPES:
       return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"
@@ -141,6 +139,14 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
+  if rule.code is not None:  # packed along the features, which each device must fill bytes of
+    if dense:
+      features = pallas_sharding.dense_shard_shape(x, w)[2]
+    else:
+      features = w.shape[plan.linear.dimension_numbers.rhs_spec[0]]
+    why = kernel_calls.epilogue(rule).code.unsupported(features)
+    if why is not None:
+      return f"residual_bits={rule.code.bits}: {why}"
   if dense:
     from pallas_kernels import allow_tf32
 
@@ -164,6 +170,11 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
   epilogue = kernel_calls.epilogue(plan.act.rule)
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
+  if why is None and backward and epilogue.code is not None:
+    why = (
+      f"residual_bits={epilogue.code.bits}: the Hopper backward kernels read z, not a code "
+      "(implementation=None runs such a call's forward on the Hopper kernel, its backward on XLA)"
+    )
   if why is None and backward:
     why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
   whole = (math.prod(x.shape[:-1]), *w.shape)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def epilogue(rule: _Rule):
   """The kernels' :class:`pallas_kernels.Epilogue` of a spec-table activation with static
   parameters."""
-  from pallas_kernels import Epilogue
+  from pallas_kernels import DerivativeCode, Epilogue
 
   spec, params = rule.spec, dict(rule.static_params)
 
@@ -51,12 +51,15 @@ def epilogue(rule: _Rule):
     def derivative(y):
       return spec.d_output(y, **params)
 
-  elif rule.residual == "input":
+  elif rule.residual in ("input", "code"):
 
     def derivative(z):
       return spec.derivative_from_input(z, **params)
 
-  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual)
+  code = None
+  if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes
+    code = DerivativeCode(rule.code.bits, rule.code.boundaries, rule.code.levels)
+  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual, code=code)
 
 
 def _with_xla_derivatives(kernels: Callable[..., Any], xla: Callable[..., Any], interpret: bool):
@@ -116,7 +119,9 @@ def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., 
       epilogue=ep,
       out_dtype=plan.out_dtype,
       precision=plan.linear.precision,
-      block_config=default_block_config(_dense_shape(x, w), x.dtype, hopper=d.target.hopper),
+      block_config=default_block_config(
+        _dense_shape(x, w), x.dtype, hopper=d.target.hopper, coded=ep.code is not None
+      ),
       interpret=interpret,
     )
 

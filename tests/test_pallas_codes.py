@@ -1,0 +1,235 @@
+"""Derivative codes (``residual_bits``) in the Triton kernels, against the XLA path.
+
+The dense forward kernel and the convolution epilogue kernel write the code of ``act'(z)`` from
+registers beside ``y``, packed as :meth:`jaxact._src.codes.Code.pack` packs the last axis, and the
+backward kernels decode it. On CPU the kernels run in interpret mode: the outputs, the bytes kept
+for the backward pass (read from the pullback's residuals) and the gradients are compared with
+``implementation="xla"``. The inputs are small multiples of powers of two, so that the
+pre-activation is exact in every dtype and both paths encode the same ``z``: the kept bytes must be
+identical, not close. Features that do not fill whole bytes decline the kernels. Compiled for an
+abstract H100 and A100 (XLA's GPU compiler, register-spill check): one representative by default,
+the rest under ``pytest -m exhaustive``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxact
+from jaxact._src import activations, codes, kernel_calls, test_util
+from kernel_cases import MOSAIC, TRITON, lowered_text
+from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense, hopper
+
+from cases import representatives
+
+# Same z, same codes: the outputs agree to the activation's evaluation, the gradients to the
+# summation order of the backward products (and, in bfloat16, dz's rounding before them).
+TOL = {
+  jnp.float32: dict(atol=2e-5, rtol=2e-5),
+  jnp.bfloat16: dict(atol=5e-2, rtol=3e-2),
+}
+Y_TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-6), jnp.bfloat16: dict(atol=0, rtol=0)}
+
+ACTIVATION = {"gelu": jaxact.gelu, "silu": jaxact.silu, "mish": jaxact.mish}
+
+
+def exact(shape, scale: float, seed: int) -> jax.Array:
+  """Integers in [-2, 2] times `scale`, float32."""
+  v = jax.random.randint(jax.random.key(seed), shape, -2, 3)
+  return v.astype(jnp.float32) * scale
+
+
+def dense_args(shape, dtype):
+  """x (rows, K) in halves, w in quarters, b in halves: z = x @ w + b is a multiple of 1/8 of at
+  most K / 2 + 1 in size, exact in bfloat16 for K <= 32 (and in any summation order)."""
+  *batch, k, n = shape
+  x, w, b = exact((*batch, k), 0.5, 1), exact((k, n), 0.25, 2), exact((n,), 0.5, 3)
+  return tuple(v.astype(dtype) for v in (x, w, b))
+
+
+def conv_args(x_shape, w_shape, dtype):
+  """As :func:`dense_args`, for a convolution of fan-in ``prod(w_shape[:-1]) <= 32``."""
+  x, w, b = exact(x_shape, 0.5, 4), exact(w_shape, 0.25, 5), exact(w_shape[-1:], 0.5, 6)
+  return tuple(v.astype(dtype) for v in (x, w, b))
+
+
+def coded(name: str, bits: int):
+  return functools.partial(ACTIVATION[name], residual_bits=bits)
+
+
+def run(impl, op, activation, x, w, b, **kw):
+  """y, the uint8 arrays the pullback keeps, and (dx, dw, db) for a fixed random cotangent."""
+
+  @jax.jit
+  def f(x, w, b):
+    fn = lambda *a: op(*a, activation=activation, implementation=impl, **kw)
+    y, pull = jax.vjp(fn, x, w, b)
+    g = jax.random.normal(jax.random.key(99), y.shape, jnp.float32).astype(y.dtype)
+    kept = [v for v in jax.tree.leaves(pull) if v.dtype == jnp.uint8]
+    return y, kept, pull(g)
+
+  return f(x, w, b)
+
+
+def assert_matches_xla(op, name, bits, dtype, x, w, b, **kw):
+  y, kept, grads = run("pallas", op, coded(name, bits), x, w, b, **kw)
+  y_xla, kept_xla, grads_xla = run("xla", op, coded(name, bits), x, w, b, **kw)
+  code = codes.get_code(name, (("approximate", True),) if name == "gelu" else (), bits)
+  assert [k.shape for k in kept] == [code.packed_shape(y.shape)], (kept, y.shape)
+  np.testing.assert_array_equal(np.asarray(kept[0]), np.asarray(kept_xla[0]))
+  chex.assert_trees_all_equal_shapes_and_dtypes((y, grads), (y_xla, grads_xla))
+  chex.assert_tree_all_finite((y, grads))
+  up = lambda t: jax.tree.map(lambda v: np.asarray(v.astype(jnp.float32)), t)
+  chex.assert_trees_all_close(up(y), up(y_xla), **Y_TOL[dtype])
+  chex.assert_trees_all_close(up(grads), up(grads_xla), **TOL[dtype])
+
+
+_CASES = list(itertools.product((8, 4, 2), (jnp.float32, jnp.bfloat16)))
+_IDS = [f"{bits}-{jnp.dtype(d).name}" for bits, d in _CASES]
+
+
+# ------------------------------------------------------------------- interpret mode, values
+
+
+@pytest.mark.parametrize("bits,dtype", representatives(_CASES, {"4-bfloat16"}, ids=_IDS))
+def test_dense_keeps_the_xla_paths_bytes(bits, dtype):
+  # 37 rows: a ragged row tile; 24 features: 12 bytes a row at 4 bits, 6 at 2, in one ragged
+  # column tile of 64.
+  x, w, b = dense_args((37, 16, 24), dtype)
+  assert_matches_xla(jaxact.dense_bias_act, "gelu", bits, dtype, x, w, b)
+
+
+@pytest.mark.parametrize(
+  "name,bits", representatives([("silu", 2), ("mish", 8)], set(), ids=["silu-2", "mish-8"])
+)
+def test_dense_several_tiles_and_batch_dimensions(name, bits):
+  # 2 x 65 rows, 136 features: two tiles each way, both ragged; a K of 32 in two steps.
+  x, w, b = dense_args((2, 65, 32, 136), jnp.float32)
+  assert_matches_xla(jaxact.dense_bias_act, name, bits, jnp.float32, x, w, b)
+
+
+@pytest.mark.parametrize("bits,dtype", representatives(_CASES, {"2-float32"}, ids=_IDS))
+def test_conv_keeps_the_xla_paths_bytes(bits, dtype):
+  # 72 rows of 16 channels; fan-in 3 x 3 x 3.
+  x, w, b = conv_args((2, 6, 6, 3), (3, 3, 3, 16), dtype)
+  assert_matches_xla(jaxact.conv_bias_act, "gelu", bits, dtype, x, w, b, padding="SAME")
+
+
+def test_features_that_do_not_fill_bytes_decline_the_kernels():
+  """22 features: whole bytes of 4-bit codes (2 a byte), not of 2-bit ones (4 a byte). Asked for by
+  name the kernels raise, saying why; chosen automatically (lowered for CUDA) the call is XLA's."""
+  x, w, b = dense_args((8, 16, 22), jnp.float32)
+  with pytest.raises(
+    NotImplementedError,
+    match=r"residual_bits=2: 2-bit codes are packed 4 to a byte along the features, and 22 "
+    r"features are not a multiple of 4",
+  ):
+    jaxact.dense_bias_act(x, w, b, activation=coded("gelu", 2), implementation="pallas")
+  gelu, code = test_util.epilogue("gelu"), codes.get_code("gelu", (("approximate", True),), 2)
+  ep = Epilogue(gelu.fn, gelu.derivative, "code", DerivativeCode(2, code.boundaries, code.levels))
+  with pytest.raises(ValueError, match=r"pallas_kernels.dense: 2-bit codes .* 22 features"):
+    dense.dense_bias_act_fwd(x, w, b, epilogue=ep, interpret=True)
+  with pytest.raises(ValueError, match=r"pallas_kernels.bias_act: 2-bit codes .* 22 features"):
+    bias_act.bias_act_fwd(x @ w, b, epilogue=ep, interpret=True)
+  step = test_util.train_step(coded("gelu", 2), None)
+  shapes = test_util.layer_shapes(64, 32, 22, jnp.bfloat16)
+  assert TRITON not in lowered_text(step, shapes, "cuda", "A100")
+
+
+# ------------------------------------------------------------------------------------ Hopper
+
+
+def coded_rule(name: str, bits: int):
+  """The rule jaxact builds for `name` (default parameters) with a `bits`-bit code."""
+  spec = jaxact.get_spec(name)
+  z = jax.ShapeDtypeStruct((), jnp.float32)
+  rule, _ = activations._split_params(spec, z, test_util.param_defaults(spec))
+  return activations.with_code(rule, bits)
+
+
+@pytest.mark.exhaustive  # Mosaic GPU's interpreter: seconds a tile
+def test_hopper_forward_writes_the_xla_paths_8_bit_code():
+  """The Mosaic GPU forward in its interpreter (a 128 x 256 tile of two warpgroups): y, and the
+  8-bit code of gelu' byte for byte as the XLA path encodes the same float32 z."""
+  rule = coded_rule("gelu", 8)
+  x, w, b = dense_args((128, 64, 256), jnp.bfloat16)
+  y, kept = hopper.hopper_dense_bias_act_fwd(
+    x, w, b, epilogue=kernel_calls.epilogue(rule), num_sms=1, interpret=True
+  )
+  z = x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)  # exact
+  np.testing.assert_array_equal(np.asarray(kept), np.asarray(activations.encode(rule, z)))
+  want = jax.nn.gelu(z).astype(jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=1e-2)
+
+
+def test_hopper_runs_8_bit_codes_forward_only():
+  """On an H100, ``None`` runs a coded layer's forward on the Mosaic GPU kernel when the code is
+  8-bit (its backward on XLA, reading the code), and the whole layer on XLA for 4 and 2 bits
+  (the Hopper kernel does not pack); the Hopper kernels asked for by name raise, saying why."""
+  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
+  text = lowered_text(test_util.train_step(coded("gelu", 8), None), shapes, "cuda", "H100")
+  assert text.count(MOSAIC) == 1 and TRITON not in text
+  x, w, b = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+  for bits, why in ((8, r"the Hopper backward kernels read z, not a code"), (4, r"4-bit codes")):
+    with pytest.raises(NotImplementedError, match=why):
+      jaxact.dense_bias_act(x, w, b, activation=coded("gelu", bits), implementation="mosaic")
+  ep = kernel_calls.epilogue(coded_rule("gelu", 2))
+  assert "2-bit codes (the Hopper kernel writes 8-bit ones" in hopper.hopper_unsupported(
+    (256, 128, 256), jnp.bfloat16, jnp.bfloat16, ep
+  )
+
+
+# --------------------------------------------------------------------------- compiled for GPUs
+
+
+def _compiler_or_skip():
+  try:
+    test_util.device(test_util.H100)
+  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    pytest.skip(f"cannot compile for a GPU here: {e}")
+
+
+@pytest.fixture
+def float32_defaults():
+  """Compile as a GPU user's program is compiled: without the suite's 64-bit mode."""
+  with jax.enable_x64(False):
+    yield
+
+
+_COMPILED = [
+  *itertools.product(("A100", "H100"), ("dense", "conv"), (8, 4, 2)),
+  ("H100", "mosaic", 8),
+]
+
+
+# By default the case that spilled before the coded forward took 64-row tiles: 8-bit gelu, whose
+# forward evaluates the activation and its derivative, at an A100's 128 x 128 tile.
+@pytest.mark.parametrize(
+  "gpu,op,bits",
+  representatives(_COMPILED, {"A100-dense-8"}, ids=["-".join(map(str, c)) for c in _COMPILED]),
+)
+def test_coded_kernels_compile_without_spilling(gpu, op, bits, float32_defaults):
+  """The training step of a bfloat16 layer with 8-, 4- or 2-bit gelu codes: the Triton kernels
+  (dense: the widest tiles, Hopper's 128 x 256 included; conv: the epilogue's 256-channel tile)
+  compile for the GPU with no register spilled; on an H100 ``None`` compiles the Mosaic GPU
+  forward with an 8-bit code (and XLA's backward)."""
+  _compiler_or_skip()
+  if op == "conv":
+    shapes = [
+      jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))
+    ]
+  else:
+    shapes = test_util.layer_shapes(512, 512, 512, jnp.bfloat16)
+  impl = None if op == "mosaic" else "pallas"
+  step = test_util.train_step(coded("gelu", bits), impl, conv=op == "conv")
+  compiled = test_util.compile_for(step, shapes, test_util.GPUS[gpu], test_util.NO_SPILLS)
+  text = compiled.as_text()
+  want = {"dense": (3, 0), "conv": (2, 0), "mosaic": (0, 1)}[op]
+  assert (text.count('"__gpu$xla.gpu.triton"'), text.count(f'"{MOSAIC}"')) == want
