@@ -139,6 +139,7 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
+  rule = plan.act.rule
   if rule.code is not None:  # packed along the features, which each device must fill bytes of
     if dense:
       features = pallas_sharding.dense_shard_shape(x, w)[2]
