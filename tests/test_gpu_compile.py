@@ -34,6 +34,8 @@ except test_util.Unavailable as e:  # pragma: no cover - depends on the environm
 
 import jaxact
 
+from cases import EXH
+
 GPUS = test_util.GPUS
 
 
@@ -222,19 +224,27 @@ def test_no_triton_tile_spills_registers(gpu, activation):
     assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt)
 
 
-@pytest.mark.parametrize(
-  "gpu,dtype",
-  [
-    ("A100", jnp.float32),  # where hard_silu's backward spilled at 4 warps
-    pytest.param("A100", jnp.bfloat16, marks=pytest.mark.exhaustive),
-    pytest.param("H100", jnp.float32, marks=pytest.mark.exhaustive),
-    pytest.param("H100", jnp.bfloat16, marks=pytest.mark.exhaustive),
-  ],
-)
-def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype):
+ELEMENTWISE_NAMES = [a for a in jaxact.ACTIVATIONS if jaxact.get_spec(a).elementwise]
+# The default run compiles the activation whose backward spilled (hard_silu, A100 float32, 4
+# warps) and the most expensive epilogues; -m exhaustive every elementwise activation.
+_EPILOGUE_SURVEY = [
+  pytest.param("A100", jnp.float32, ("hard_silu", "gelu", "mish", "squareplus"), id="A100-f32"),
+  *(
+    pytest.param(gpu, dtype, tuple(ELEMENTWISE_NAMES), id=f"{gpu}-{name}-all", marks=EXH)
+    for gpu, dtype, name in (
+      ("A100", jnp.float32, "f32"),
+      ("A100", jnp.bfloat16, "bf16"),
+      ("H100", jnp.float32, "f32"),
+      ("H100", jnp.bfloat16, "bf16"),
+    )
+  ),
+]
+
+
+@pytest.mark.parametrize("gpu,dtype,names", _EPILOGUE_SURVEY)
+def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype, names):
   """The epilogue and its backward at their default tiles (4096 elements over 4 warps at every
-  channel count), for every elementwise activation."""
-  names = [a for a in jaxact.ACTIVATIONS if jaxact.get_spec(a).elementwise]
+  channel count)."""
   conv = [jax.ShapeDtypeStruct(s, dtype) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))]
   spilling = [
     a
