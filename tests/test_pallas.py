@@ -25,7 +25,7 @@ from jaxact._src.test_util import layer_shapes as shapes
 from kernel_cases import TRITON, args, lowered_text
 from pallas_kernels import dense as kernels
 
-from cases import representatives
+from cases import EXH, representatives
 
 # The kernels and the XLA path differ by summation order (tiles of 16..128 against XLA:CPU's) and,
 # in half precision, by dz being rounded to the operands' dtype before the backward dots.
@@ -189,7 +189,9 @@ def test_block_configs_are_powers_of_two_and_fit_shared_memory(hopper):
   assert kernels.default_block_config((200, 200, 200), jnp.bfloat16, hopper=True) in configs(False)
 
 
-@pytest.mark.parametrize("kind", list(GPUS))
+@pytest.mark.parametrize(
+  "kind", [pytest.param(k, marks=[] if k == "H100" else EXH) for k in GPUS]
+)  # A100 (every configuration, 10 s) under -m exhaustive; the H100 adds one configuration
 def test_every_block_config_lowers_for_cuda(kind):
   """Forward and backward of every configuration, for every residual family, hold Triton calls."""
   found = configs(hopper=kind == "H100")

@@ -16,9 +16,16 @@ from jax.test_util import check_grads
 
 from jaxact._src.spec import SPECS
 
-from cases import ELEMENTWISE, F64, assert_within, eps, public, reference
+from cases import ELEMENTWISE, F64, assert_within, eps, public, reference, representatives
 
 ALL = [pytest.param(s, id=s.name) for s in SPECS]
+# One activation of each residual family, and the non-elementwise ones: the default run of the
+# slower transformations (scan, hessian); every activation under -m exhaustive.
+FAMILIES = representatives(
+  list(SPECS),
+  {"relu", "tanh", "leaky_relu", "gelu", "mish", "identity", "glu", "softmax", "log_softmax"},
+  [s.name for s in SPECS],
+)
 
 # Away from every kink (0, ±1, ±3, 6) by more than check_grads' finite-difference step.
 _POINTS = np.array([[-2.3, -0.7, 0.4, 1.3], [2.6, 7.2, -4.1, 0.55]])
@@ -59,7 +66,7 @@ def test_check_grads_second_order(spec):
   check_grads(public(spec), (_x(F64),), order=2, modes=["rev"])
 
 
-@pytest.mark.parametrize("spec", ALL)
+@pytest.mark.parametrize("spec", FAMILIES)
 def test_hessian_matches_reference(spec):
   x = _x(F64)
   h = jax.hessian(_loss(public(spec)))(x)
@@ -79,7 +86,7 @@ def test_checkpoint(spec):
   np.testing.assert_allclose(got, g, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("spec", ALL)
+@pytest.mark.parametrize("spec", FAMILIES)
 def test_scan_over_layers(spec):
   """An MLP's layers under lax.scan (optionally rematerialized) equal the unrolled loop."""
   f = public(spec)
