@@ -295,3 +295,14 @@ def test_squareplus_b0_gradient_is_one_for_tiny_positive_x(dtype):
   g_fused = np.asarray(jax.grad(dense)(x), np.float64)
   chex.assert_tree_all_finite(g_fused)
   np.testing.assert_array_equal(g_fused, want)
+
+
+def test_celu_with_negative_alpha_stays_finite_up_to_float32s_largest_value():
+  """celu(x, alpha < 0) grows like alpha e^(x / alpha); XLA's float32 exp overflows a little before
+  float32's largest number, and celu must not: at x = -62.105984, alpha = -0.7 the value is
+  -2.38e38 (float64: -2.3819642e38)."""
+  x = jnp.asarray([-62.105984, -61.0, -70.0], jnp.float32)
+  got = np.asarray(jaxact.celu(x, alpha=-0.7), np.float64)
+  want = -0.7 * np.expm1(np.asarray(x, np.float64) / -0.7)
+  np.testing.assert_allclose(got[:2], want[:2], rtol=2e-5)
+  assert got[2] == -np.inf  # the true value, -0.7 e^100, is beyond float32's range

@@ -217,8 +217,18 @@ def _elu(x, alpha):
   return jnp.where(x > 0, x, alpha * jnp.expm1(jnp.minimum(x, 0.0)))
 
 
+# Past t = 87, e^t is within a factor 5 of float32's largest number, where XLA's float32 exp
+# overflows a little early (e^88.72283 is 3.4028e38, below the largest, yet gives inf): there
+# alpha * e^t is formed as (alpha * e^(t/2)) * e^(t/2), finite as long as the true value is.
+_CELU_SPLIT = 87.0
+
+
 def _celu(x, alpha):
-  return jnp.maximum(x, 0.0) + alpha * jnp.expm1(jnp.minimum(x, 0.0) / alpha)
+  t = jnp.minimum(x, 0.0) / alpha  # > 0 only for alpha < 0
+  half = jnp.exp(0.5 * t)
+  large = (alpha * half) * half - alpha
+  small = alpha * jnp.expm1(jnp.minimum(t, _CELU_SPLIT))
+  return jnp.maximum(x, 0.0) + jnp.where(t > _CELU_SPLIT, large, small)
 
 
 def _soft_sign(x):
