@@ -219,14 +219,35 @@ def _elu(x, alpha):
 
 # Past t = 87, e^t is within a factor 5 of float32's largest number, where XLA's float32 exp
 # overflows a little early (e^88.72283 is 3.4028e38, below the largest, yet gives inf): there
-# alpha * e^t is formed as (alpha * e^(t/2)) * e^(t/2), finite as long as the true value is.
+# alpha * e^t is formed as (alpha * e^(t/2)) * e^(t/2), finite as long as the true value is, and
+# the rounding of t = x / alpha is compensated (a relative error of 4e-6 there is what decides
+# whether e^t, and the derivative y / alpha + 1, overflows at the edge).
 _CELU_SPLIT = 87.0
 
 
+def _split(v):
+  """Dekker's split of v into a high part of half the significand's bits and the rest."""
+  c = 4097.0 if v.dtype.itemsize <= 4 else 134217729.0  # 2^12 + 1 (float32), 2^27 + 1
+  big = c * v
+  hi = big - (big - v)
+  return hi, v - hi
+
+
 def _celu(x, alpha):
-  t = jnp.minimum(x, 0.0) / alpha  # > 0 only for alpha < 0
-  half = jnp.exp(0.5 * t)
-  large = (alpha * half) * half - alpha
+  xm = jnp.minimum(x, 0.0)
+  t = xm / alpha  # > 0 only for alpha < 0
+  # t_lo = (xm - t * alpha) / alpha, with t * alpha formed exactly (Dekker's product), for t up
+  # to 128 (beyond, the value overflows anyway and the split itself would).
+  alpha = jnp.asarray(alpha, t.dtype)
+  far = t > 128.0
+  tc = jnp.where(far, 128.0, t)
+  xc = jnp.where(far, tc * alpha, xm)
+  (th, tl), (ah, al) = _split(tc), _split(alpha)
+  p = tc * alpha
+  e = ((th * ah - p) + th * al + tl * ah) + tl * al
+  t_lo = ((xc - p) - e) / alpha
+  half = jnp.exp(0.5 * jnp.maximum(t, _CELU_SPLIT))
+  large = (alpha * half) * (half * (1.0 + t_lo)) - alpha
   small = alpha * jnp.expm1(jnp.minimum(t, _CELU_SPLIT))
   return jnp.maximum(x, 0.0) + jnp.where(t > _CELU_SPLIT, large, small)
 
