@@ -306,3 +306,8 @@ def test_celu_with_negative_alpha_stays_finite_up_to_float32s_largest_value():
   want = -0.7 * np.expm1(np.asarray(x, np.float64) / -0.7)
   np.testing.assert_allclose(got[:2], want[:2], rtol=2e-5)
   assert got[2] == -np.inf  # the true value, -0.7 e^100, is beyond float32's range
+  # The derivative e^(x / alpha) = 3.4028060e38 at the first point, just below the largest
+  # float32: finite, though x / alpha rounded to float32 alone would put it above.
+  g = np.asarray(jax.vmap(jax.grad(lambda v: jaxact.celu(v, alpha=-0.7)))(x), np.float64)
+  np.testing.assert_allclose(g[:2], np.exp(np.asarray(x[:2], np.float64) / -0.7), rtol=2e-5)
+  assert g[2] == np.inf
