@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jaxact._src.spec import SPECS, ActivationSpec
+from jaxact._src.spec import SPEC_BY_NAME, SPECS, ActivationSpec
 
 BITS = (8, 4, 2)
 # The activations a code serves: the elementwise ones that keep their input.
@@ -200,7 +200,7 @@ def decoded(code: Code, z: np.ndarray, d) -> np.ndarray:
 def error_stats(name: str, params, bits: int) -> tuple[float, float]:
   """``(max |f' - q|, E|f' - q|)`` of the stored code, the max over every x (a fine grid on
   [-60, 60], beyond which f' is constant), the mean for a standard normal x."""
-  spec = {s.name: s for s in SPECS}[name]
+  spec = SPEC_BY_NAME[name]
   code, d = get_code(name, params, bits), _derivative_fn(spec, params)
   z = np.linspace(-60.0, 60.0, 1_200_001)
   worst = float(np.max(np.abs(d(z) - decoded(code, z, d))))
@@ -307,11 +307,10 @@ def main() -> None:
     "# 8 bits: ((), (lo, hi)), the range of f'.",
     "TABLE = {",
   ]
-  by_name = {s.name: s for s in SPECS}
   for name in CODED:
-    for params in param_combinations(by_name[name]):
+    for params in param_combinations(SPEC_BY_NAME[name]):
       for bits in BITS:
-        boundaries, levels = derive(by_name[name], params, bits)
+        boundaries, levels = derive(SPEC_BY_NAME[name], params, bits)
         lines.append(f"  ({name!r}, {params!r}, {bits}): (")
         lines.append(f"    ({''.join(f'{t!r}, ' for t in boundaries)}),")
         lines.append(f"    ({''.join(f'{v!r}, ' for v in levels)}),")

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import jax
 import numpy as np
@@ -345,6 +345,18 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
+def _auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
+  """``implementation=None``: XLA with the reason when the kernels cannot run the call (`why`),
+  else the first of `rules` that holds for the call's facts (built only then)."""
+  if why is not None:
+    return Decision(declined=why)
+  found = facts()
+  rule = next(r for r in rules if r.applies(found))
+  if rule.forward == rule.backward == "xla":
+    return Decision(declined=rule.why)
+  return Decision(rule.forward, rule.backward, target=found.target)
+
+
 def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array) -> Decision:
   """The backends for one fused call (see the module docstring); `implementation` is checked
   (:func:`check_implementation`). Raises ``NotImplementedError`` when kernels asked for by name
@@ -367,13 +379,7 @@ def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Ar
       return Decision(backend, backend, forced=True, target=target())
     case _:  # None
       why = triton_unsupported(plan, x, w)
-      if why is not None:
-        return Decision(declined=why)
-      facts = _Facts(plan, x, w, target())
-      rule = next(r for r in AUTO_RULES if r.applies(facts))
-      if rule.forward == rule.backward == "xla":
-        return Decision(declined=rule.why)
-      return Decision(rule.forward, rule.backward, target=facts.target)
+      return _auto(why, AUTO_RULES, lambda: _Facts(plan, x, w, target()))
 
 
 def decide_gated(
@@ -410,13 +416,7 @@ def decide_gated(
       return Decision("mosaic", "triton", forced=True, target=target())
     case _:  # None
       why = gated_triton_unsupported(plan, x, w_gate, w_up)
-      if why is not None:
-        return Decision(declined=why)
-      facts = _GatedFacts(plan, x, w_gate, target())
-      rule = next(r for r in GATED_AUTO_RULES if r.applies(facts))
-      if rule.forward == rule.backward == "xla":
-        return Decision(declined=rule.why)
-      return Decision(rule.forward, rule.backward, target=facts.target)
+      return _auto(why, GATED_AUTO_RULES, lambda: _GatedFacts(plan, x, w_gate, target()))
 
 
 def rules_table() -> str:
