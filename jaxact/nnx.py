@@ -19,7 +19,7 @@ from jaxact._src.validation import require_flax
 require_flax("jaxact.nnx")
 
 from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
-from jaxact._src.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
+from jaxact._src.nnx_gated import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 
 __all__ = ["LinearAct", "ConvAct", "GatedMLP"]
