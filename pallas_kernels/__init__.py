@@ -8,8 +8,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
 (``jaxact/_src/dispatch.py``).
 
 * Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense` (fused matmul +
-  epilogue and its backward), :mod:`pallas_kernels.bias_act` (convolution epilogue and its
-  backward, the bias gradient pass),
+  epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_tiles`),
+  :mod:`pallas_kernels.bias_act` (convolution epilogue and its backward, the bias gradient pass),
   :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
   b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
@@ -30,15 +30,15 @@ from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
 from pallas_kernels.bias_act import bias_act_reference as bias_act_reference
 from pallas_kernels.bias_act import bias_grad as bias_grad
 from pallas_kernels.bias_act import default_tiles as default_tiles
-from pallas_kernels.dense import BlockConfig as BlockConfig
-from pallas_kernels.dense import Tiles as Tiles
 from pallas_kernels.dense import allow_tf32 as allow_tf32
-from pallas_kernels.dense import default_block_config as default_block_config
 from pallas_kernels.dense import dense_bias_act as dense_bias_act
 from pallas_kernels.dense import dense_bias_act_bwd as dense_bias_act_bwd
 from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
 from pallas_kernels.dense import supported_dtypes as supported_dtypes
+from pallas_kernels.dense_tiles import BlockConfig as BlockConfig
+from pallas_kernels.dense_tiles import Tiles as Tiles
+from pallas_kernels.dense_tiles import default_block_config as default_block_config
 from pallas_kernels.epilogue import DerivativeCode as DerivativeCode
 from pallas_kernels.epilogue import Epilogue as Epilogue
 from pallas_kernels.gated import GatedBlockConfig as GatedBlockConfig

@@ -36,15 +36,14 @@ from pallas_kernels._triton import CompilerParams, load, pl
 from pallas_kernels.bias_act import EltwiseTiles, default_tiles
 from pallas_kernels.dense import (
   _DTYPES,
-  Tiles,
   _dot,
   _iota,
   _load_tile,
   _slots,
   _store_tile,
-  _tile,
   allow_tf32,
 )
+from pallas_kernels.dense_tiles import Tiles, _tile
 from pallas_kernels.epilogue import Epilogue
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxact._src import test_util
-from pallas_kernels import Epilogue, dense
+from pallas_kernels import Epilogue, dense, dense_tiles
 
 try:
   test_util.device(test_util.H100)
@@ -62,8 +62,8 @@ def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
   """What the lowering tests cannot see: 256 x 256 tiles over four 64-deep stages want 256 KiB of
   shared memory; the forward lowers for an A100 but does not compile for it (164 KiB)."""
   ep = Epilogue(fn=jax.nn.relu, derivative=None, residual="none")
-  wide = dense.default_block_config((4096, 4096, 4096), jnp.bfloat16, hopper=False)
-  wide = dense.BlockConfig(fwd=dense.Tiles(256, 256, 64, 8, 4), dx=wide.dx, dw=wide.dw)
+  wide = dense_tiles.default_block_config((4096, 4096, 4096), jnp.bfloat16, hopper=False)
+  wide = dense_tiles.BlockConfig(fwd=dense_tiles.Tiles(256, 256, 64, 8, 4), dx=wide.dx, dw=wide.dw)
 
   def fwd(x, w, b):
     return dense.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
