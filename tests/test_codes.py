@@ -95,6 +95,20 @@ def test_eight_bit_range_is_the_derivative_range(name, params):
   assert v.min() - lo < 1e-4 and hi - v.max() < 1e-4
 
 
+@pytest.mark.parametrize("name, params", [(n, p) for n, p, b in CASES if b == 8])
+def test_what_the_eight_bit_code_quantizes_is_the_derivative(name, params):
+  """The spec's ``d_code`` (fewer transcendentals than ``d_input``), evaluated in float32, is
+  within 2e-6 of the float64 derivative, far below the code's half step, at every input."""
+  x = np.concatenate([np.linspace(-100.0, 100.0, 400_001), [0.0, -1e4, 1e4, -1e30, 1e30]])
+  x = np.concatenate([x, -np.finfo(np.float32).max * np.array([1.0, -1.0]), [20.0, -88.0, -104.0]])
+  x = x.astype(np.float32)
+  spec = SPEC_BY_NAME[name]
+  got = jax.jit(lambda v: spec.derivative_for_code(v, **dict(params)))(x)
+  assert got.dtype == jnp.float32 and np.all(np.isfinite(got))
+  err = np.max(np.abs(np.asarray(got, np.float64) - derivative(name, params)(x.astype(np.float64))))
+  assert err < 2e-6 < codes.get_code(name, params, 8).max_error / 100
+
+
 # ------------------------------------------------------------------- encoding, packing, dtypes
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64]

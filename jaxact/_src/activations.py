@@ -75,7 +75,7 @@ def with_code(rule: _Rule, bits: int | None) -> _Rule:
 def encode(rule: _Rule, x: Array, dynamic=()) -> Array:
   """The packed code of `x` (in the compute dtype) that a ``"code"`` rule keeps."""
   params = rule.params(dynamic)
-  codes_ = rule.code.encode(x, lambda v: rule.spec.derivative_from_input(v, **params))
+  codes_ = rule.code.encode(x, lambda v: rule.spec.derivative_for_code(v, **params))
   return rule.code.pack(codes_)
 
 
@@ -120,7 +120,8 @@ def rule_cotangents(
     # Output mode is chosen only for concrete parameters, which have no cotangent consumer.
     return g * spec.d_output(kept, **params), [None] * len(dynamic)
   if rule.residual == "code":  # coded activations have static parameters only
-    return g * rule.code.decode(rule.code.unpack(kept, g.shape), compute_dtype), []
+    decode = functools.partial(rule.code.decode, dtype=compute_dtype)
+    return g * rule.code.unpack(kept, g.shape, decode), []
   dx = g * spec.derivative_from_input(kept, **params)
   if not dynamic:
     return dx, []

@@ -51,10 +51,14 @@ def epilogue(rule: _Rule):
     def derivative(y):
       return spec.d_output(y, **params)
 
-  elif rule.residual in ("input", "code"):
+  elif rule.residual == "input":
 
     def derivative(z):
       return spec.derivative_from_input(z, **params)
+  elif rule.residual == "code":  # what the code quantizes, as the XLA path's encoding
+
+    def derivative(z):
+      return spec.derivative_for_code(z, **params)
 
   code = None
   if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes

@@ -103,6 +103,10 @@ class ActivationSpec:
     d_input: ``f'(x)`` written from ``x``: ``d_input(x, **params)``. Used for input-residual
       activations and as the fallback when the parameters make ``d_output`` invalid (or are traced).
       When omitted it is ``d_output(fn(x))``, valid whenever ``d_output`` is.
+    d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes``): within
+      1e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
+      on relative accuracy in the tails, which a code of 255 steps cannot see). None:
+      ``d_input``.
     output_ok: for concrete parameters, whether ``d_output`` is valid (e.g. leaky_relu needs
       ``negative_slope > 0``). ``None`` means always.
     params: parameters after ``x``, in signature order.
@@ -129,6 +133,7 @@ class ActivationSpec:
   fn: Callable[..., Array] | None = None
   d_output: Callable[..., Array] | None = None
   d_input: Callable[..., Array] | None = None
+  d_code: Callable[..., Array] | None = None
   output_ok: Callable[..., bool] | None = None
   params: tuple[Param, ...] = ()
   kinks: Mapping[float, float] = dataclasses.field(default_factory=dict)
@@ -144,6 +149,12 @@ class ActivationSpec:
       return self.d_input(x, **params)
     assert self.d_output is not None and self.fn is not None  # enforced in __post_init__
     return self.d_output(self.fn(x, **params), **params)
+
+  def derivative_for_code(self, x: Array, **params: Any) -> Array:
+    """``f'(x)`` as the 8-bit code quantizes it (``d_code``, else ``d_input``)."""
+    if self.d_code is not None:
+      return self.d_code(x, **params)
+    return self.derivative_from_input(x, **params)
 
   def __post_init__(self):
     if self.elementwise:
@@ -307,6 +318,16 @@ def _gelu_d_input(x, approximate):
   return 0.5 * lax.erfc(-x * math.sqrt(0.5)) + xc * _INV_SQRT_2PI * jnp.exp(-0.5 * xc * xc)
 
 
+def _gelu_d_code(x, approximate=True):
+  if not approximate:
+    return _gelu_d_input(x, approximate)
+  xc = _clamp(x)
+  z = _SQRT_2_OVER_PI * (xc + _GELU_CUBIC * xc * xc * xc)
+  dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * xc * xc)
+  s = _sigmoid(2.0 * z)  # 1 - s: off by 6e-8 where s ~ 1, enough for a code
+  return s + 2.0 * xc * s * (1.0 - s) * dz
+
+
 def _swish_like(x, scale):
   return jnp.maximum(x, -_BIG) * _sigmoid(scale * x)
 
@@ -315,6 +336,12 @@ def _swish_like_d_input(x, scale):
   xc = _clamp(x)
   s, s_neg = _sigmoid_pair(scale * xc)
   return s + scale * xc * s * s_neg
+
+
+def _swish_like_d_code(x, scale):
+  xc = _clamp(x)
+  s = _sigmoid(scale * xc)
+  return s + scale * xc * s * (1.0 - s)
 
 
 # tanh(softplus(x)) from one exp: with w = e^x it is n / (n + 2), n = w (w + 2), with relative
@@ -337,6 +364,15 @@ def _mish_d_input(x):
   s = _softplus(xc)
   p, q = _sigmoid_pair(2.0 * s)
   return jnp.tanh(s) + xc * (4.0 * p * q) * _sigmoid(xc)
+
+
+def _mish_d_code(x):
+  # With w = e^x, tanh(softplus(x)) = n / (n + 2), n = w (w + 2), and its derivative is
+  # 4 w (w + 1) / (n + 2)^2: one exp where d_input takes six transcendentals.
+  xc = _clamp(x)
+  w = jnp.exp(jnp.minimum(xc, _MISH_CAP))
+  n = w * (w + 2.0)
+  return n / (n + 2.0) + xc * (4.0 * w * (w + 1.0)) / ((n + 2.0) * (n + 2.0))
 
 
 def _hard_sigmoid(x):
@@ -594,6 +630,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="input",
     fn=_gelu,
     d_input=_gelu_d_input,
+    d_code=_gelu_d_code,
     params=(
       Param(
         "approximate",
@@ -616,6 +653,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="input",
     fn=lambda x: _swish_like(x, _GELU_QUICK_SCALE),
     d_input=lambda x: _swish_like_d_input(x, _GELU_QUICK_SCALE),
+    d_code=lambda x: _swish_like_d_code(x, _GELU_QUICK_SCALE),
     jax_nn=False,
     notes="Not monotonic, so the input is kept.",
     example=(_X, "[-0.0643, -0.1496, 0.0, 0.3504, 1.9357]"),
@@ -627,6 +665,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="input",
     fn=lambda x: _swish_like(x, 1.0),
     d_input=lambda x: _swish_like_d_input(x, 1.0),
+    d_code=lambda x: _swish_like_d_code(x, 1.0),
     aliases=("swish",),
     notes="Not monotonic, so the input is kept.",
     example=(_X, "[-0.2384, -0.1888, 0.0, 0.3112, 1.7616]"),
@@ -638,6 +677,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="input",
     fn=_mish,
     d_input=_mish_d_input,
+    d_code=_mish_d_code,
     notes="Not monotonic, so the input is kept.",
     example=(_X, "[-0.2525, -0.2207, 0.0, 0.3752, 1.944]"),
   ),
