@@ -10,6 +10,34 @@ from typing import Any
 import jax
 
 
+def _rounds(calls: Sequence[Callable[[], Any]], runs: int) -> list[list[float]]:
+  """Seconds of each call in each of `runs` rounds (rows: rounds), after one warm-up call each."""
+  for call in calls:
+    jax.block_until_ready(call())
+  rounds = []
+  for r in range(runs):
+    row = [0.0] * len(calls)
+    for j in range(len(calls)):
+      i = (r + j) % len(calls)
+      start = time.perf_counter()
+      jax.block_until_ready(calls[i]())
+      row[i] = time.perf_counter() - start
+    rounds.append(row)
+  return rounds
+
+
+def alternated_ratios(calls: Sequence[Callable[[], Any]], runs: int) -> tuple[float, list[float]]:
+  """``(median seconds of calls[0], [median over rounds of t_i / t_0 for every later call])``.
+
+  Ratios taken within a round, then their median: a shared machine's load shifts from round to
+  round, and a round's calls see nearly the same load, so the paired ratio varies less than the
+  ratio of two medians.
+  """
+  rounds = _rounds(calls, runs)
+  ratios = [statistics.median(row[i] / row[0] for row in rounds) for i in range(1, len(calls))]
+  return statistics.median(row[0] for row in rounds), ratios
+
+
 def alternated_medians(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:
   """Median seconds of each of `calls` over `runs` rounds in which every call runs once.
 
@@ -17,13 +45,5 @@ def alternated_medians(calls: Sequence[Callable[[], Any]], runs: int) -> list[fl
   one that starts a round rotates, so that drift in the machine's load (other processes on a
   shared host, thermal state) falls on all of them alike.
   """
-  for call in calls:
-    jax.block_until_ready(call())
-  times: list[list[float]] = [[] for _ in calls]
-  for r in range(runs):
-    for j in range(len(calls)):
-      i = (r + j) % len(calls)
-      start = time.perf_counter()
-      jax.block_until_ready(calls[i]())
-      times[i].append(time.perf_counter() - start)
-  return [statistics.median(t) for t in times]
+  rounds = _rounds(calls, runs)
+  return [statistics.median(row[i] for row in rounds) for i in range(len(calls))]
