@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import activations, codes, kernel_calls, test_util
+from jaxact._src import activations, codes, test_util
 from kernel_cases import MOSAIC, TRITON, lowered_text
-from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense, hopper
+from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense
 
 from cases import representatives
 
@@ -154,36 +154,7 @@ def coded_rule(name: str, bits: int):
   return activations.with_code(rule, bits)
 
 
-@pytest.mark.exhaustive  # Mosaic GPU's interpreter: seconds a tile
-def test_hopper_forward_writes_the_xla_paths_8_bit_code():
-  """The Mosaic GPU forward in its interpreter (a 128 x 256 tile of two warpgroups): y, and the
-  8-bit code of gelu' byte for byte as the XLA path encodes the same float32 z."""
-  rule = coded_rule("gelu", 8)
-  x, w, b = dense_args((128, 64, 256), jnp.bfloat16)
-  y, kept = hopper.hopper_dense_bias_act_fwd(
-    x, w, b, epilogue=kernel_calls.epilogue(rule), num_sms=1, interpret=True
-  )
-  z = x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)  # exact
-  np.testing.assert_array_equal(np.asarray(kept), np.asarray(activations.encode(rule, z)))
-  want = jax.nn.gelu(z).astype(jnp.bfloat16)
-  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=1e-2)
-
-
-def test_hopper_runs_8_bit_codes_forward_only():
-  """On an H100, ``None`` runs a coded layer's forward on the Mosaic GPU kernel when the code is
-  8-bit (its backward on XLA, reading the code), and the whole layer on XLA for 4 and 2 bits
-  (the Hopper kernel does not pack); the Hopper kernels asked for by name raise, saying why."""
-  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
-  text = lowered_text(test_util.train_step(coded("gelu", 8), None), shapes, "cuda", "H100")
-  assert text.count(MOSAIC) == 1 and TRITON not in text
-  x, w, b = (jnp.zeros(s.shape, s.dtype) for s in shapes)
-  for bits, why in ((8, r"the Hopper backward kernels read z, not a code"), (4, r"4-bit codes")):
-    with pytest.raises(NotImplementedError, match=why):
-      jaxact.dense_bias_act(x, w, b, activation=coded("gelu", bits), implementation="mosaic")
-  ep = kernel_calls.epilogue(coded_rule("gelu", 2))
-  assert "2-bit codes (the Hopper kernel writes 8-bit ones" in hopper.hopper_unsupported(
-    (256, 128, 256), jnp.bfloat16, jnp.bfloat16, ep
-  )
+# The Hopper (Mosaic GPU) kernels' codes: tests/test_pallas_hopper_codes.py.
 
 
 # --------------------------------------------------------------------------- compiled for GPUs
