@@ -155,18 +155,20 @@ def transforms(cols: int, dtype) -> tuple[Any, ...]:
 
 
 def write_tile(z, values, outs, out_smem, epi_n: int | None = None) -> None:
-  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`, each of z's shape) by TMA,
-  sub-tile by sub-tile through `out_smem` (``(len(outs), 2, epi_m, out_n)``: two slots an
-  output), keeping one store group in flight while the next sub-tile is computed. `z` may be a
-  tuple of arrays of one shape: then ``values(*(v[sub] for v in z))``.
+  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`) by TMA, sub-tile by
+  sub-tile through `out_smem` (``(len(outs), 2, epi_m, out_n)``, or one ``(2, epi_m, out_n)``
+  ref an output: two slots an output), keeping one store group in flight while the next sub-tile
+  is computed. `z` may be a tuple of arrays of one shape: then ``values(*(v[sub] for v in z))``.
 
-  Sub-tiles of z are ``epi_m x epi_n`` (`epi_n` defaults to ``out_n``); with an `epi_n` of
-  ``per * out_n`` each value is ``epi_m x out_n``, written at column ``en * out_n`` of the outputs
-  (derivative codes packed ``per`` to a byte)."""
+  Sub-tiles of z are ``epi_m x epi_n`` (`epi_n` defaults to the first output's ``out_n``); an
+  output of ``out_n = epi_n / per`` columns (derivative codes packed ``per`` to a byte) takes
+  ``epi_m x out_n`` values, written at column ``en * out_n``."""
   zs = z if isinstance(z, tuple) else (z,)
   rows, cols = zs[0].shape
-  epi_m, out_n = out_smem.shape[-2:]
-  epi_n = epi_n or out_n
+  if not isinstance(out_smem, (tuple, list)):
+    out_smem = [out_smem.at[o] for o in range(out_smem.shape[0])]
+  epi_m = out_smem[0].shape[-2]
+  epi_n = epi_n or out_smem[0].shape[-1]
   # The previous tile's stores must have read out_smem before it is overwritten.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   for em in range(rows // epi_m):
@@ -176,12 +178,13 @@ def write_tile(z, values, outs, out_smem, epi_n: int | None = None) -> None:
       vals = values(*(v[sub] for v in zs))
       # The slot written now was read by the store two sub-tiles ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      for o, v in enumerate(vals):
-        out_smem[o, slot] = v.astype(out_smem.dtype)
+      for smem, v in zip(out_smem, vals, strict=True):
+        smem[slot] = v.astype(smem.dtype)
       plgpu.commit_smem()
-      for o, ref in enumerate(outs):
+      for smem, ref in zip(out_smem, outs, strict=True):
+        out_n = smem.shape[-1]
         plgpu.copy_smem_to_gmem(
-          out_smem.at[o, slot],
+          smem.at[slot],
           ref.at[pl.ds(em * epi_m, epi_m), pl.ds(en * out_n, out_n)],
           commit_group=False,
         )

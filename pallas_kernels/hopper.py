@@ -91,8 +91,9 @@ def hopper_tiles(shape: tuple[int, int, int], outputs: int = 1) -> HopperTiles:
   registers a thread, and 128 x 256 x 64 is the CTA tile of the Triton tile sweep's fastest
   forward on an H100. Its ring stage is (128 + 256) x 64 x 2 B = 48 KiB: four
   stages (192 KiB) fit Hopper's 227 KiB of shared memory beside y's epilogue buffers (32 KiB),
-  three when z is written too (64 KiB of epilogue buffers). Lowering checks the budget (tests
-  lower every case).
+  three when z is written too (64 KiB of epilogue buffers). A derivative code counts as z: its
+  buffers (16 KiB at 8 bits; with the packing wgmma's operands 32 KiB at 4 bits, 24 at 2) take
+  at most what z's do. Lowering checks the budget (tests lower every case).
   """
   del shape
   four = HopperTiles(stages=4)
@@ -197,6 +198,11 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(pipeline_allocs, out_smem, code_smem, pack_smem, bias_smem, bias_barrier):
     wg = lax.axis_index("wg")
+    if per > 1:  # each compute warpgroup's packing matrix, once, away from the accumulator
+
+      @pl.when(wg < 2)
+      def _():
+        pack_smem[1].at[wg][...] = packing_matrix(epilogue.code, t.epi_n, plgpu.Layout.WGMMA)
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
@@ -223,7 +229,6 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
             code = epilogue.code
             if per > 1:
               codes_smem, p_smem = (r.at[wg] for r in pack_smem)
-              p_smem[...] = packing_matrix(code, t.epi_n, plgpu.Layout.WGMMA)
 
             def encode(z_sub):
               c = code.encode(z_sub, epilogue.derivative, native_round=True)
