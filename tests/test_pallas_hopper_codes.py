@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 
 import jaxact
+from code_cases import coded, coded_rule, dense_args, run
 from jaxact._src import activations, kernel_calls, test_util
-from kernel_cases import MOSAIC, TRITON, args, lowered_text
+from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
 from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
-from test_pallas_codes import coded, coded_rule, dense_args, run
-from test_pallas_hopper import backward_reference
 
 from cases import representatives
 
