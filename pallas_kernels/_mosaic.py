@@ -9,6 +9,8 @@
   if they move, and then every epilogue is refused rather than failing to lower).
 * Shared-memory tiles: their layout (:func:`transforms`) and the double-buffered TMA write of an
   accumulator (:func:`write_tile`).
+* Packing 4- and 2-bit derivative codes and spreading them back (:func:`packing_matrix`,
+  :func:`spreading_matrix_t`, :func:`tensor_core_product`): small wgmma against constant matrices.
 """
 
 from __future__ import annotations

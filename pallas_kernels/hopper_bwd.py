@@ -5,7 +5,9 @@ memory warpgroup streaming tiles by TMA, compute warpgroups each on its own rows
 of dw), each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual its
 pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz never
 reaches device memory, and while one compute warpgroup does that arithmetic the other's wgmma
-runs; outputs leave through shared memory by TMA in double-buffered sub-tiles.
+runs; outputs leave through shared memory by TMA in double-buffered sub-tiles. A derivative code
+(``Epilogue.residual == "code"``) comes in as its bytes, 1 / ``per_byte`` of a column each, and
+is decoded into ``act'`` where ``dz`` is formed.
 
 ``db`` is not summed in the ``dw`` kernel, although it forms the same dz: a Mosaic GPU row sum
 (``jnp.sum`` over a warpgroup's tile in the WGMMA layout) adds across warps through a scratch
