@@ -185,10 +185,17 @@ def _float32_defaults():
 @pytest.mark.parametrize("bits", BITS, ids=_IDS)
 def test_every_code_lowers_for_h100(bits):
   """A training step at a layer's shape: "mosaic" runs the forward and both backward kernels
-  (and db's Triton pass); None on an H100 the forward kernel with XLA's backward."""
+  (and db's Triton pass)."""
   shapes = test_util.layer_shapes(8192, 4096, 4096, jnp.bfloat16)
   text = lowered_text(test_util.train_step(coded("gelu", bits), "mosaic"), shapes)
   assert mosaic_calls(text) == 3 and text.count(f"custom_call @{TRITON}(") == 1
+
+
+@pytest.mark.usefixtures("_float32_defaults")
+@pytest.mark.parametrize("bits", representatives(BITS, {"4-bit"}, _IDS))
+def test_none_runs_a_coded_forward_on_hopper(bits):
+  """None on an H100: the Mosaic GPU forward (writing the code), XLA's backward reading it."""
+  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
   text = lowered_text(test_util.train_step(coded("gelu", bits), None), shapes, "cuda", "H100")
   assert mosaic_calls(text) == 1 and TRITON not in text
 
