@@ -9,6 +9,8 @@
   if they move, and then every epilogue is refused rather than failing to lower).
 * Shared-memory tiles: their layout (:func:`transforms`) and the double-buffered TMA write of an
   accumulator (:func:`write_tile`).
+* Packing 4- and 2-bit derivative codes and spreading them back (:func:`packing_matrix`,
+  :func:`spreading_matrix_t`, :func:`tensor_core_product`): small wgmma against constant matrices.
 """
 
 from __future__ import annotations
@@ -154,14 +156,21 @@ def transforms(cols: int, dtype) -> tuple[Any, ...]:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def write_tile(z, values, outs, out_smem) -> None:
-  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`, each of z's shape) by TMA,
-  sub-tile by sub-tile through `out_smem` (``(len(outs), 2, epi_m, epi_n)``: two slots an
-  output), keeping one store group in flight while the next sub-tile is computed. `z` may be a
-  tuple of arrays of one shape: then ``values(*(v[sub] for v in z))``."""
+def write_tile(z, values, outs, out_smem, epi_n: int | None = None) -> None:
+  """Write ``values(z[sub])`` (one array for each gmem ref of `outs`) by TMA, sub-tile by
+  sub-tile through `out_smem` (``(len(outs), 2, epi_m, out_n)``, or one ``(2, epi_m, out_n)``
+  ref an output: two slots an output), keeping one store group in flight while the next sub-tile
+  is computed. `z` may be a tuple of arrays of one shape: then ``values(*(v[sub] for v in z))``.
+
+  Sub-tiles of z are ``epi_m x epi_n`` (`epi_n` defaults to the first output's ``out_n``); an
+  output of ``out_n = epi_n / per`` columns (derivative codes packed ``per`` to a byte) takes
+  ``epi_m x out_n`` values, written at column ``en * out_n``."""
   zs = z if isinstance(z, tuple) else (z,)
   rows, cols = zs[0].shape
-  epi_m, epi_n = out_smem.shape[-2:]
+  if not isinstance(out_smem, (tuple, list)):
+    out_smem = [out_smem.at[o] for o in range(out_smem.shape[0])]
+  epi_m = out_smem[0].shape[-2]
+  epi_n = epi_n or out_smem[0].shape[-1]
   # The previous tile's stores must have read out_smem before it is overwritten.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   for em in range(rows // epi_m):
@@ -171,13 +180,77 @@ def write_tile(z, values, outs, out_smem) -> None:
       vals = values(*(v[sub] for v in zs))
       # The slot written now was read by the store two sub-tiles ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      for o, v in enumerate(vals):
-        out_smem[o, slot] = v.astype(out_smem.dtype)
+      for smem, v in zip(out_smem, vals, strict=True):
+        smem[slot] = v.astype(smem.dtype)
       plgpu.commit_smem()
-      for o, ref in enumerate(outs):
+      for smem, ref in zip(out_smem, outs, strict=True):
+        out_n = smem.shape[-1]
         plgpu.copy_smem_to_gmem(
-          out_smem.at[o, slot],
-          ref.at[pl.ds(em * epi_m, epi_m), pl.ds(en * epi_n, epi_n)],
+          smem.at[slot],
+          ref.at[pl.ds(em * epi_m, epi_m), pl.ds(en * out_n, out_n)],
           commit_group=False,
         )
       plgpu.commit_smem_to_gmem_group()
+
+
+def code_transforms(cols: int, swizzle: int | None = None) -> tuple[Any, ...]:
+  """Shared-memory layout of a tile of `cols` bytes (packed codes): swizzled when a row fills a
+  32-byte span (Mosaic GPU swizzles 32, 64 or 128 bytes), else plain rows."""
+  if swizzle is None and cols < 32:
+    return ()
+  return transforms(cols, jnp.uint8) if swizzle is None else swizzled(swizzle, jnp.uint8)
+
+
+def swizzled(swizzle: int, dtype) -> tuple[Any, ...]:
+  """8-row tiling at a given swizzle (bytes): wgmma needs both operands at one swizzle."""
+  itemsize = np.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def span(cols: int, dtype) -> int:
+  """The swizzle :func:`transforms` gives a tile of `cols` columns of `dtype`."""
+  return plgpu.find_swizzle(cols * np.dtype(dtype).itemsize * 8)
+
+
+# ------------------------------------------------------------------- packing codes with wgmma
+#
+# A byte of 4- or 2-bit codes gathers ``per`` neighbouring columns, which the wgmma accumulator's
+# layout spreads over threads. Packing is linear in the codes, ``packed = codes @ P`` with
+# ``P[c, c // per] = 2 ** (c % per * bits)``, and so is spreading bytes back over their columns,
+# ``bytes @ S`` with ``S[c // per, c] = 1``: both run on the tensor cores, exactly (integers below
+# 256 are exact in bfloat16 and in the float32 accumulator), and move nothing between threads.
+
+
+def packing_matrix(code, cols: int, layout) -> jax.Array:
+  """``P`` (``cols x cols // per``, bfloat16) of ``codes @ P`` = the packed bytes."""
+  per = code.per_byte()
+  shape = (cols, cols // per)
+  c = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+  q = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+  weight = lax.shift_left(jnp.int32(1), (c % per) * code.bits)
+  return jnp.where(c // per == q, weight, 0).astype(jnp.bfloat16)
+
+
+def spreading_matrix_t(code, cols: int, layout) -> jax.Array:
+  """``S.T`` (``cols x cols // per``, bfloat16), where ``bytes @ S`` = each byte under its codes:
+  transposed, for a layout of 64-row tiles."""
+  per = code.per_byte()
+  shape = (cols, cols // per)
+  c = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+  q = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+  return jnp.where(c // per == q, 1.0, 0.0).astype(jnp.bfloat16)
+
+
+def tensor_core_product(a, a_smem, b_smem) -> jax.Array:
+  """``a @ b`` in float32 on the tensor cores: the bfloat16 tile `a` is staged in `a_smem` (wgmma
+  takes its left operand from shared memory in Mosaic GPU's interpreter too), `b_smem` holds
+  ``b``. Waits for every wgmma of the warpgroup, this one included."""
+  a_smem[...] = a
+  plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
+
+  def scope(acc):
+    plgpu.wgmma(acc, a_smem, b_smem)
+    plgpu.wgmma_wait(0)
+    return acc[...]
+
+  return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[1]), jnp.float32))

@@ -11,8 +11,11 @@ reach Hopper's tensor-core rate; this kernel is written for Hopper's own machine
 * **Epilogue in registers**: each compute warpgroup's bias tile is brought into shared memory by TMA
   while its main loop runs; then ``z = acc + b`` and ``y = fn(z)`` are computed on the accumulator
   and written back through shared memory by TMA, in ``epi_m x epi_n`` sub-tiles, double-buffered.
-  ``z`` is written too (same way) when the activation's derivative needs its input, or, with an
-  8-bit derivative code (``Epilogue.code``), the code of ``act'(z)`` (through a uint8 buffer).
+  ``z`` is written too (same way) when the activation's derivative needs its input, or, with a
+  derivative code (``Epilogue.code``), the code of ``act'(z)`` through a uint8 buffer: 8-bit
+  codes as they are, 4- and 2-bit ones packed 2 or 4 to a byte by a small wgmma against a constant
+  matrix (:func:`pallas_kernels._mosaic.packing_matrix`), since a byte's codes lie in different
+  threads of the accumulator's layout.
 * **Persistent**: one CTA per SM (``num_sms``, the caller's) walks the output tiles in a "planar
   snake" order that keeps the tiles running together on neighbouring rows/columns (L2 reuse).
 
@@ -37,10 +40,15 @@ from jax import Array, lax
 from pallas_kernels._mosaic import (
   HALF,
   HOPPER_SMEM,
+  code_transforms,
   epilogue_unsupported,
   for_kernel,
+  packing_matrix,
   pl,
   plgpu,
+  span,
+  swizzled,
+  tensor_core_product,
   transforms,
   unlowerable,
   write_tile,
@@ -83,8 +91,9 @@ def hopper_tiles(shape: tuple[int, int, int], outputs: int = 1) -> HopperTiles:
   registers a thread, and 128 x 256 x 64 is the CTA tile of the Triton tile sweep's fastest
   forward on an H100. Its ring stage is (128 + 256) x 64 x 2 B = 48 KiB: four
   stages (192 KiB) fit Hopper's 227 KiB of shared memory beside y's epilogue buffers (32 KiB),
-  three when z is written too (64 KiB of epilogue buffers). Lowering checks the budget (tests
-  lower every case).
+  three when z is written too (64 KiB of epilogue buffers). A derivative code counts as z: its
+  buffers (16 KiB at 8 bits; with the packing wgmma's operands 32 KiB at 4 bits, 24 at 2) take
+  at most what z's do. Lowering checks the budget (tests lower every case).
   """
   del shape
   four = HopperTiles(stages=4)
@@ -109,14 +118,16 @@ def hopper_unsupported(
     if d % step:
       return f"{name}={d} is not a multiple of {step} (the Hopper kernel's tile)"
   if epilogue.residual == "code":
-    if epilogue.code.bits != 8:
+    code = epilogue.code  # N, a multiple of the tile, fills whole bytes
+    if code.bits != 8 and t.epi_n // code.per_byte() < 16:
       return (
-        f"{epilogue.code.bits}-bit codes (the Hopper kernel writes 8-bit ones: packing 2 or 4 to "
-        "a byte would move codes between the threads of the wgmma accumulator's layout)"
+        f"{code.bits}-bit codes in sub-tiles of {t.epi_n} columns ({t.epi_n // code.per_byte()} "
+        "bytes: TMA and the packing wgmma need 16)"
       )
-    why = unlowerable(epilogue.derivative, "derivative the code quantizes")
-    if why is not None:
-      return why
+    if code.bits == 8:  # 4 and 2 bits compare z with boundaries: no derivative evaluated
+      why = unlowerable(epilogue.derivative, "derivative the code quantizes")
+      if why is not None:
+        return why
   return epilogue_unsupported(epilogue)
 
 
@@ -126,6 +137,9 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
   cta_n = 2 * t.tile_n
   m_iters, n_iters, k_iters = m // t.tile_m, n // cta_n, k // t.tile_k
   coded = epilogue.residual == "code"
+  per = epilogue.code.per_byte() if coded else 1
+  packed_n = t.epi_n // per
+  pack_swizzle = span(packed_n, jnp.bfloat16)  # both wgmma operands at P's swizzle
   outs = (y_gmem,) if z_gmem is None or coded else (y_gmem, z_gmem)
   out_dtype = y_gmem.dtype
   operand_transforms = transforms(t.tile_k, x_gmem.dtype)
@@ -165,16 +179,30 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
     ),
     code_smem=None
     if not coded
-    else plgpu.SMEM(
-      (2, 1, 2, t.epi_m, t.epi_n), jnp.uint8, transforms=transforms(t.epi_n, jnp.uint8)
+    else plgpu.SMEM((2, 1, 2, t.epi_m, packed_n), jnp.uint8, transforms=code_transforms(packed_n)),
+    # Packing 4- and 2-bit codes: the codes as a wgmma operand, and the packing matrix.
+    pack_smem=None
+    if per == 1
+    else (
+      plgpu.SMEM(
+        (2, t.epi_m, t.epi_n), jnp.bfloat16, transforms=swizzled(pack_swizzle, jnp.bfloat16)
+      ),
+      plgpu.SMEM(
+        (2, t.epi_n, packed_n), jnp.bfloat16, transforms=swizzled(pack_swizzle, jnp.bfloat16)
+      ),
     ),
     bias_smem=None if b_gmem is None else plgpu.SMEM((2, t.tile_n), b_gmem.dtype),
     bias_barrier=None if b_gmem is None else plgpu.Barrier(num_barriers=2),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(pipeline_allocs, out_smem, code_smem, bias_smem, bias_barrier):
+  def _scope(pipeline_allocs, out_smem, code_smem, pack_smem, bias_smem, bias_barrier):
     wg = lax.axis_index("wg")
+    if per > 1:  # each compute warpgroup's packing matrix, once, away from the accumulator
+
+      @pl.when(wg < 2)
+      def _():
+        pack_smem[1].at[wg][...] = packing_matrix(epilogue.code, t.epi_n, plgpu.Layout.WGMMA)
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
@@ -198,10 +226,20 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
           values = lambda z_sub: (epilogue.fn(z_sub), z_sub)[: len(outs)]
           write_tile(z, values, [o.at[m_slice, n_slice] for o in outs], out_smem.at[wg])
           if coded:
-            encode = lambda z_sub: (
-              epilogue.code.encode(z_sub, epilogue.derivative, native_round=True),
-            )
-            write_tile(z, encode, [z_gmem.at[m_slice, n_slice]], code_smem.at[wg])
+            code = epilogue.code
+            if per > 1:
+              codes_smem, p_smem = (r.at[wg] for r in pack_smem)
+
+            def encode(z_sub):
+              c = code.encode(z_sub, epilogue.derivative, native_round=True)
+              if per > 1:  # codes @ P: the packed bytes, exact in float32
+                c = tensor_core_product(c.astype(jnp.bfloat16), codes_smem, p_smem)
+                c = c.astype(jnp.int32)
+              return (c,)
+
+            packed_cols = pl.ds(ni * (cta_n // per) + wg * (t.tile_n // per), t.tile_n // per)
+            kept = z_gmem.at[m_slice, packed_cols]
+            write_tile(z, encode, [kept], code_smem.at[wg], epi_n=t.epi_n)
 
       def mma(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
@@ -250,7 +288,7 @@ def hopper_dense_bias_act_fwd(
     raise ValueError(f"pallas_kernels.hopper: {why}")
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
-  kept = jax.ShapeDtypeStruct((m, n), epilogue.kept_dtype(x.dtype))  # 8-bit codes: unpacked
+  kept = jax.ShapeDtypeStruct(epilogue.kept_shape((m, n)), epilogue.kept_dtype(x.dtype))
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
@@ -272,4 +310,4 @@ def hopper_dense_bias_act_fwd(
   )
   outs = kernel(*(v for v in (x2, w, b) if v is not None))
   y = outs[0].reshape(*batch, n)
-  return y, (outs[1].reshape(*batch, n) if keep_z else None)
+  return y, (outs[1].reshape(epilogue.kept_shape((*batch, n))) if keep_z else None)

@@ -5,7 +5,9 @@ memory warpgroup streaming tiles by TMA, compute warpgroups each on its own rows
 of dw), each forming ``dz = g * act'(residual)`` from the tiles of ``g`` and the residual its
 pipeline brings in and writing it over ``g``'s shared-memory tile before wgmma reads it: dz never
 reaches device memory, and while one compute warpgroup does that arithmetic the other's wgmma
-runs; outputs leave through shared memory by TMA in double-buffered sub-tiles.
+runs; outputs leave through shared memory by TMA in double-buffered sub-tiles. A derivative code
+(``Epilogue.residual == "code"``) comes in as its bytes, 1 / ``per_byte`` of a column each, and
+is decoded into ``act'`` where ``dz`` is formed.
 
 ``db`` is not summed in the ``dw`` kernel, although it forms the same dz: a Mosaic GPU row sum
 (``jnp.sum`` over a warpgroup's tile in the WGMMA layout) adds across warps through a scratch
@@ -33,14 +35,23 @@ from pallas_kernels import bias_act
 from pallas_kernels._mosaic import (
   HALF,
   HOPPER_SMEM,
+  code_transforms,
   for_kernel,
   pl,
   plgpu,
+  span,
+  spreading_matrix_t,
+  swizzled,
+  tensor_core_product,
   transforms,
   unlowerable,
   write_tile,
 )
-from pallas_kernels.epilogue import Epilogue
+from pallas_kernels.epilogue import DerivativeCode, Epilogue
+
+# Columns of g (and of the residual) turned into dz at a time: one 128-byte swizzle span of 16-bit
+# values.
+_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +90,33 @@ class HopperBwdTiles:
   epi: int = 64
   delay: int = 0
 
-  def smem_bytes(self, itemsize: int, residual: bool) -> tuple[int, int]:
+  def smem_bytes(
+    self, itemsize: int, residual: bool, code: DerivativeCode | None = None
+  ) -> tuple[int, int]:
     """Shared memory of the ``dx`` and ``dw`` kernels (ring, output sub-tiles, and 3 KiB for
     the pipeline's barriers and alignment: 2112 bytes at (dw_stages=4, wgs=2) by Mosaic GPU's
-    count)."""
-    inputs = 2 if residual else 1  # g and the residual
+    count). With a derivative `code` the residual tile holds ``1 / per_byte`` bytes an element,
+    and 4- and 2-bit codes add each warpgroup's operands of the wgmma that unpacks them."""
+    per = code.per_byte() if code is not None else 1
+    r_bytes = (1 / per if code is not None else itemsize) if residual else 0
     out = self.wgs * 2 * self.epi * self.epi * itemsize
-    dx = self.dx_stages * (inputs * self.wgs * self.dx_m + self.dx_k) * self.dx_n * itemsize
-    dw = self.dw_stages * (self.dw_k + inputs * self.wgs * self.dw_n) * self.dw_m * itemsize
-    return dx + out + 3072, dw + out + 3072
+    dx_rows = self.wgs * self.dx_m
+    dx = self.dx_stages * (dx_rows * (itemsize + r_bytes) + self.dx_k * itemsize) * self.dx_n
+    dw_cols = self.wgs * self.dw_n
+    dw = self.dw_stages * (self.dw_k * itemsize + dw_cols * (itemsize + r_bytes)) * self.dw_m
+    spread_dx = spread_dw = 0
+    if residual and per > 1:  # bytes (rows x chunk / per) and S (chunk / per x chunk), bfloat16
+      s_bytes = _CHUNK // per * _CHUNK * 2
+      spread_dx = self.wgs * (self.dx_m * _CHUNK // per * 2 + s_bytes)
+      spread_dw = self.wgs * (self.dw_m * _CHUNK // per * 2 + s_bytes)
+    return int(dx) + out + spread_dx + 3072, int(dw) + out + spread_dw + 3072
 
 
-def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> HopperBwdTiles:
-  """Backward tiles for an ``(M, K, N)`` layer (`residual`: whether dz needs a residual tile).
+def hopper_bwd_tiles(
+  shape: tuple[int, int, int], residual: bool = True, code: DerivativeCode | None = None
+) -> HopperBwdTiles:
+  """Backward tiles for an ``(M, K, N)`` layer (`residual`: whether dz needs a residual tile;
+  `code`: the derivative code that tile holds, if any: a smaller tile, a deeper pipeline).
 
   Two compute warpgroups a CTA, each holding a 64 x 256 (dx) or 128 x 128 (dw) float32
   accumulator, 128 registers a thread, beside the 64-column g and residual blocks it turns into
@@ -106,17 +131,19 @@ def hopper_bwd_tiles(shape: tuple[int, int, int], residual: bool = True) -> Hopp
   k = shape[1]
   dx_k = next(c for c in (256, 128, 64) if k % c == 0) if k % 64 == 0 else 256
   dw_k = 128 if k % 128 == 0 else 64
-  return deepest_pipeline(HopperBwdTiles(dx_k=dx_k, dw_k=dw_k), residual)
+  return deepest_pipeline(HopperBwdTiles(dx_k=dx_k, dw_k=dw_k), residual, code)
 
 
-def deepest_pipeline(t: HopperBwdTiles, residual: bool) -> HopperBwdTiles:
+def deepest_pipeline(
+  t: HopperBwdTiles, residual: bool, code: DerivativeCode | None = None
+) -> HopperBwdTiles:
   """`t` with each kernel's pipeline as deep as fits Hopper's shared memory (4 at most, 2 at
   least)."""
 
   def stages(kernel: int) -> int:
     for depth in (4, 3):
       deep = dataclasses.replace(t, dx_stages=depth, dw_stages=depth)
-      if deep.smem_bytes(2, residual)[kernel] <= HOPPER_SMEM:
+      if deep.smem_bytes(2, residual, code)[kernel] <= HOPPER_SMEM:
         return depth
     return 2
 
@@ -128,7 +155,8 @@ def hopper_bwd_unsupported(
 ) -> str | None:
   """Why the Hopper backward kernels cannot run an ``(M, K, N)`` layer, or None when they can."""
   m, k, n = shape
-  t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none")
+  code = epilogue.code if epilogue.residual == "code" else None
+  t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none", code)
   if np.dtype(dtype) not in HALF:
     return f"operand dtype {np.dtype(dtype).name} (the Hopper kernels take bfloat16 or float16)"
   steps = (
@@ -144,25 +172,60 @@ def hopper_bwd_unsupported(
     return f"pipelines of {t.dx_stages} and {t.dw_stages} stages with delay {t.delay} (need more)"
   if epilogue.residual == "none":
     return None
+  if code is not None:  # N, a multiple of the tiles, fills whole bytes
+    per = code.per_byte()
+    # Each dz block's bytes are a TMA box and, packed, a wgmma operand: 16 bytes wide at least.
+    narrowest = min(t.dx_n, _CHUNK, t.dw_n)
+    if per > 1 and narrowest // per < 16:
+      return (
+        f"{code.bits}-bit codes in blocks of {narrowest} columns ({narrowest // per} bytes: TMA "
+        "and the unpacking wgmma need 16)"
+      )
+    return None  # decoding compares and selects: no derivative evaluated
   return unlowerable(epilogue.derivative, "derivative")
 
 
-def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, chunk: int = 64):
+def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, spread=None):
   """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
   ready to be a wgmma operand; nothing to do for identity (``dz = g``).
 
-  Column blocks of `chunk` (one swizzle span) at a time, so that a warpgroup holds at most two
+  Column blocks of ``_CHUNK`` (one swizzle span) at a time, so that a warpgroup holds at most two
   64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
   `part`: ``(rows, first column, columns)`` of the tiles to work on (a warpgroup's own part), else
-  all of them.
+  all of them. With a derivative code, `r_smem` holds its bytes (``1 / per_byte`` a column) and
+  ``act'`` is decoded from them; 4- and 2-bit codes are unpacked through `spread` (the staging
+  tile and spreading matrix of :func:`pallas_kernels._mosaic.spreading_matrix`).
   """
   if r_smem is None:
     return
   rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
-  for c in range(0, cols, chunk):
-    block = (rows, pl.ds(col0 + c, min(chunk, cols - c)))
-    g, r = g_smem.at[block], r_smem.at[block]
-    dz = g[...].astype(jnp.float32) * epilogue.derivative(r[...].astype(jnp.float32))
+  code = epilogue.code if epilogue.residual == "code" else None
+  per = code.per_byte() if code is not None else 1
+  for c in range(0, cols, _CHUNK):
+    width = min(_CHUNK, cols - c)
+    g = g_smem.at[rows, pl.ds(col0 + c, width)]
+    if code is None:
+      d = epilogue.derivative(r_smem.at[rows, pl.ds(col0 + c, width)][...].astype(jnp.float32))
+    else:
+      # A few bytes a row: no bank-conflict-free load of them exists, and none is needed.
+      packed = plgpu.load(
+        r_smem.at[rows, pl.ds((col0 + c) // per, width // per)],
+        layout=plgpu.Layout.WGMMA,
+        optimized=per == 1,
+      )
+      if per == 1:
+        codes = packed.astype(jnp.int32)
+      else:
+        # Each column's byte, exactly (below 256), then its field of it.
+        stage, s_t = spread
+        spread_bytes = tensor_core_product(packed.astype(jnp.bfloat16), stage, s_t.T)
+        shape = spread_bytes.shape
+        column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        shift = (column % per) * code.bits
+        codes = lax.shift_right_logical(spread_bytes.astype(jnp.int32), shift)
+        codes = codes & ((1 << code.bits) - 1)
+      d = code.decode(codes)
+    dz = g[...].astype(jnp.float32) * d
     g[...] = dz.astype(g_smem.dtype)
   plgpu.commit_smem()  # the generic-proxy writes, visible to wgmma (async proxy)
 
@@ -177,10 +240,14 @@ def _bwd_kernel(
   t: HopperBwdTiles,
   steps: int,
   stages: int,
+  code: DerivativeCode | None = None,
+  block_rows: int = 0,
 ):
   """The CTA of one backward kernel: a warp-specialized pipeline of `steps` steps over `operands`
-  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref)` run by each compute
-  warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`.
+  (gmem refs, `specs` their blocks), `body(wg, smem_refs, acc_ref, spread)` run by each compute
+  warpgroup, whose float32 accumulator then goes to its `out_tile(wg)` of `out_gmem`. `spread`:
+  for a 4- or 2-bit `code`, the warpgroup's staging tile (`block_rows` rows of packed bytes) and
+  spreading matrix that unpack it (:func:`_dz_in_place`), else None.
   """
   acc_shape = out_tile(0)[2]
 
@@ -200,16 +267,29 @@ def _bwd_kernel(
     return None
 
   dtype = out_gmem.dtype
+  per = code.per_byte() if code is not None else 1
+  packed = _CHUNK // per
+  bf16_swizzle = swizzled(span(packed, jnp.bfloat16), jnp.bfloat16)  # one for both operands
   scratch = dict(
     allocs=pipeline(ignore, ignore).get_allocations(*operands),
     out_smem=plgpu.SMEM((t.wgs, 1, 2, t.epi, t.epi), dtype, transforms=transforms(t.epi, dtype)),
+    spread_smem=None
+    if per == 1
+    else (
+      plgpu.SMEM((t.wgs, block_rows, packed), jnp.bfloat16, transforms=bf16_swizzle),
+      plgpu.SMEM((t.wgs, _CHUNK, packed), jnp.bfloat16, transforms=bf16_swizzle),  # S.T
+    ),
   )
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _(allocs, out_smem):
+  def _(allocs, out_smem, spread_smem):
     wg = lax.axis_index("wg")
+    spread = None if spread_smem is None else tuple(r.at[wg] for r in spread_smem)
 
     def compute_context(run_pipeline):
+      if spread is not None:
+        spread[1][...] = spreading_matrix_t(code, _CHUNK, plgpu.Layout.WGMMA)
+
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
       def _(acc_ref):
         run_pipeline(acc_ref)
@@ -219,7 +299,7 @@ def _bwd_kernel(
 
     def step(_, *refs):
       *smem_refs, acc_ref = refs
-      body(wg, smem_refs, acc_ref)
+      body(wg, smem_refs, acc_ref, spread)
       # With delay 1, this step's wgmma still runs (its slot is released a step later) while the
       # next step's dz is formed.
       plgpu.wgmma_wait(t.delay)
@@ -228,6 +308,18 @@ def _bwd_kernel(
     pipeline(step, compute_context)(*operands, allocations=allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _residual_spec(gr_spec, code: DerivativeCode | None):
+  """The residual's block beside g's `gr_spec`: the same, or for a derivative code its bytes
+  (``1 / per_byte`` a column): 8-bit codes swizzled as g is, packed ones in plain rows (read a
+  few bytes a row, they need no swizzle)."""
+  if code is None:
+    return gr_spec
+  rows, cols = gr_spec.block_shape
+  per = code.per_byte()
+  layout = code_transforms(_CHUNK) if per == 1 else ()
+  return dataclasses.replace(gr_spec, block_shape=(rows, cols // per), transforms=layout)
 
 
 def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
@@ -251,23 +343,35 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
     memory_space=plgpu.SMEM,
     delay_release=t.delay,
   )
+  code = epilogue.code if epilogue.residual == "code" else None
 
-  def body(wg, refs, acc_ref):
+  def body(wg, refs, acc_ref, spread):
     *gr_smem, w_smem = refs
     own = pl.ds(wg * t.dx_m, t.dx_m)
     r_smem = gr_smem[1] if r_gmem is not None else None
-    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(own, 0, t.dx_n))
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(own, 0, t.dx_n), spread=spread)
     plgpu.wgmma(acc_ref, gr_smem[0].at[own], w_smem.transpose((1, 0)))
 
   operands = [g_gmem.at[cta_rows, :]] + ([] if r_gmem is None else [r_gmem.at[cta_rows, :]])
-  specs = [gr_spec] * len(operands) + [w_spec]
+  specs = [gr_spec] + ([] if r_gmem is None else [_residual_spec(gr_spec, code)]) + [w_spec]
 
   def out_tile(wg):
     rows = pl.ds(lax.axis_index("m") * cta_m + wg * t.dx_m, t.dx_m)
     return rows, cols, (t.dx_m, t.dx_k)
 
   operands.append(w_gmem.at[cols, :])
-  _bwd_kernel(body, operands, specs, dx_gmem, out_tile, t=t, steps=n // t.dx_n, stages=t.dx_stages)
+  _bwd_kernel(
+    body,
+    operands,
+    specs,
+    dx_gmem,
+    out_tile,
+    t=t,
+    steps=n // t.dx_n,
+    stages=t.dx_stages,
+    code=code,
+    block_rows=t.dx_m,
+  )
 
 
 def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: HopperBwdTiles):
@@ -290,21 +394,37 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: Hopper
     memory_space=plgpu.SMEM,
     delay_release=t.delay,
   )
+  code = epilogue.code if epilogue.residual == "code" else None
   operands = [x_gmem.at[:, rows], g_gmem.at[:, cta_cols]]
-  operands += [] if r_gmem is None else [r_gmem.at[:, cta_cols]]
-  specs = [x_spec] + [gr_spec] * (len(operands) - 1)
+  specs = [x_spec, gr_spec]
+  if r_gmem is not None:
+    per = code.per_byte() if code is not None else 1
+    operands.append(r_gmem.at[:, pl.ds(lax.axis_index("n") * cta_n // per, cta_n // per)])
+    specs.append(_residual_spec(gr_spec, code))
 
-  def body(wg, refs, acc_ref):
+  def body(wg, refs, acc_ref, spread):
     x_smem, *gr_smem = refs
     own = pl.ds(wg * t.dw_n, t.dw_n)
     r_smem = gr_smem[1] if r_gmem is not None else None
-    _dz_in_place(epilogue, gr_smem[0], r_smem, part=(slice(None), wg * t.dw_n, t.dw_n))
+    part = (slice(None), wg * t.dw_n, t.dw_n)
+    _dz_in_place(epilogue, gr_smem[0], r_smem, part=part, spread=spread)
     plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), gr_smem[0].at[:, own])
 
   def out_tile(wg):
     return rows, pl.ds(lax.axis_index("n") * cta_n + wg * t.dw_n, t.dw_n), (t.dw_k, t.dw_n)
 
-  _bwd_kernel(body, operands, specs, dw_gmem, out_tile, t=t, steps=m // t.dw_m, stages=t.dw_stages)
+  _bwd_kernel(
+    body,
+    operands,
+    specs,
+    dw_gmem,
+    out_tile,
+    t=t,
+    steps=m // t.dw_m,
+    stages=t.dw_stages,
+    code=code,
+    block_rows=t.dw_m,
+  )
 
 
 def hopper_dense_bias_act_bwd(
@@ -322,27 +442,33 @@ def hopper_dense_bias_act_bwd(
 
   Two Mosaic GPU kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, each forming
   ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
-  memory. ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act.bias_grad`
-  (Triton: one read of `g` and `residual`, float32 partial sums of dz before its rounding).
+  memory. With a derivative code (``epilogue.residual == "code"``) `residual` is its uint8 bytes
+  as the forward kept them (``epilogue.kept_shape(g.shape)``), decoded in the kernels.
+  ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act.bias_grad` (Triton:
+  one read of `g` and `residual`, float32 partial sums of dz before its rounding).
   """
   batch, (k, n) = x.shape[:-1], w.shape
   if g.shape != (*batch, n):
     raise ValueError(f"pallas_kernels.hopper: `g` must have shape {(*batch, n)}; got {g.shape}")
   needs_r = epilogue.residual != "none"
-  if needs_r and (residual is None or residual.shape != g.shape):
+  kept_shape = epilogue.kept_shape(g.shape)
+  if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
       f"pallas_kernels.hopper: a {epilogue.residual!r} epilogue needs the residual of shape "
-      f"{g.shape}; got {None if residual is None else residual.shape}"
+      f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
-  if not (x.dtype == w.dtype == g.dtype) or (needs_r and residual.dtype != x.dtype):
+  r_dtype = epilogue.kept_dtype(x.dtype)
+  if not (x.dtype == w.dtype == g.dtype) or (needs_r and residual.dtype != r_dtype):
     raise TypeError(
-      "pallas_kernels.hopper: x, w, g and the residual must share one dtype; got "
-      f"{x.dtype}, {w.dtype}, {g.dtype}, {None if residual is None else residual.dtype}"
+      "pallas_kernels.hopper: x, w and g must share one dtype, and the residual have it (uint8 "
+      f"for a code); got {x.dtype}, {w.dtype}, {g.dtype}, "
+      f"{None if residual is None else residual.dtype}"
     )
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-  r2 = residual.reshape(-1, n) if needs_r else None
+  r2 = residual.reshape(-1, kept_shape[-1]) if needs_r else None
   m = x2.shape[0]
-  t = tiles or hopper_bwd_tiles((m, k, n), needs_r)
+  code = epilogue.code if epilogue.residual == "code" else None
+  t = tiles or hopper_bwd_tiles((m, k, n), needs_r, code)
   why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.hopper: {why}")

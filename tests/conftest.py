@@ -10,6 +10,11 @@ import os
 # GPUs). With jax's CUDA plugin loaded (for tests/test_gpu_compile.py), a process that may use CUDA
 # makes the plugin look for a driver; on CPU only, it registers just its compiler.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Mosaic GPU's interpreter runs each warpgroup as an XLA CPU program whose callbacks block at
+# barriers until the other warpgroups arrive, on XLA's CPU thread pool: one thread a core unless
+# NPROC says otherwise. On a 2-core machine two waiting warpgroups could hold both threads while
+# the third (the one they wait for) never starts: the kernel hangs.
+os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import jax
 

@@ -1,10 +1,13 @@
-"""Helpers shared by the kernel tests (test_pallas*.py): inputs, and lowering for an abstract GPU.
+"""Helpers shared by the kernel tests (test_pallas*.py): inputs, lowering for an abstract GPU, and
+the float32 reference of the Hopper backward.
 
 Lowering under an abstract mesh of a CUDA device needs no GPU: jaxact's dispatch reads the target
 from the mesh, and Pallas lowers the kernels to their custom calls.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,3 +48,13 @@ def lowered_text(fn, arg_shapes, platform: str = "cuda", kind: str = "H100") -> 
       if platform == "cuda" and "cuda" in str(e).lower() and "platform" in str(e).lower():
         pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
       raise
+
+
+def backward_reference(x, w, r, g, derivative):
+  """dx, dw in float32 from the same bf16/f16 dz the kernels feed to wgmma; db the float32 sum of
+  dz before that rounding (as bias_grad sums it)."""
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  exact = f32(g) if derivative is None else f32(g) * derivative(f32(r))
+  dz = f32(exact.astype(g.dtype))
+  hi = jax.lax.Precision.HIGHEST
+  return jnp.dot(dz, f32(w).T, precision=hi), jnp.dot(f32(x).T, dz, precision=hi), exact.sum(0)

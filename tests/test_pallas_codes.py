@@ -13,7 +13,6 @@ the rest under ``pytest -m exhaustive``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import chex
@@ -23,9 +22,10 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import activations, codes, kernel_calls, test_util
+from code_cases import coded, conv_args, dense_args, run
+from jaxact._src import codes, test_util
 from kernel_cases import MOSAIC, TRITON, lowered_text
-from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense, hopper
+from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense
 
 from cases import representatives
 
@@ -36,46 +36,6 @@ TOL = {
   jnp.bfloat16: dict(atol=5e-2, rtol=3e-2),
 }
 Y_TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-6), jnp.bfloat16: dict(atol=0, rtol=0)}
-
-ACTIVATION = {"gelu": jaxact.gelu, "silu": jaxact.silu, "mish": jaxact.mish}
-
-
-def exact(shape, scale: float, seed: int) -> jax.Array:
-  """Integers in [-2, 2] times `scale`, float32."""
-  v = jax.random.randint(jax.random.key(seed), shape, -2, 3)
-  return v.astype(jnp.float32) * scale
-
-
-def dense_args(shape, dtype):
-  """x (rows, K) in halves, w in quarters, b in halves: z = x @ w + b is a multiple of 1/8 of at
-  most K / 2 + 1 in size, exact in bfloat16 for K <= 32 (and in any summation order)."""
-  *batch, k, n = shape
-  x, w, b = exact((*batch, k), 0.5, 1), exact((k, n), 0.25, 2), exact((n,), 0.5, 3)
-  return tuple(v.astype(dtype) for v in (x, w, b))
-
-
-def conv_args(x_shape, w_shape, dtype):
-  """As :func:`dense_args`, for a convolution of fan-in ``prod(w_shape[:-1]) <= 32``."""
-  x, w, b = exact(x_shape, 0.5, 4), exact(w_shape, 0.25, 5), exact(w_shape[-1:], 0.5, 6)
-  return tuple(v.astype(dtype) for v in (x, w, b))
-
-
-def coded(name: str, bits: int):
-  return functools.partial(ACTIVATION[name], residual_bits=bits)
-
-
-def run(impl, op, activation, x, w, b, **kw):
-  """y, the uint8 arrays the pullback keeps, and (dx, dw, db) for a fixed random cotangent."""
-
-  @jax.jit
-  def f(x, w, b):
-    fn = lambda *a: op(*a, activation=activation, implementation=impl, **kw)
-    y, pull = jax.vjp(fn, x, w, b)
-    g = jax.random.normal(jax.random.key(99), y.shape, jnp.float32).astype(y.dtype)
-    kept = [v for v in jax.tree.leaves(pull) if v.dtype == jnp.uint8]
-    return y, kept, pull(g)
-
-  return f(x, w, b)
 
 
 def assert_matches_xla(op, name, bits, dtype, x, w, b, **kw):
@@ -143,47 +103,7 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
   assert TRITON not in lowered_text(step, shapes, "cuda", "A100")
 
 
-# ------------------------------------------------------------------------------------ Hopper
-
-
-def coded_rule(name: str, bits: int):
-  """The rule jaxact builds for `name` (default parameters) with a `bits`-bit code."""
-  spec = jaxact.get_spec(name)
-  z = jax.ShapeDtypeStruct((), jnp.float32)
-  rule, _ = activations._split_params(spec, z, test_util.param_defaults(spec))
-  return activations.with_code(rule, bits)
-
-
-@pytest.mark.exhaustive  # Mosaic GPU's interpreter: seconds a tile
-def test_hopper_forward_writes_the_xla_paths_8_bit_code():
-  """The Mosaic GPU forward in its interpreter (a 128 x 256 tile of two warpgroups): y, and the
-  8-bit code of gelu' byte for byte as the XLA path encodes the same float32 z."""
-  rule = coded_rule("gelu", 8)
-  x, w, b = dense_args((128, 64, 256), jnp.bfloat16)
-  y, kept = hopper.hopper_dense_bias_act_fwd(
-    x, w, b, epilogue=kernel_calls.epilogue(rule), num_sms=1, interpret=True
-  )
-  z = x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)  # exact
-  np.testing.assert_array_equal(np.asarray(kept), np.asarray(activations.encode(rule, z)))
-  want = jax.nn.gelu(z).astype(jnp.bfloat16)
-  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=1e-2)
-
-
-def test_hopper_runs_8_bit_codes_forward_only():
-  """On an H100, ``None`` runs a coded layer's forward on the Mosaic GPU kernel when the code is
-  8-bit (its backward on XLA, reading the code), and the whole layer on XLA for 4 and 2 bits
-  (the Hopper kernel does not pack); the Hopper kernels asked for by name raise, saying why."""
-  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
-  text = lowered_text(test_util.train_step(coded("gelu", 8), None), shapes, "cuda", "H100")
-  assert text.count(MOSAIC) == 1 and TRITON not in text
-  x, w, b = (jnp.zeros(s.shape, s.dtype) for s in shapes)
-  for bits, why in ((8, r"the Hopper backward kernels read z, not a code"), (4, r"4-bit codes")):
-    with pytest.raises(NotImplementedError, match=why):
-      jaxact.dense_bias_act(x, w, b, activation=coded("gelu", bits), implementation="mosaic")
-  ep = kernel_calls.epilogue(coded_rule("gelu", 2))
-  assert "2-bit codes (the Hopper kernel writes 8-bit ones" in hopper.hopper_unsupported(
-    (256, 128, 256), jnp.bfloat16, jnp.bfloat16, ep
-  )
+# The Hopper (Mosaic GPU) kernels' codes: tests/test_pallas_hopper_codes.py.
 
 
 # --------------------------------------------------------------------------- compiled for GPUs

@@ -27,7 +27,7 @@ import jaxact
 from jaxact._src import test_util
 from jaxact._src.test_util import layer_shapes as shapes
 from jaxact._src.test_util import train_step
-from kernel_cases import MOSAIC, TRITON, args, lowered_text
+from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
 from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
 
 from cases import representatives
@@ -205,16 +205,6 @@ def test_kernel_without_bias_and_output_residual():
   np.testing.assert_allclose(
     np.asarray(y, np.float32), reference(x, w, None, relu)[0], atol=4e-3, rtol=2e-3
   )
-
-
-def backward_reference(x, w, r, g, derivative):
-  """dx, dw in float32 from the same bf16/f16 dz the kernels feed to wgmma; db the float32 sum of
-  dz before that rounding (as bias_grad sums it)."""
-  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-  exact = f32(g) if derivative is None else f32(g) * derivative(f32(r))
-  dz = f32(exact.astype(g.dtype))
-  hi = jax.lax.Precision.HIGHEST
-  return jnp.dot(dz, f32(w).T, precision=hi), jnp.dot(f32(x).T, dz, precision=hi), exact.sum(0)
 
 
 _TILINGS = {

@@ -171,11 +171,6 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
   epilogue = kernel_calls.epilogue(plan.act.rule)
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
-  if why is None and backward and epilogue.code is not None:
-    why = (
-      f"residual_bits={epilogue.code.bits}: the Hopper backward kernels read z, not a code "
-      "(implementation=None runs such a call's forward on the Hopper kernel, its backward on XLA)"
-    )
   if why is None and backward:
     why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
   whole = (math.prod(x.shape[:-1]), *w.shape)
