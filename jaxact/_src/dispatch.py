@@ -269,6 +269,20 @@ class _Facts:
 
 AUTO_RULES: tuple[Rule, ...] = (
   Rule(
+    "Hopper target, a dense layer keeping a 4- or 2-bit derivative code",
+    lambda f: (
+      f.target.hopper
+      and f.dense
+      and f.plan.act.rule.code is not None
+      and f.plan.act.rule.code.bits < 8
+    ),
+    "xla",
+    "xla",
+    "the Mosaic GPU forward packs 4- and 2-bit codes with a second wgmma in its epilogue, which "
+    "spills 132-212 bytes a thread compiled for the H100 (the z-writing forward: 44-56) and has "
+    "not been timed on a GPU",
+  ),
+  Rule(
     "Hopper target, a dense layer the Mosaic GPU forward kernel takes",
     lambda f: f.mosaic_forward,
     "mosaic",
