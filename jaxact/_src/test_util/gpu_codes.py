@@ -100,11 +100,13 @@ OPS = {"dense": jaxact.dense_bias_act, "conv": conv_op}
 
 
 def _preactivation(op: str, x, w, b) -> np.ndarray:
+  """z in float64 (the convolution's in float32: small multiples of 1/8 add up exactly)."""
   x, w, b = (np.asarray(v, np.float64) for v in (x, w, b))
   if op == "dense":
     return x @ w + b
+  x32, w32 = (jnp.asarray(v, jnp.float32) for v in (x, w))
   z = lax.conv_general_dilated(
-    x, w, (1, 1), "SAME", dimension_numbers=_NHWC, precision=lax.Precision.HIGHEST
+    x32, w32, (1, 1), "SAME", dimension_numbers=_NHWC, precision=lax.Precision.HIGHEST
   )
   return np.asarray(z, np.float64) + b
 
