@@ -32,9 +32,13 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
   activations, and the benchmark suite's GPU section.
 * ``conv-bwd``: the conv epilogue's backward kernel alone, by row steps a program (db partial
   sums).
+* ``codes``: few-bit derivative codes (``residual_bits=8|4|2``): the kernels' y, kept codes and
+  gradients against XLA's; the conv epilogue kernels alone writing and reading each code (GB/s,
+  of ``env``'s copy bandwidth); the Mosaic GPU forward writing each code (Hopper); one dense and
+  one conv layer's training step, exact against each code, per implementation.
 
 The sections live by what they measure: ``gpu_common`` (env, timing, inputs), ``gpu_dense``,
-``gpu_conv`` and ``gpu_hopper``; this module runs them and writes the report.
+``gpu_conv``, ``gpu_hopper`` and ``gpu_codes``; this module runs them and writes the report.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
 """
@@ -50,8 +54,9 @@ import traceback
 
 import jax
 
-from benchmarks import gpu_conv, gpu_dense, gpu_hopper
+from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper
 from benchmarks.gpu_common import gpu_device, section_env
+from jaxact._src.test_util import is_hopper
 
 
 def _copy_gbps(results):
@@ -77,6 +82,9 @@ SECTIONS = {
   ),
   "hopper-bwd": lambda gpu, args, res: gpu_hopper.section_hopper_bwd(args.runs),
   "suite": lambda gpu, args, res: gpu_dense.section_suite(args.runs),
+  "codes": lambda gpu, args, res: gpu_codes.section_codes(
+    args.runs, _copy_gbps(res), is_hopper(gpu.device_kind), getattr(gpu, "core_count", None)
+  ),
 }
 
 
