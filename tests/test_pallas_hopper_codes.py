@@ -182,7 +182,7 @@ def _float32_defaults():
 
 
 @pytest.mark.usefixtures("_float32_defaults")
-@pytest.mark.parametrize("bits", BITS, ids=_IDS)
+@pytest.mark.parametrize("bits", representatives(BITS, {"4-bit"}, _IDS))
 def test_every_code_lowers_for_h100(bits):
   """A training step at a layer's shape: "mosaic" runs the forward and both backward kernels
   (and db's Triton pass)."""
