@@ -13,7 +13,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
   b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
-  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward),
+  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward;
+  its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),
   :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass).
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
