@@ -122,6 +122,13 @@ class Epilogue:
   residual: Residual
   code: DerivativeCode | None = None
 
+  def __post_init__(self):
+    if (self.residual == "code") != (self.code is not None):
+      raise ValueError(
+        f"Epilogue: `code` is given exactly when residual == 'code'; got residual="
+        f"{self.residual!r} with code={self.code!r}"
+      )
+
   def kept_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of what the forward keeps for an output of `shape`."""
     if self.residual == "code":

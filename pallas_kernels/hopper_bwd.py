@@ -60,7 +60,7 @@ def hopper_bwd_unsupported(
 ) -> str | None:
   """Why the Hopper backward kernels cannot run an ``(M, K, N)`` layer, or None when they can."""
   m, k, n = shape
-  code = epilogue.code if epilogue.residual == "code" else None
+  code = epilogue.code
   t = tiles or hopper_bwd_tiles(shape, epilogue.residual != "none", code)
   if np.dtype(dtype) not in HALF:
     return f"operand dtype {np.dtype(dtype).name} (the Hopper kernels take bfloat16 or float16)"
@@ -104,7 +104,7 @@ def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, spread=None):
   if r_smem is None:
     return
   rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
-  code = epilogue.code if epilogue.residual == "code" else None
+  code = epilogue.code
   per = code.per_byte() if code is not None else 1
   for c in range(0, cols, _CHUNK):
     width = min(_CHUNK, cols - c)
@@ -248,7 +248,7 @@ def _dx_kernel(g_gmem, r_gmem, w_gmem, dx_gmem, *, epilogue: Epilogue, t: Hopper
     memory_space=plgpu.SMEM,
     delay_release=t.delay,
   )
-  code = epilogue.code if epilogue.residual == "code" else None
+  code = epilogue.code
 
   def body(wg, refs, acc_ref, spread):
     *gr_smem, w_smem = refs
@@ -299,7 +299,7 @@ def _dw_kernel(x_gmem, g_gmem, r_gmem, dw_gmem, *, epilogue: Epilogue, t: Hopper
     memory_space=plgpu.SMEM,
     delay_release=t.delay,
   )
-  code = epilogue.code if epilogue.residual == "code" else None
+  code = epilogue.code
   operands = [x_gmem.at[:, rows], g_gmem.at[:, cta_cols]]
   specs = [x_spec, gr_spec]
   if r_gmem is not None:
@@ -372,7 +372,7 @@ def hopper_dense_bias_act_bwd(
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
   r2 = residual.reshape(-1, kept_shape[-1]) if needs_r else None
   m = x2.shape[0]
-  code = epilogue.code if epilogue.residual == "code" else None
+  code = epilogue.code
   t = tiles or hopper_bwd_tiles((m, k, n), needs_r, code)
   why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:

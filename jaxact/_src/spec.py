@@ -104,7 +104,7 @@ class ActivationSpec:
       activations and as the fallback when the parameters make ``d_output`` invalid (or are traced).
       When omitted it is ``d_output(fn(x))``, valid whenever ``d_output`` is.
     d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes``): within
-      1e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
+      2e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
       on relative accuracy in the tails, which a code of 255 steps cannot see). None:
       ``d_input``.
     output_ok: for concrete parameters, whether ``d_output`` is valid (e.g. leaky_relu needs
