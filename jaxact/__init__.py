@@ -39,6 +39,7 @@ from jaxact._src.fused import dense_bias_act as dense_bias_act
 from jaxact._src.gated import gated_dense as gated_dense
 from jaxact._src.gated import gated_mlp as gated_mlp
 from jaxact._src.gated_vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
+from jaxact._src.lce import linear_cross_entropy as linear_cross_entropy
 
 __version__ = "0.1.0.dev0"
 
@@ -78,4 +79,5 @@ __all__ = [
   "gated_dense",
   "gated_mlp",
   "GATED_CHECKPOINT_NAMES",
+  "linear_cross_entropy",
 ]

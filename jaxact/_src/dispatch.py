@@ -37,6 +37,7 @@ from jaxact._src import kernel_calls, pallas_sharding
 if TYPE_CHECKING:
   from jaxact._src.fused_vjp import Plan
   from jaxact._src.gated_vjp import GatedPlan
+  from jaxact._src.lce_vjp import LcePlan
 
 Backend = Literal["xla", "triton", "mosaic"]
 Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`
@@ -343,6 +344,51 @@ GATED_AUTO_RULES: tuple[Rule, ...] = (
 )
 
 
+# linear_cross_entropy's rules for implementation=None.
+LCE_AUTO_RULES: tuple[Rule, ...] = (
+  Rule(
+    "`linear_cross_entropy`: every target",
+    lambda f: True,
+    "xla",
+    "xla",
+    "the vocabulary-blocked XLA path keeps no (tokens x vocabulary) array and matches the plain "
+    "composition's CPU time; no GPU measurement supports the Hopper kernels yet",
+  ),
+)
+
+
+def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
+  """Why the Hopper kernels of :func:`jaxact.linear_cross_entropy` cannot run this call, or
+  None."""
+  return "no Mosaic GPU kernel for linear_cross_entropy is built into this version"
+
+
+def decide_lce(fn_name: str, implementation: str | None, plan: LcePlan, x: Array, w: Array):
+  """The backends for one :func:`jaxact.linear_cross_entropy` call, as :func:`decide`:
+  ``"mosaic"`` takes the Hopper kernels (``NotImplementedError`` with the reason where they cannot
+  run), ``"pallas"`` has no Triton kernel to take, ``None`` the first row of
+  :data:`LCE_AUTO_RULES` that holds."""
+  check_implementation(fn_name, implementation)
+  match implementation:
+    case "xla":
+      return Decision()
+    case "pallas":
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation='pallas' has no Triton kernel for this op; use "
+        "'mosaic' (Hopper), 'xla' or None"
+      )
+    case "mosaic":
+      why = lce_mosaic_unsupported(plan, x, w)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
+          "implementation='xla' or None"
+        )
+      return Decision("mosaic", "mosaic", forced=True, target=target())
+    case _:  # None
+      return _auto(None, LCE_AUTO_RULES, lambda: None)
+
+
 def check_implementation(fn_name: str, implementation) -> None:
   """Raise ``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
   if implementation is not None and (
@@ -435,7 +481,7 @@ def rules_table() -> str:
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
-  for r in (*AUTO_RULES, *GATED_AUTO_RULES):
+  for r in (*AUTO_RULES, *GATED_AUTO_RULES, *LCE_AUTO_RULES):
     evidence = f"RESULTS.md: {r.evidence}" if r.evidence else ""
     rows.append(f"| {r.where} | {r.forward} | {r.backward} | {r.why} | {evidence} |")
   return "\n".join(rows) + "\n"

@@ -220,6 +220,12 @@ def _dense_plan(x: Array, w: Array) -> _DensePlan | str | None:
   return _DensePlan(mesh, xs, ws, (*xs[:-1], model), data, model)
 
 
+def dense_pattern(x: Array, w: Array) -> _DensePlan | str | None:
+  """The dense pattern of ``x @ w`` on sharded operands (mesh, specs, ``data`` and ``model``
+  axes), None when their types name no Explicit mesh, or why no per-shard pattern covers them."""
+  return _dense_plan(x, w)
+
+
 def dense_reason(x: Array, w: Array) -> str | None:
   """Why the per-shard dense kernels cannot run on these sharded operands, or None."""
   plan = _dense_plan(x, w)

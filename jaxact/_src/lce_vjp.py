@@ -1,0 +1,460 @@
+"""The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy` and its XLA path.
+
+Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64 for float64
+inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``α`` and z-loss
+``λ``, the op returns the per-token loss
+
+    ℓ_t = lse_t - (1 - α) s_{t, y_t} - α mean_v s_{t, v} + λ lse_t²
+
+and keeps ``x``, ``w``, ``b``, ``labels`` and ``lse_t`` (one number a token) for the backward
+pass, which recomputes the logits block by block and forms
+
+    G_tv = ḡ_t ((1 + 2 λ lse_t) p_tv - (1 - α) [v = y_t] - α / V) · ds/dz,   p = softmax(s),
+
+from the per-token cotangent ``ḡ_t`` (whatever it is: the caller's reduction over tokens is JAX
+code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``. No array of shape
+(tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
+its ``G``.
+
+Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
+neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
+``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
+label is outside ``[0, V)``; their gradients stay finite, and zero where their cotangent is zero.
+
+The XLA path blocks over the vocabulary (:func:`stats_by_vocab`, :func:`grads_by_vocab`): a
+``fori_loop`` over column blocks of ``w`` with an online log-sum-exp; ``dw`` and ``db`` are written
+block by block into their output buffers, each block from one matmul over all tokens, so no
+weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one. Blocking over
+tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks) needs a
+weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop on its
+shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the vocabulary
+over model axes, as Megatron's vocab-parallel loss) and only per-token statistics, ``dx``, and for
+data-parallel ``dw`` and ``db`` are reduced across devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from jaxact._src import pallas_sharding
+from jaxact._src.dispatch import Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class LcePlan:
+  """Everything static about one call.
+
+  Attributes:
+    block: logits columns a block (``by="vocab"``) or tokens a block (``by="tokens"``).
+    by: the axis the XLA path blocks over.
+    label_smoothing, z_loss, soft_cap: the loss's options (``soft_cap`` None: no cap).
+    precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
+    acc_dtype: the logits', statistics' and loss's dtype: float32, or float64 for float64 inputs.
+    decision: the backends of the forward and backward passes.
+  """
+
+  block: int
+  by: Literal["vocab", "tokens"] = "vocab"
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  soft_cap: float | None = None
+  precision: Any = None
+  acc_dtype: np.dtype = np.dtype(np.float32)
+  decision: Decision = dataclasses.field(default_factory=Decision)
+
+
+# Bytes of one float32 block of logits the XLA path aims at: on CPU a block this size keeps the
+# elementwise passes near the cache and costs no time against the unblocked composition
+# (benchmarks/results/lce.md); on GPUs larger blocks amortize the loop's launches. Either way the
+# block stays under an eighth of the logits.
+_CPU_BLOCK_BYTES = 32 << 20
+_GPU_BLOCK_BYTES = 256 << 20
+
+
+def default_block(tokens: int, vocab: int, gpu: bool = False) -> int:
+  """Columns a block for the vocabulary-blocked XLA path: a multiple of 128 near
+  ``_*_BLOCK_BYTES / (4 * tokens)``, at most an eighth of the vocabulary (rounded up to 128),
+  and the whole vocabulary when it is small."""
+  budget = (_GPU_BLOCK_BYTES if gpu else _CPU_BLOCK_BYTES) // (4 * max(tokens, 1))
+  block = max(128, budget // 128 * 128)
+  block = min(block, max(128, -(-vocab // 8 // 128) * 128))
+  return min(block, vocab)
+
+
+# ------------------------------------------------------------------------------ tile math
+
+
+def _logits(plan: LcePlan, x: Array, w: Array, b: Array | None) -> Array:
+  """``x @ w + b`` in the accumulation dtype. The forward and the backward pass both call this one
+  function on the same blocks, so the backward's logits are the forward's."""
+  z = lax.dot_general(
+    x, w, (((x.ndim - 1,), (0,)), ((), ())), plan.precision, preferred_element_type=plan.acc_dtype
+  )
+  return z if b is None else z + b.astype(plan.acc_dtype)
+
+
+def _capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
+  """``(s, ds/dz)``: the soft-capped logits (-inf stays -inf) and their derivative (None without
+  a cap; 0 at -inf)."""
+  if plan.soft_cap is None:
+    return z, None
+  c = plan.soft_cap
+  t = jnp.tanh(z / c)
+  return jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
+
+
+def _tile_stats(plan: LcePlan, s: Array, labels: Array, cols: Array, fresh: Array | None, vocab):
+  """One tile's ``(max, Σ exp(s - max), label logit, Σ s / V)`` per row, over its `fresh`
+  columns (all when None); the max is 0 where a row has no finite logit, as :func:`_merge` wants."""
+  hit = cols == labels[:, None]
+  if fresh is not None:
+    s, hit = jnp.where(fresh, s, -jnp.inf), hit & fresh
+  m = jnp.max(s, axis=-1)
+  m = jnp.where(m == -jnp.inf, 0, m)
+  se = jnp.sum(jnp.exp(s - m[:, None]), axis=-1)
+  sy = jnp.sum(jnp.where(hit, s, 0), axis=-1)
+  mean = None
+  if plan.label_smoothing:
+    mean = jnp.sum(jnp.where(jnp.isfinite(s), s / vocab, 0), axis=-1)
+  return m, se, sy, mean
+
+
+def _merge(a, b):
+  """Two ``(m, Σ exp(s - m))`` pairs as one: the online log-sum-exp step."""
+  (ma, sa), (mb, sb) = a, b
+  m = jnp.maximum(ma, mb)
+  return m, sa * jnp.exp(ma - m) + sb * jnp.exp(mb - m)
+
+
+def _add(p, q):
+  return None if p is None else p + q
+
+
+def lse_of(m: Array, se: Array) -> Array:
+  """The log-sum-exp from :func:`_tile_stats`'s max and sum: -inf where no logit is finite."""
+  return m + jnp.log(se)
+
+
+def _tile_grad(plan: LcePlan, s, dcap, labels, cols, lse_inf, scales, vocab_dtype) -> Array:
+  """``G`` of one tile from the per-row scales (:func:`scales`); `lse_inf` is the lse with -inf
+  replaced by +inf, so that ``exp(s - lse_inf)`` is 0 on rows without a finite logit."""
+  p_scale, label_scale, uniform_scale = scales
+  g = p_scale[:, None] * jnp.exp(s - lse_inf[:, None])
+  if label_scale is not None:
+    g = g - jnp.where(cols == labels[:, None], label_scale[:, None], 0)
+  if uniform_scale is not None:
+    g = g - jnp.where(jnp.isfinite(s), uniform_scale[:, None], 0)
+  if dcap is not None:
+    g = g * dcap
+  return g.astype(vocab_dtype)
+
+
+def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
+  """The per-token factors of ``G``: ``(ḡ (1 + 2λ lse), ḡ (1 - α) [label valid], ḡ α / V)``
+  (None where a term is absent); an lse of -inf counts as 0 in the first."""
+  acc = plan.acc_dtype
+  g = g.astype(acc)
+  p_scale = g
+  if plan.z_loss:
+    p_scale = g * (1 + 2 * plan.z_loss * jnp.where(jnp.isfinite(lse), lse, 0))
+  label_scale = None
+  if plan.label_smoothing < 1:
+    valid = (labels >= 0) & (labels < vocab)
+    label_scale = jnp.where(valid, g * (1 - plan.label_smoothing), 0).astype(acc)
+  uniform_scale = g * (plan.label_smoothing / vocab) if plan.label_smoothing else None
+  return p_scale, label_scale, uniform_scale
+
+
+def loss_of(plan: LcePlan, lse: Array, sy: Array, mean: Array | None, labels, vocab) -> Array:
+  """ℓ from the statistics: +inf where the label is outside ``[0, V)`` or no logit is finite."""
+  loss = lse
+  if plan.label_smoothing < 1:
+    loss = loss - (1 - plan.label_smoothing) * sy
+  if mean is not None:
+    loss = loss - plan.label_smoothing * mean
+  if plan.z_loss:
+    loss = loss + plan.z_loss * lse * lse
+  valid = (labels >= 0) & (labels < vocab) & (lse > -jnp.inf)
+  return jnp.where(valid, loss, jnp.inf)
+
+
+# ---------------------------------------------------------------- blocked over the vocabulary
+
+
+def _column_block(plan: LcePlan, w, b, j, vocab_here):
+  """Block `j` of `w`'s columns (and `b`'s): the last block ends at the last column and overlaps
+  its predecessor when the block does not divide the vocabulary; `fresh` marks the columns no
+  earlier block had (None when every block is whole)."""
+  bv = min(plan.block, vocab_here)
+  start = jnp.minimum(j * bv, vocab_here - bv)
+  wj = lax.dynamic_slice_in_dim(w, start, bv, axis=1)
+  bj = None if b is None else lax.dynamic_slice_in_dim(b, start, bv, axis=0)
+  cols = start + jnp.arange(bv)
+  fresh = None if vocab_here % bv == 0 else cols >= j * bv
+  return start, wj, bj, cols, fresh
+
+
+def _loop(n: int, body, init):
+  """``fori_loop(0, n, body, init)``, unrolled when there is one step."""
+  return body(0, init) if n == 1 else lax.fori_loop(0, n, body, init)
+
+
+def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
+  """``(max, sum, label logit, mean)`` per token of ``x @ w + b`` over `w`'s columns, for tokens
+  ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole vocabulary
+  (the mean's divisor)."""
+  vocab_here = w.shape[1]
+  n = -(-vocab_here // min(plan.block, vocab_here))
+  acc, t = plan.acc_dtype, x.shape[0]
+
+  def body(j, carry):
+    m, se, sy, mean = carry
+    _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
+    s, _ = _capped(plan, _logits(plan, x, wj, bj))
+    tm, tse, tsy, tmean = _tile_stats(plan, s, labels, cols, fresh, vocab)
+    m, se = _merge((m, se), (tm, tse))
+    return m, se, sy + tsy, _add(mean, tmean)
+
+  zeros = jnp.zeros((t,), acc)
+  init = (jnp.full((t,), -jnp.inf, acc), zeros, zeros, zeros if plan.label_smoothing else None)
+  return _loop(n, body, init)
+
+
+def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
+  """``(dx, dw, db)`` over `w`'s column blocks: `dw` and `db` written block by block, each block
+  from one product over all tokens; `dx` accumulated in the accumulation dtype."""
+  vocab_here = w.shape[1]
+  n = -(-vocab_here // min(plan.block, vocab_here))
+  acc = plan.acc_dtype
+  lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  ops = x.dtype  # G is rounded to the operands' dtype for the products, as autodiff would feed them
+
+  def body(j, carry):
+    dx, dw, db = carry
+    start, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
+    s, dcap = _capped(plan, _logits(plan, x, wj, bj))
+    g = _tile_grad(plan, s, dcap, labels, cols, lse_inf, row_scales, acc)
+    # Every column's G goes to dw and db (an overlapped column is rewritten with the same value);
+    # dx takes each column once.
+    g_dx = g if fresh is None else jnp.where(fresh, g, 0)
+    dx = dx + lax.dot_general(
+      g_dx.astype(ops), wj, (((1,), (1,)), ((), ())), plan.precision, preferred_element_type=acc
+    )
+    dwj = lax.dot_general(
+      x, g.astype(ops), (((0,), (0,)), ((), ())), plan.precision, preferred_element_type=acc
+    )
+    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=1)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(g, 0).astype(db.dtype), start, axis=0)
+    return dx, dw, db
+
+  init = (
+    jnp.zeros(x.shape, acc),
+    jnp.zeros_like(w),
+    None if b is None else jnp.zeros_like(b),
+  )
+  dx, dw, db = _loop(n, body, init)
+  return dx.astype(x.dtype), dw, db
+
+
+# --------------------------------------------------------------------- blocked over tokens
+
+
+def _row_block(plan: LcePlan, t: int, i):
+  bt = min(plan.block, t)
+  start = jnp.minimum(i * bt, t - bt)
+  fresh = None if t % bt == 0 else (start + jnp.arange(bt)) >= i * bt
+  return bt, start, fresh
+
+
+def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
+  """:func:`stats_by_vocab`'s statistics computed a block of tokens at a time, each block
+  against every column (a (block, V) logits temporary)."""
+  t = x.shape[0]
+  n = -(-t // min(plan.block, t))
+  cols = jnp.arange(w.shape[1])
+
+  def body(i, carry):
+    bt, start, _ = _row_block(plan, t, i)
+    xi = lax.dynamic_slice_in_dim(x, start, bt, axis=0)
+    li = lax.dynamic_slice_in_dim(labels, start, bt, axis=0)
+    s, _ = _capped(plan, _logits(plan, xi, w, b))
+    stats = _tile_stats(plan, s, li, cols, None, vocab)
+    # Rows a block shares with its predecessor get the same values again.
+    return tuple(
+      None if c is None else lax.dynamic_update_slice_in_dim(c, v, start, axis=0)
+      for c, v in zip(carry, stats, strict=True)
+    )
+
+  zeros = jnp.zeros((t,), plan.acc_dtype)
+  return _loop(n, body, (zeros, zeros, zeros, zeros if plan.label_smoothing else None))
+
+
+def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
+  """``(dx, dw, db)`` a block of tokens at a time: `dx` written block by block, `dw` and `db`
+  accumulated in weight-sized buffers of the accumulation dtype."""
+  t = x.shape[0]
+  n = -(-t // min(plan.block, t))
+  acc, ops = plan.acc_dtype, x.dtype
+  cols = jnp.arange(w.shape[1])
+  lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+
+  def body(i, carry):
+    dx, dw, db = carry
+    bt, start, fresh = _row_block(plan, t, i)
+
+    def rows(a):
+      return None if a is None else lax.dynamic_slice_in_dim(a, start, bt, axis=0)
+
+    xi, li = rows(x), rows(labels)
+    s, dcap = _capped(plan, _logits(plan, xi, w, b))
+    g = _tile_grad(plan, s, dcap, li, cols, rows(lse_inf), tuple(map(rows, row_scales)), acc)
+    dxi = lax.dot_general(
+      g.astype(ops), w, (((1,), (1,)), ((), ())), plan.precision, preferred_element_type=acc
+    )
+    dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, axis=0)
+    g_w = g if fresh is None else jnp.where(fresh[:, None], g, 0)  # each row once into dw, db
+    dw = dw + lax.dot_general(
+      xi, g_w.astype(ops), (((0,), (0,)), ((), ())), plan.precision, preferred_element_type=acc
+    )
+    if db is not None:
+      db = db + jnp.sum(g_w, 0)
+    return dx, dw, db
+
+  init = (
+    jnp.zeros_like(x),
+    jnp.zeros(w.shape, acc),
+    None if b is None else jnp.zeros(b.shape, acc),
+  )
+  dx, dw, db = _loop(n, body, init)
+  return dx, dw.astype(w.dtype), None if db is None else db.astype(b.dtype)
+
+
+# ------------------------------------------------------------------------ per device (shards)
+
+
+def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
+  """``(lse, label logit, mean)`` for one device's tokens ``x`` (..., D) and columns `w`; over
+  `model` axes (the vocabulary split across devices) the statistics are combined by
+  ``pmax``/``psum`` of per-token numbers."""
+  shape = x.shape[:-1]
+  x2, labels2 = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+  if model:
+    labels2 = labels2 - lax.axis_index(model) * w.shape[1]
+  if plan.decision.forward == "mosaic":
+    from jaxact._src import kernel_calls
+
+    lse, sy, mean = kernel_calls.lce_forward(plan, x2, w, b, labels2)
+  else:
+    by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
+    m, se, sy, mean = by(plan, x2, w, b, labels2, vocab)
+    if model:
+      m_all = lax.pmax(m, model)
+      se = lax.psum(se * jnp.exp(m - m_all), model)
+      m = m_all
+    lse = lse_of(m, se)
+  if model:
+    sy = lax.psum(sy, model)
+    mean = None if mean is None else lax.psum(mean, model)
+  return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean))
+
+
+def _local_grads(plan: LcePlan, x, w, b, labels, lse, p_scale, label_scale, uniform_scale, *,
+                 model: tuple[str, ...] = ()):
+  """``(dx, dw, db)`` of one device's shards (dx still to be summed over `model`, dw and db over
+  the data axes: :func:`pallas_sharding.per_shard` does it)."""
+  x2, labels2 = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+  if model:
+    labels2 = labels2 - lax.axis_index(model) * w.shape[1]
+
+  def flat(v):
+    return None if v is None else v.reshape(-1)
+
+  row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
+  if plan.decision.backward == "mosaic":
+    from jaxact._src import kernel_calls
+
+    dx, dw, db = kernel_calls.lce_backward(plan, x2, w, b, labels2, flat(lse), row_scales)
+  else:
+    by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
+    dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
+  return dx.reshape(x.shape), dw, db
+
+
+def _sharding(x: Array, w: Array):
+  """The dense sharding pattern of ``x @ w`` (None unsharded); raises for the patterns the loop
+  cannot run per device."""
+  found = pallas_sharding.dense_pattern(x, w)
+  if isinstance(found, str):
+    raise NotImplementedError(
+      f"jaxact.linear_cross_entropy: {found}; shard the tokens of `x` and the vocabulary of `w` "
+      "only"
+    )
+  if found is None or not (found.data or found.model):
+    return None
+  return found
+
+
+def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
+  """``(lse, label logit, mean)`` per token, on each device's shards when sharded."""
+  pattern = _sharding(x, w)
+  if pattern is None:
+    return _local_stats(plan, x, w, b, labels, vocab=vocab)
+  rows = pattern.x[:-1]
+  return pallas_sharding.per_shard(
+    functools.partial(_local_stats, plan, vocab=vocab, model=pattern.model),
+    (x, w, b, labels),
+    (pattern.x, pattern.w, (pattern.model,), rows),
+    (rows, rows, rows),
+    mesh=pattern.mesh,
+  )
+
+
+def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
+  """``(dx, dw, db)``, on each device's shards when sharded."""
+  pattern = _sharding(x, w)
+  if pattern is None:
+    return _local_grads(plan, x, w, b, labels, lse, *row_scales)
+  rows = pattern.x[:-1]
+  return pallas_sharding.per_shard(
+    functools.partial(_local_grads, plan, model=pattern.model),
+    (x, w, b, labels, lse, *row_scales),
+    (pattern.x, pattern.w, (pattern.model,), rows, rows, rows, rows, rows),
+    (pattern.x, pattern.w, (pattern.model,)),
+    mesh=pattern.mesh,
+    sum_over=(pattern.model, pattern.data, pattern.data),
+  )
+
+
+# ------------------------------------------------------------------------- the custom_vjp
+
+
+def _fwd(plan: LcePlan, x, w, b, labels):
+  vocab = w.shape[1]
+  lse, sy, mean = statistics(plan, x, w, b, labels, vocab)
+  return loss_of(plan, lse, sy, mean, labels, vocab), (x, w, b, labels, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def per_token_loss(plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array) -> Array:
+  """ℓ per token (``labels.shape``, the accumulation dtype), keeping ``x``, ``w``, ``b``,
+  ``labels`` and the lse; see the module docstring."""
+  return _fwd(plan, x, w, b, labels)[0]
+
+
+def _bwd(plan: LcePlan, res, g: Array):
+  x, w, b, labels, lse = res
+  row_scales = scales(plan, g, lse, labels, w.shape[1])
+  dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
+  return dx, dw, db, None
+
+
+per_token_loss.defvjp(_fwd, _bwd)
+
