@@ -37,7 +37,9 @@ def _err(msg: str) -> str:
 
 def _number(name: str, value, *, low: float, high: float | None = None, low_open=False) -> float:
   """A static Python number in ``[low, high]`` (``(low, ...`` when `low_open`), else an error."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.ndarray, Array)):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, Array)
+  ):
     raise TypeError(_err(f"`{name}` must be a Python float; got {type(value).__name__} {value!r}"))
   try:
     v = float(value)
@@ -48,7 +50,9 @@ def _number(name: str, value, *, low: float, high: float | None = None, low_open
         "array; pass it as a number outside jit"
       )
     ) from None
-  bad = not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v > high)
+  bad = (
+    not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v > high)
+  )
   if bad:
     lo = f"({low}" if low_open else f"[{low}"
     hi = f"{high}]" if high is not None else "inf)"
@@ -255,9 +259,7 @@ def linear_cross_entropy(
     plan = dataclasses.replace(plan, decision=decision)
     # int32 for the kernels and the column arithmetic; out-of-range values stay out of range.
     labels32 = jnp.clip(labels, -1, vocab).astype(jnp.int32)
-    loss = per_token_loss(plan, x, w, b, labels32)
-    if where is not None:
-      loss = jnp.where(where, loss, 0)
+    loss = per_token_loss(plan, x, w, b, labels32, where)
     if reduction == "none":
       return loss
     total = jnp.sum(loss)

@@ -1,17 +1,17 @@
 """The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy` and its XLA path.
 
 Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64 for float64
-inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``α`` and z-loss
-``λ``, the op returns the per-token loss
+inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``a`` and z-loss
+``k``, the op returns the per-token loss
 
-    ℓ_t = lse_t - (1 - α) s_{t, y_t} - α mean_v s_{t, v} + λ lse_t²
+    loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2
 
 and keeps ``x``, ``w``, ``b``, ``labels`` and ``lse_t`` (one number a token) for the backward
 pass, which recomputes the logits block by block and forms
 
-    G_tv = ḡ_t ((1 + 2 λ lse_t) p_tv - (1 - α) [v = y_t] - α / V) · ds/dz,   p = softmax(s),
+    G[t, v] = g_t ((1 + 2 k lse_t) p[t, v] - (1 - a) [v = y_t] - a / V) ds/dz,   p = softmax(s),
 
-from the per-token cotangent ``ḡ_t`` (whatever it is: the caller's reduction over tokens is JAX
+from the per-token cotangent ``g_t`` (whatever it is: the caller's reduction over tokens is JAX
 code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``. No array of shape
 (tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
 its ``G``.
@@ -25,11 +25,11 @@ The XLA path blocks over the vocabulary (:func:`stats_by_vocab`, :func:`grads_by
 ``fori_loop`` over column blocks of ``w`` with an online log-sum-exp; ``dw`` and ``db`` are written
 block by block into their output buffers, each block from one matmul over all tokens, so no
 weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one. Blocking over
-tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks) needs a
-weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop on its
-shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the vocabulary
-over model axes, as Megatron's vocab-parallel loss) and only per-token statistics, ``dx``, and for
-data-parallel ``dw`` and ``db`` are reduced across devices.
+tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks)
+needs a weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop
+on its shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the
+vocabulary over model axes, as Megatron's vocab-parallel loss) and only per-token statistics,
+``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from jax import Array, lax
 
 from jaxact._src import pallas_sharding
 from jaxact._src.dispatch import Decision
+
+_FLOAT32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ class LcePlan:
   z_loss: float = 0.0
   soft_cap: float | None = None
   precision: Any = None
-  acc_dtype: np.dtype = np.dtype(np.float32)
+  acc_dtype: np.dtype = _FLOAT32
   decision: Decision = dataclasses.field(default_factory=Decision)
 
 
@@ -157,7 +159,7 @@ def _tile_grad(plan: LcePlan, s, dcap, labels, cols, lse_inf, scales, vocab_dtyp
 
 
 def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
-  """The per-token factors of ``G``: ``(ḡ (1 + 2λ lse), ḡ (1 - α) [label valid], ḡ α / V)``
+  """The per-token factors of ``G``: ``(g (1 + 2 k lse), g (1 - a) [label valid], g a / V)``
   (None where a term is absent); an lse of -inf counts as 0 in the first."""
   acc = plan.acc_dtype
   g = g.astype(acc)
@@ -173,7 +175,8 @@ def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
 
 
 def loss_of(plan: LcePlan, lse: Array, sy: Array, mean: Array | None, labels, vocab) -> Array:
-  """ℓ from the statistics: +inf where the label is outside ``[0, V)`` or no logit is finite."""
+  """The loss from the statistics: +inf where the label is outside ``[0, V)`` or no logit is
+  finite."""
   loss = lse
   if plan.label_smoothing < 1:
     loss = loss - (1 - plan.label_smoothing) * sy
@@ -366,8 +369,19 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
   return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean))
 
 
-def _local_grads(plan: LcePlan, x, w, b, labels, lse, p_scale, label_scale, uniform_scale, *,
-                 model: tuple[str, ...] = ()):
+def _local_grads(
+  plan: LcePlan,
+  x,
+  w,
+  b,
+  labels,
+  lse,
+  p_scale,
+  label_scale,
+  uniform_scale,
+  *,
+  model: tuple[str, ...] = (),
+):
   """``(dx, dw, db)`` of one device's shards (dx still to be summed over `model`, dw and db over
   the data axes: :func:`pallas_sharding.per_shard` does it)."""
   x2, labels2 = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
@@ -436,25 +450,31 @@ def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
 # ------------------------------------------------------------------------- the custom_vjp
 
 
-def _fwd(plan: LcePlan, x, w, b, labels):
+def _fwd(plan: LcePlan, x, w, b, labels, where):
   vocab = w.shape[1]
   lse, sy, mean = statistics(plan, x, w, b, labels, vocab)
-  return loss_of(plan, lse, sy, mean, labels, vocab), (x, w, b, labels, lse)
+  loss = loss_of(plan, lse, sy, mean, labels, vocab)
+  if where is not None:
+    loss = jnp.where(where, loss, 0)
+  return loss, (x, w, b, labels, where, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def per_token_loss(plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array) -> Array:
-  """ℓ per token (``labels.shape``, the accumulation dtype), keeping ``x``, ``w``, ``b``,
-  ``labels`` and the lse; see the module docstring."""
-  return _fwd(plan, x, w, b, labels)[0]
+def per_token_loss(
+  plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array, where: Array | None = None
+) -> Array:
+  """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
+  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring."""
+  return _fwd(plan, x, w, b, labels, where)[0]
 
 
 def _bwd(plan: LcePlan, res, g: Array):
-  x, w, b, labels, lse = res
+  x, w, b, labels, where, lse = res
+  if where is not None:
+    g = jnp.where(where, g, 0)
   row_scales = scales(plan, g, lse, labels, w.shape[1])
   dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
-  return dx, dw, db, None
+  return dx, dw, db, None, None
 
 
 per_token_loss.defvjp(_fwd, _bwd)
-
