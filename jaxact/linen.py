@@ -5,7 +5,9 @@
 compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
 :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of transformers (SwiGLU, ...) with the
 parameters of three ``nn.Dense`` (``gate_proj``, ``up_proj``, ``down_proj``) and one
-:func:`jaxact.gated_mlp`. This module imports Flax; ``import jaxact`` alone does not::
+:func:`jaxact.gated_mlp`. ``LMHead`` is ``nn.Dense`` that, called with labels, returns
+:func:`jaxact.linear_cross_entropy` of its kernel and bias. This module imports Flax;
+``import jaxact`` alone does not::
 
   import jaxact.linen as jnn
 
@@ -23,5 +25,6 @@ require_flax("jaxact.linen")
 from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
 from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
+from jaxact._src.linen_head import LMHead as LMHead  # noqa: E402 (after the check)
 
-__all__ = ["DenseAct", "ConvAct", "GatedMLP"]
+__all__ = ["DenseAct", "ConvAct", "GatedMLP", "LMHead"]
