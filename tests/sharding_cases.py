@@ -299,6 +299,52 @@ def gated_case(name: str, mesh, tensor_parallel: bool) -> None:
   report(name, sharded, single, param_specs, collectives(fwd), fwd_collective_shapes=shapes)
 
 
+VOCAB, HEAD_IN = 256, 24  # HEAD_IN: no other array of the case has a dimension of 24
+
+
+def lce_case(name: str, mesh, w_spec) -> None:
+  """jaxact.linear_cross_entropy (bias, where, smoothing, z-loss, cap), with the tokens split over
+  "data" and/or the vocabulary over "model" (Megatron's vocab-parallel loss)."""
+  keys = jax.random.split(jax.random.key(3), 2)
+  params = {
+    "w": jax.random.normal(keys[0], (HEAD_IN, VOCAB)) * HEAD_IN**-0.5,
+    "b": jax.random.normal(keys[1], (VOCAB,)),
+    "scale": jnp.ones((HEAD_IN,)),  # so that the step needs dx
+  }
+  x = jax.random.normal(jax.random.key(4), (BATCH, HEAD_IN))
+  labels = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, BATCH), jnp.int32)
+
+  def loss_fn(params, x, labels):
+    return jaxact.linear_cross_entropy(
+      x * params["scale"],
+      params["w"],
+      labels,
+      bias=params["b"],
+      where=labels % 5 != 0,
+      label_smoothing=0.1,
+      z_loss=1e-3,
+      logit_soft_cap=5.0,
+      vocab_block_size=48,  # blocks that do not divide a device's columns
+    )
+
+  specs = {"w": w_spec, "b": P(w_spec[1]), "scale": P()}
+  shardings = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  rows = NamedSharding(mesh, P("data" if "data" in mesh.axis_names else None))
+  single = train(loss_fn, one_device(params), one_device(x), one_device(labels))
+  with jax.set_mesh(mesh):
+    xs, ls = jax.device_put(x, rows), jax.device_put(labels, rows)
+    sharded = train(loss_fn, jax.device_put(params, shardings), xs, ls)
+    fwd = jax.jit(loss_fn).lower(jax.device_put(params, shardings), xs, ls).compile()
+  step_text = sharded[3].as_text()
+  produced = re.findall(
+    r"= (.*?) (?:all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", step_text
+  )
+  # The shapes (per device) of every array the step's collectives produce.
+  shapes = sorted({a for p in produced for a in re.findall(r"[a-z]+\d*\[[\d,]*\]", p)})
+  param_specs = {k: str(v.spec) for k, v in shardings.items()}
+  report(name, sharded, single, param_specs, collectives(fwd), step_collective_shapes=shapes)
+
+
 def main(names) -> None:
   auto = AxisType.Auto
   cases = {
@@ -321,6 +367,14 @@ def main(names) -> None:
     ),
     "gated_tp": lambda: gated_case(
       "gated_tp", jax.make_mesh((2, 4), ("data", "model"), (auto, auto)), True
+    ),
+    "lce_dp": lambda: lce_case("lce_dp", jax.make_mesh((8,), ("data",)), P(None, None)),
+    "lce_vocab": lambda: lce_case("lce_vocab", jax.make_mesh((8,), ("model",)), P(None, "model")),
+    "lce_2d": lambda: lce_case(
+      "lce_2d", jax.make_mesh((2, 4), ("data", "model")), P(None, "model")
+    ),
+    "lce_dp_auto": lambda: lce_case(
+      "lce_dp_auto", jax.make_mesh((8,), ("data",), (auto,)), P(None, None)
     ),
   }
   eight_devices.run_cases(cases, names)

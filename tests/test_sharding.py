@@ -35,6 +35,10 @@ CASES = [
   "gated_dp",
   "gated_dp_explicit",
   "gated_tp",
+  "lce_dp",
+  "lce_vocab",
+  "lce_2d",
+  "lce_dp_auto",
 ]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
 
@@ -103,3 +107,29 @@ def test_data_parallel_step_only_all_reduces(results, name):
   result = get(results, name)
   assert result["fwd_collectives"] == []
   assert set(result["step_collectives"]) == {"all-reduce"}
+
+
+@pytest.mark.parametrize("name", ["lce_vocab", "lce_2d"])
+def test_vocab_parallel_loss_moves_only_per_token_numbers(results, name):
+  """Megatron's vocab-parallel loss: w split over its columns, each device reduces its own slice.
+  The step's collectives produce per-token statistics (tokens a device: 32 on a vocabulary-only
+  mesh, 16 beside two data shards), dx (tokens, 24) and, over the data axis only, the device's
+  columns of dw and db: never w's or the logits' whole vocabulary (256)."""
+  result = get(results, name)
+  assert set(result["step_collectives"]) == {"all-reduce"}
+  tokens = 32 if name == "lce_vocab" else 16
+  allowed = {f"f32[{tokens}]", f"f32[{tokens},24]", "f32[]", "s32[]"}
+  if name == "lce_2d":
+    allowed |= {"f32[24,64]", "f32[64]", "f32[24]"}  # dw, db (a quarter of V), d scale over data
+  else:
+    allowed |= {"f32[24]"}
+  assert set(result["step_collective_shapes"]) <= allowed, result["step_collective_shapes"]
+  assert f"f32[{tokens}]" in result["step_collective_shapes"]  # the check can fail
+
+
+@pytest.mark.parametrize("name", ["lce_dp", "lce_dp_auto"])
+def test_data_parallel_loss_reduces_gradients_and_the_loss_only(results, name):
+  result = get(results, name)
+  assert set(result["step_collectives"]) == {"all-reduce"}
+  # no activation-sized (tokens a device: 4) array moves
+  assert not any(s.startswith("f32[4,") or s == "f32[4]" for s in result["step_collective_shapes"])
