@@ -247,10 +247,17 @@ def _gpu_total(loss, tokens, size) -> int:
 
 
 def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int]:
-  """The largest multiple of `step` tokens whose step (temp, arguments, outputs) fits `capacity`
-  bytes: secant steps from compiles at 8192 and 16384 tokens, then `step` at a time, every
-  candidate compiled (near the limit XLA's rematerialization makes memory non-linear)."""
-  known = {t: _gpu_total(loss, t, size) for t in (8192, 16384)}
+  """The largest multiple of `step` tokens whose stack step fits `capacity` bytes
+  (:func:`largest_fit_of`)."""
+  return largest_fit_of(lambda t: _gpu_total(loss, t, size), capacity, step)
+
+
+def largest_fit_of(total: Callable[[int], int], capacity: int, step=1024) -> tuple[int, int]:
+  """``(tokens, bytes)``: the largest multiple of `step` tokens whose ``total(tokens)`` (a step's
+  temp, arguments and outputs) fits `capacity` bytes: secant steps from compiles at 8192 and 16384
+  tokens, then `step` at a time, every candidate compiled (near the limit XLA's rematerialization
+  makes memory non-linear)."""
+  known = {t: total(t) for t in (8192, 16384)}
   for _ in range(4):  # secant through the two candidates nearest the limit
     (t0, m0), (t1, m1) = sorted(known.items(), key=lambda tm: abs(tm[1] - capacity))[:2]
     if m1 == m0:
@@ -258,23 +265,23 @@ def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int
     guess = int((t0 + (capacity - m0) * (t1 - t0) / (m1 - m0)) // step * step)
     if guess in known or guess <= 0:
       break
-    known[guess] = _gpu_total(loss, guess, size)
+    known[guess] = total(guess)
 
-  def total(t):
+  def at(t):
     if t not in known:
-      known[t] = _gpu_total(loss, t, size)
+      known[t] = total(t)
     return known[t]
 
   fits = [t for t, m in known.items() if m <= capacity]
   if fits:  # walk up from the largest that fits
     tokens = max(fits)
-    while total(tokens + step) <= capacity:
+    while at(tokens + step) <= capacity:
       tokens += step
   else:  # walk down from the smallest tried
     tokens = min(known) - step
-    while tokens > step and total(tokens) > capacity:
+    while tokens > step and at(tokens) > capacity:
       tokens -= step
-  return tokens, total(tokens)
+  return tokens, at(tokens)
 
 
 def capacity(device_kind=test_util.H100) -> int:

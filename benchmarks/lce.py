@@ -1,0 +1,396 @@
+"""`python -m benchmarks.lce [--sections ...]`: the LM head and its loss, alone and in a decoder.
+
+Sections:
+
+* ``head``: the head alone on CPU, float32, 4096 tokens, D = 512, V = 32000 and 128000: compiled
+  temp memory of ``jit(value_and_grad)`` in x, w (and the largest array XLA allocates), and step
+  time as the median of within-round ratios against the plain composition, for the plain
+  composition (``x @ w``, optax's softmax cross-entropy), the same under ``jax.checkpoint``,
+  ``jaxact.linear_cross_entropy`` (its XLA path blocked over the vocabulary), its variant blocked
+  over tokens, and tokamax's ``linear_softmax_cross_entropy_loss`` where tokamax imports;
+* ``head-h100``: the same compiled for an H100 on this machine, bfloat16, 16384 tokens, D = 4096,
+  V = 131072 and 262144, with the largest token count whose step fits the H100's memory;
+* ``decoder``: a Llama-style decoder step (embedding, 4 scanned blocks of RMS norm, causal
+  attention through ``jax.nn.dot_product_attention``, a gated MLP, final norm, head), CPU,
+  float32, 4 x 512 tokens, D = 512, V = 32000: compiled temp of the step for each body (Flax's
+  composition, with block remat, with ``dots_saveable``; ``jaxact.gated_mlp``, with block remat)
+  and each head (plain, fused, none: the loss a mean square of the final hidden state), and how
+  much of each step the head takes;
+* ``decoder-h100``: the decoder compiled for an H100, bfloat16, 16 x 1024 tokens, D = 4096,
+  F = 14336, V = 128256 (Llama 3's).
+
+Training parity is ``python -m benchmarks.lm --mlp flax,flax+lce --reference``. Results:
+benchmarks/results/lce.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import functools
+import re
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import jaxact
+from benchmarks import gated, timing
+from jaxact._src import lce_vjp, test_util
+
+try:
+  import tokamax
+except ImportError:  # not in jaxact's venv (benchmarks/results/lce.md says how to add it)
+  tokamax = None
+
+MiB, GiB = 2**20, 2**30
+HEAD_CPU = (4096, 512)  # tokens, D
+HEAD_GPU = (16384, 4096)
+CPU_VOCABS = (32000, 128000)
+GPU_VOCABS = (131072, 262144)
+
+# ----------------------------------------------------------------------------- the heads
+
+
+def plain_head(x, w, labels):
+  """What a JAX user writes: the logits, then optax's loss."""
+  return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
+
+
+def _by_tokens(x, w, labels):
+  """jaxact's rule blocked over tokens (blocks of an eighth of them) instead of the vocabulary."""
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  plan = lce_vjp.LcePlan(block=max(1, x.shape[0] // 8), by="tokens", acc_dtype=np.dtype(acc))
+  return jnp.mean(lce_vjp.per_token_loss(plan, x, w, None, labels))
+
+
+def _tokamax_head(x, w, labels):
+  """tokamax's memory-efficient XLA path ("chunked_xla"; its default on CPU and GPU builds the
+  logits)."""
+  return tokamax.linear_softmax_cross_entropy_loss(
+    x, labels, w, reduction="mean", implementation="chunked_xla"
+  )
+
+
+def heads() -> dict[str, Callable]:
+  out = {
+    "plain": plain_head,
+    "checkpoint": jax.checkpoint(plain_head),
+    "jaxact": lambda x, w, labels: jaxact.linear_cross_entropy(x, w, labels),
+    "jaxact_tokens": _by_tokens,
+  }
+  if tokamax is not None:
+    out["tokamax"] = _tokamax_head
+  return out
+
+
+HEAD_LABELS = {
+  "plain": "x @ w, optax",
+  "checkpoint": "jax.checkpoint(x @ w, optax)",
+  "jaxact": "jaxact.linear_cross_entropy (blocked over V)",
+  "jaxact_tokens": "jaxact's rule blocked over tokens",
+  "tokamax": "tokamax.linear_softmax_cross_entropy_loss (chunked_xla)",
+}
+
+
+def _head_args(tokens, dim, vocab, dtype, concrete=False):
+  if not concrete:
+    return [
+      jax.ShapeDtypeStruct((tokens, dim), dtype),
+      jax.ShapeDtypeStruct((dim, vocab), dtype),
+      jax.ShapeDtypeStruct((tokens,), jnp.int32),
+    ]
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (tokens, dim), jnp.float32).astype(dtype)
+  w = (jax.random.normal(k[1], (dim, vocab), jnp.float32) * dim**-0.5).astype(dtype)
+  return [x, w, jax.random.randint(k[2], (tokens,), 0, vocab)]
+
+
+def _step(head):
+  return jax.value_and_grad(head, argnums=(0, 1))
+
+
+def largest_array(compiled) -> int:
+  """Bytes of the largest array in a compiled program's text."""
+  sizes = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "f64": 8, "pred": 1, "u8": 1, "s8": 1}
+  best = 0
+  for dtype, dims in re.findall(
+    r"\b(f32|s32|bf16|f16|f64|pred|u8|s8)\[([\d,]+)\]", compiled.as_text()
+  ):
+    best = max(best, sizes[dtype] * int(np.prod([int(d) for d in dims.split(",")])))
+  return best
+
+
+@dataclasses.dataclass
+class HeadRow:
+  vocab: int
+  peer: str
+  temp: float  # bytes
+  largest: float  # bytes
+  ratio: float | None = None  # step time against the plain head
+  fit: str = ""
+
+
+def section_head(runs: int = 5, vocabs=CPU_VOCABS, time_it: bool = True) -> list[HeadRow]:
+  tokens, dim = HEAD_CPU
+  rows = []
+  for vocab in vocabs:
+    args = _head_args(tokens, dim, vocab, jnp.float32)
+    found = {}
+    for label, head in heads().items():
+      compiled = jax.jit(_step(head)).lower(*args).compile()
+      found[label] = HeadRow(
+        vocab, label, compiled.memory_analysis().temp_size_in_bytes, largest_array(compiled)
+      )
+    if time_it:
+      concrete = _head_args(tokens, dim, vocab, jnp.float32, concrete=True)
+      labels = list(found)
+      calls = [functools.partial(jax.jit(_step(heads()[k])), *concrete) for k in labels]
+      _, ratios = timing.alternated_ratios(calls, runs)
+      for label, ratio in zip(labels[1:], ratios, strict=True):
+        found[label].ratio = ratio
+      found["plain"].ratio = 1.0
+    rows.extend(found.values())
+  return rows
+
+
+def _gpu_head_total(head, tokens, dim, vocab) -> tuple[int, int]:
+  m = test_util.compile_for(_step(head), _head_args(tokens, dim, vocab, jnp.bfloat16))
+  m = m.memory_analysis()
+  total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+  return m.temp_size_in_bytes, total - m.alias_size_in_bytes
+
+
+def section_head_h100(fits: bool = True) -> list[HeadRow]:
+  tokens, dim = HEAD_GPU
+  rows = []
+  cap = gated.capacity()
+  for vocab in GPU_VOCABS:
+    for label, head in heads().items():
+      temp, _ = _gpu_head_total(head, tokens, dim, vocab)
+      row = HeadRow(vocab, label, temp, 0.0)
+      if fits and label in ("plain", "checkpoint", "jaxact", "tokamax"):
+        fit, total = gated.largest_fit_of(
+          lambda t, head=head, vocab=vocab: _gpu_head_total(head, t, dim, vocab)[1], cap
+        )
+        row.fit = f"{fit} ({total / GiB:.1f} GiB)"
+      rows.append(row)
+  return rows
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  batch: int
+  seq: int
+  dim: int
+  hidden: int
+  heads: int
+  vocab: int
+  blocks: int = 4
+  dtype: str = "float32"
+
+
+DECODER_CPU = Decoder(batch=4, seq=512, dim=512, hidden=1408, heads=8, vocab=32000)
+DECODER_GPU = Decoder(
+  batch=16, seq=1024, dim=4096, hidden=14336, heads=32, vocab=128256, dtype="bfloat16"
+)
+
+BLOCK_SHAPES = {  # per block, stacked over the blocks
+  "attn_norm": lambda c: (c.dim,),
+  "wq": lambda c: (c.dim, c.dim),
+  "wk": lambda c: (c.dim, c.dim),
+  "wv": lambda c: (c.dim, c.dim),
+  "wo": lambda c: (c.dim, c.dim),
+  "mlp_norm": lambda c: (c.dim,),
+  "w_gate": lambda c: (c.dim, c.hidden),
+  "w_up": lambda c: (c.dim, c.hidden),
+  "w_down": lambda c: (c.hidden, c.dim),
+}
+
+
+def decoder_shapes(c: Decoder):
+  """``(params, tokens, labels)`` as ShapeDtypeStructs."""
+  dt = jnp.dtype(c.dtype)
+  blocks = {k: jax.ShapeDtypeStruct((c.blocks, *f(c)), dt) for k, f in BLOCK_SHAPES.items()}
+  params = {
+    "embed": jax.ShapeDtypeStruct((c.vocab, c.dim), dt),
+    "blocks": blocks,
+    "norm": jax.ShapeDtypeStruct((c.dim,), dt),
+    "head": jax.ShapeDtypeStruct((c.dim, c.vocab), dt),
+  }
+  tokens = jax.ShapeDtypeStruct((c.batch, c.seq), jnp.int32)
+  return params, tokens, tokens
+
+
+def rms_norm(x, scale):
+  """Flax's ``nn.RMSNorm``: statistics in float32, the scale applied in x's dtype."""
+  return gated.rms_norm(x) * scale
+
+
+def _attention(x, p, heads):
+  b, s, d = x.shape
+  q, k, v = (jnp.dot(x, p[n]).reshape(b, s, heads, d // heads) for n in ("wq", "wk", "wv"))
+  y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  return jnp.dot(y.reshape(b, s, d), p["wo"])
+
+
+def _flax_mlp(h, p):
+  return jnp.dot(jax.nn.silu(jnp.dot(h, p["w_gate"])) * jnp.dot(h, p["w_up"]), p["w_down"])
+
+
+def _jaxact_mlp(h, p):
+  return jaxact.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def make_block(mlp, heads: int, norm=rms_norm):
+  def block(x, p):
+    x = x + _attention(norm(x, p["attn_norm"]), p, heads)
+    return x + mlp(norm(x, p["mlp_norm"]), p)
+
+  return block
+
+
+BODIES = {
+  # label: (mlp, checkpoint policy or None)
+  "flax": (_flax_mlp, None),
+  "flax_remat": (_flax_mlp, jax.checkpoint_policies.nothing_saveable),
+  "flax_dots": (_flax_mlp, jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+  "jaxact": (_jaxact_mlp, None),
+  "jaxact_remat": (_jaxact_mlp, jax.checkpoint_policies.nothing_saveable),
+}
+BODY_LABELS = {
+  "flax": "Flax",
+  "flax_remat": "Flax + block remat",
+  "flax_dots": "Flax + remat, dots_saveable",
+  "jaxact": "jaxact.gated_mlp",
+  "jaxact_remat": "jaxact.gated_mlp + block remat",
+}
+HEADS = ("plain", "fused", "none")
+
+
+def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm) -> Callable:
+  """``loss(params, tokens, labels)`` of the decoder with one of :data:`BODIES` and
+  :data:`HEADS`."""
+  mlp, policy = BODIES[body]
+  block = make_block(mlp, c.heads, norm)
+  if policy is not None:
+    block = jax.checkpoint(block, policy=policy)
+
+  def loss(params, tokens, labels):
+    x = params["embed"][tokens]
+    x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+    h = norm(x, params["norm"])
+    if head == "plain":
+      logits = jnp.dot(h, params["head"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    if head == "fused":
+      return jaxact.linear_cross_entropy(h, params["head"], labels)
+    return jnp.mean(jnp.square(h.astype(jnp.float32)))  # no head
+
+  return loss
+
+
+def decoder_temp(c: Decoder, body: str, head: str, gpu: bool, norm=rms_norm) -> int:
+  step = jax.value_and_grad(decoder_loss(c, body, head, norm))
+  args = decoder_shapes(c)
+  if gpu:
+    return test_util.compile_for(step, args).memory_analysis().temp_size_in_bytes
+  return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def section_decoder(gpu: bool = False, bodies=tuple(BODIES)) -> dict[tuple[str, str], int]:
+  c = DECODER_GPU if gpu else DECODER_CPU
+  return {(b, h): decoder_temp(c, b, h, gpu) for b in bodies for h in HEADS}
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render_head(rows: list[HeadRow], unit=MiB, gpu=False) -> list[str]:
+  name = "GiB" if unit == GiB else "MiB"
+  head = f"| V | head | compiled temp ({name}) | vs plain | largest array ({name}) |"
+  sep = "|---|---|---|---|---|"
+  if gpu:
+    head, sep = head + " fits an 80 GB H100 (tokens) |", sep + "---|"
+  else:
+    head, sep = head + " step time vs plain |", sep + "---|"
+  lines = [head, sep]
+  plain = {r.vocab: r.temp for r in rows if r.peer == "plain"}
+  for r in rows:
+    cells = [
+      str(r.vocab),
+      HEAD_LABELS[r.peer],
+      f"{r.temp / unit:.1f}",
+      f"{r.temp / plain[r.vocab]:.3f}",
+      f"{r.largest / unit:.1f}" if r.largest else "—",
+    ]
+    if gpu:
+      cells.append(r.fit or "—")
+    else:
+      cells.append("—" if r.ratio is None else f"{r.ratio:.2f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
+def render_decoder(temps: dict[tuple[str, str], int], unit=MiB) -> list[str]:
+  name = "GiB" if unit == GiB else "MiB"
+  lines = [
+    f"| body | plain head ({name}) | fused head ({name}) | no head ({name}) | fused / plain "
+    "| the plain head's share | fused / no head |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for body in dict.fromkeys(b for b, _ in temps):
+    p, f, n = (temps[body, h] for h in HEADS)
+    lines.append(
+      f"| {BODY_LABELS[body]} | {p / unit:.1f} | {f / unit:.1f} | {n / unit:.1f} | "
+      f"{f / p:.2f} | {(p - n) / p:.0%} | {f / n:.3f} |"
+    )
+  return lines
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.lce", description=__doc__)
+  parser.add_argument(
+    "--sections",
+    default="head,head-h100,decoder,decoder-h100",
+    help="comma-separated: head, head-h100, decoder, decoder-h100",
+  )
+  parser.add_argument("--runs", type=int, default=5, help="timing rounds (head)")
+  args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  print(
+    f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
+    f"{getattr(tokamax, '__version__', 'not installed')}"
+  )
+  if "head" in sections:
+    print(f"\n## Head alone, CPU float32, {HEAD_CPU[0]} tokens, D = {HEAD_CPU[1]}\n")
+    print("\n".join(render_head(section_head(args.runs))))
+  if {"head-h100", "decoder-h100"} & set(sections) and not test_util.use_gpu_compiler():
+    print("the GPU sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
+    return 1
+  if "head-h100" in sections:
+    print(f"\n## Head alone, compiled for an H100, bfloat16, {HEAD_GPU[0]} tokens, D = 4096\n")
+    print("\n".join(render_head(section_head_h100(), GiB, gpu=True)))
+  if "decoder" in sections:
+    print(f"\n## Decoder step, CPU float32, {DECODER_CPU}\n")
+    print("\n".join(render_decoder(section_decoder())))
+  if "decoder-h100" in sections:
+    print(f"\n## Decoder step, compiled for an H100, {DECODER_GPU}\n")
+    print("\n".join(render_decoder(section_decoder(gpu=True), GiB)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
