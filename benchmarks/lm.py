@@ -9,11 +9,14 @@ from one initialisation on one sequence of batches with optax's adamw:
 - ``jaxact``: the same parameters through one :func:`jaxact.gated_mlp`;
 - ``denseact``: ``jaxact.linen.DenseAct`` (silu) for the gate, ``nn.Dense`` for up and down.
 
-All three have one parameter tree, so one init serves all. Every run's loss is logged each step;
-the script prints each run's largest absolute and relative loss difference from the first run,
-its final training loss and its held-out loss (the last 10% of the text), and writes
-DIR/lm_losses.csv and DIR/lm_loss.png. ``--reference`` adds the scale that float32 rounding alone
-gives: the first run again from an initialisation moved by one float32 ulp per parameter.
+A name with ``+lce`` (``flax+lce``) computes the head and its loss as one
+``jaxact.linear_cross_entropy`` (``jaxact.linen.LMHead``, the same ``lm_head`` parameters; with
+``--tied``, the embedding's table transposed). All have one parameter tree, so one init serves
+all. Every run's loss is logged each step; the script prints each run's largest absolute and
+relative loss difference from the first run, its final training loss and its held-out loss (the
+last 10% of the text), and writes DIR/lm_losses.csv and DIR/lm_loss.png. ``--reference`` adds
+the scale that float32 rounding alone gives: the first run again from an initialisation moved by
+one float32 ulp per parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxact
 import jaxact.linen as jnn
 from benchmarks import plots
 
@@ -123,9 +127,11 @@ class Block(nn.Module):
 class LM(nn.Module):
   config: Config
   mlp: type[nn.Module]
+  fused_head: bool = False  # with labels: the loss from jaxact.linear_cross_entropy
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, labels=None):
+    """The logits, or with `labels` (and a fused head) the mean loss."""
     embed = nn.Embed(
       VOCAB, self.config.dim, embedding_init=nn.initializers.normal(0.02), name="embed_tokens"
     )
@@ -133,9 +139,11 @@ class LM(nn.Module):
     for i in range(self.config.layers):
       x = Block(self.config, self.mlp, name=f"layers_{i}")(x)
     x = nn.RMSNorm(name="norm")(x)
+    if labels is not None and self.config.tied:
+      return jaxact.linear_cross_entropy(x, embed.embedding.T, labels)
     if self.config.tied:
       return embed.attend(x)
-    return nn.Dense(VOCAB, use_bias=False, name="lm_head")(x)
+    return jnn.LMHead(VOCAB, use_bias=False, name="lm_head")(x, labels)
 
 
 # Data: the Python documentation's topic texts, bytes, the last 10% held out.
@@ -167,8 +175,20 @@ def heldout_batches(data: np.ndarray, config: Config) -> np.ndarray:
 
 
 def loss_fn(model: nn.Module, params, batch):
+  if model.fused_head:
+    return model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
   logits = model.apply({"params": params}, batch[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def model_of(name: str, config: Config) -> nn.Module:
+  """``"flax"``, ``"jaxact+lce"``, ...: the MLP, and a fused head with ``+lce``."""
+  mlp, _, head = name.partition("+")
+  if mlp not in MLPS or head not in ("", "lce"):
+    raise ValueError(
+      f"--mlp {name!r} is not known; choose from: {', '.join(MLPS)}, each optionally with +lce"
+    )
+  return LM(config, MLPS[mlp], fused_head=head == "lce")
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:
@@ -239,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
   parser.add_argument(
     "--mlp",
     default="flax,jaxact",
-    help=f"comma-separated MLPs to train, the first is the reference; of: {', '.join(MLPS)}",
+    help=f"comma-separated MLPs to train, the first is the reference; of: {', '.join(MLPS)}, "
+    "each optionally with +lce (the fused head and loss)",
   )
   parser.add_argument("--steps", type=int, default=Config.steps)
   parser.add_argument("--batch", type=int, default=Config.batch)
@@ -253,15 +274,15 @@ def main(argv: list[str] | None = None) -> list[Run]:
   parser.add_argument("--out", default="bench-out", help="folder for lm_losses.csv and lm_loss.png")
   args = parser.parse_args(argv)
   names = args.mlp.split(",")
-  for name in names:
-    if name not in MLPS:
-      parser.error(f"--mlp {name!r} is not known; choose from: {', '.join(MLPS)}")
   config = Config(steps=args.steps, batch=args.batch, layers=args.layers, tied=args.tied)
+  try:
+    models = {name: model_of(name, config) for name in names}
+  except ValueError as e:
+    parser.error(str(e))
 
   train_data, heldout_data = corpus()
   batches = train_batches(train_data, config)
   heldout = heldout_batches(heldout_data, config)
-  models = {name: LM(config, MLPS[name]) for name in names}
   params = models[names[0]].init(jax.random.key(config.seed), batches[0, :, :-1])["params"]
   for name, model in models.items():
     shapes = jax.eval_shape(model.init, jax.random.key(config.seed), batches[0, :, :-1])["params"]

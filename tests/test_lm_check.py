@@ -1,8 +1,10 @@
-"""Three optax adamw steps of a tiny byte LM: jaxact.gated_mlp trains like its composition.
+"""Three optax adamw steps of a tiny byte LM: jaxact.gated_mlp and jaxact.linear_cross_entropy
+train like their compositions.
 
 The model (embedding, a pre-RMSNorm residual gated-MLP block, head) is trained on the Python
 documentation's text from one initialisation on the same batches, once with the MLP written as
-``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` and once as :func:`jaxact.gated_mlp`. The first
+``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` and once as :func:`jaxact.gated_mlp`; then with the
+head and loss as optax's composition and as :func:`jaxact.linear_cross_entropy`. The first
 step's gradients are compared directly (Adam's update hardly changes when a gradient is scaled),
 then the losses of every step. ``python -m benchmarks.lm`` is the full-size run.
 """
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxact
 
@@ -54,20 +57,27 @@ def init(key):
   return {"embed": kernel(256, DIM) * 0.1, "blocks": blocks, "head": kernel(DIM, 256)}
 
 
-def loss_fn(mlp, params, batch):
+def composition_head(x, w, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
+
+
+def jaxact_head(x, w, labels):
+  return jaxact.linear_cross_entropy(x, w, labels, vocab_block_size=96)  # 3 blocks, overlapping
+
+
+def loss_fn(mlp, head, params, batch):
   x = params["embed"][batch[:, :-1]]
   for block in params["blocks"]:
     x = x + mlp(rms_norm(x), block)
-  logits = rms_norm(x) @ params["head"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return head(rms_norm(x), params["head"], batch[:, 1:])
 
 
-def train(mlp, params, batches):
+def train(mlp, params, batches, head=composition_head):
   opt = optax.adamw(3e-3)
 
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(mlp, params, batch)
+    loss, grads = jax.value_and_grad(loss_fn, argnums=2)(mlp, head, params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, grads
 
@@ -81,14 +91,21 @@ def train(mlp, params, batches):
   return np.array(losses), first_grads
 
 
-def test_gated_mlp_trains_a_byte_lm_like_the_composition():
+def _batches():
   text = np.frombuffer(topics["assert"].encode() + topics["for"].encode(), dtype=np.uint8)
   starts = np.random.default_rng(0).integers(0, len(text) - CONTEXT - 1, (STEPS, BATCH))
-  batches = text.astype(np.int32)[starts[..., None] + np.arange(CONTEXT + 1)]
+  return text.astype(np.int32)[starts[..., None] + np.arange(CONTEXT + 1)]
+
+
+@pytest.mark.parametrize(
+  "mlp, head", [(jaxact_mlp, composition_head), (composition_mlp, jaxact_head)], ids=["mlp", "head"]
+)
+def test_jaxact_trains_a_byte_lm_like_the_composition(mlp, head):
+  batches = _batches()
   params = init(jax.random.key(0))
 
   losses, grads = train(composition_mlp, params, batches)
-  jaxact_losses, jaxact_grads = train(jaxact_mlp, params, batches)
+  jaxact_losses, jaxact_grads = train(mlp, params, batches, head)
 
   for (path, g), ref in zip(
     jax.tree_util.tree_leaves_with_path(jaxact_grads), jax.tree.leaves(grads), strict=True
