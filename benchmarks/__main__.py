@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
-from benchmarks import flax_models, gated, gpu, plots  # noqa: E402
+from benchmarks import flax_models, gated, gpu, lce, plots  # noqa: E402
 from benchmarks import fused_memory as fused  # noqa: E402
 
 QUICK_TIMED = ("sigmoid", "tanh", "relu", "elu", "softplus", "gelu", "silu", "softmax")
@@ -40,6 +40,13 @@ QUICK_TIMED = ("sigmoid", "tanh", "relu", "elu", "softplus", "gelu", "silu", "so
 # activation, the two the README quotes.
 QUICK_MODEL_ACTIVATIONS = ("relu", "gelu")
 MODELS = (("MLP", fused._mlp, fused.MLP_LAYERS), ("CNN", fused._cnn, fused.CNN_LAYERS))
+# The decoder steps the summary compares: (body, head) of benchmarks.lce.
+DECODER_STEPS = (
+  ("flax", "plain"),
+  ("flax_remat", "plain"),
+  ("jaxact", "fused"),
+  ("jaxact_remat", "fused"),
+)
 
 
 @dataclasses.dataclass
@@ -77,6 +84,7 @@ class Results:
   gated: list[gated.MemoryRow] = dataclasses.field(default_factory=list)
   # (peer, program): (wall, CPU) seconds
   gated_times: dict[tuple[str, str], tuple[float, float]] | None = None
+  decoder: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # bytes
   gpu_layers: list[gpu.LayerRow] | None = None
   gpu_elementwise: list[gpu.ElementwiseRow] | None = None
   seconds: float = 0.0
@@ -115,7 +123,7 @@ class Plan:
   @property
   def total(self) -> int:
     n = len(self.memory) + len(self.timed) + len(self.fused) + len(self.fused_timed)
-    n += len(self.flax) + len(self.nans) + 1 + int(self.gated_timed)
+    n += len(self.flax) + len(self.nans) + 2 + int(self.gated_timed)
     return n + (2 if self.gpu else 0)
 
 
@@ -195,6 +203,10 @@ def measure(quick: bool) -> Results:
   if plan.gated_timed:
     res.gated_times = gated.step_times(repeats=3, unrolled=False)
     progress.step("step time")
+
+  progress.section("LM decoder step")
+  res.decoder = {k: lce.decoder_temp(lce.DECODER_CPU, *k, gpu=False) for k in DECODER_STEPS}
+  progress.step("memory")
 
   progress.section("NaN counts")
   for name in plan.nans:
@@ -305,6 +317,18 @@ def summary(res: Results) -> str:
     lines.append(
       f"| gated MLP, {gated.BLOCKS} scanned blocks: training temp relative to Flax | — | 1 | "
       f"{stack['remat'].temp8 / ref:.2f} | {stack['jaxact'].temp8 / ref:.2f} |"
+    )
+  if res.decoder:
+    dec, c = res.decoder, lce.DECODER_CPU
+    lines.append(
+      f"| LM decoder step ({c.blocks} scanned blocks, V = {c.vocab}; jaxact: `gated_mlp` + "
+      "`linear_cross_entropy`), training temp relative to Flax | — | 1 | "
+      f"{dec['flax_remat', 'plain'] / dec['flax', 'plain']:.2f} | "
+      f"{dec['jaxact', 'fused'] / dec['flax', 'plain']:.2f} |"
+    )
+    lines.append(
+      "| the same, every block under remat: relative to Flax + remat | — | — | 1 | "
+      f"{dec['jaxact_remat', 'fused'] / dec['flax_remat', 'plain']:.2f} |"
     )
   ratios = [r.temp_jaxact / r.temp_jaxnn for r in res.memory if r.temp_jaxnn]
   lines.append(
@@ -485,6 +509,24 @@ def render(res: Results, figures: list[str]) -> str:
   if res.gated_times is not None:
     lines += ["", "CPU step time (wall, process CPU), the minimum of 3 interleaved runs:", ""]
     lines += gated.render_times(res.gated_times)
+  if res.decoder:
+    c = lce.DECODER_CPU
+    lines += [
+      "",
+      f"## LM decoder step: {c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, "
+      f"F = {c.hidden}, V = {c.vocab}, float32",
+      "",
+      "Embedding, blocks of RMS norm, causal attention (`jax.nn.dot_product_attention`) and a",
+      "gated MLP, final norm, head and loss. Plain head: `h @ w` and optax's cross-entropy; fused:",
+      "`jaxact.linear_cross_entropy`. Compiled temp of `jit(value_and_grad(loss))`",
+      "(`python -m benchmarks.lce` for every body and head, the H100 and tokamax).",
+      "",
+      "| body | head | temp (MiB) | relative to Flax |",
+      "|---|---|---:|---:|",
+    ]
+    for (body, head), temp in res.decoder.items():
+      ratio = temp / res.decoder["flax", "plain"]
+      lines.append(f"| {lce.BODY_LABELS[body]} | {head} | {temp / 2**20:.1f} | {ratio:.2f} |")
   lines += [
     "",
     "## Numerics: NaN values / non-finite gradients on the finite extreme-input grid",
