@@ -2,9 +2,10 @@
 
 Sections:
 
-* ``head``: the head alone on CPU, float32, 4096 tokens, D = 512, V = 32000 and 128000: compiled
-  temp memory of ``jit(value_and_grad)`` in x, w (and the largest array XLA allocates), and step
-  time as the median of within-round ratios against the plain composition, for the plain
+* ``head``: the head alone on CPU, float32, 4096 tokens, D = 512, V = 32768 and 131072 (``--vocabs``
+  for others): compiled temp memory of ``jit(value_and_grad)`` in x, w (and the largest array XLA
+  allocates), the loss's relative difference from the plain composition's, and step time as the
+  median of within-round ratios against the plain composition, for the plain
   composition (``x @ w``, optax's softmax cross-entropy), the same under ``jax.checkpoint``,
   ``jaxact.linear_cross_entropy`` (its XLA path blocked over the vocabulary), its variant blocked
   over tokens, and tokamax's ``linear_softmax_cross_entropy_loss`` where tokamax imports;
@@ -55,7 +56,7 @@ except ImportError:  # not in jaxact's venv (benchmarks/results/lce.md says how 
 MiB, GiB = 2**20, 2**30
 HEAD_CPU = (4096, 512)  # tokens, D
 HEAD_GPU = (16384, 4096)
-CPU_VOCABS = (32000, 128000)
+CPU_VOCABS = (32768, 131072)
 GPU_VOCABS = (131072, 262144)
 
 # ----------------------------------------------------------------------------- the heads
@@ -138,6 +139,7 @@ class HeadRow:
   largest: float  # bytes
   ratio: float | None = None  # step time against the plain head
   fit: str = ""
+  error: float | None = None  # |loss - the plain head's| / the plain head's
 
 
 def section_head(runs: int = 5, vocabs=CPU_VOCABS, time_it: bool = True) -> list[HeadRow]:
@@ -153,6 +155,9 @@ def section_head(runs: int = 5, vocabs=CPU_VOCABS, time_it: bool = True) -> list
       )
     if time_it:
       concrete = _head_args(tokens, dim, vocab, jnp.float32, concrete=True)
+      want = float(plain_head(*concrete))
+      for label, row in found.items():
+        row.error = abs(float(jax.jit(heads()[label])(*concrete)) - want) / abs(want)
       labels = list(found)
       calls = [functools.partial(jax.jit(_step(heads()[k])), *concrete) for k in labels]
       _, ratios = timing.alternated_ratios(calls, runs)
@@ -332,7 +337,7 @@ def render_head(rows: list[HeadRow], unit=MiB, gpu=False) -> list[str]:
   if gpu:
     head, sep = head + " fits an 80 GB H100 (tokens) |", sep + "---|"
   else:
-    head, sep = head + " step time vs plain |", sep + "---|"
+    head, sep = head + " loss vs plain (rel.) | step time vs plain |", sep + "---|---|"
   lines = [head, sep]
   plain = {r.vocab: r.temp for r in rows if r.peer == "plain"}
   for r in rows:
@@ -346,6 +351,7 @@ def render_head(rows: list[HeadRow], unit=MiB, gpu=False) -> list[str]:
     if gpu:
       cells.append(r.fit or "—")
     else:
+      cells.append("—" if r.error is None else f"{r.error:.1e}")
       cells.append("—" if r.ratio is None else f"{r.ratio:.2f}")
     lines.append("| " + " | ".join(cells) + " |")
   return lines
@@ -375,6 +381,9 @@ def main(argv=None) -> int:
     help="comma-separated: head, head-h100, decoder, decoder-h100",
   )
   parser.add_argument("--runs", type=int, default=5, help="timing rounds (head)")
+  parser.add_argument(
+    "--vocabs", default=",".join(map(str, CPU_VOCABS)), help="comma-separated V (head)"
+  )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
   gpu_compiler = test_util.use_gpu_compiler()  # before the first computation starts jax
@@ -384,7 +393,8 @@ def main(argv=None) -> int:
   )
   if "head" in sections:
     print(f"\n## Head alone, CPU float32, {HEAD_CPU[0]} tokens, D = {HEAD_CPU[1]}\n")
-    print("\n".join(render_head(section_head(args.runs))))
+    vocabs = tuple(int(v) for v in args.vocabs.split(","))
+    print("\n".join(render_head(section_head(args.runs, vocabs))))
   if {"head-h100", "decoder-h100"} & set(sections) and not gpu_compiler:
     print("the GPU sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1

@@ -197,7 +197,7 @@ def linear_cross_entropy(
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
       ``"mosaic"`` (the Hopper kernels; raises ``NotImplementedError`` where they cannot run).
     vocab_block_size: columns of ``w`` per block of the XLA path (None: chosen from the sizes,
-      about 32 MiB of float32 logits a block on CPU).
+      about 8 MiB of float32 logits a block on CPU, 256 MiB for a GPU).
 
   Returns:
     The loss: a scalar, or ``labels.shape`` for ``reduction="none"``; float32 for half precision

@@ -72,20 +72,21 @@ class LcePlan:
   decision: Decision = dataclasses.field(default_factory=Decision)
 
 
-# Bytes of one float32 block of logits the XLA path aims at: on CPU a block this size keeps the
-# elementwise passes near the cache and costs no time against the unblocked composition
-# (benchmarks/results/lce.md); on GPUs larger blocks amortize the loop's launches. Either way the
-# block stays under an eighth of the logits.
-_CPU_BLOCK_BYTES = 32 << 20
+# Bytes of one float32 block of logits the XLA path aims at. On CPU, 4096 tokens: blocks of 512
+# columns (8 MiB) run as fast as 2048 (32 MiB) at V = 32768 and within 9% at 131072, for a
+# quarter of the temp (benchmarks/results/lce.md); below 256 columns the matmuls slow down. On
+# GPUs larger blocks amortize the loop's launches (not yet measured on one). Either way a block
+# stays under an eighth of the logits.
+_CPU_BLOCK_BYTES = 8 << 20
 _GPU_BLOCK_BYTES = 256 << 20
 
 
 def default_block(tokens: int, vocab: int, gpu: bool = False) -> int:
   """Columns a block for the vocabulary-blocked XLA path: a multiple of 128 near
-  ``_*_BLOCK_BYTES / (4 * tokens)``, at most an eighth of the vocabulary (rounded up to 128),
-  and the whole vocabulary when it is small."""
+  ``_*_BLOCK_BYTES / (4 * tokens)`` and at least 256, at most an eighth of the vocabulary
+  (rounded up to 128), and the whole vocabulary when it is small."""
   budget = (_GPU_BLOCK_BYTES if gpu else _CPU_BLOCK_BYTES) // (4 * max(tokens, 1))
-  block = max(128, budget // 128 * 128)
+  block = max(256, budget // 128 * 128)
   block = min(block, max(128, -(-vocab // 8 // 128) * 128))
   return min(block, vocab)
 
