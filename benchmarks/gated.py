@@ -11,7 +11,8 @@ parameters. Peers, all with the same weights:
   input and recomputes the rest in the backward pass;
 * ``jaxact``: ``jaxact.gated_mlp(h, w_gate, w_up, w_down)``;
 * ``tokamax``: ``tokamax.gated_linear_unit(h, (w_gate, w_up), activation=jax.nn.silu)``, then
-  the down ``nn.Dense`` (only where tokamax imports; it needs its own venv, see RESULTS.md).
+  the down ``nn.Dense`` (only where tokamax imports; it needs its own venv, see
+  benchmarks/results/gated.md).
 
 Sections (loss: mean square of the output; gradients with respect to the parameters):
 
@@ -53,7 +54,7 @@ from jaxact._src import test_util
 
 try:
   import tokamax
-except ImportError:  # not in jaxact's venv: it would change its packages (RESULTS.md)
+except ImportError:  # not in jaxact's venv: it would change its packages (results/gated.md)
   tokamax = None
 
 EPS = 1e-6

@@ -227,7 +227,8 @@ def _backward(
 
 # Row tiles a program of bias_grad sums: partial sums of 1/32 of a 16-bit g's bytes (tiles of
 # 16 x 256), and programs enough to fill a GPU from (1024, 4096) up. bias_act_bwd keeps one tile a
-# program: several did not pay there when timed (benchmarks/RESULTS.md, convolution epilogues).
+# program: several did not pay there when timed (benchmarks/results/gpu.md, the conv layer and
+# its epilogue kernels).
 DB_STEPS = 4
 
 

@@ -159,7 +159,8 @@ HEAVY = ("gelu", "squareplus")
 
 def test_a_tile_that_spills_registers_is_caught():
   """The epilogue tile measured at 5% (forward) and 14% (backward) of the copy bandwidth on an H100
-  (128 x 256 elements over 4 warps, gelu; benchmarks/RESULTS.md) spills; the default does not."""
+  (128 x 256 elements over 4 warps, gelu; benchmarks/gpu_runs/HISTORY.md) spills; the default
+  does not."""
   from pallas_kernels import bias_act
 
   epilogue = Epilogue(
@@ -178,9 +179,9 @@ def test_a_tile_that_spills_registers_is_caught():
 
 
 # The layers whose tiles spilled before the tile and warp choices of default_block_config were made
-# (python -m benchmarks.aot --sections spills; benchmarks/RESULTS.md), and the largest tiles of each
-# dtype: what the default suite compiles with the spill check. The exhaustive survey below covers
-# every configuration.
+# (python -m benchmarks.aot --sections spills; benchmarks/results/aot.md), and the largest tiles of
+# each dtype: what the default suite compiles with the spill check. The exhaustive survey below
+# covers every configuration.
 SPILLED_BEFORE = (
   ((200, 200, 3), jnp.float32),  # A100: 4-warp 128 x 16 dw tiles (H100 here; A100 in float16)
   ((200, 200, 3), jnp.float16),
@@ -204,7 +205,7 @@ def test_no_spill_where_triton_tiles_spilled_before(gpu, activation):
   with the heaviest epilogues (gelu by default): no spill."""
   for (m, k, n), dt in SPILLED_BEFORE:
     if gpu == "A100" and dt == jnp.float32 and min(m, k, n) <= 16:
-      continue  # still spills there for gelu-like epilogues (RESULTS.md): the survey's exception
+      continue  # gelu-like epilogues still spill there (results/aot.md): the survey's exception
     step = test_util.train_step(activation, "pallas")
     assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
 
@@ -216,7 +217,7 @@ def test_no_triton_tile_spills_registers(gpu, activation):
   """Every tile configuration the Triton kernels use on the GPU, with the heaviest epilogues.
 
   Except, on an A100, float32 layers with a dimension of at most 16 (their 16-wide tiles spill for
-  gelu, mish, silu, squareplus or sparse_plus there; benchmarks/RESULTS.md)."""
+  gelu, mish, silu, squareplus or sparse_plus there; benchmarks/results/aot.md)."""
   for (m, k, n), dt in test_util.triton_probes(gpu == "H100").values():
     if gpu == "A100" and dt == jnp.float32 and min(m, k, n) <= 16:
       continue

@@ -302,9 +302,9 @@ def _kernels(jaxpr) -> list[set[str]]:
 def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
   """A Mosaic GPU reduction across warps (``jnp.sum`` over rows of a WGMMA-layout tile) goes
   through a scratch buffer at one shared-memory offset for every warpgroup, so two compute
-  warpgroups reducing at once race: the dw kernel's db was 33-92% off on an H100 (run 8 in
-  benchmarks/RESULTS.md) while Mosaic GPU's interpreter got it right. The wgmma kernels must hold
-  no reduction; db is a third (Triton) kernel's, the only one that reduces."""
+  warpgroups reducing at once race: the dw kernel's db was 33-92% off on an H100 (run 8;
+  benchmarks/results/gpu.md, Correctness) while Mosaic GPU's interpreter got it right. The wgmma
+  kernels must hold no reduction; db is a third (Triton) kernel's, the only one that reduces."""
   derivative = {"output": lambda y: 1 - y * y, "input": lambda z: 1 - jnp.tanh(z) ** 2}
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative.get(residual), residual=residual)
   x, w, _ = shapes(512, 512, 1024, jnp.bfloat16)

@@ -17,7 +17,7 @@ declined a kernel, why. The rules, in the order they are tried:
 
 The kernels (``pallas_kernels``) take tiles and an epilogue and know nothing of devices: the target
 GPU is looked up here, once (:func:`target`). Rows of :data:`AUTO_RULES` that rest on a measurement
-cite the section of ``benchmarks/RESULTS.md`` that decided them.
+cite the page of ``benchmarks/results/`` and the section that decided them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -253,7 +254,8 @@ class Rule:
   forward: Backend
   backward: Backend
   why: str
-  evidence: str | None = None  # the benchmarks/RESULTS.md section that decided a measured rule
+  # What decided a measured rule: "results/<page>.md: <section heading>" under benchmarks/.
+  evidence: str | None = None
 
 
 class _Facts:
@@ -291,7 +293,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "the Mosaic GPU forward runs at or above jnp.dot's rate and writes z beside y in its epilogue; "
     "XLA's backward (one dz fusion, cuBLAS dx and dw) ran 1.8x (relu) to 4.7x (gelu) faster than "
     "the Mosaic GPU backward kernels, which also keep one activation more in a deep network",
-    "The backward alone: Mosaic GPU kernels against XLA's",
+    "results/gpu.md: The backward alone: Mosaic GPU kernels against XLA's, bf16",
   ),
   Rule(
     "Hopper target, other dense layers",
@@ -299,7 +301,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "xla",
     "xla",
     "the Triton matmul kernels are 1.7-3.4x slower than XLA's cuBLAS matmuls on Hopper",
-    "One dense layer, bf16",
+    "results/gpu.md: One dense layer, bf16",
   ),
   Rule(
     "CUDA GPU older than Ampere (compute capability < 8.0)",
@@ -316,7 +318,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     "the Triton kernels keep only what the backward needs (no dz array between the passes); "
     "convolution epilogues measured at 86-91% (forward) and 72-86% (backward) of the H100's copy "
     "bandwidth; dense layers on Ampere/Ada are unmeasured",
-    "Conv layer and its epilogue kernels",
+    "results/gpu.md: Conv layer and its epilogue kernels, bf16",
   ),
 )
 
@@ -476,12 +478,17 @@ def decide_gated(
 
 def rules_table() -> str:
   """:data:`AUTO_RULES` and :data:`GATED_AUTO_RULES` as a Markdown table (the docs' dispatch
-  page)."""
+  page), each rule's evidence a link to its section (the heading's anchor, as mkdocs and GitHub
+  spell it)."""
   rows = [
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
   for r in (*AUTO_RULES, *GATED_AUTO_RULES, *LCE_AUTO_RULES):
-    evidence = f"RESULTS.md: {r.evidence}" if r.evidence else ""
+    evidence = ""
+    if r.evidence:
+      page, section = r.evidence.split(": ", 1)
+      anchor = re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", section).strip().lower())
+      evidence = f"[{r.evidence}](benchmarks/{page}#{anchor})"
     rows.append(f"| {r.where} | {r.forward} | {r.backward} | {r.why} | {evidence} |")
   return "\n".join(rows) + "\n"

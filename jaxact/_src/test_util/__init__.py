@@ -146,7 +146,7 @@ def compile_for(
 
 # With this option XLA discards a kernel ptxas had to spill registers for, and says so: a check that
 # a Triton tile configuration fits the GPU's register file (a spilling kernel runs several times
-# slower than its neighbours: benchmarks/RESULTS.md, the epilogue tile sweep).
+# slower than its neighbours: benchmarks/gpu_runs/HISTORY.md, the epilogue tile sweep).
 NO_SPILLS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
 
 
