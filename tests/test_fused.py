@@ -673,7 +673,7 @@ XC, WC = ones((1, 5, 5, 4)), ones((3, 3, 4, 6))
       r"`preferred_element_type` .* is not a floating-point dtype",
     ),
     (
-      lambda: dense(X, W, activation=jax.nn.relu, implementation="pallas"),
+      lambda: dense(X, W, activation=lambda z: jnp.maximum(z, 0), implementation="pallas"),
       NotImplementedError,
       r"implementation='pallas' does not support this call: the activation is a plain callable",
     ),

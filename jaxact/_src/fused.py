@@ -84,12 +84,12 @@ def dense_bias_act(
   ``leaky_relu`` with a slope <= 0); nothing beyond ``x`` and ``w`` for identity. Derivatives at
   kinks follow the jaxact activation's convention (see its docstring).
 
-  ``activation`` is a name (``"relu"``), a jaxact function (``jaxact.elu``), or a
-  ``functools.partial`` of one with keyword parameters (``partial(jaxact.leaky_relu,
-  negative_slope=0.2)``); jaxact's own derivative rule is used. Any other callable (``jax.nn.relu``,
-  a lambda, and glu/softmax/log_softmax, which are not elementwise) is applied to the
-  pre-activation in the output dtype; the pre-activation is then kept and the callable's gradient
-  comes from JAX's autodiff of it, re-run in the backward pass.
+  ``activation`` is a name (``"relu"``), a jaxact function (``jaxact.elu``), a :mod:`jax.nn`
+  function (``jax.nn.relu``, or Flax's re-export ``nn.relu``), or a ``functools.partial`` of one
+  with keyword parameters (``partial(jax.nn.leaky_relu, negative_slope=0.2)``); jaxact's own
+  derivative rule is used. Any other callable (a lambda, and glu/softmax/log_softmax, which are not
+  elementwise) is applied to the pre-activation in the output dtype; the pre-activation is then
+  kept and the callable's gradient comes from JAX's autodiff of it, re-run in the backward pass.
 
   Inputs of different dtypes are promoted as ``x @ w + b`` promotes them. Half precision
   (float16/bfloat16) accumulates in float32, applies the activation in float32 and returns (and

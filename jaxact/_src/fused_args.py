@@ -6,6 +6,7 @@ Every check raises at trace time with the argument named, the value received and
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from jax import Array, lax
 
 from jaxact._src import activations, codes, validation
 from jaxact._src.fused_vjp import Act
-from jaxact._src.spec import ActivationSpec
+from jaxact._src.spec import ALIASES, ActivationSpec
 
 # ------------------------------------------------------------------------ activation resolution
 
@@ -27,11 +28,39 @@ def _jaxact_functions() -> dict[Callable[..., Array], str]:
   return {activations.get_activation(name): name for name in activations.ACTIVATIONS}
 
 
+# The namespaces whose functions of a spec row's name (or alias) compute that row's activation with
+# the same parameters: jax.nn, and Flax's re-exports of it.
+# Checked by tests/test_activation_resolution.py against the functions' signatures and values.
+FOREIGN_NAMESPACES = ("jax.nn", "flax.linen", "flax.nnx")
+
+
+@functools.cache
+def _foreign_functions(loaded: tuple[str, ...]) -> dict[Callable[..., Array], str]:
+  """The functions of the `loaded` namespaces named as a spec row (or its alias), to its name."""
+  names = [*activations.ACTIVATIONS, *ALIASES]
+  found = {}
+  for module in loaded:
+    namespace = sys.modules[module]
+    for name in names:
+      f = getattr(namespace, name, None)
+      if callable(f):
+        try:
+          found.setdefault(f, activations.get_spec(name).name)
+        except TypeError:  # unhashable: not a function of the namespace's own
+          pass
+  return found
+
+
 def _jaxact_name(f) -> str | None:
-  """The spec name of `f` if it is a public jaxact activation function, else None."""
+  """The spec name of `f` if it is a public jaxact activation function or one of jax.nn's (or
+  Flax's re-export of it), else None."""
   try:
-    return _jaxact_functions().get(f)
-  except TypeError:  # unhashable callable objects are not jaxact functions
+    name = _jaxact_functions().get(f)
+    if name is None:
+      loaded = tuple(m for m in FOREIGN_NAMESPACES if m in sys.modules)
+      name = _foreign_functions(loaded).get(f)
+    return name
+  except TypeError:  # unhashable callable objects are not activation functions
     return None
 
 
@@ -46,8 +75,9 @@ def _spec_and_values(
 ) -> tuple[ActivationSpec, dict[str, Any]] | Callable[..., Any]:
   """The spec row and parameter values `activation` stands for, or a callable to autodiff.
 
-  Names and jaxact functions give their spec row with default parameters; a ``functools.partial``
-  of a jaxact function with keyword arguments only gives the row with those parameters. Anything
+  Names, jaxact functions and jax.nn's (flax's re-exports included) give their spec row with
+  default parameters; a ``functools.partial`` of one of these functions with keyword arguments only
+  gives the row with those parameters. Anything
   else callable, and glu/softmax/log_softmax (not elementwise: their output shape or a whole-axis
   normalisation does not fit the one-``dz`` rule), is returned as a callable.
   """
