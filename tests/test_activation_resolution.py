@@ -1,4 +1,4 @@
-"""jax.nn's own activation functions (and Flax's re-exports of them) given to the fused ops resolve to
+"""jax.nn's activation functions (and Flax's re-exports of them) given to the fused ops resolve to
 the jaxact spec of the same name: same values, gradients, kept residuals and compiled temp as the
 name. A callable jaxact does not know still goes through autodiff.
 """
@@ -83,7 +83,11 @@ def test_jax_nn_function_keeps_what_its_name_keeps(name, spec):
 @pytest.mark.parametrize(
   ("activation", "name", "params"),
   [
-    (functools.partial(jax.nn.leaky_relu, negative_slope=0.2), "leaky_relu", {"negative_slope": 0.2}),
+    (
+      functools.partial(jax.nn.leaky_relu, negative_slope=0.2),
+      "leaky_relu",
+      {"negative_slope": 0.2},
+    ),
     (functools.partial(jax.nn.gelu, approximate=False), "gelu", {"approximate": False}),
     (functools.partial(jax.nn.elu, alpha=0.5), "elu", {"alpha": 0.5}),
     (nn.relu, "relu", {}),
@@ -100,7 +104,8 @@ def test_partials_and_flax_reexports_resolve(activation, name, params):
 def test_unknown_callable_still_goes_through_autodiff():
   # A lambda computing relu keeps the pre-activation (not y) and still differentiates correctly.
   x, w, b = _operands()
-  y, pull = jax.vjp(lambda x, w, b: jaxact.dense_bias_act(x, w, b, activation=lambda z: z * (z > 0)), x, w, b)
+  relu = lambda z: z * (z > 0)
+  y, pull = jax.vjp(lambda x, w, b: jaxact.dense_bias_act(x, w, b, activation=relu), x, w, b)
   (kept,) = _kept(y, pull)
   np.testing.assert_allclose(kept, x @ w + b, rtol=1e-6, atol=1e-6)
   assert not np.array_equal(kept, y)
@@ -139,7 +144,7 @@ def test_compiled_temp_equals_the_names(activation, name):
   x, w, b = (jnp.ones((256, 128)), jnp.ones((128, 256)), jnp.ones((256,)))
 
   def temp(act):
-    loss = lambda x, w, b: jnp.sum(jaxact.dense_bias_act(x, w, b, activation=act) ** 2)  # noqa: E731
+    loss = lambda x, w, b: jnp.sum(jaxact.dense_bias_act(x, w, b, activation=act) ** 2)
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     return step.lower(x, w, b).compile().memory_analysis().temp_size_in_bytes
 
@@ -148,4 +153,3 @@ def test_compiled_temp_equals_the_names(activation, name):
   ours = temp(named if name == "leaky_relu" else name)
   assert temp(activation) == ours
   assert ours <= plain  # and the autodiff path, for contrast, is no smaller
-

@@ -5,6 +5,7 @@ Every check raises at trace time with the argument named, the value received and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -44,10 +45,8 @@ def _foreign_functions(loaded: tuple[str, ...]) -> dict[Callable[..., Array], st
     for name in names:
       f = getattr(namespace, name, None)
       if callable(f):
-        try:
+        with contextlib.suppress(TypeError):  # unhashable: not a function of the namespace's
           found.setdefault(f, activations.get_spec(name).name)
-        except TypeError:  # unhashable: not a function of the namespace's own
-          pass
   return found
 
 

@@ -122,7 +122,8 @@ def gated_dense(
 
   ``activation`` is taken as :func:`dense_bias_act` takes it: a name, a jaxact function, a
   :mod:`jax.nn` function, a ``functools.partial`` of either with keyword parameters (jaxact's
-  derivative is used), or any other callable that keeps its input's shape (differentiated by JAX's autodiff, in the output dtype).
+  derivative is used), or any other callable that keeps its input's shape (differentiated by
+  JAX's autodiff, in the output dtype).
   Dtypes and ``precision`` as :func:`dense_bias_act`: half precision accumulates and evaluates the
   activation in float32 and keeps ``a`` and ``b`` in its own dtype.
 
