@@ -98,7 +98,7 @@ def _elementwise_fwd(rule: _Rule, x: Array, *dynamic: Array):
 
 
 def rule_cotangents(
-  rule: _Rule, kept: Array | None, g: Array, dynamic, compute_dtype
+  rule: _Rule, kept: Array | None, g: Array, dynamic, compute_dtype, *, tied: bool = False
 ) -> tuple[Array, list]:
   """``g * f'(x)`` from the kept residual, and the array parameters' cotangents (None if zero).
 
@@ -107,11 +107,12 @@ def rule_cotangents(
   two activation-sized float32 arrays per 16-bit layer (measured on an H100: 2 GiB of temp for a
   2**28-element bfloat16 activation, 256 MiB for an 8192 x 4096 fused layer). Shared by every op
   built on a rule (this module's elementwise op and the fused layers), so the backward formula
-  exists once.
+  exists once. `tied`: the caller has tied `kept` and `g` already (a fused op's dropout).
   """
   if rule.residual == "none":
     return g.astype(compute_dtype), [None] * len(dynamic)
-  kept, g = after_cotangent(kept, g)
+  if not tied:
+    kept, g = after_cotangent(kept, g)
   g = g.astype(compute_dtype)
   if rule.residual != "code":
     kept = kept.astype(compute_dtype)

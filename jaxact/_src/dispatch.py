@@ -107,6 +107,8 @@ def target() -> Target:
 
 def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
   """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call."""
+  if getattr(plan, "dropout", None) is not None:
+    return "dropout inside the op (the kernels draw no masks; XLA's path applies it)"
   rule = plan.act.rule
   if rule is None:
     return "the activation is a plain callable, not a jaxact spec activation"

@@ -19,25 +19,26 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch, pallas_sharding
+from jaxact._src import dispatch, dropout, pallas_sharding
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
 from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
 
 
-def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation):
+def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation, drop=None):
   z = jax.eval_shape(functools.partial(linear, acc_dtype=acc_dtype), x, w)
   act, dynamic = args.resolve_activation(fn_name, activation, z, out_dtype)
-  plan = Plan(linear, act, acc_dtype, out_dtype, b is not None)
+  drop, key = drop if drop is not None else (None, None)
+  plan = Plan(linear, act, acc_dtype, out_dtype, b is not None, dropout=drop)
   if b is not None and pallas_sharding.typed_sharding(b) is not None:
     plan = dataclasses.replace(plan, bias_sharding=pallas_sharding.typed_sharding(b))
   if implementation != "xla":
     decision = dispatch.decide(fn_name, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
-  return fused(plan, x, w, b, *dynamic)
+  return fused(plan, x, w, b, key, *dynamic)
 
 
-def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl) -> Array:
+def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl, drop=None) -> Array:
   if x.ndim < 1 or w.ndim != 2:
     raise ValueError(
       f"jaxact.{fn_name}: `x` must have rank >= 1 and `w` rank 2 (in, out); got "
@@ -50,7 +51,7 @@ def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl) 
     )
   args.check_bias(fn_name, b, w.shape[1], w)
   linear = Dense(args.hashable_precision(precision))
-  return _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, impl)
+  return _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, impl, drop)
 
 
 # ------------------------------------------------------------------------- public functions
@@ -65,6 +66,9 @@ def dense_bias_act(
   precision: lax.PrecisionLike = None,
   preferred_element_type: DTypeLike | None = None,
   implementation: Implementation | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: ArrayLike | None = None,
+  dropout_broadcast_dims: Sequence[int] = (),
 ) -> Array:
   r"""Dense layer with bias and activation, keeping only the output for the backward pass.
 
@@ -95,6 +99,13 @@ def dense_bias_act(
   (float16/bfloat16) accumulates in float32, applies the activation in float32 and returns (and
   keeps) its own dtype.
 
+  With ``dropout_rate > 0`` the op ends with Flax's dropout of its output, ``select(mask, y / (1 -
+  rate), 0)`` with ``mask = jax.random.bernoulli(dropout_rng, 1 - rate, shape)`` (the values
+  ``nn.Dropout`` gives with the same key), and keeps the key instead of the mask: the backward
+  draws it again. It keeps nothing more than without dropout: for output-residual activations the
+  dropped output itself, which the next layer keeps anyway. Dropout runs on XLA's path (the
+  kernels decline it).
+
   Args:
     x: input of shape ``(..., in)``, floating point.
     w: kernel of shape ``(in, out)``.
@@ -109,9 +120,14 @@ def dense_bias_act(
       kernels) or ``"mosaic"`` (the Hopper kernels, forward and backward: bfloat16/float16, ``M``
       a multiple of 128, ``N`` of 256, ``K`` of 64). Kernels run in interpret mode off CUDA;
       calls they do not support raise ``NotImplementedError``.
+    dropout_rate: the probability of dropping an element of the output (default 0: no dropout).
+    dropout_rng: the dropout's PRNG key (``jax.random.key``, or a raw ``jax.random.PRNGKey``);
+      required when ``dropout_rate > 0``.
+    dropout_broadcast_dims: output axes that share one mask, as ``nn.Dropout``'s
+      ``broadcast_dims``.
 
   Returns:
-    ``activation(x @ w + b)``, of shape ``(..., out)``.
+    ``activation(x @ w + b)``, of shape ``(..., out)``, dropped out when ``dropout_rate > 0``.
 
   Examples:
     >>> import jax.numpy as jnp, jaxact
@@ -124,7 +140,8 @@ def dense_bias_act(
   with jax.named_scope(f"jaxact.{fn_name}"):
     dispatch.check_implementation(fn_name, implementation)
     x, w, b, acc, out = args.prepare(fn_name, x, w, b, preferred_element_type)
-    return _dense(fn_name, x, w, b, activation, precision, acc, out, implementation)
+    drop = dropout.check(fn_name, dropout_rate, dropout_rng, dropout_broadcast_dims, max(x.ndim, 1))
+    return _dense(fn_name, x, w, b, activation, precision, acc, out, implementation, drop)
 
 
 def conv_bias_act(

@@ -16,6 +16,9 @@ matmul or convolution. What is kept for the backward pass:
 * any other callable: ``z``, ``x``, ``w`` and the arrays the callable closes over; its derivative
   comes from JAX's autodiff of the callable, re-run from ``z`` in the backward pass.
 
+With a dropout after the activation (:mod:`jaxact._src.dropout`) the op returns, and for output
+activations keeps, the dropped output, plus the key: the backward draws the mask again.
+
 Half precision (float16/bfloat16) accumulates and evaluates the activation in float32 and returns,
 and keeps, its own dtype. The plan's :class:`~jaxact._src.dispatch.Decision` says which passes run
 kernels (:mod:`jaxact._src.kernel_calls`); everything else here is the XLA path.
@@ -35,6 +38,7 @@ from jax import Array, lax
 
 from jaxact._src import activations, barriers, kernel_calls, pallas_sharding
 from jaxact._src.dispatch import Decision
+from jaxact._src.dropout import Dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,11 @@ class Act:
   @property
   def residual(self) -> str:
     return self.rule.residual if self.rule is not None else "input"
+
+  @property
+  def kept_z(self) -> bool:
+    """Whether the backward reads the pre-activation (as itself or its code)."""
+    return self.residual in ("input", "code")
 
 
 # ---------------------------------------------------------------------------- the linear ops
@@ -114,6 +123,7 @@ class Plan:
   # b's sharding when its type carries one (Explicit mesh axes): db, summed from dz, is sharded like
   # the output's features and must be resharded to match b (a replicated b with column-sharded w).
   bias_sharding: Any = None
+  dropout: Dropout | None = None  # applied to the activation's output, inside the op
 
   def bias_shape(self, ndim: int, features: int) -> tuple[int, ...]:
     shape = [1] * ndim
@@ -151,26 +161,44 @@ def _preactivation(plan: Plan, x: Array, w: Array, b: Array | None) -> Array:
   return z
 
 
-def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
+def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array, key=None):
   """``(y, kept)``: kept is z in the output dtype for input residuals, the packed derivative code
-  for ``"code"`` ones, else None."""
-  z = _preactivation(plan, x, w, b)
+  for ``"code"`` ones, else None. With a dropout, y is dropped out (the mask drawn from `key`)."""
   act = plan.act
-  if act.fn is not None:
-    z = z.astype(plan.out_dtype)  # a plain callable sees what `act(x @ w + b)` would give it
-    y = act.fn(z, *dynamic)
+
+  def activate(z):
+    if act.fn is not None:
+      # a plain callable sees what `act(x @ w + b)` would give it
+      return act.fn(z.astype(plan.out_dtype), *dynamic)
+    return act.rule.spec.fn(z, **act.rule.params(dynamic)).astype(plan.out_dtype)
+
+  if plan.dropout is None:
+    z = _preactivation(plan, x, w, b)
+    y = activate(z)
   else:
-    spec, params = act.rule.spec, act.rule.params(dynamic)
-    y = spec.fn(z, **params).astype(plan.out_dtype)
-    if act.residual == "code":
-      return y, activations.encode(act.rule, z, dynamic)
+    # Without a kept pre-activation the bias is added block by block, so that the matmul's result
+    # is the one output-sized array: the blocks overwrite it with the output where the dtypes
+    # agree. A kept one is the residual, whole.
+    drop = plan.dropout
+    z = _preactivation(plan, x, w, b if act.kept_z else None)
+    bias = None if act.kept_z or b is None else b.astype(plan.acc_dtype)
+
+    def block(mask, z):
+      return drop.apply(mask, activate(z if bias is None else z + bias))
+
+    reuse = None if act.kept_z else 0
+    y = drop.by_blocks(key, [z], block, plan.out_dtype, blocked=not dynamic, reuse=reuse)
+  if act.fn is not None:
+    z = z.astype(plan.out_dtype)
+  if act.residual == "code":
+    return y, activations.encode(act.rule, z, dynamic)
   return y, (z.astype(plan.out_dtype) if act.residual == "input" else None)
 
 
-def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
+def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, key, *dynamic: Array):
   act = plan.act
   if plan.decision.forward == "xla":
-    y, z = _xla_forward(plan, x, w, b, *dynamic)
+    y, z = _xla_forward(plan, x, w, b, *dynamic, key=key)
   else:  # only calls without array parameters get here: `dynamic` is empty
     y, z = kernel_calls.forward(
       plan,
@@ -182,14 +210,15 @@ def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array)
     )
   # The barrier hides the residual's origin from XLA (see barriers.barrier_residual): without it
   # XLA recomputes y from z in the backward pass (keeping z alive as well) or shares the backward's
-  # intermediates with the forward's, and the saving this rule exists for is lost.
+  # intermediates with the forward's, and the saving this rule exists for is lost. With dropout,
+  # an output residual is the dropped output, the array returned.
   y, kept = barriers.barrier_residual(act.residual, y, z)
-  return y, (x, w, kept, dynamic)
+  return y, (x, w, kept, key, dynamic)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array):
-  return _fused_fwd(plan, x, w, b, *dynamic)[0]
+def _fused(plan: Plan, x: Array, w: Array, b: Array | None, key, *dynamic: Array):
+  return _fused_fwd(plan, x, w, b, key, *dynamic)[0]
 
 
 def _batch_chunks(plan: Plan, x: Array, dz: Array) -> int:
@@ -261,16 +290,16 @@ def _fused_bwd(plan: Plan, res, g):
   dx, dw, db, *rest = _fused_bwd_unsharded(plan, res, g)
   if db is not None and plan.bias_sharding is not None:
     db = jax.sharding.reshard(db, plan.bias_sharding)
-  return (dx, dw, db, *rest)
+  return (dx, dw, db, None, *rest)  # None: the dropout key's (integer) cotangent
 
 
 def _fused_bwd_unsharded(plan: Plan, res, g):
   if plan.decision.backward == "xla":
     return _xla_bwd(plan, res, g)
-  x, w, kept, _ = res
+  x, w, kept, _, _ = res
 
   def xla(x, w, kept, g):
-    return _xla_bwd(plan, (x, w, kept, ()), g)
+    return _xla_bwd(plan, (x, w, kept, None, ()), g)
 
   return kernel_calls.backward(
     plan,
@@ -285,15 +314,22 @@ def _fused_bwd_unsharded(plan: Plan, res, g):
 
 
 def _xla_bwd(plan: Plan, res, g):
-  x, w, kept, dynamic = res
+  x, w, kept, key, dynamic = res
   act, acc = plan.act, plan.acc_dtype
   d_dynamic: Sequence[Any]
-  if act.fn is not None:
-    _, pull = jax.vjp(act.fn, kept, *dynamic)
-    dz, *d_dynamic = pull(g)
-    dz = dz.astype(acc)
+
+  def cotangents(kept, g, tied=False):
+    if act.fn is not None:
+      _, pull = jax.vjp(act.fn, kept, *dynamic)
+      dz, *d_dynamic = pull(g)
+      return dz.astype(acc), d_dynamic
+    return activations.rule_cotangents(act.rule, kept, g, dynamic, acc, tied=tied)
+
+  if plan.dropout is None:
+    dz, d_dynamic = cotangents(kept, g)
   else:
-    dz, d_dynamic = activations.rule_cotangents(act.rule, kept, g, dynamic, acc)
+    dz_dtype = _backward_matmul_dtype(plan, x.dtype)
+    dz, d_dynamic = _dropped_cotangents(plan, kept, key, g, dynamic, cotangents, dz_dtype)
   # In 16-bit, db sums the rounded dz that the products use (as autodiff does): then dz is one
   # 16-bit array, where a float32 dz read by the bias reduction would be one more, twice the size
   # (measured on an H100: 256 MiB of step temp against jax.nn's 96 for an 8192 x 4096 layer).
@@ -312,6 +348,32 @@ def _xla_bwd(plan: Plan, res, g):
   return (dx, dw, db, *d_dynamic)
 
 
+def _dropped_cotangents(plan: Plan, kept, key, g, dynamic, cotangents, dz_dtype):
+  """``(dz, array parameters' cotangents)`` through the dropout and the activation, the mask drawn
+  again (in blocks of rows where it can be: see :meth:`Dropout.by_blocks`)."""
+  drop, acc = plan.dropout, plan.acc_dtype
+  # Tied to the cotangent, so that XLA neither keeps the forward's mask nor draws this one early.
+  (kept, key), g = barriers.after_cotangent((kept, key), g)
+  d_dynamic = []
+
+  def dz_of(mask, g, kept=None):
+    g = drop.apply(mask, g)  # Flax's dropout backward
+    if kept is not None and plan.act.residual == "output":
+      kept = kept.astype(acc) * drop.keep  # y = y_d * keep where the mask keeps; dz 0 elsewhere
+    dz, d = cotangents(kept, g, tied=True)
+    d_dynamic[:] = d
+    return jnp.where(mask, dz, 0)  # the dropped elements' derivative, at y = 0, may be anything
+
+  if plan.act.residual == "code":
+    # A packed code is not the output's shape: g is dropped in blocks (in place), then the code's
+    # derivative (finite) multiplies it whole, 0 where the mask dropped.
+    g = drop.by_blocks(key, [g], drop.apply, g.dtype, reuse=0)
+    return cotangents(kept, g, tied=True)
+  arrays = [g] if kept is None else [g, kept]
+  dz = drop.by_blocks(key, arrays, dz_of, dz_dtype, blocked=not dynamic, reuse=0)
+  return dz, d_dynamic
+
+
 def _transposes(plan: Plan, x: Array, w: Array, dz: Array) -> tuple[Array, Array]:
   """``(dx, dw)`` from dz (in the backward matmul dtype): the linear op's two transposes."""
   dw = _kernel_grad(plan, x, w, dz)
@@ -325,8 +387,9 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 _fused_jit = jax.jit(_fused, static_argnums=0)
 
 
-def fused(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Array) -> Array:
-  """``act(linear(x, w) + b)`` by `plan`, differentiated by the rule above."""
+def fused(plan: Plan, x: Array, w: Array, b: Array | None, key, *dynamic: Array) -> Array:
+  """``act(linear(x, w) + b)`` by `plan` (then its dropout, drawn from the raw `key`; None
+  without), differentiated by the rule above."""
   # A closure-converted callable is a new object on every call; jit would retrace each time.
   run = _fused_jit if plan.act.fn is None else _fused
-  return run(plan, x, w, b, *dynamic)
+  return run(plan, x, w, b, key, *dynamic)

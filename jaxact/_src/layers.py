@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from jaxact._src import activations, codes, gated
+from jaxact._src import activations, codes, dropout, gated
 
 Activation = str | Callable[..., jax.Array]
 
@@ -87,6 +87,23 @@ def activate(activation, y: jax.Array) -> jax.Array:
   if activation is activations.identity:
     return y
   return activation(y)
+
+
+def dropout_kwargs(rate: float, broadcast_dims, key) -> dict[str, Any]:
+  """The dropout arguments of :func:`jaxact.dense_bias_act` for a layer that drops (else {})."""
+  if key is None:
+    return {}
+  return {"dropout_rate": rate, "dropout_rng": key, "dropout_broadcast_dims": tuple(broadcast_dims)}
+
+
+def drop(layer: str, y: jax.Array, kwargs: dict[str, Any]) -> jax.Array:
+  """Flax's dropout of `y` by :func:`dropout_kwargs` (the paths that run Flax's computation)."""
+  if not kwargs:
+    return y
+  d, data = dropout.check(
+    layer, kwargs["dropout_rate"], kwargs["dropout_rng"], kwargs["dropout_broadcast_dims"], y.ndim
+  )
+  return y if d is None else d.apply(d.mask(data, y.shape), y)
 
 
 def fusable(*arrays: jax.Array | None) -> bool:

@@ -65,12 +65,19 @@ class DenseAct(nn.Module):
     dot_general: a custom dot product; when set (to other than ``lax.dot_general``), Flax's
       computation runs, then the activation.
     dot_general_cls: a factory of a custom dot product; likewise.
-    activation: an activation name (``"relu"``), a jaxact function, a ``functools.partial`` of
-      one with keyword parameters, or any callable (applied to the pre-activation, which is then
-      kept). Default ``"identity"``: the layer is ``nn.Dense``.
+    activation: an activation name (``"relu"``), a jaxact function, one of ``jax.nn``'s
+      (``nn.relu``), a ``functools.partial`` of either with keyword parameters, or any callable
+      (applied to the pre-activation, which is then kept). Default ``"identity"``: the layer is
+      ``nn.Dense``.
     residual_bits: None (default), or 8, 4, 2: the activation (gelu, gelu_quick, silu, mish,
       hard_silu) keeps its derivative coded in that many bits an element instead of the
       pre-activation, as ``partial(jaxact.gelu, residual_bits=...)`` does.
+    dropout_rate: ``nn.Dropout``'s ``rate`` applied to the activation's output inside the op
+      (default 0: none): the layer is ``nn.Dense`` + activation + ``nn.Dropout``, keeping no mask
+      (see :func:`jaxact.dense_bias_act`).
+    deterministic: as ``nn.Dropout``'s (also a call argument): True turns the dropout off.
+    dropout_broadcast_dims: ``nn.Dropout``'s ``broadcast_dims``.
+    rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
   """
 
   features: int
@@ -85,11 +92,24 @@ class DenseAct(nn.Module):
   dot_general_cls: Any = None
   activation: Activation = "identity"
   residual_bits: int | None = None
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
+  dropout_broadcast_dims: Sequence[int] = ()
+  rng_collection: str = "dropout"
 
   @nn.compact
-  def __call__(self, inputs: Array) -> Array:
-    """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`."""
+  def __call__(
+    self, inputs: Array, deterministic: bool | None = None, rng: Array | None = None
+  ) -> Array:
+    """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`, then the
+    dropout; `deterministic` and `rng` as ``nn.Dropout``'s call takes them."""
     layers.check_activation("jaxact.linen.DenseAct", self.activation)
+    key = None
+    if self.dropout_rate != 0 and not nn.merge_param(
+      "deterministic", self.deterministic, deterministic
+    ):
+      key = rng if rng is not None else self.make_rng(self.rng_collection)
+    drop = layers.dropout_kwargs(self.dropout_rate, self.dropout_broadcast_dims, key)
     activation = layers.with_bits("jaxact.linen.DenseAct", self.activation, self.residual_bits)
     kernel = self.param(
       "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
@@ -106,9 +126,9 @@ class DenseAct(nn.Module):
       and layers.fusable(inputs, kernel, bias)
     ):
       return fused.dense_bias_act(
-        inputs, kernel, bias, activation=activation, precision=self.precision
+        inputs, kernel, bias, activation=activation, precision=self.precision, **drop
       )
-    # Flax's own computation, then the activation.
+    # Flax's own computation, then the activation and the dropout.
     if self.dot_general_cls is not None:
       dot_general = self.dot_general_cls()
     elif self.dot_general is not None:
@@ -120,7 +140,7 @@ class DenseAct(nn.Module):
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return layers.activate(activation, y)
+    return layers.drop("jaxact.linen.DenseAct", layers.activate(activation, y), drop)
 
 
 class ConvAct(nn.Module):

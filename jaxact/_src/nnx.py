@@ -72,12 +72,20 @@ class LinearAct(nnx.Module):
     rngs: rng key.
     kernel_metadata: metadata of the kernel ``Param`` (e.g. ``{"out_sharding": (None, "model")}``).
     bias_metadata: metadata of the bias ``Param``.
-    activation: an activation name (``"relu"``), a jaxact function, a ``functools.partial`` of
-      one with keyword parameters, or any callable (applied to the pre-activation, which is then
-      kept). Default ``"identity"``: the layer is ``nnx.Linear``.
+    activation: an activation name (``"relu"``), a jaxact function, one of ``jax.nn``'s
+      (``nnx.relu``), a ``functools.partial`` of either with keyword parameters, or any callable
+      (applied to the pre-activation, which is then kept). Default ``"identity"``: the layer is
+      ``nnx.Linear``.
     residual_bits: None (default), or 8, 4, 2: the activation (gelu, gelu_quick, silu, mish,
       hard_silu) keeps its derivative coded in that many bits an element instead of the
       pre-activation, as ``partial(jaxact.gelu, residual_bits=...)`` does.
+    dropout_rate: ``nnx.Dropout``'s ``rate`` applied to the activation's output inside the op
+      (default 0: none): the layer is ``nnx.Linear`` + activation + ``nnx.Dropout``, keeping no
+      mask (see :func:`jaxact.dense_bias_act`). Its key stream is forked from `rngs` after the
+      parameters are drawn, as ``nnx.Dropout(rate, rngs=rngs)`` built after the ``nnx.Linear``.
+    dropout_broadcast_dims: ``nnx.Dropout``'s ``broadcast_dims``.
+    deterministic: as ``nnx.Dropout``'s (``model.eval()`` / ``model.train()`` set it).
+    rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
   """
 
   def __init__(
@@ -99,6 +107,10 @@ class LinearAct(nnx.Module):
     bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     activation: Activation = "identity",
     residual_bits: int | None = None,
+    dropout_rate: float = 0.0,
+    dropout_broadcast_dims: tp.Sequence[int] = (),
+    deterministic: bool | None = False,
+    rng_collection: str = "dropout",
   ):
     layers.check_activation("jaxact.nnx.LinearAct", activation)
     layers.with_bits("jaxact.nnx.LinearAct", activation, residual_bits)
@@ -124,16 +136,40 @@ class LinearAct(nnx.Module):
     self.preferred_element_type = preferred_element_type
     self.activation = activation
     self.residual_bits = residual_bits
+    self.dropout_rate = dropout_rate
+    self.dropout_broadcast_dims = dropout_broadcast_dims
+    self.deterministic = deterministic
+    self.rng_collection = rng_collection
+    # The dropout's stream, as nnx.Dropout forks it; none without dropout (the rngs stay untouched).
+    self.rngs = rngs[rng_collection].fork() if dropout_rate != 0 else nnx.data(None)
 
-  def __call__(self, inputs: Array, out_sharding=None) -> Array:
-    """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`.
+  def set_view(self, deterministic: bool | None = None):
+    """``nnx.view``'s hook, as ``nnx.Dropout``'s: True turns the dropout off."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+
+  def __call__(
+    self,
+    inputs: Array,
+    out_sharding=None,
+    *,
+    deterministic: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+  ) -> Array:
+    """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`, then the
+    dropout.
 
     Args:
       inputs: the array to transform.
       out_sharding: as ``nnx.Linear``: the output sharding under explicit sharding; when given,
         Flax's computation runs (``dot_general(..., out_sharding=)``), then the activation.
+      deterministic: as ``nnx.Dropout``'s call: overrides the attribute.
+      rngs: as ``nnx.Dropout``'s call: a key, stream or ``Rngs`` overriding the layer's stream.
     """
     layers.check_activation("jaxact.nnx.LinearAct", self.activation)
+    drop = layers.dropout_kwargs(
+      self.dropout_rate, self.dropout_broadcast_dims, self._dropout_key(deterministic, rngs)
+    )
     activation = layers.with_bits("jaxact.nnx.LinearAct", self.activation, self.residual_bits)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
@@ -152,8 +188,9 @@ class LinearAct(nnx.Module):
         activation=activation,
         precision=self.precision,
         preferred_element_type=layers.fused_out_dtype(pet, bias),
+        **drop,
       )
-    # Flax's own computation, then the activation.
+    # Flax's own computation, then the activation and the dropout.
     dot_general_kwargs: dict[str, tp.Any] = {"out_sharding": out_sharding}
     if pet is not None:
       dot_general_kwargs["preferred_element_type"] = pet
@@ -166,7 +203,31 @@ class LinearAct(nnx.Module):
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return layers.activate(activation, y)
+    return layers.drop("jaxact.nnx.LinearAct", layers.activate(activation, y), drop)
+
+  def _dropout_key(self, deterministic, rngs) -> jax.Array | None:
+    """The dropout's key for this call, None when it does not drop (as ``nnx.Dropout``)."""
+    if self.dropout_rate == 0:
+      return None
+    deterministic = deterministic if deterministic is not None else self.deterministic
+    if deterministic is None:
+      raise ValueError(
+        "jaxact.nnx.LinearAct: no `deterministic` given (to the constructor, the call, "
+        "model.train()/eval() or nnx.view) while dropout_rate > 0"
+      )
+    if deterministic:
+      return None
+    rngs = rngs if rngs is not None else self.rngs
+    if isinstance(rngs, nnx.Rngs):
+      return rngs[self.rng_collection]()
+    if isinstance(rngs, nnx.RngStream):
+      return rngs()
+    if isinstance(rngs, jax.Array):
+      return rngs
+    raise TypeError(
+      "jaxact.nnx.LinearAct: dropout needs `rngs` (an nnx.Rngs, RngStream or key, given to the "
+      f"constructor or the call); got {type(rngs).__name__}"
+    )
 
 
 class ConvAct(nnx.Module):
