@@ -82,8 +82,12 @@ def check_layer(flax_layer, act_layer, reference_act, x, *, grads: bool = True) 
 def test_attributes_are_flax_plus_activation(ours, theirs):
   fields = [f for f in dataclasses.fields(ours) if f.name not in ("parent", "name")]
   flax_fields = [f for f in dataclasses.fields(theirs) if f.name not in ("parent", "name")]
-  assert [f.name for f in fields] == [f.name for f in flax_fields] + ["activation", "residual_bits"]
-  assert fields[-2].default == "identity" and fields[-1].default is None
+  # DenseAct adds nn.Dropout's attributes after its own (dropout inside the op).
+  dropout = {"dropout_rate": 0.0, "deterministic": None, "dropout_broadcast_dims": ()}
+  dropout = {**dropout, "rng_collection": "dropout"} if ours is DenseAct else {}
+  names = [f.name for f in flax_fields] + ["activation", "residual_bits", *dropout]
+  assert [f.name for f in fields] == names
+  assert [f.default for f in fields[len(flax_fields) :]] == ["identity", None, *dropout.values()]
   for f, g in zip(fields, flax_fields, strict=False):
     if f.name.endswith("_init"):  # initializers are made by factories: compare what they draw
       shape = (3, 4)

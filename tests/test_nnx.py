@@ -86,18 +86,31 @@ def test_signature_is_flax_plus_activation(ours, theirs):
   params = list(inspect.signature(ours.__init__).parameters.values())
   flax_params = list(inspect.signature(theirs.__init__).parameters.values())
   describe = lambda p: (p.name, p.kind, p.default)
-  assert [describe(p) for p in params[:-2]] == [describe(p) for p in flax_params]
-  assert [(p.name, p.default) for p in params[-2:]] == [
-    ("activation", "identity"),
-    ("residual_bits", None),
-  ]
-  assert {p.kind for p in params[-2:]} == {inspect.Parameter.KEYWORD_ONLY}
+  # LinearAct adds nnx.Dropout's arguments after its own (dropout inside the op).
+  ours_only = [("activation", "identity"), ("residual_bits", None)]
+  if ours is LinearAct:
+    ours_only += [
+      ("dropout_rate", 0.0),
+      ("dropout_broadcast_dims", ()),
+      ("deterministic", False),
+      ("rng_collection", "dropout"),
+    ]
+  n = len(flax_params)
+  assert [describe(p) for p in params[:n]] == [describe(p) for p in flax_params]
+  assert [(p.name, p.default) for p in params[n:]] == ours_only
+  assert {p.kind for p in params[n:]} == {inspect.Parameter.KEYWORD_ONLY}
 
 
 def test_attributes_are_flax_plus_activation():
   kw = dict(rngs=nnx.Rngs(0))
   ours = LinearAct(3, 4, activation="relu", **kw)
-  assert list(vars(ours)) == [*vars(nnx.Linear(3, 4, **kw)), "activation", "residual_bits"]
+  dropout = ["dropout_rate", "dropout_broadcast_dims", "deterministic", "rng_collection", "rngs"]
+  assert list(vars(ours)) == [
+    *vars(nnx.Linear(3, 4, **kw)),
+    "activation",
+    "residual_bits",
+    *dropout,
+  ]
   ours = ConvAct(3, 4, (3,), activation="relu", **kw)
   assert list(vars(ours)) == [*vars(nnx.Conv(3, 4, (3,), **kw)), "activation", "residual_bits"]
 

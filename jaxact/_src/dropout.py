@@ -32,18 +32,22 @@ _BLOCK_ELEMENTS = 1 << 16
 
 
 def _threefry_mask(data: Array, keep: float, rows: int, cols: int, start) -> Array:
-  """Rows ``[start, start + rows)`` of ``jax.random.bernoulli(key, float32(keep), (M, cols))``
-  for the threefry key `data`: bit for bit jax's partitionable threefry (the default), drawn from
-  each element's linear index, so a block is drawn without the rest."""
+  """Rows ``[start, start + rows)`` of ``jax.random.bernoulli(key, keep, (M, cols))`` for the
+  threefry key `data`, `keep` a Python float as ``nn.Dropout`` passes it (float32, or float64
+  under ``jax_enable_x64``): bit for bit jax's partitionable threefry (the default), which draws
+  each element from its linear index, so a block is drawn without the rest."""
   index = (lax.iota(np.uint32, rows)[:, None] + jnp.asarray(start, np.uint32)) * np.uint32(cols)
   index = index + lax.iota(np.uint32, cols)[None, :]
-  hi, lo = jnp.zeros_like(index), index
   k1, k2 = data[..., 0], data[..., 1]
-  bits1, bits2 = jax_random.threefry2x32_p.bind(k1, k2, hi, lo)
-  # jax.random.uniform's float32 from 32 random bits: the mantissa's 23 bits in [1, 2), minus 1.
-  floats = lax.bitcast_convert_type(
-    (bits1 ^ bits2) >> np.uint32(9) | np.uint32(0x3F800000), np.float32
-  )
+  bits1, bits2 = jax_random.threefry2x32_p.bind(k1, k2, jnp.zeros_like(index), index)
+  # jax.random.uniform's floats from random bits: the mantissa's bits in [1, 2), minus 1.
+  if jax.config.jax_enable_x64:
+    u64 = np.uint64
+    bits = bits1.astype(u64) << u64(32) | bits2.astype(u64)
+    floats = lax.bitcast_convert_type(bits >> u64(12) | u64(0x3FF0000000000000), np.float64)
+    return floats - np.float64(1) < np.float64(keep)
+  mantissa = (bits1 ^ bits2) >> np.uint32(9) | np.uint32(0x3F800000)
+  floats = lax.bitcast_convert_type(mantissa, np.float32)
   return floats - np.float32(1) < np.float32(keep)
 
 
@@ -70,7 +74,7 @@ class Dropout:
 
   def mask(self, data: Array, shape: tuple[int, ...]) -> Array:
     """The boolean keep mask of an output of `shape`, drawn from the key `data`: the mask
-    ``nn.Dropout`` draws with this key (for threefry keys, float32 ``p``, as without x64)."""
+    ``nn.Dropout`` draws with this key."""
     drawn = tuple(1 if d in self.broadcast_dims else n for d, n in enumerate(shape))
     if self.threefry and math.prod(drawn) < 2**32:
       cols = drawn[-1] if drawn else 1
@@ -78,7 +82,7 @@ class Dropout:
       m = flat.reshape(drawn)
     else:
       key = data if self.impl is None else jax.random.wrap_key_data(data, impl=self.impl)
-      m = jax.random.bernoulli(key, p=np.float32(self.keep), shape=drawn)
+      m = jax.random.bernoulli(key, p=self.keep, shape=drawn)
     return jnp.broadcast_to(m, shape)
 
   def apply(self, mask: Array, y: Array) -> Array:
