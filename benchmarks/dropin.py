@@ -6,6 +6,7 @@ unrolled and as ``nn.scan`` over the blocks. Models, one parameter tree for all 
 ``Dense_0``, ``Dense_1``):
 
 - ``flax``: the example as written;
+- ``flax+remat``: the same under block remat (``nn.remat`` of each block, saving nothing inside);
 - ``first``: the first ``nn.Dense`` + relu + ``nn.Dropout`` as one ``jaxact.linen.DenseAct(...,
   activation=nn.relu, dropout_rate=0.1)``, the rest as written;
 - ``both``: the second ``nn.Dense`` + ``nn.Dropout`` as ``DenseAct`` (identity) too.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import jaxact.linen as jnn
 from benchmarks import timing
 
-MODELS = ("flax", "first", "both")
+MODELS = ("flax", "flax+remat", "first", "both")
 
 
 class MlpBlock(nn.Module):
@@ -43,7 +44,7 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     out = x.shape[-1]
-    if self.swap == "flax":
+    if self.swap.startswith("flax"):
       h = nn.relu(nn.Dense(self.mlp_dim, name="Dense_0")(x))
       h = nn.Dropout(self.rate)(h, deterministic=not train)
     else:
@@ -70,10 +71,11 @@ class Stack(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    make = functools.partial(MlpBlock, self.mlp_dim, self.rate, self.swap, self.activation)
+    block = nn.remat(MlpBlock) if self.swap == "flax+remat" else MlpBlock
+    make = functools.partial(block, self.mlp_dim, self.rate, self.swap, self.activation)
     if not self.scan:
-      for _ in range(self.blocks):
-        x = x + make()(x)
+      for i in range(self.blocks):
+        x = x + make(name=f"block_{i}")(x)
       return x
 
     def body(block, x, _):

@@ -10,7 +10,7 @@ the backward pass where the activation allows it. :class:`GatedMLP` has the para
 :func:`jaxact.gated_mlp`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,6 +31,39 @@ from jax import lax
 
 from jaxact._src import fused, layers
 from jaxact._src.layers import Activation
+
+
+def check_params_found(module: nn.Module, layer: str, flax_layer: str, kernel_shape) -> None:
+  """A clear error, in ``apply``, for parameters that lack this layer's kernel: most often a
+  checkpoint of Flax layers whose auto-names (``Dense_0``, ...) the swap changed.
+
+  Flax numbers auto-names by class, so replacing an ``nn.Dense`` with ``DenseAct`` renames it
+  (``DenseAct_0``) and every ``nn.Dense`` after it in the module (``Dense_1`` becomes ``Dense_0``).
+  The error names the missing path, the kernels beside it and the one of this layer's shape.
+  """
+  if module.is_mutable_collection("params") or module.has_variable("params", "kernel"):
+    return  # initializing, or the parameters are there
+  path = "/" + "/".join(module.scope.path)
+  beside: dict[str, tuple[int, ...]] = {}
+  parent = module.scope.parent
+  if parent is not None:
+    found = parent.variables().get("params", {})
+    for name, value in found.items():
+      if isinstance(value, Mapping) and "kernel" in value:
+        beside[name] = tuple(jnp.shape(value["kernel"]))
+  message = f"{layer} at {path}: the parameters given have no 'kernel' for this layer"
+  if beside:
+    listed = ", ".join(f"{name} (kernel {shape})" for name, shape in beside.items())
+    message += f"; beside it they hold {listed}"
+  same = [name for name, shape in beside.items() if shape == tuple(kernel_shape)]
+  if same:
+    message += (
+      f". {same[0]} has this layer's kernel shape {tuple(kernel_shape)}: probably its name in the "
+      f"checkpoint. Flax numbers auto-names by class, so the swap renamed this layer and every "
+      f"{flax_layer} after it: pass name={same[0]!r} here and give each later {flax_layer} its "
+      "checkpoint name too (docs: 'Flax layers', keeping checkpoint names)"
+    )
+  raise ValueError(message)
 
 
 class DenseAct(nn.Module):
@@ -111,9 +144,9 @@ class DenseAct(nn.Module):
       key = rng if rng is not None else self.make_rng(self.rng_collection)
     drop = layers.dropout_kwargs(self.dropout_rate, self.dropout_broadcast_dims, key)
     activation = layers.with_bits("jaxact.linen.DenseAct", self.activation, self.residual_bits)
-    kernel = self.param(
-      "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
-    )
+    kernel_shape = (jnp.shape(inputs)[-1], self.features)
+    check_params_found(self, "jaxact.linen.DenseAct", "nn.Dense", kernel_shape)
+    kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
     bias = (
       self.param("bias", self.bias_init, (self.features,), self.param_dtype)
       if self.use_bias
@@ -232,6 +265,7 @@ class ConvAct(nn.Module):
     layers.check_groups(name, in_features, self.feature_group_count)
     kernel_shape = (*kernel_size, in_features // self.feature_group_count, self.features)
     layers.check_mask(self.mask, kernel_shape)
+    check_params_found(self, name, "nn.Conv", kernel_shape)
     kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
     if self.mask is not None:
       kernel *= self.mask
