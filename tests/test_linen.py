@@ -500,3 +500,36 @@ def test_training_memory_below_flax(activation):
   ours = _temp_bytes(DeepMLP(True, activation), x)
   theirs = _temp_bytes(DeepMLP(False, activation), x)
   assert ours < theirs, (ours, theirs)
+
+
+# ------------------------------------------------------------------------ checkpoint names
+
+
+class _FlaxBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(32)(x))  # Dense_0
+    return nn.Dense(8)(h)  # Dense_1
+
+
+class _JaxactBlock(nn.Module):
+  named: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    names = ({"name": "Dense_0"}, {"name": "Dense_1"}) if self.named else ({}, {})
+    h = DenseAct(32, activation=nn.relu, **names[0])(x)
+    return nn.Dense(8, **names[1])(h)
+
+
+def test_a_flax_block_checkpoint_loads_into_its_jaxact_version():
+  x = jax.random.normal(KEY, (4, 16), jnp.float32)
+  params = _FlaxBlock().init(KEY, x)
+  assert_close(_JaxactBlock().apply(params, x), _FlaxBlock().apply(params, x), "output")
+  # Unnamed, the swap renames both layers: the error names the path and the probable old name.
+  with pytest.raises(
+    ValueError,
+    match=r"DenseAct at /DenseAct_0: .* Dense_0 has this layer's kernel shape \(16, 32\).* "
+    r"name='Dense_0'",
+  ):
+    _JaxactBlock(named=False).apply(params, x)
