@@ -40,6 +40,8 @@ from jaxact._src.gated import gated_dense as gated_dense
 from jaxact._src.gated import gated_mlp as gated_mlp
 from jaxact._src.gated_vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
 from jaxact._src.lce import linear_cross_entropy as linear_cross_entropy
+from jaxact._src.norms import layer_norm as layer_norm
+from jaxact._src.norms import rms_norm as rms_norm
 
 __version__ = "0.1.0.dev0"
 
@@ -80,4 +82,6 @@ __all__ = [
   "gated_mlp",
   "GATED_CHECKPOINT_NAMES",
   "linear_cross_entropy",
+  "rms_norm",
+  "layer_norm",
 ]

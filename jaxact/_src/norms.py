@@ -1,0 +1,252 @@
+"""RMS and layer norms that keep their output: the backward reads ``y`` and one number a row.
+
+In a pre-norm block ``y = norm(x)`` feeds a matmul, which keeps ``y`` for its weight gradient.
+Autodiff of the norm keeps ``x`` as well (and, for half precision, a float32 copy of it), though
+the backward can be written from ``y``: the normalized input is ``x̂ = y / gamma`` (RMS norm) or
+``(y - beta) / gamma`` (layer norm), and with the per-row ``r = 1 / sqrt(var + ε)``
+
+.. math::
+  \\bar x = r \\left(\\bar{\\hat x} - \\overline{\\bar{\\hat x}} - \\hat x \\,
+  \\overline{\\bar{\\hat x} \\hat x}\\right), \\quad \\bar{\\hat x} = \\bar y \\gamma
+
+(the mean of :math:`\\bar{\\hat x}` is absent for RMS norm; overlines are means over the normalized
+axes). So each op is one ``custom_vjp`` keeping ``y`` (the array the next matmul keeps anyway),
+``r`` in float32 and the parameters; the block input ``x`` need not be kept at all.
+
+Where ``gamma`` is exactly 0 the input cannot be recovered from ``y``: there ``x̂`` is taken as 0, so
+that channel's ``dgamma`` and (RMS norm, layer norm) its own ``dx`` term ``-r x̂ mean(dx̂ x̂)`` are 0;
+every other channel's gradient is exact. ``residual="input"`` keeps ``x`` instead and is exact
+everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.typing import ArrayLike
+
+from jaxact._src import barriers, validation
+
+Residual = Literal["output", "input"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  center: bool  # layer norm subtracts the mean; RMS norm does not
+  axes: tuple[int, ...]
+  epsilon: float
+  residual: Residual
+  acc: np.dtype  # statistics and arithmetic: float32, or float64 for float64 inputs
+
+  def feature_shape(self, x_shape) -> tuple[int, ...]:
+    """The broadcast shape of a parameter: x's sizes on the normalized axes, 1 elsewhere."""
+    return tuple(n if d in self.axes else 1 for d, n in enumerate(x_shape))
+
+
+def _param(plan: _Plan, p: Array | None, x_shape) -> Array | None:
+  return None if p is None else p.astype(plan.acc).reshape(plan.feature_shape(x_shape))
+
+
+def _normalized(plan: _Plan, x: Array) -> tuple[Array, Array]:
+  """``(x̂, r)`` in the accumulation dtype, r with the normalized axes kept (size 1)."""
+  xf = x.astype(plan.acc)
+  if plan.center:
+    xf = xf - jnp.mean(xf, plan.axes, keepdims=True)
+  r = lax.rsqrt(jnp.mean(xf * xf, plan.axes, keepdims=True) + jnp.asarray(plan.epsilon, plan.acc))
+  return xf * r, r
+
+
+def _forward(plan: _Plan, x, scale, bias):
+  x_hat, r = _normalized(plan, x)
+  y = x_hat
+  if scale is not None:
+    y = y * _param(plan, scale, x.shape)
+  if bias is not None:
+    y = y + _param(plan, bias, x.shape)
+  return y.astype(x.dtype), r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _norm(plan: _Plan, x, scale, bias):
+  return _forward(plan, x, scale, bias)[0]
+
+
+def _norm_fwd(plan: _Plan, x, scale, bias):
+  y, r = _forward(plan, x, scale, bias)
+  if plan.residual == "input":
+    return y, (x, None, scale, bias)
+  # The barrier makes the kept y the returned array (one buffer) and keeps XLA from recomputing it
+  # from x in the backward pass, which would keep x alive as well.
+  y, r = lax.optimization_barrier((y, r))
+  return y, (y, r, scale, bias)
+
+
+def _norm_bwd(plan: _Plan, res, g):
+  kept, r, scale, bias = res
+  (kept, r), g = barriers.after_cotangent((kept, r), g)
+  shape, acc = g.shape, plan.acc
+  gamma, beta = _param(plan, scale, shape), _param(plan, bias, shape)
+  if plan.residual == "input":
+    x_hat, r = _normalized(plan, kept)
+  else:
+    x_hat = kept.astype(acc)
+    if beta is not None:
+      x_hat = x_hat - beta
+    if (
+      gamma is not None
+    ):  # exact zeros of gamma: x̂ is lost there, and taken as 0 (module docstring)
+      zero = gamma == 0
+      x_hat = jnp.where(zero, 0, x_hat / jnp.where(zero, 1, gamma))
+  g32 = g.astype(acc)
+  others = tuple(d for d in range(g.ndim) if d not in plan.axes)
+
+  def param_grad(p, v):
+    return None if p is None else jnp.sum(v, others).reshape(p.shape).astype(p.dtype)
+
+  d_scale = param_grad(scale, g32 * x_hat)
+  d_bias = param_grad(bias, g32)
+  dx_hat = g32 if gamma is None else g32 * gamma
+  inner = dx_hat - x_hat * jnp.mean(dx_hat * x_hat, plan.axes, keepdims=True)
+  if plan.center:
+    inner = inner - jnp.mean(dx_hat, plan.axes, keepdims=True)
+  return (r * inner).astype(g.dtype), d_scale, d_bias
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm_jit = jax.jit(_norm, static_argnums=0)
+
+
+def _check(fn_name, x, scale, bias, epsilon, axis, residual):
+  x = validation.as_real_array(fn_name, x)
+  if not validation.is_floating(x.dtype):
+    raise TypeError(
+      f"jaxact.{fn_name}: `x` has dtype {x.dtype}; accepted: floating-point dtypes (float16, "
+      "bfloat16, float32, float64)"
+    )
+  if x.ndim == 0:
+    raise ValueError(
+      f"jaxact.{fn_name}: `x` must have at least one axis to normalize; got a scalar"
+    )
+  axes = validation.normalize_axes(fn_name, axis, x.ndim)
+  if (
+    isinstance(epsilon, bool)
+    or not isinstance(epsilon, numbers.Real)
+    or not np.isfinite(epsilon)
+    or epsilon <= 0
+  ):
+    raise ValueError(
+      f"jaxact.{fn_name}: `epsilon` must be a positive finite float; got {epsilon!r}"
+    )
+  if residual not in ("output", "input"):
+    raise ValueError(
+      f"jaxact.{fn_name}: `residual` must be 'output' (keep y and 1/rms a row) or 'input' (keep "
+      f"x); got {residual!r}"
+    )
+  features = tuple(x.shape[d] for d in axes)
+  params = []
+  for arg, p in (("scale", scale), ("bias", bias)):
+    if p is not None:
+      p = validation.as_real_array(fn_name, p, arg)
+      if not validation.is_floating(p.dtype):
+        raise TypeError(
+          f"jaxact.{fn_name}: `{arg}` has dtype {p.dtype}; accepted: floating-point dtypes"
+        )
+      if p.shape != features:
+        raise ValueError(
+          f"jaxact.{fn_name}: `{arg}` has shape {p.shape}, but `x` {x.shape} has {features} on the "
+          f"normalized axes {axes}; accepted: shape {features} or None"
+        )
+    params.append(p)
+  acc = np.dtype(jnp.promote_types(validation.compute_dtype(x.dtype), np.float32))
+  plan = _Plan(fn_name == "layer_norm", axes, float(epsilon), residual, acc)
+  return plan, x, *params
+
+
+def rms_norm(
+  x: ArrayLike,
+  scale: ArrayLike | None = None,
+  *,
+  epsilon: float = 1e-6,
+  axis: int | tuple[int, ...] = -1,
+  residual: Residual = "output",
+) -> Array:
+  r"""RMS norm keeping its output for the backward pass.
+
+  .. math::
+    y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \gamma
+
+  with the mean over `axis`, as ``flax.linen.RMSNorm`` (Llama, Gemma, Mistral) computes it: the
+  statistics in float32 for half precision inputs, the output in `x`'s dtype. The backward pass
+  reads ``y``, one float32 ``1/rms`` a row and ``scale``, not ``x``: where ``scale`` is exactly 0
+  that channel's ``d scale`` and its own ``dx`` term are 0 (``x`` cannot be recovered from ``y``
+  there); ``residual="input"`` keeps ``x`` and is exact everywhere.
+
+  Args:
+    x: the input, floating point.
+    scale: ``gamma``, of the shape of `x` on the normalized axes, or None (1).
+    epsilon: added to the mean square, > 0.
+    axis: the normalized axis or axes.
+    residual: ``"output"`` (default: keep ``y`` and ``1/rms``) or ``"input"`` (keep ``x``).
+
+  Returns:
+    ``y``, of `x`'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxact
+    >>> y = jaxact.rms_norm(jnp.array([[3.0, 4.0]]), jnp.array([1.0, 2.0]), epsilon=1e-12)
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [0.8485, 2.2627]
+  """
+  fn_name = "rms_norm"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    plan, x, scale, _ = _check(fn_name, x, scale, None, epsilon, axis, residual)
+    return _norm_jit(plan, x, scale, None)
+
+
+def layer_norm(
+  x: ArrayLike,
+  scale: ArrayLike | None = None,
+  bias: ArrayLike | None = None,
+  *,
+  epsilon: float = 1e-6,
+  axis: int | tuple[int, ...] = -1,
+  residual: Residual = "output",
+) -> Array:
+  r"""Layer norm keeping its output for the backward pass.
+
+  .. math::
+    y = \frac{x - \bar x}{\sqrt{\overline{(x - \bar x)^2} + \epsilon}} \gamma + \beta
+
+  with the means over `axis`, as ``flax.linen.LayerNorm`` computes it (the variance in two passes):
+  statistics in float32 for half precision inputs, the output in `x`'s dtype. The backward pass
+  reads ``y``, one float32 ``1/sigma`` a row, ``scale`` and ``bias``, not ``x``: where ``scale``
+  is exactly 0 that channel's ``d scale`` and its own ``dx`` term ``-r x_hat mean(dx_hat x_hat)``
+  are 0; ``residual="input"`` keeps ``x``.
+
+  Args:
+    x: the input, floating point.
+    scale: ``gamma``, of the shape of `x` on the normalized axes, or None (1).
+    bias: ``beta``, of the same shape, or None (0).
+    epsilon: added to the variance, > 0.
+    axis: the normalized axis or axes.
+    residual: ``"output"`` (default: keep ``y`` and ``1/sigma``) or ``"input"`` (keep ``x``).
+
+  Returns:
+    ``y``, of `x`'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxact
+    >>> jaxact.layer_norm(jnp.array([[1.0, 3.0]]), bias=jnp.array([0.5, 0.5])).round(4)
+    Array([[-0.5,  1.5]], dtype=float32)
+  """
+  fn_name = "layer_norm"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    plan, x, scale, bias = _check(fn_name, x, scale, bias, epsilon, axis, residual)
+    return _norm_jit(plan, x, scale, bias)
