@@ -243,8 +243,9 @@ def layer_norm(
 
   Examples:
     >>> import jax.numpy as jnp, jaxact
-    >>> jaxact.layer_norm(jnp.array([[1.0, 3.0]]), bias=jnp.array([0.5, 0.5])).round(4)
-    Array([[-0.5,  1.5]], dtype=float32)
+    >>> y = jaxact.layer_norm(jnp.array([[1.0, 3.0]]), bias=jnp.array([0.5, 0.5]))
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [-0.5, 1.5]
   """
   fn_name = "layer_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
