@@ -44,6 +44,8 @@ class _Plan:
   epsilon: float
   residual: Residual
   acc: np.dtype  # statistics and arithmetic: float32, or float64 for float64 inputs
+  x_dtype: np.dtype
+  out_dtype: np.dtype  # x's, or a Flax layer's promoted dtype
 
   def feature_shape(self, x_shape) -> tuple[int, ...]:
     """The broadcast shape of a parameter: x's sizes on the normalized axes, 1 elsewhere."""
@@ -70,7 +72,7 @@ def _forward(plan: _Plan, x, scale, bias):
     y = y * _param(plan, scale, x.shape)
   if bias is not None:
     y = y + _param(plan, bias, x.shape)
-  return y.astype(x.dtype), r
+  return y.astype(plan.out_dtype), r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -116,14 +118,14 @@ def _norm_bwd(plan: _Plan, res, g):
   inner = dx_hat - x_hat * jnp.mean(dx_hat * x_hat, plan.axes, keepdims=True)
   if plan.center:
     inner = inner - jnp.mean(dx_hat, plan.axes, keepdims=True)
-  return (r * inner).astype(g.dtype), d_scale, d_bias
+  return (r * inner).astype(plan.x_dtype), d_scale, d_bias
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
 _norm_jit = jax.jit(_norm, static_argnums=0)
 
 
-def _check(fn_name, x, scale, bias, epsilon, axis, residual):
+def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None):
   x = validation.as_real_array(fn_name, x)
   if not validation.is_floating(x.dtype):
     raise TypeError(
@@ -165,8 +167,22 @@ def _check(fn_name, x, scale, bias, epsilon, axis, residual):
         )
     params.append(p)
   acc = np.dtype(jnp.promote_types(validation.compute_dtype(x.dtype), np.float32))
-  plan = _Plan(fn_name == "layer_norm", axes, float(epsilon), residual, acc)
+  out = np.dtype(x.dtype if out_dtype is None else out_dtype)
+  acc = np.dtype(jnp.promote_types(acc, validation.compute_dtype(out)))
+  plan = _Plan(fn_name == "layer_norm", axes, float(epsilon), residual, acc, np.dtype(x.dtype), out)
   return plan, x, *params
+
+
+def norm(layer: str, center: bool, x, scale, bias, *, epsilon, axis, residual, out_dtype):
+  """The op for a Flax layer named `layer` (errors name it): `center` layer norm, else RMS norm;
+  the output in `out_dtype` (Flax's promoted dtype)."""
+  fn_name = "layer_norm" if center else "rms_norm"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    try:
+      plan, x, scale, bias = _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype)
+    except (TypeError, ValueError) as e:
+      raise type(e)(str(e).replace(f"jaxact.{fn_name}", layer, 1)) from None
+    return _norm_jit(plan, x, scale, bias)
 
 
 def rms_norm(
