@@ -28,7 +28,7 @@ from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
 from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.linen_head import LMHead as LMHead  # noqa: E402 (after the check)
-from jaxact._src.linen_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 from jaxact._src.linen_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
+from jaxact._src.linen_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
 __all__ = ["DenseAct", "ConvAct", "GatedMLP", "LMHead", "RMSNorm", "LayerNorm"]

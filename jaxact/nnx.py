@@ -8,7 +8,8 @@ transformers (SwiGLU, ...) holding three ``nnx.Linear`` (``gate_proj``, ``up_pro
 ``down_proj``) and computing with one :func:`jaxact.gated_mlp`. ``LMHead`` is ``nnx.Linear``
 that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel and bias.
 ``RMSNorm`` and ``LayerNorm`` are Flax's, computed by :func:`jaxact.rms_norm` /
-:func:`jaxact.layer_norm` (keeping their output). This module imports Flax; ``import jaxact`` alone does not::
+:func:`jaxact.layer_norm` (keeping their output). This module imports Flax; ``import jaxact``
+alone does not::
 
   from flax import nnx
   from jaxact import nnx as jnnx
@@ -24,7 +25,7 @@ from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
 from jaxact._src.nnx_gated import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.nnx_head import LMHead as LMHead  # noqa: E402 (after the check)
-from jaxact._src.nnx_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 from jaxact._src.nnx_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
+from jaxact._src.nnx_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
 __all__ = ["LinearAct", "ConvAct", "GatedMLP", "LMHead", "RMSNorm", "LayerNorm"]
