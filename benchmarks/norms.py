@@ -1,0 +1,204 @@
+"""`python -m benchmarks.norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
+
+jaxact's output-keeping RMS norm against the plain one (Flax's formula, differentiated by JAX):
+
+* ``stack`` / ``stack-h100``: the gated stack of :mod:`benchmarks.gated` (``x = x +
+  mlp(rms_norm(x))``, 1, 2 and 8 blocks, scanned and unrolled), CPU float32 (4096 tokens, D = 512,
+  F = 1408) and compiled for an H100 (bfloat16, 8192 x 4096 x 11008): compiled temp, growth per
+  block and its ratio to Flax's (Flax MLP, plain norm), for the Flax MLP, Flax + block remat and
+  ``jaxact.gated_mlp``, each with the plain norm and with ``jaxact.rms_norm``;
+* ``decoder`` / ``decoder-h100``: the Llama-style decoder step of :mod:`benchmarks.lce` (RMS norms
+  before attention, before the MLP and before the head), without remat: jaxact's norms against
+  the plain ones, with ``jaxact.gated_mlp`` and the fused head, and with Flax's MLP and head;
+* ``time``: CPU step time of the scanned gated stack, jaxact's norm against the plain one;
+* ``precision``: bfloat16, how far the normalized input recovered from ``y`` (``y / gamma``) and
+  the input gradient are from float64, against the input-keeping formula.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxact
+from benchmarks import gated, lce, timing
+
+MiB = 2**20
+SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
+
+
+def _plain(x):
+  return gated.rms_norm(x)
+
+
+def _ours(x):
+  return jaxact.rms_norm(x, epsilon=gated.EPS)
+
+
+NORMS = {"plain norm": _plain, "jaxact.rms_norm": _ours}
+MLPS = {
+  "Flax MLP": (gated._flax_mlp, None),
+  "Flax MLP + block remat": (gated._flax_mlp, jax.checkpoint_policies.nothing_saveable),
+  "jaxact.gated_mlp": (gated._jaxact_mlp, None),
+}
+
+
+def _block(mlp, norm, policy):
+  def block(x, p):
+    return x + mlp(norm(x), *p)
+
+  return block if policy is None else jax.checkpoint(block, policy=policy)
+
+
+def stack_rows(gpu: bool) -> list[str]:
+  size, dtype = (gated.GPU_SIZE, jnp.bfloat16) if gpu else (gated.CPU_SIZE, jnp.float32)
+  temps = {}
+  for scan in (True, False):
+    for mlp_name, (mlp, policy) in MLPS.items():
+      for norm_name, norm in NORMS.items():
+        _, loss = gated.stack(_block(mlp, norm, policy), scan)
+        for n in (1, 2, gated.BLOCKS):
+          args = gated.shapes(n, size, dtype)
+          m = gated.gpu_memory(loss, *args)[0] if gpu else gated.cpu_memory(loss, *args)
+          temps[scan, mlp_name, norm_name, n] = m
+  lines = [
+    f"{'compiled for an H100, bfloat16' if gpu else 'CPU, float32'}, (tokens, D, F) = {size}.",
+    "",
+    "| stack | MLP | norm | temp 1 / 2 / 8 blocks MiB | growth a block MiB | / Flax's |",
+    "|---|---|---|---|---|---|",
+  ]
+  for scan in (True, False):
+
+    def growth(mlp_name, norm_name, scan=scan):
+      return (
+        temps[scan, mlp_name, norm_name, gated.BLOCKS] - temps[scan, mlp_name, norm_name, 2]
+      ) / (gated.BLOCKS - 2)
+
+    flax = growth("Flax MLP", "plain norm")
+    for mlp_name in MLPS:
+      for norm_name in NORMS:
+        t = [temps[scan, mlp_name, norm_name, n] / MiB for n in (1, 2, gated.BLOCKS)]
+        g = growth(mlp_name, norm_name)
+        lines.append(
+          f"| {'scan' if scan else 'unrolled'} | {mlp_name} | {norm_name} | "
+          f"{t[0]:.0f} / {t[1]:.0f} / {t[2]:.0f} | {g / MiB:.1f} | {g / flax:.3f} |"
+        )
+  return lines
+
+
+def _decoder_norm(x, scale):
+  return jaxact.rms_norm(x, scale.astype(jnp.promote_types(x.dtype, jnp.float32)), epsilon=gated.EPS)
+
+
+def decoder_rows(gpu: bool) -> list[str]:
+  c = lce.DECODER_GPU if gpu else lce.DECODER_CPU
+  lines = [
+    f"Decoder step {'compiled for an H100, bfloat16' if gpu else 'on CPU, float32'}: {c}.",
+    "",
+    "| body | head | plain norms MiB | jaxact.rms_norm MiB | ratio |",
+    "|---|---|---|---|---|",
+  ]
+  for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
+    plain = lce.decoder_temp(c, body, head, gpu)
+    ours = lce.decoder_temp(c, body, head, gpu, norm=_decoder_norm)
+    lines.append(
+      f"| {lce.BODY_LABELS[body]} | {head} | {plain / MiB:.1f} | {ours / MiB:.1f} | "
+      f"{ours / plain:.3f} |"
+    )
+  return lines
+
+
+def time_rows(runs: int) -> list[str]:
+  params, x = gated.make(gated.BLOCKS, gated.CPU_SIZE, jnp.float32)
+  calls = []
+  for mlp_name in ("Flax MLP", "jaxact.gated_mlp"):
+    mlp, policy = MLPS[mlp_name]
+    for norm in NORMS.values():
+      _, loss = gated.stack(_block(mlp, norm, policy), True)
+      step = jax.jit(jax.value_and_grad(loss))
+      calls.append(functools.partial(step, params, x))
+  base, ratios = timing.alternated_ratios(calls, runs)
+  labels = [f"{m}, {n}" for m in ("Flax MLP", "jaxact.gated_mlp") for n in NORMS]
+  lines = [
+    f"CPU step time, scanned stack of {gated.BLOCKS} blocks, {gated.CPU_SIZE}, float32, median "
+    f"of {runs} rounds (first: {base * 1e3:.0f} ms).",
+    "",
+    "| model | time / Flax MLP with the plain norm |",
+    "|---|---|",
+  ]
+  lines += [f"| {label} | {r:.3f} |" for label, r in zip(labels, [1.0, *ratios], strict=True)]
+  return lines
+
+
+def precision_rows() -> list[str]:
+  t, d = 4096, 1024
+  k = jax.random.split(jax.random.key(0), 3)
+  x = (jax.random.normal(k[0], (t, d), jnp.float32) * 3 + 1).astype(jnp.bfloat16)
+  scale = jax.random.normal(k[1], (d,), jnp.float32)
+  g = jax.random.normal(k[2], (t, d), jnp.float32).astype(jnp.bfloat16)
+  x64 = np.asarray(x, np.float64)
+  r = 1 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + gated.EPS)
+  x_hat = x64 * r
+  y = jaxact.rms_norm(x, scale, epsilon=gated.EPS)
+  from_y = np.asarray(y, np.float64) / np.asarray(scale, np.float64)
+  from_x = np.asarray(x, np.float32) * np.asarray(r, np.float32)
+
+  def rel(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+  def dx(f):
+    return np.asarray(jax.vjp(f, x)[1](g)[0], np.float64)
+
+  dx_ref = jax.vjp(
+    lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + gated.EPS) * scale,
+    jnp.asarray(x64),
+  )[1](jnp.asarray(np.asarray(g, np.float64)))[0]
+  dx_ref = np.asarray(dx_ref)
+  ours = dx(lambda x: jaxact.rms_norm(x, scale, epsilon=gated.EPS))
+  inputs = dx(lambda x: jaxact.rms_norm(x, scale, epsilon=gated.EPS, residual="input"))
+  plain = dx(lambda x: (gated.rms_norm(x).astype(jnp.float32) * scale).astype(jnp.bfloat16))
+  return [
+    f"bfloat16 x ({t} x {d}, N(1, 3)), float32 scale N(0, 1); relative RMS error against float64.",
+    "",
+    "| quantity | relative RMS error |",
+    "|---|---|",
+    f"| x_hat recovered from the bfloat16 y (y / gamma) | {rel(from_y, x_hat):.2e} |",
+    f"| x_hat from the bfloat16 x (float32 arithmetic) | {rel(from_x, x_hat):.2e} |",
+    f"| dx, jaxact.rms_norm (keeps y) | {rel(ours, dx_ref):.2e} |",
+    f"| dx, jaxact.rms_norm(residual='input') | {rel(inputs, dx_ref):.2e} |",
+    f"| dx, JAX autodiff of the plain norm | {rel(plain, dx_ref):.2e} |",
+  ]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sections", default=",".join(SECTIONS))
+  parser.add_argument("--runs", type=int, default=7)
+  a = parser.parse_args(argv)
+  wanted = a.sections.split(",")
+  out = {
+    "stack": lambda: stack_rows(False),
+    "stack-h100": lambda: stack_rows(True),
+    "decoder": lambda: decoder_rows(False),
+    "decoder-h100": lambda: decoder_rows(True),
+    "time": lambda: time_rows(a.runs),
+    "precision": precision_rows,
+  }
+  print(f"jax {jax.__version__}")
+  for name in wanted:
+    print(f"\n## {name}\n")
+    print("\n".join(out[name]()), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
