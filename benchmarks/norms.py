@@ -96,7 +96,9 @@ def stack_rows(gpu: bool) -> list[str]:
 
 
 def _decoder_norm(x, scale):
-  return jaxact.rms_norm(x, scale.astype(jnp.promote_types(x.dtype, jnp.float32)), epsilon=gated.EPS)
+  return jaxact.rms_norm(
+    x, scale.astype(jnp.promote_types(x.dtype, jnp.float32)), epsilon=gated.EPS
+  )
 
 
 def decoder_rows(gpu: bool) -> list[str]:
