@@ -1,0 +1,316 @@
+"""The forward of the fused linear cross-entropy on Hopper GPUs (Mosaic GPU): per-token statistics
+of the logits ``z = x @ w + b`` with no logits tile ever written to global memory.
+
+For each token, with ``s = c * tanh(z / c)`` under a soft cap ``c`` (else ``s = z``; a ``z`` of
+``-inf``, a masked vocabulary entry, stays ``-inf``):
+
+* ``max_v s`` and ``sum_v exp(s - max)`` (online over the vocabulary: a running maximum and a
+  rescaled sum), from which the caller forms the log-sum-exp;
+* ``s[label]`` (0 for a label outside ``[0, V)``);
+* ``sum_v s / V`` over the finite ``s`` (each term divided by ``V``, so that no sum of large
+  finite logits can overflow), for label smoothing.
+
+Layout, as :mod:`pallas_kernels.hopper`'s forward: a CTA owns ``tile_m`` tokens and walks the
+whole vocabulary in steps of ``2 * tile_n`` columns; for each step a memory warpgroup streams
+``x`` and ``w`` tiles through a ring of ``stages`` shared-memory buffers (TMA,
+``plgpu.emit_pipeline_warp_specialized``) and two compute warpgroups each accumulate a
+``tile_m x tile_n`` logits tile by wgmma in registers, then fold it into their running row
+statistics, kept in shared memory between steps (a compute warpgroup cannot carry registers
+across the pipeline's calls). Each warpgroup writes its statistics for its half of the columns at
+the end; :func:`lce_fwd` merges the two halves (four float32 numbers a token). Persistent: one CTA
+an SM walks the token tiles.
+
+The backward pass (``dx``, ``dw``, ``db`` from the softmax-minus-one-hot tile) has no kernel yet:
+jaxact runs it on XLA's blocked path, recomputing the logits in float32 from the same bf16/f16
+operands (so its probabilities use the kernel's statistics to float32 rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from pallas_kernels._mosaic import HALF, HOPPER_SMEM, pl, plgpu, transforms
+
+_STATS = 4  # running max, rescaled sum of exp, label logit, sum of finite logits / V
+
+
+@dataclasses.dataclass(frozen=True)
+class LceTiles:
+  """Tiling of the forward kernel.
+
+  Attributes:
+    tile_m: tokens a CTA (both compute warpgroups); tile_n: vocabulary columns a compute warpgroup
+      a step (a CTA's step covers ``2 * tile_n``); tile_k: contraction a pipeline stage;
+    stages: the pipeline's depth.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+
+  def smem_bytes(self, itemsize: int) -> int:
+    ring = self.stages * (self.tile_m + 2 * self.tile_n) * self.tile_k * itemsize
+    stats = 2 * _STATS * self.tile_m * 4 + 2 * self.tile_m * 4  # statistics, labels
+    return ring + stats + 2 * self.tile_n * 4 + 1024  # bias tiles; barriers and alignment
+
+
+def default_lce_tiles(shape: tuple[int, int, int], dtype) -> LceTiles:
+  """Tiles for ``(T, D, V)``: the Hopper forward's 128 x 256 CTA tile, 64-deep stages.
+
+  A compute warpgroup's 128 x 128 float32 accumulator is 128 registers a thread, as in the dense
+  forward; a stage of x and w tiles is (128 + 256) x 64 x 2 B = 48 KiB, so four stages (192 KiB)
+  fit the 227 KiB of shared memory beside the statistics (5 KiB) with no output tiles to stage
+  (the kernel writes four numbers a token). Smaller shapes (tests) shrink nothing: shapes that
+  the tiles do not divide are refused (:func:`lce_unsupported`).
+  """
+  del shape
+  t = LceTiles()
+  return t if t.smem_bytes(np.dtype(dtype).itemsize) <= HOPPER_SMEM else LceTiles(stages=3)
+
+
+def lce_unsupported(shape: tuple[int, int, int], dtype, tiles: LceTiles | None = None) -> str | None:
+  """Why the kernel cannot compute ``(T, D, V)`` statistics of `dtype` operands, or None."""
+  t_, d, v = shape
+  t = tiles or default_lce_tiles(shape, dtype)
+  if np.dtype(dtype) not in HALF:
+    return f"operand dtype {np.dtype(dtype).name} (the Hopper kernel takes bfloat16 or float16)"
+  for name, n, step in (("tokens", t_, t.tile_m), ("V", v, 2 * t.tile_n), ("D", d, t.tile_k)):
+    if n % step:
+      return f"{name}={n} is not a multiple of {step} (the Hopper kernel's tile)"
+  if t.smem_bytes(np.dtype(dtype).itemsize) > HOPPER_SMEM:
+    return f"tiles {t} need more shared memory than Hopper's {HOPPER_SMEM // 1024} KiB"
+  return None
+
+
+def _capped(z, soft_cap):
+  if soft_cap is None:
+    return z
+  return jnp.where(z == -jnp.inf, -jnp.inf, soft_cap * jnp.tanh(z * (1.0 / soft_cap)))
+
+
+def _fwd_kernel(x_gmem, w_gmem, b_gmem, labels_gmem, stats_gmem, *, t: LceTiles, soft_cap, mean):
+  tokens, d = x_gmem.shape
+  vocab = w_gmem.shape[1]
+  cta_n = 2 * t.tile_n
+  m_iters, n_iters, k_iters = tokens // t.tile_m, vocab // cta_n, d // t.tile_k
+  operand_transforms = transforms(t.tile_k, x_gmem.dtype)
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(k_iters,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec(
+          (t.tile_m, t.tile_k),
+          lambda s: (0, s),
+          transforms=operand_transforms,
+          memory_space=plgpu.SMEM,
+        ),
+        plgpu.BlockSpec(
+          (t.tile_k, cta_n),
+          lambda s: (s, 0),
+          transforms=operand_transforms,
+          memory_space=plgpu.SMEM,
+        ),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=t.stages,
+      compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  scratch = dict(
+    pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+    stats_smem=plgpu.SMEM((2, _STATS, t.tile_m), jnp.float32),
+    labels_smem=plgpu.SMEM((2, t.tile_m), jnp.int32),
+    labels_barrier=plgpu.Barrier(num_barriers=2),
+    bias_smem=None if b_gmem is None else plgpu.SMEM((2, t.tile_n), jnp.float32),
+    bias_barrier=None if b_gmem is None else plgpu.Barrier(num_barriers=2),
+  )
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(pipeline_allocs, stats_smem, labels_smem, labels_barrier, bias_smem, bias_barrier):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters,), collective_axes="sm")
+    def _token_loop(info):
+      (mi,) = info.index
+      m_slice = pl.ds(mi * t.tile_m, t.tile_m)
+
+      @pl.loop(0, n_iters)
+      def _vocab_loop(ni):
+        col0 = ni * cta_n + wg * t.tile_n  # this warpgroup's first column
+        n_slice = pl.ds(col0, t.tile_n)
+        first, last = ni == 0, ni == n_iters - 1
+
+        def compute_context(run_pipeline):
+          @pl.when(first)
+          def _():
+            plgpu.copy_gmem_to_smem(
+              labels_gmem.at[m_slice], labels_smem.at[wg], labels_barrier.at[wg]
+            )
+
+          if b_gmem is not None:  # lands while the main loop runs
+            plgpu.copy_gmem_to_smem(b_gmem.at[n_slice], bias_smem.at[wg], bias_barrier.at[wg])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            run_pipeline(acc_ref)
+            z = acc_ref[...]
+            if b_gmem is not None:
+              plgpu.barrier_wait(bias_barrier.at[wg])
+              bias = plgpu.load(bias_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+              z = z + lax.broadcast_in_dim(bias, z.shape, [1])
+            s = _capped(z, soft_cap)
+
+            @pl.when(first)
+            def _():
+              plgpu.barrier_wait(labels_barrier.at[wg])
+
+            # The previous token tile's statistics must have left shared memory (TMA store).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(first)  # a new token tile: statistics of no column yet
+            def _():
+              for i, v in enumerate((-jnp.inf, 0.0, 0.0, 0.0)):
+                fill = jnp.full((t.tile_m,), v, jnp.float32)
+                stats_smem.at[wg, i][...] = plgpu.layout_cast(fill, row)
+
+            m_prev, se_prev, sy_prev, mean_prev = (
+              plgpu.load(stats_smem.at[wg, i], layout=row) for i in range(_STATS)
+            )
+
+            m_new = jnp.maximum(m_prev, s.max(axis=1))
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: sums stay 0
+            se = se_prev * jnp.exp(m_prev - shift) + jnp.exp(
+              s - lax.broadcast_in_dim(shift, s.shape, [0])
+            ).sum(axis=1)
+            labels = plgpu.load(labels_smem.at[wg], layout=row)
+            cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            hit = cols + col0 == lax.broadcast_in_dim(labels, s.shape, [0])
+            sy = sy_prev + jnp.where(hit, s, 0.0).sum(axis=1)
+            new = [m_new, se, sy]
+            if mean:
+              finite = jnp.where(s > -jnp.inf, s * (1.0 / vocab), 0.0)
+              new.append(mean_prev + finite.sum(axis=1))
+            else:
+              new.append(mean_prev)
+            for i, v in enumerate(new):
+              stats_smem.at[wg, i][...] = v
+
+            @pl.when(last)
+            def _():
+              plgpu.commit_smem()
+              for i in range(_STATS):
+                plgpu.copy_smem_to_gmem(stats_smem.at[wg, i], stats_gmem.at[wg, i, m_slice])
+
+        def mma(_, x_smem, w_smem, acc_ref):
+          plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(mma, compute_context)(
+          x_gmem.at[m_slice, :],
+          w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
+          allocations=pipeline_allocs,
+        )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def lce_fwd(
+  x: Array,
+  w: Array,
+  b: Array | None,
+  labels: Array,
+  *,
+  soft_cap: float | None,
+  want_mean: bool,
+  tiles: LceTiles | None = None,
+  num_sms: int = 132,
+  interpret: Any = False,
+) -> tuple[Array, Array, Array | None]:
+  """``(lse, label_logit, mean_logit)``, each float32 ``(T,)``, of ``z = x @ w + b``.
+
+  `x` ``(T, D)`` and `w` ``(D, V)`` of one 16-bit dtype, `b` ``(V,)`` float32 or None, `labels`
+  ``(T,)`` int32. ``lse`` is ``-inf`` for a token whose every logit is ``-inf``; ``label_logit``
+  is 0 for a label outside ``[0, V)``; ``mean_logit`` (the mean of the finite capped logits) is
+  None unless `want_mean`. `num_sms`: one persistent CTA each. `interpret`: False, True or a
+  ``plgpu.InterpretGPUParams`` (Mosaic GPU's interpreter, one CTA). Raises ValueError for what
+  :func:`lce_unsupported` refuses.
+  """
+  (tokens, d), v = x.shape, w.shape[1]
+  if w.shape[0] != d or x.dtype != w.dtype:
+    raise ValueError(f"pallas_kernels.lce_hopper: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+  if labels.shape != (tokens,) or (b is not None and b.shape != (v,)):
+    raise ValueError(
+      f"pallas_kernels.lce_hopper: labels {labels.shape} / b {None if b is None else b.shape} "
+      f"do not fit x {x.shape} and w {w.shape}"
+    )
+  t = tiles or default_lce_tiles((tokens, d, v), x.dtype)
+  why = lce_unsupported((tokens, d, v), x.dtype, t)
+  if why is not None:
+    raise ValueError(f"pallas_kernels.lce_hopper: {why}")
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  args = [x, w] + ([] if b is None else [b.astype(jnp.float32)]) + [labels.astype(jnp.int32)]
+
+  def body(x_ref, w_ref, *refs):
+    b_ref = refs[0] if b is not None else None
+    labels_ref, stats_ref = refs[-2:]
+    _fwd_kernel(x_ref, w_ref, b_ref, labels_ref, stats_ref, t=t, soft_cap=soft_cap, mean=want_mean)
+
+  kernel = plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((2, _STATS, tokens), jnp.float32),
+    grid=(1 if interpret else num_sms,),
+    grid_names=("sm",),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret or None,
+  )
+  stats = kernel(*args)
+  return merge_halves(stats, want_mean)
+
+
+def merge_halves(stats: Array, want_mean: bool) -> tuple[Array, Array, Array | None]:
+  """The two compute warpgroups' ``(2, 4, T)`` statistics as ``(lse, label logit, mean)``."""
+  m, se, sy, mean = (stats[:, i] for i in range(_STATS))
+  top = jnp.max(m, 0)
+  shift = jnp.where(top == -jnp.inf, 0.0, top)
+  total = jnp.sum(se * jnp.exp(m - shift), 0)
+  lse = jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  return lse, jnp.sum(sy, 0), jnp.sum(mean, 0) if want_mean else None
+
+
+def lce_reference(
+  x: Array, w: Array, b: Array | None, labels: Array, *, soft_cap: float | None, want_mean: bool
+) -> tuple[Array, Array, Array | None]:
+  """What :func:`lce_fwd` computes, in plain jnp (float32 accumulation): the tests' oracle."""
+  z = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  if b is not None:
+    z = z + b.astype(jnp.float32)
+  s = _capped(z, soft_cap)
+  top = jnp.max(s, 1, keepdims=True)
+  shift = jnp.where(top == -jnp.inf, 0.0, top)
+  total = jnp.sum(jnp.exp(s - shift), 1)
+  lse = jnp.where(total > 0, shift[:, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  v = w.shape[1]
+  inside = (labels >= 0) & (labels < v)
+  sy = jnp.where(inside, jnp.take_along_axis(s, jnp.clip(labels, 0, v - 1)[:, None], 1)[:, 0], 0.0)
+  mean = jnp.sum(jnp.where(s > -jnp.inf, s / v, 0.0), 1) if want_mean else None
+  return lse, sy, mean
