@@ -15,7 +15,9 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
   :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward;
   its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),
-  :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass).
+  :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass),
+  :mod:`pallas_kernels.lce_hopper` (the linear cross-entropy's forward: per-token statistics of
+  the logits).
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
 The package is installed as ``pallas_kernels`` beside ``jaxact`` rather than inside it so that it

@@ -76,7 +76,9 @@ def default_lce_tiles(shape: tuple[int, int, int], dtype) -> LceTiles:
   return t if t.smem_bytes(np.dtype(dtype).itemsize) <= HOPPER_SMEM else LceTiles(stages=3)
 
 
-def lce_unsupported(shape: tuple[int, int, int], dtype, tiles: LceTiles | None = None) -> str | None:
+def lce_unsupported(
+  shape: tuple[int, int, int], dtype, tiles: LceTiles | None = None
+) -> str | None:
   """Why the kernel cannot compute ``(T, D, V)`` statistics of `dtype` operands, or None."""
   t_, d, v = shape
   t = tiles or default_lce_tiles(shape, dtype)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import jax
 import numpy as np
-from jax import Array
+from jax import Array, lax
 
 from jaxact._src import kernel_calls, pallas_sharding
 
@@ -362,9 +362,25 @@ LCE_AUTO_RULES: tuple[Rule, ...] = (
 
 
 def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
-  """Why the Hopper kernels of :func:`jaxact.linear_cross_entropy` cannot run this call, or
-  None."""
-  return "no Mosaic GPU kernel for linear_cross_entropy is built into this version"
+  """Why the Hopper forward kernel of :func:`jaxact.linear_cross_entropy` cannot run this call,
+  or None."""
+  if np.dtype(plan.acc_dtype) != np.float32:
+    return "float64 inputs (the kernel accumulates in float32)"
+  if np.dtype(x.dtype) != np.dtype(w.dtype):
+    return f"x ({np.dtype(x.dtype).name}) and w ({np.dtype(w.dtype).name}) of different dtypes"
+  if plan.precision not in (None, lax.Precision.DEFAULT, (None, None)):
+    return f"precision={plan.precision!r} (the kernel multiplies at the operands' own precision)"
+  pattern = pallas_sharding.dense_pattern(x, w)
+  if isinstance(pattern, str) or (pattern is not None and pattern.model):
+    return "the vocabulary split over devices (the kernel path runs data parallel only)"
+  from pallas_kernels import lce_hopper
+
+  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
+  why = lce_hopper.lce_unsupported(shape, x.dtype)
+  whole = (math.prod(x.shape[:-1]), *w.shape)
+  if why is not None and shape != whole:
+    why = f"{why}, in each device's block ((tokens, D, V) = {shape})"
+  return why
 
 
 def decide_lce(fn_name: str, implementation: str | None, plan: LcePlan, x: Array, w: Array):
@@ -388,7 +404,8 @@ def decide_lce(fn_name: str, implementation: str | None, plan: LcePlan, x: Array
           f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
           "implementation='xla' or None"
         )
-      return Decision("mosaic", "mosaic", forced=True, target=target())
+      # The forward kernel; the backward stays on XLA's blocked path (no backward kernel yet).
+      return Decision("mosaic", "xla", forced=True, target=target())
     case _:  # None
       return _auto(None, LCE_AUTO_RULES, lambda: None)
 

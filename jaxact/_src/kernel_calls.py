@@ -251,3 +251,25 @@ def gated_backward(plan: GatedPlan, gh, a, b, xla: Callable[..., Any], *, with_h
     )
 
   return _switch((gh, a, b), pallas_sharding.pointwise(triton), xla, plan.decision, False)
+
+
+def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
+  """``(lse, label logit, mean logit or None)`` of one device's tokens (all the vocabulary) by
+  the Hopper forward kernel (:mod:`pallas_kernels.lce_hopper`); `xla` computes the same."""
+  from pallas_kernels.lce_hopper import lce_fwd
+
+  d, want_mean = plan.decision, plan.label_smoothing > 0
+
+  def kernels(x, w, b, labels, *, interpret):
+    return lce_fwd(
+      x,
+      w,
+      b,
+      labels,
+      soft_cap=plan.soft_cap,
+      want_mean=want_mean,
+      num_sms=d.target.sms,
+      interpret=interpret,
+    )
+
+  return _switch((x, w, b, labels), kernels, xla, d, mosaic=True)

@@ -195,7 +195,8 @@ def linear_cross_entropy(
     logit_soft_cap: :math:`c > 0`, or None for no cap.
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
-      ``"mosaic"`` (the Hopper kernels; raises ``NotImplementedError`` where they cannot run).
+      ``"mosaic"`` (the Hopper forward kernel, XLA's backward; raises ``NotImplementedError``
+      where the kernel cannot run).
     vocab_block_size: columns of ``w`` per block of the XLA path (None: chosen from the sizes,
       about 8 MiB of float32 logits a block on CPU, 256 MiB for a GPU).
 

@@ -355,7 +355,12 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
   if plan.decision.forward == "mosaic":
     from jaxact._src import kernel_calls
 
-    lse, sy, mean = kernel_calls.lce_forward(plan, x2, w, b, labels2)
+    def xla(x, w, b, labels):
+      m, se, sy, mean = stats_by_vocab(plan, x, w, b, labels, vocab)
+      return lse_of(m, se), sy, mean
+
+    # Never with the vocabulary split over `model` axes (dispatch.lce_mosaic_unsupported).
+    lse, sy, mean = kernel_calls.lce_forward(plan, x2, w, b, labels2, xla)
   else:
     by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
     m, se, sy, mean = by(plan, x2, w, b, labels2, vocab)
@@ -393,13 +398,9 @@ def _local_grads(
     return None if v is None else v.reshape(-1)
 
   row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
-  if plan.decision.backward == "mosaic":
-    from jaxact._src import kernel_calls
-
-    dx, dw, db = kernel_calls.lce_backward(plan, x2, w, b, labels2, flat(lse), row_scales)
-  else:
-    by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
-    dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
+  # XLA's blocked backward on every backend (no backward kernel yet: pallas_kernels.lce_hopper).
+  by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
+  dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
   return dx.reshape(x.shape), dw, db
 
 

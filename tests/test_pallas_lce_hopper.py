@@ -1,0 +1,185 @@
+"""The Hopper (Mosaic GPU) forward kernel of the linear cross-entropy (``lce_hopper``): in Mosaic
+GPU's interpreter against its jnp reference and a float64 one, through
+``jaxact.linear_cross_entropy(implementation="mosaic")`` against the XLA path, its refusals, and
+compiled for an H100 at the issue's size without a (tokens x vocabulary) buffer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxact
+from jaxact._src import test_util
+from kernel_cases import lowered_text
+from pallas_kernels import lce_hopper
+
+
+def _inputs(t, d, v, dtype=jnp.bfloat16, *, masked=True, seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(k[0], (t, d), jnp.float32).astype(dtype)
+  w = (jax.random.normal(k[1], (d, v), jnp.float32) * 3 / d**0.5).astype(dtype)
+  b = jax.random.normal(k[2], (v,), jnp.float32)
+  if masked:
+    b = b.at[::7].set(-jnp.inf)  # a masked vocabulary
+  labels = jax.random.randint(k[3], (t,), -3, v + 3, jnp.int32)  # some outside [0, V)
+  return x, w, b, labels
+
+
+def _float64(x, w, b, labels, soft_cap):
+  """The statistics by float64 numpy from the same 16-bit operands."""
+  z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  if b is not None:
+    z = z + np.asarray(b, np.float64)
+  with np.errstate(invalid="ignore"):
+    s = z if soft_cap is None else np.where(z == -np.inf, -np.inf, soft_cap * np.tanh(z / soft_cap))
+  top = s.max(1, keepdims=True)
+  lse = top[:, 0] + np.log(np.exp(s - top).sum(1))
+  v = w.shape[1]
+  labels = np.asarray(labels)
+  inside = (labels >= 0) & (labels < v)
+  sy = np.where(inside, s[np.arange(len(labels)), np.clip(labels, 0, v - 1)], 0.0)
+  mean = np.where(np.isfinite(s), s, 0.0).sum(1) / v
+  return lse, sy, mean
+
+
+def _close(got, want, tol):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  same_inf = np.isinf(want) & (got == want)
+  np.testing.assert_allclose(np.where(same_inf, 0, got), np.where(same_inf, 0, want), **tol)
+
+
+@pytest.mark.parametrize(
+  ("shape", "dtype", "soft_cap", "bias"),
+  [
+    ((128, 128, 512), jnp.bfloat16, None, True),
+    ((256, 64, 1024), jnp.float16, 5.0, False),  # two token tiles, four vocabulary steps
+    pytest.param((128, 256, 256), jnp.bfloat16, 30.0, True, marks=pytest.mark.exhaustive),
+  ],
+  ids=["bf16-bias", "f16-cap-tiles", "bf16-cap-bias"],
+)
+def test_forward_kernel_matches_its_reference_and_float64(shape, dtype, soft_cap, bias):
+  x, w, b, labels = _inputs(*shape, dtype, masked=bias)
+  b = b if bias else None
+  got = lce_hopper.lce_fwd(x, w, b, labels, soft_cap=soft_cap, want_mean=True, interpret=True)
+  ref = lce_hopper.lce_reference(x, w, b, labels, soft_cap=soft_cap, want_mean=True)
+  for g, r in zip(got, ref, strict=True):
+    assert g.dtype == jnp.float32 and g.shape == (shape[0],)
+    _close(g, r, dict(rtol=1e-5, atol=1e-5))
+  for g, r in zip(got, _float64(x, w, b, labels, soft_cap), strict=True):
+    _close(g, r, dict(rtol=2e-5, atol=2e-5))
+  assert not np.isnan(np.asarray(got)).any()
+
+
+def test_rows_without_a_finite_logit_and_no_mean():
+  x, w, b, labels = _inputs(128, 64, 256)
+  b = b.at[:].set(-jnp.inf)  # every entry masked: lse -inf, never NaN
+  lse, sy, mean = lce_hopper.lce_fwd(
+    x, w, b, labels, soft_cap=None, want_mean=False, interpret=True
+  )
+  assert mean is None
+  assert np.all(np.asarray(lse) == -np.inf)
+  inside = (labels >= 0) & (labels < 256)
+  np.testing.assert_array_equal(np.asarray(sy)[np.asarray(inside)], -np.inf)
+  np.testing.assert_array_equal(np.asarray(sy)[~np.asarray(inside)], 0.0)
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_soft_cap": 10.0}],
+  ids=["plain", "all-options"],
+)
+def test_jaxact_mosaic_equals_the_xla_path(options, monkeypatch):
+  x, w, b, labels = _inputs(128, 128, 512)
+  b = b.astype(jnp.bfloat16)
+  impossible = (labels < 0) | (labels >= 512) | (b[jnp.clip(labels, 0, 511)] == -jnp.inf)
+  labels = jnp.where(impossible, 1, labels)
+  calls = []
+  kernel = lce_hopper.lce_fwd
+  monkeypatch.setattr(lce_hopper, "lce_fwd", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+
+  def step(impl):
+    def loss(x, w, b):
+      return jaxact.linear_cross_entropy(x, w, labels, bias=b, implementation=impl, **options)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+  (l1, g1) = step("mosaic")
+  assert calls and calls[0]["want_mean"] == ("label_smoothing" in options)  # the kernel ran
+  (l2, g2) = step("xla")
+  np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  for a, c in zip(g1, g2, strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("call", "match"),
+  [
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(x[:100], w, y[:100], implementation="mosaic"),
+      r"tokens=100 is not a multiple of 128",
+    ),
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(x, w[:, :384], y % 384, implementation="mosaic"),
+      r"V=384 is not a multiple of 256",
+    ),
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(
+        x.astype(jnp.float32), w.astype(jnp.float32), y, implementation="mosaic"
+      ),
+      r"operand dtype float32",
+    ),
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(
+        x, w, y, implementation="mosaic", precision=jax.lax.Precision.HIGHEST
+      ),
+      r"precision=",
+    ),
+  ],
+  ids=["tokens", "vocab", "float32", "precision"],
+)
+def test_mosaic_refusals_say_why(call, match):
+  x, w, _, labels = _inputs(128, 64, 512)
+  with pytest.raises(NotImplementedError, match=match):
+    call(x, w, labels % 512)
+
+
+def test_lce_unsupported():
+  assert lce_hopper.lce_unsupported((16384, 4096, 131072), jnp.bfloat16) is None
+  assert "D=100" in lce_hopper.lce_unsupported((128, 100, 256), jnp.bfloat16)
+  big = lce_hopper.LceTiles(stages=8)
+  assert "shared memory" in lce_hopper.lce_unsupported((128, 64, 256), jnp.float16, big)
+
+
+def _shapes(t, d, v):
+  return [
+    jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+    jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+    jax.ShapeDtypeStruct((v,), jnp.float32),
+    jax.ShapeDtypeStruct((t,), jnp.int32),
+  ]
+
+
+def test_forward_kernel_lowers_for_an_h100_at_the_issue_size():
+  def fwd(x, w, b, labels):
+    return lce_hopper.lce_fwd(x, w, b, labels, soft_cap=30.0, want_mean=True, num_sms=132)
+
+  text = lowered_text(fwd, _shapes(16384, 4096, 131072))
+  assert "mosaic_gpu" in text
+
+
+def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
+  try:
+    device = test_util.device(test_util.H100)
+  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    pytest.skip(f"cannot compile for a GPU here: {e}")
+  del device
+
+  def fwd(x, w, b, labels):
+    return lce_hopper.lce_fwd(x, w, b, labels, soft_cap=None, want_mean=True, num_sms=132)
+
+  compiled = test_util.compile_for(fwd, _shapes(16384, 4096, 131072))
+  # Four float32 statistics a token for each of two warpgroups: 0.5 MiB; the logits would be 4 GiB.
+  assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
