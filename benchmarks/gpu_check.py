@@ -37,8 +37,13 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
   of ``env``'s copy bandwidth); the Mosaic GPU forward writing each code (Hopper); one dense and
   one conv layer's training step, exact against each code, per implementation.
 
+* ``lce``: the LM head's loss (``gpu_lce``): ``linear_cross_entropy``'s Hopper forward kernel
+  against the XLA path, and fwd+bwd time of the plain composition, jaxact's paths and tokamax at
+  16384 x 4096 x 128k / 256k.
+
 The sections live by what they measure: ``gpu_common`` (env, timing, inputs), ``gpu_dense``,
-``gpu_conv``, ``gpu_hopper`` and ``gpu_codes``; this module runs them and writes the report.
+``gpu_conv``, ``gpu_hopper``, ``gpu_codes`` and ``gpu_lce``; this module runs them and writes the
+report.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
 """
@@ -54,7 +59,7 @@ import traceback
 
 import jax
 
-from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper
+from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce
 from benchmarks.gpu_common import gpu_device, section_env
 from jaxact._src.test_util import is_hopper
 
@@ -82,6 +87,7 @@ SECTIONS = {
   ),
   "hopper-bwd": lambda gpu, args, res: gpu_hopper.section_hopper_bwd(args.runs),
   "suite": lambda gpu, args, res: gpu_dense.section_suite(args.runs),
+  "lce": lambda gpu, args, res: gpu_lce.section_lce(args.runs, is_hopper(gpu.device_kind)),
   "codes": lambda gpu, args, res: gpu_codes.section_codes(
     args.runs, _copy_gbps(res), is_hopper(gpu.device_kind), getattr(gpu, "core_count", None)
   ),

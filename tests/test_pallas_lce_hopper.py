@@ -183,3 +183,14 @@ def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   compiled = test_util.compile_for(fwd, _shapes(16384, 4096, 131072))
   # Four float32 statistics a token for each of two warpgroups: 0.5 MiB; the logits would be 4 GiB.
   assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
+
+
+def test_the_gpu_section_lowers_for_an_h100():
+  # benchmarks.gpu_lce times these on a GPU: each path's fwd+bwd lowers here, the kernel's too.
+  from benchmarks import gpu_lce
+
+  shapes = _shapes(1024, 256, 2048)
+  args = [shapes[0], shapes[1], shapes[3]]
+  for label, loss in gpu_lce.paths(hopper=True).items():
+    text = lowered_text(jax.value_and_grad(loss, argnums=(0, 1)), args)
+    assert ("mosaic_gpu" in text) == (label == "jaxact mosaic"), label
