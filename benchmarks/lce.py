@@ -246,6 +246,12 @@ def rms_norm(x, scale):
   return gated.rms_norm(x) * scale
 
 
+def jaxact_rms_norm(x, scale):
+  """:func:`jaxact.rms_norm` (keeping its output), the scale in float32 or wider."""
+  scale = scale.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return jaxact.rms_norm(x, scale, epsilon=gated.EPS)
+
+
 def _attention(x, p, heads):
   b, s, d = x.shape
   q, k, v = (jnp.dot(x, p[n]).reshape(b, s, heads, d // heads) for n in ("wq", "wk", "wv"))

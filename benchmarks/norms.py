@@ -95,12 +95,6 @@ def stack_rows(gpu: bool) -> list[str]:
   return lines
 
 
-def _decoder_norm(x, scale):
-  return jaxact.rms_norm(
-    x, scale.astype(jnp.promote_types(x.dtype, jnp.float32)), epsilon=gated.EPS
-  )
-
-
 def decoder_rows(gpu: bool) -> list[str]:
   c = lce.DECODER_GPU if gpu else lce.DECODER_CPU
   lines = [
@@ -111,7 +105,7 @@ def decoder_rows(gpu: bool) -> list[str]:
   ]
   for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
     plain = lce.decoder_temp(c, body, head, gpu)
-    ours = lce.decoder_temp(c, body, head, gpu, norm=_decoder_norm)
+    ours = lce.decoder_temp(c, body, head, gpu, norm=lce.jaxact_rms_norm)
     lines.append(
       f"| {lce.BODY_LABELS[body]} | {head} | {plain / MiB:.1f} | {ours / MiB:.1f} | "
       f"{ours / plain:.3f} |"
