@@ -13,51 +13,27 @@ Two tables, bfloat16:
    imports; each as a ratio to the plain composition (the issue: the kernel <= 1.10x, no slower
    than tokamax).
 
-The functions it times are built by :func:`paths`, which ``tests/test_pallas_lce_hopper.py``
-lowers for an abstract H100 so that the section cannot rot between GPU sessions.
+The functions it times are built by :func:`jaxact._src.test_util.gpu_lce.paths`, which
+``tests/test_pallas_lce_hopper.py`` lowers for an abstract H100 so that the section cannot rot
+between GPU sessions.
 """
 
 from __future__ import annotations
 
-import functools
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jaxact
 from benchmarks.gpu_common import median_seconds
-
-try:
-  import tokamax
-except ImportError:  # a comparison in the benchmark, not a dependency
-  tokamax = None
+from jaxact._src.test_util import gpu_lce
 
 SIZES = ((16384, 4096, 131072), (16384, 4096, 262144))
 CHECK = (4096, 1024, 32768)
 OPTIONS = {"plain": {}, "options": dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)}
-
-
-def _plain(x, w, labels):
-  logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def paths(hopper: bool) -> dict[str, object]:
-  """label: ``loss(x, w, labels)`` for every path the section times."""
-  out = {
-    "plain": _plain,
-    "jaxact xla": functools.partial(jaxact.linear_cross_entropy, implementation="xla"),
-  }
-  if hopper:
-    out["jaxact mosaic"] = functools.partial(jaxact.linear_cross_entropy, implementation="mosaic")
-  if tokamax is not None:
-    out["tokamax"] = lambda x, w, labels: tokamax.linear_softmax_cross_entropy_loss(
-      x, labels, w, reduction="mean"
-    )
-  return out
+paths = gpu_lce.paths
 
 
 def _inputs(tokens, dim, vocab, seed=0):

@@ -187,7 +187,7 @@ def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
 
 def test_the_gpu_section_lowers_for_an_h100():
   # benchmarks.gpu_lce times these on a GPU: each path's fwd+bwd lowers here, the kernel's too.
-  from benchmarks import gpu_lce
+  from jaxact._src.test_util import gpu_lce
 
   shapes = _shapes(1024, 256, 2048)
   args = [shapes[0], shapes[1], shapes[3]]
