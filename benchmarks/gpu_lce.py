@@ -3,13 +3,15 @@
 Two tables, bfloat16:
 
 1. correctness: ``jaxact.linear_cross_entropy(..., implementation="mosaic")`` (the Hopper forward
-   kernel, :mod:`pallas_kernels.lce_hopper`, with XLA's blocked backward) against
+   kernel, :mod:`pallas_kernels.lce_hopper`, and the backward's G kernel,
+   :mod:`pallas_kernels.lce_hopper_bwd`, feeding XLA's products) against
    ``implementation="xla"`` and the plain composition in float32, loss and the gradients of x, w
    and b, with and without the options (smoothing, z-loss, soft cap); the kernel's statistics
    against :func:`pallas_kernels.lce_hopper.lce_reference`;
 2. time of ``jit(value_and_grad)`` (fwd+bwd) and of the loss alone, at 16384 tokens, D = 4096, V
    = 131072 and 262144: the plain composition (``x @ w``, optax), jaxact ``"xla"``, jaxact
-   ``"mosaic"`` (Hopper only) and tokamax's ``linear_softmax_cross_entropy_loss`` where it
+   ``"mosaic"`` and ``"mosaic fwd"`` (the forward kernel with XLA's backward; Hopper only) and
+   tokamax's ``linear_softmax_cross_entropy_loss`` where it
    imports; each as a ratio to the plain composition (the issue: the kernel <= 1.10x, no slower
    than tokamax).
 

@@ -17,7 +17,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),
   :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass),
   :mod:`pallas_kernels.lce_hopper` (the linear cross-entropy's forward: per-token statistics of
-  the logits).
+  the logits), :mod:`pallas_kernels.lce_hopper_bwd` (its backward's softmax-minus-one-hot
+  blocks).
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
 The package is installed as ``pallas_kernels`` beside ``jaxact`` rather than inside it so that it

@@ -20,9 +20,9 @@ across the pipeline's calls). Each warpgroup writes its statistics for its half 
 the end; :func:`lce_fwd` merges the two halves (four float32 numbers a token). Persistent: one CTA
 an SM walks the token tiles.
 
-The backward pass (``dx``, ``dw``, ``db`` from the softmax-minus-one-hot tile) has no kernel yet:
-jaxact runs it on XLA's blocked path, recomputing the logits in float32 from the same bf16/f16
-operands (so its probabilities use the kernel's statistics to float32 rounding).
+The backward pass's softmax-minus-one-hot tiles are :mod:`pallas_kernels.lce_hopper_bwd`'s; it
+recomputes the logits in float32 from the same bf16/f16 operands, so its probabilities use these
+statistics to float32 rounding.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import test_util
+from jaxact._src import lce_vjp, test_util
 from kernel_cases import lowered_text
-from pallas_kernels import lce_hopper
+from pallas_kernels import lce_hopper, lce_hopper_bwd
 
 
 def _inputs(t, d, v, dtype=jnp.bfloat16, *, masked=True, seed=0):
@@ -99,6 +99,13 @@ def test_jaxact_mosaic_equals_the_xla_path(options, monkeypatch):
   calls = []
   kernel = lce_hopper.lce_fwd
   monkeypatch.setattr(lce_hopper, "lce_fwd", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+  bwd_calls, bwd = [], lce_hopper_bwd.lce_bwd
+
+  def spy(x, w, *a, **k):
+    bwd_calls.append(dict(k, w=w))
+    return bwd(x, w, *a, **k)
+
+  monkeypatch.setattr(lce_hopper_bwd, "lce_bwd", spy)
 
   def step(impl):
     def loss(x, w, b):
@@ -108,10 +115,106 @@ def test_jaxact_mosaic_equals_the_xla_path(options, monkeypatch):
 
   (l1, g1) = step("mosaic")
   assert calls and calls[0]["want_mean"] == ("label_smoothing" in options)  # the kernel ran
+  assert bwd_calls  # the backward kernel formed G ...
+  assert {c["w"].shape for c in bwd_calls} == {(128, 256)}  # ... a whole block of 256 columns
   (l2, g2) = step("xla")
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  # G is rounded to bfloat16 for the products on both paths; the kernel's float32 G may round to
+  # the neighbouring bfloat16 (1 ulp, 2^-8 relative) where the XLA path's differs in its last bits.
   for a, c in zip(g1, g2, strict=True):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=1e-6)
+    a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+    assert np.linalg.norm(a - c) <= 2**-9 * np.linalg.norm(c)
+    np.testing.assert_allclose(a, c, rtol=2**-7, atol=2**-8 * np.abs(c).max())
+
+
+def _float64_dlogits(x, w, b, labels, g, *, smoothing, z_loss, soft_cap):
+  """``d(sum_t g_t loss_t)/dz`` by float64 autodiff of the plain per-token loss (the caller's
+  formula, independent of the kernels'), and its column sums."""
+  v = w.shape[1]
+  z = jnp.asarray(x, jnp.float64) @ jnp.asarray(w, jnp.float64)
+  if b is not None:
+    z = z + jnp.asarray(b, jnp.float64)
+  valid = (labels >= 0) & (labels < v)
+
+  def total(z):
+    s = z
+    if soft_cap is not None:
+      s = jnp.where(z == -jnp.inf, -jnp.inf, soft_cap * jnp.tanh(z / soft_cap))
+    lse = jax.nn.logsumexp(s, axis=1)
+    sy = jnp.where(valid, jnp.take_along_axis(s, jnp.clip(labels, 0, v - 1)[:, None], 1)[:, 0], 0)
+    mean = jnp.sum(jnp.where(jnp.isfinite(s), s, 0), 1) / v
+    loss = lse - (1 - smoothing) * sy - smoothing * mean + z_loss * lse**2
+    return jnp.sum(g * loss)
+
+  grad = jax.grad(total)(z)
+  return np.asarray(grad), np.asarray(grad).sum(0)
+
+
+@pytest.mark.parametrize(
+  ("shape", "dtype", "options", "bias"),
+  [
+    ((128, 128, 512), jnp.bfloat16, dict(smoothing=0.1, z_loss=1e-3, soft_cap=None), True),
+    ((256, 64, 512), jnp.float16, dict(smoothing=0.0, z_loss=0.0, soft_cap=5.0), False),
+    pytest.param(
+      (128, 64, 256),
+      jnp.bfloat16,
+      dict(smoothing=1.0, z_loss=0.0, soft_cap=30.0),
+      True,
+      marks=pytest.mark.exhaustive,
+    ),
+  ],
+  ids=["bf16-smoothing-zloss-bias", "f16-cap-tiles", "bf16-uniform-only"],
+)
+def test_backward_kernel_matches_float64_autodiff(shape, dtype, options, bias):
+  x, w, b, labels = _inputs(*shape, dtype, masked=bias)
+  b = b if bias else None
+  labels = jnp.where(labels % 5 == 0, labels, jnp.clip(labels, 0, shape[2] - 1))  # some invalid
+  a, k, cap = options["smoothing"], options["z_loss"], options["soft_cap"]
+  g = jax.random.normal(jax.random.key(9), (shape[0],), jnp.float32)  # any cotangent a token
+  lse = lce_hopper.lce_reference(x, w, b, labels, soft_cap=cap, want_mean=False)[0]
+  valid = (labels >= 0) & (labels < shape[2])
+  rows = jnp.stack(
+    [
+      jnp.where(lse == -jnp.inf, jnp.inf, lse),
+      g * (1 + 2 * k * lse),
+      jnp.where(valid, g * (1 - a), 0.0),
+      g * a / shape[2],
+    ]
+  )
+  got, db = lce_hopper_bwd.lce_bwd(
+    x, w, b, labels, rows, soft_cap=cap, label_term=a < 1, uniform_term=a > 0, interpret=True
+  )
+  want, want_db = _float64_dlogits(x, w, b, labels, g.astype(jnp.float64), **options)
+  assert got.dtype == dtype and got.shape == shape[::2]
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all()
+  # G is rounded to the operands' dtype: half an ulp (2^-9 relative in bfloat16) beside float32's.
+  ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
+  np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp * 1e-2 * np.abs(want).max())
+  if bias:
+    assert db.shape == (shape[0] // 128, shape[2]) and db.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(db).sum(0), want_db, rtol=1e-4, atol=1e-5)
+  else:
+    assert db is None
+
+
+def test_backward_kernel_refusals_and_blocks():
+  assert lce_hopper_bwd.lce_bwd_unsupported((16384, 4096, 4096), jnp.bfloat16) is None
+  assert "V=384" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 384), jnp.bfloat16)
+  assert "float32" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.float32)
+  big = lce_hopper_bwd.HopperTiles(stages=4)  # G's buffers leave room for three stages only
+  assert "shared memory" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.bfloat16, big)
+  assert lce_vjp.kernel_block(4096, 131072) == 4096
+  assert lce_vjp.kernel_block(5000, 3 * 1024) == 3 * 1024
+  assert lce_vjp.kernel_block(4096, 256 * 7 * 3) == 256 * 7
+  assert lce_vjp.kernel_block(100, 1024) == 256
+  x, w, _, labels = _inputs(128, 64, 512)
+  with pytest.raises(NotImplementedError, match=r"vocab_block_size=384 does not divide V=512"):
+    jaxact.linear_cross_entropy(x, w, labels % 512, implementation="mosaic", vocab_block_size=384)
+  with pytest.raises(ValueError, match=r"rows \(3, 128\)"):
+    lce_hopper_bwd.lce_bwd(
+      x, w, None, labels, jnp.zeros((3, 128)), soft_cap=None, label_term=True, uniform_term=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,12 +288,34 @@ def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
 
 
+def test_backward_kernel_compiles_for_an_h100_without_a_logits_buffer():
+  try:
+    test_util.device(test_util.H100)
+  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    pytest.skip(f"cannot compile for a GPU here: {e}")
+  t, d, v = 16384, 4096, 4096  # the issue's tokens and D, one GPU-sized block of columns
+  shapes = [*_shapes(t, d, v), jax.ShapeDtypeStruct((4, t), jnp.float32)]
+
+  def bwd(x, w, b, labels, rows):
+    return lce_hopper_bwd.lce_bwd(
+      x, w, b, labels, rows, soft_cap=30.0, label_term=True, uniform_term=True, num_sms=132
+    )
+
+  compiled = test_util.compile_for(bwd, shapes)
+  # G (128 MiB) and db's partial sums are outputs; the logits block never exists.
+  assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
+
+
 def test_the_gpu_section_lowers_for_an_h100():
-  # benchmarks.gpu_lce times these on a GPU: each path's fwd+bwd lowers here, the kernel's too.
+  # benchmarks.gpu_lce times these on a GPU: each path's fwd+bwd lowers here, the kernels too.
   from jaxact._src.test_util import gpu_lce
 
   shapes = _shapes(1024, 256, 2048)
   args = [shapes[0], shapes[1], shapes[3]]
+  kernels = {}
   for label, loss in gpu_lce.paths(hopper=True).items():
     text = lowered_text(jax.value_and_grad(loss, argnums=(0, 1)), args)
-    assert ("mosaic_gpu" in text) == (label == "jaxact mosaic"), label
+    kernels[label] = text.count("mosaic_gpu")
+  assert {k for k, n in kernels.items() if n} == {"jaxact mosaic", "jaxact mosaic fwd"}
+  # "mosaic" runs the backward kernel too; "mosaic fwd" the forward kernel with XLA's backward.
+  assert kernels["jaxact mosaic"] > kernels["jaxact mosaic fwd"]

@@ -362,8 +362,8 @@ LCE_AUTO_RULES: tuple[Rule, ...] = (
 
 
 def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
-  """Why the Hopper forward kernel of :func:`jaxact.linear_cross_entropy` cannot run this call,
-  or None."""
+  """Why the Hopper kernels of :func:`jaxact.linear_cross_entropy` (the forward, and the backward
+  on blocks of ``plan.block`` columns) cannot run this call, or None."""
   if np.dtype(plan.acc_dtype) != np.float32:
     return "float64 inputs (the kernel accumulates in float32)"
   if np.dtype(x.dtype) != np.dtype(w.dtype):
@@ -373,13 +373,20 @@ def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
   pattern = pallas_sharding.dense_pattern(x, w)
   if isinstance(pattern, str) or (pattern is not None and pattern.model):
     return "the vocabulary split over devices (the kernel path runs data parallel only)"
-  from pallas_kernels import lce_hopper
+  from pallas_kernels import lce_hopper, lce_hopper_bwd
 
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
   why = lce_hopper.lce_unsupported(shape, x.dtype)
   whole = (math.prod(x.shape[:-1]), *w.shape)
   if why is not None and shape != whole:
     why = f"{why}, in each device's block ((tokens, D, V) = {shape})"
+  if why is None and plan.by != "vocab":
+    why = f"by={plan.by!r} (the backward kernel forms G a block of vocabulary columns at a time)"
+  if why is None and w.shape[1] % plan.block:
+    why = f"vocab_block_size={plan.block} does not divide V={w.shape[1]}"
+  if why is None:
+    why = lce_hopper_bwd.lce_bwd_unsupported((shape[0], shape[1], plan.block), x.dtype)
+    why = None if why is None else f"{why}, in a block of vocab_block_size={plan.block} columns"
   return why
 
 
@@ -404,8 +411,8 @@ def decide_lce(fn_name: str, implementation: str | None, plan: LcePlan, x: Array
           f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
           "implementation='xla' or None"
         )
-      # The forward kernel; the backward stays on XLA's blocked path (no backward kernel yet).
-      return Decision("mosaic", "xla", forced=True, target=target())
+      # The forward kernel, and the backward kernel forming G for XLA's products.
+      return Decision("mosaic", "mosaic", forced=True, target=target())
     case _:  # None
       return _auto(None, LCE_AUTO_RULES, lambda: None)
 

@@ -273,3 +273,29 @@ def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
     )
 
   return _switch((x, w, b, labels), kernels, xla, d, mosaic=True)
+
+
+def lce_backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
+  """``(G, db or None)`` of one block of vocabulary columns by the Hopper backward kernel
+  (:mod:`pallas_kernels.lce_hopper_bwd`): G in x's dtype, db float32 ``(Vb,)``; `xla` computes
+  the same from ``(x, w, b, labels, rows)``."""
+  from pallas_kernels.lce_hopper_bwd import lce_bwd
+
+  d = plan.decision
+
+  def kernels(x, w, b, labels, rows, *, interpret):
+    g, db = lce_bwd(
+      x,
+      w,
+      b,
+      labels,
+      rows,
+      soft_cap=plan.soft_cap,
+      label_term=plan.label_smoothing < 1,
+      uniform_term=plan.label_smoothing > 0,
+      num_sms=d.target.sms,
+      interpret=interpret,
+    )
+    return g, None if db is None else db.sum(0)
+
+  return _switch((x, w, b, labels, rows), kernels, xla, d, mosaic=True)

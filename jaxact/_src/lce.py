@@ -25,7 +25,7 @@ from jax.typing import ArrayLike
 from jaxact._src import dispatch, validation
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
-from jaxact._src.lce_vjp import LcePlan, default_block, per_token_loss
+from jaxact._src.lce_vjp import LcePlan, default_block, kernel_block, per_token_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 _FN = "linear_cross_entropy"
@@ -195,10 +195,12 @@ def linear_cross_entropy(
     logit_soft_cap: :math:`c > 0`, or None for no cap.
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
-      ``"mosaic"`` (the Hopper forward kernel, XLA's backward; raises ``NotImplementedError``
-      where the kernel cannot run).
-    vocab_block_size: columns of ``w`` per block of the XLA path (None: chosen from the sizes,
-      about 8 MiB of float32 logits a block on CPU, 256 MiB for a GPU).
+      ``"mosaic"`` (the Hopper kernels: the forward's statistics, and the backward's
+      softmax-minus-one-hot blocks for XLA's products; raises ``NotImplementedError`` where they
+      cannot run).
+    vocab_block_size: columns of ``w`` per block of the backward (and of the XLA path's forward);
+      None: chosen from the sizes, about 8 MiB of float32 logits a block on CPU, 256 MiB for a GPU,
+      and for ``"mosaic"`` a multiple of 256 that divides V.
 
   Returns:
     The loss: a scalar, or ``labels.shape`` for ``reduction="none"``; float32 for half precision
@@ -234,6 +236,8 @@ def linear_cross_entropy(
     _check_label_range(labels, where, vocab)
     if vocab_block_size is None:
       block = default_block(tokens, vocab, gpu=dispatch.target().cuda)
+      if implementation == "mosaic":  # whole blocks of the backward kernel's 256 columns
+        block = kernel_block(block, vocab)
     elif (
       isinstance(vocab_block_size, bool)
       or not isinstance(vocab_block_size, (int, np.integer))

@@ -91,6 +91,16 @@ def default_block(tokens: int, vocab: int, gpu: bool = False) -> int:
   return min(block, vocab)
 
 
+def kernel_block(block: int, vocab: int, step: int = 256) -> int:
+  """The Hopper backward kernel's block: the largest multiple of `step` (its CTA tile's columns)
+  that divides `vocab` and is at most `block` (`step` when `block` is smaller)."""
+  best = step
+  for cols in range(step, min(block, vocab) + 1, step):
+    if vocab % cols == 0:
+      best = cols
+  return best
+
+
 # ------------------------------------------------------------------------------ tile math
 
 
@@ -240,14 +250,36 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
   lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
   ops = x.dtype  # G is rounded to the operands' dtype for the products, as autodiff would feed them
 
+  def xla_block(x, wj, bj, labels, cols, fresh, lse_inf=lse_inf, row_scales=row_scales):
+    """``(G, G for dx, column sums of G)``: G unrounded; an overlapped column's G goes to dw
+    and db again (rewritten with the same value), to dx once."""
+    s, dcap = _capped(plan, _logits(plan, x, wj, bj))
+    g = _tile_grad(plan, s, dcap, labels, cols, lse_inf, row_scales, acc)
+    g_dx = g if fresh is None else jnp.where(fresh, g, 0)
+    return g, g_dx, None if bj is None else jnp.sum(g, 0)
+
+  if plan.decision.backward == "mosaic":  # every block whole (dispatch.lce_mosaic_unsupported)
+    from jaxact._src import kernel_calls
+
+    zero = jnp.zeros_like(lse_inf)
+    kernel_rows = jnp.stack([lse_inf] + [zero if r is None else r for r in row_scales])
+
+    def block_grads(x, wj, bj, labels, cols, fresh):
+      def xla(x, wj, bj, labels_j, rows):
+        scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales))
+        cols_j = jnp.arange(wj.shape[1])
+        g, _, db = xla_block(x, wj, bj, labels_j, cols_j, None, rows[0], scales_j)
+        return g.astype(ops), db
+
+      g, db = kernel_calls.lce_backward(plan, x, wj, bj, labels - cols[0], kernel_rows, xla)
+      return g, g, db
+  else:
+    block_grads = xla_block
+
   def body(j, carry):
     dx, dw, db = carry
     start, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
-    s, dcap = _capped(plan, _logits(plan, x, wj, bj))
-    g = _tile_grad(plan, s, dcap, labels, cols, lse_inf, row_scales, acc)
-    # Every column's G goes to dw and db (an overlapped column is rewritten with the same value);
-    # dx takes each column once.
-    g_dx = g if fresh is None else jnp.where(fresh, g, 0)
+    g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
     dx = dx + lax.dot_general(
       g_dx.astype(ops), wj, (((1,), (1,)), ((), ())), plan.precision, preferred_element_type=acc
     )
@@ -256,7 +288,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
     )
     dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=1)
     if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(g, 0).astype(db.dtype), start, axis=0)
+      db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
     return dx, dw, db
 
   init = (
@@ -398,7 +430,7 @@ def _local_grads(
     return None if v is None else v.reshape(-1)
 
   row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
-  # XLA's blocked backward on every backend (no backward kernel yet: pallas_kernels.lce_hopper).
+  # The Hopper kernel forms G block by block inside grads_by_vocab (plan.decision.backward).
   by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
   dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
   return dx.reshape(x.shape), dw, db
