@@ -254,3 +254,57 @@ def tensor_core_product(a, a_smem, b_smem) -> jax.Array:
     return acc[...]
 
   return pl.run_scoped(scope, plgpu.ACC((a_smem.shape[0], b_smem.shape[1]), jnp.float32))
+
+
+# -------------------------------------------------- the dense kernels' x @ w pipeline, shared
+
+
+def xw_pipeline(t, k_iters: int, dtype):
+  """``pipeline(body, compute_context)`` of the kernels that compute ``x @ w`` tiles
+  (:mod:`pallas_kernels.hopper`'s forward, :mod:`pallas_kernels.lce_hopper` and
+  :mod:`pallas_kernels.lce_hopper_bwd`): a memory warpgroup streams a ``tile_m x tile_k`` tile of
+  ``x`` and a ``tile_k x 2 tile_n`` tile of ``w`` a step through ``t.stages`` shared-memory
+  buffers (TMA) to two compute warpgroups, for the ``k_iters`` steps of the contraction."""
+  operand_transforms = transforms(t.tile_k, dtype)
+
+  def spec(block, index):
+    return plgpu.BlockSpec(block, index, transforms=operand_transforms, memory_space=plgpu.SMEM)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(k_iters,),
+      memory_registers=40,
+      in_specs=[
+        spec((t.tile_m, t.tile_k), lambda s: (0, s)),
+        spec((t.tile_k, 2 * t.tile_n), lambda s: (s, 0)),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=t.stages,
+      compute_context=compute_context,
+    )
+
+  return pipeline
+
+
+def pipeline_allocations(pipeline, *operands):
+  """The shared-memory buffers of `pipeline` for these gmem operands, allocated once outside the
+  tile loop (the pipeline's body and context are not traced for this)."""
+
+  def ignore(*_, **__):
+    return None
+
+  return pipeline(ignore, ignore).get_allocations(*operands)
+
+
+def half_tile_mma(wg, tile_n: int):
+  """The pipeline body of compute warpgroup `wg`: its ``tile_n`` columns of the step's ``w`` tile
+  into its accumulator."""
+
+  def mma(_, x_smem, w_smem, acc_ref):
+    plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * tile_n, tile_n)])
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  return mma

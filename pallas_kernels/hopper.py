@@ -43,7 +43,9 @@ from pallas_kernels._mosaic import (
   code_transforms,
   epilogue_unsupported,
   for_kernel,
+  half_tile_mma,
   packing_matrix,
+  pipeline_allocations,
   pl,
   plgpu,
   span,
@@ -52,6 +54,7 @@ from pallas_kernels._mosaic import (
   transforms,
   unlowerable,
   write_tile,
+  xw_pipeline,
 )
 from pallas_kernels.epilogue import Epilogue
 
@@ -142,38 +145,11 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
   pack_swizzle = span(packed_n, jnp.bfloat16)  # both wgmma operands at P's swizzle
   outs = (y_gmem,) if z_gmem is None or coded else (y_gmem, z_gmem)
   out_dtype = y_gmem.dtype
-  operand_transforms = transforms(t.tile_k, x_gmem.dtype)
 
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-      body,
-      grid=(k_iters,),
-      memory_registers=40,
-      in_specs=[
-        plgpu.BlockSpec(
-          (t.tile_m, t.tile_k),
-          lambda s: (0, s),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-        plgpu.BlockSpec(
-          (t.tile_k, cta_n),
-          lambda s: (s, 0),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-      ],
-      wg_axis="wg",
-      num_compute_wgs=2,
-      max_concurrent_steps=t.stages,
-      compute_context=compute_context,
-    )
-
-  def ignore(*_, **__):
-    return None
+  pipeline = xw_pipeline(t, k_iters, x_gmem.dtype)
 
   scratch = dict(
-    pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+    pipeline_allocs=pipeline_allocations(pipeline, x_gmem, w_gmem),
     out_smem=plgpu.SMEM(
       (2, len(outs), 2, t.epi_m, t.epi_n), out_dtype, transforms=transforms(t.epi_n, out_dtype)
     ),
@@ -241,12 +217,7 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, y_gmem, z_gmem, *, epilogue: Epilogue, t
             kept = z_gmem.at[m_slice, packed_cols]
             write_tile(z, encode, [kept], code_smem.at[wg], epi_n=t.epi_n)
 
-      def mma(_, x_smem, w_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-      pipeline(mma, compute_context)(
+      pipeline(half_tile_mma(wg, t.tile_n), compute_context)(
         x_gmem.at[m_slice, :],
         w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
         allocations=pipeline_allocs,

@@ -36,7 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._mosaic import HALF, HOPPER_SMEM, pl, plgpu, transforms
+from pallas_kernels._mosaic import (
+  HALF,
+  HOPPER_SMEM,
+  half_tile_mma,
+  pipeline_allocations,
+  pl,
+  plgpu,
+  xw_pipeline,
+)
 
 _STATS = 4  # running max, rescaled sum of exp, label logit, sum of finite logits / V
 
@@ -103,39 +111,12 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, labels_gmem, stats_gmem, *, t: LceTiles,
   vocab = w_gmem.shape[1]
   cta_n = 2 * t.tile_n
   m_iters, n_iters, k_iters = tokens // t.tile_m, vocab // cta_n, d // t.tile_k
-  operand_transforms = transforms(t.tile_k, x_gmem.dtype)
   row = plgpu.Layout.WGMMA.reduce(1)
 
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-      body,
-      grid=(k_iters,),
-      memory_registers=40,
-      in_specs=[
-        plgpu.BlockSpec(
-          (t.tile_m, t.tile_k),
-          lambda s: (0, s),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-        plgpu.BlockSpec(
-          (t.tile_k, cta_n),
-          lambda s: (s, 0),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-      ],
-      wg_axis="wg",
-      num_compute_wgs=2,
-      max_concurrent_steps=t.stages,
-      compute_context=compute_context,
-    )
-
-  def ignore(*_, **__):
-    return None
+  pipeline = xw_pipeline(t, k_iters, x_gmem.dtype)
 
   scratch = dict(
-    pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+    pipeline_allocs=pipeline_allocations(pipeline, x_gmem, w_gmem),
     stats_smem=plgpu.SMEM((2, _STATS, t.tile_m), jnp.float32),
     labels_smem=plgpu.SMEM((2, t.tile_m), jnp.int32),
     labels_barrier=plgpu.Barrier(num_barriers=2),
@@ -219,12 +200,7 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, labels_gmem, stats_gmem, *, t: LceTiles,
               for i in range(_STATS):
                 plgpu.copy_smem_to_gmem(stats_smem.at[wg, i], stats_gmem.at[wg, i, m_slice])
 
-        def mma(_, x_smem, w_smem, acc_ref):
-          plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        pipeline(mma, compute_context)(
+        pipeline(half_tile_mma(wg, t.tile_n), compute_context)(
           x_gmem.at[m_slice, :],
           w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
           allocations=pipeline_allocs,

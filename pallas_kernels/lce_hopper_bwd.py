@@ -36,7 +36,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._mosaic import HALF, HOPPER_SMEM, pl, plgpu, transforms, write_tile
+from pallas_kernels._mosaic import (
+  HALF,
+  HOPPER_SMEM,
+  half_tile_mma,
+  pipeline_allocations,
+  pl,
+  plgpu,
+  transforms,
+  write_tile,
+  xw_pipeline,
+)
 from pallas_kernels.hopper import HopperTiles
 
 # Per-token numbers the kernel reads: lse (+inf for no finite logit), p_scale, label_scale,
@@ -105,40 +115,13 @@ def _bwd_kernel(
   cta_n = 2 * t.tile_n
   m_iters, n_iters, k_iters = tokens // t.tile_m, vocab // cta_n, d // t.tile_k
   soft_cap, label_term, uniform_term = terms
-  operand_transforms = transforms(t.tile_k, x_gmem.dtype)
   row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-      body,
-      grid=(k_iters,),
-      memory_registers=40,
-      in_specs=[
-        plgpu.BlockSpec(
-          (t.tile_m, t.tile_k),
-          lambda s: (0, s),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-        plgpu.BlockSpec(
-          (t.tile_k, cta_n),
-          lambda s: (s, 0),
-          transforms=operand_transforms,
-          memory_space=plgpu.SMEM,
-        ),
-      ],
-      wg_axis="wg",
-      num_compute_wgs=2,
-      max_concurrent_steps=t.stages,
-      compute_context=compute_context,
-    )
-
-  def ignore(*_, **__):
-    return None
+  pipeline = xw_pipeline(t, k_iters, x_gmem.dtype)
 
   out_dtype = g_gmem.dtype
   scratch = dict(
-    pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+    pipeline_allocs=pipeline_allocations(pipeline, x_gmem, w_gmem),
     out_smem=plgpu.SMEM(
       (2, 1, 2, t.epi_m, t.epi_n), out_dtype, transforms=transforms(t.epi_n, out_dtype)
     ),
@@ -205,12 +188,7 @@ def _bwd_kernel(
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(db_smem.at[wg], db_gmem.at[mi, n_slice])
 
-      def mma(_, x_smem, w_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * t.tile_n, t.tile_n)])
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-      pipeline(mma, compute_context)(
+      pipeline(half_tile_mma(wg, t.tile_n), compute_context)(
         x_gmem.at[m_slice, :],
         w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
         allocations=pipeline_allocs,
