@@ -253,12 +253,14 @@ def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int
   return largest_fit_of(lambda t: _gpu_total(loss, t, size), capacity, step)
 
 
-def largest_fit_of(total: Callable[[int], int], capacity: int, step=1024) -> tuple[int, int]:
+def largest_fit_of(
+  total: Callable[[int], int], capacity: int, step=1024, start=(8192, 16384)
+) -> tuple[int, int]:
   """``(tokens, bytes)``: the largest multiple of `step` tokens whose ``total(tokens)`` (a step's
-  temp, arguments and outputs) fits `capacity` bytes: secant steps from compiles at 8192 and 16384
-  tokens, then `step` at a time, every candidate compiled (near the limit XLA's rematerialization
-  makes memory non-linear)."""
-  known = {t: total(t) for t in (8192, 16384)}
+  temp, arguments and outputs) fits `capacity` bytes: secant steps from compiles at the two
+  `start` sizes, then `step` at a time, every candidate compiled (near the limit XLA's
+  rematerialization makes memory non-linear)."""
+  known = {t: total(t) for t in start}
   for _ in range(4):  # secant through the two candidates nearest the limit
     (t0, m0), (t1, m1) = sorted(known.items(), key=lambda tm: abs(tm[1] - capacity))[:2]
     if m1 == m0:

@@ -467,7 +467,7 @@ def _attention_bwd(plan: AttentionPlan, res, do):
   (o, lse), do = lax.optimization_barrier(((o, lse), do))
   x = _grouped_inputs(*args)
   q, bias = args[0], args[3]
-  shape5 = (*x.q.shape[:-1], o.shape[-1])
+  shape5 = (*x.q.shape[:-1], do.shape[-1])
   dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
   dbias = None if dbias is None else dbias.reshape(bias.shape)
   return dq.reshape(q.shape), dk, dv, dbias, None, None, None, None

@@ -1,0 +1,202 @@
+"""`python -m benchmarks.attention [--sections ...]`: attention that keeps its output, in a decoder.
+
+Sections:
+
+* ``decoder``: a Llama-style decoder step (embedding, 4 scanned blocks of RMS norm, causal
+  attention, a gated MLP, final norm, head and loss; D = 512, 8 heads, V = 32000), CPU float32,
+  4 x 512 and 1 x 2048 tokens: compiled temp of ``jit(value_and_grad(loss))`` for Flax's
+  composition, Flax + block remat, jaxact (``rms_norm``, ``gated_mlp``, ``linear_cross_entropy``)
+  with ``jax.nn.dot_product_attention``, and with ``jaxact.dot_product_attention``, each + block
+  remat; what attention takes of each step (against the same step with attention replaced by
+  ``v``);
+* ``time``: CPU step time of the same steps, as the median of within-round ratios against the
+  step with jax.nn's attention;
+* ``decoder-h100``: the decoder compiled for an H100 on this machine, bfloat16, B = 4, D = 2048,
+  16 heads, F = 5632, V = 128256, T = 2048, 4096, 8192;
+* ``fits-h100``: the longest sequence (B = 4, a multiple of 1024) whose step fits an 80 GB H100,
+  for each body.
+
+Results: benchmarks/results/attention.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import gated, lce, timing
+from jaxact._src import test_util
+
+MiB, GiB = 2**20, 2**30
+CPU_SHAPES = ((4, 512), (1, 2048))  # (batch, seq)
+GPU_SEQS = (2048, 4096, 8192)
+
+# label: (body of benchmarks.lce, head); jaxact's bodies with jaxact.rms_norm.
+STEPS = {
+  "Flax": ("flax", "plain"),
+  "Flax + block remat": ("flax_remat", "plain"),
+  "jaxact, jax.nn attention": ("jaxact", "fused"),
+  "jaxact, jax.nn attention + block remat": ("jaxact_remat", "fused"),
+  "jaxact, jaxact attention": ("jaxact_attn", "fused"),
+  "jaxact, jaxact attention + block remat": ("jaxact_attn_remat", "fused"),
+}
+BASE = "jaxact, jax.nn attention"  # the step the goals compare jaxact's attention with
+
+
+def cpu_decoder(batch: int, seq: int) -> lce.Decoder:
+  return lce.Decoder(batch=batch, seq=seq, dim=512, hidden=1408, heads=8, vocab=32000)
+
+
+def gpu_decoder(seq: int, batch: int = 4) -> lce.Decoder:
+  return lce.Decoder(
+    batch=batch, seq=seq, dim=2048, hidden=5632, heads=16, vocab=128256, dtype="bfloat16"
+  )
+
+
+def _norm(body: str):
+  return lce.jaxact_rms_norm if body.startswith("jaxact") else lce.rms_norm
+
+
+def step_temp(c: lce.Decoder, label: str, gpu: bool) -> int:
+  body, head = STEPS[label]
+  return lce.decoder_temp(c, body, head, gpu, norm=_norm(body))
+
+
+def _no_attention_temp(c: lce.Decoder, gpu: bool) -> int:
+  """The jaxact step with attention replaced by ``v``: what the rest of the step takes."""
+  saved = lce.BODIES["jaxact"]
+  lce.BODIES["jaxact"] = (saved[0], None, lambda q, k, v: v)
+  try:
+    return step_temp(c, BASE, gpu)
+  finally:
+    lce.BODIES["jaxact"] = saved
+
+
+@dataclasses.dataclass
+class DecoderRow:
+  batch: int
+  seq: int
+  temps: dict[str, int]  # label -> bytes
+  rest: int  # the step without attention
+
+
+def section_decoder(gpu: bool = False, seqs=None) -> list[DecoderRow]:
+  rows = []
+  shapes = [(4, s) for s in (seqs or GPU_SEQS)] if gpu else CPU_SHAPES
+  for batch, seq in shapes:
+    c = gpu_decoder(seq, batch) if gpu else cpu_decoder(batch, seq)
+    temps = {label: step_temp(c, label, gpu) for label in STEPS}
+    rows.append(DecoderRow(batch, seq, temps, _no_attention_temp(c, gpu)))
+    print(f"  [{batch} x {seq}: done]", file=sys.stderr, flush=True)
+  return rows
+
+
+def section_time(runs: int = 5, batch: int = 4, seq: int = 512) -> dict[str, float]:
+  """Each step's CPU time against :data:`BASE`'s (median of within-round ratios); BASE: its
+  median seconds."""
+  c = cpu_decoder(batch, seq)
+  rng = np.random.default_rng(0)
+  params, tokens, _ = lce.decoder_shapes(c)
+  params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.02, s.dtype), params)
+  toks = jnp.asarray(rng.integers(0, c.vocab, tokens.shape), jnp.int32)
+  labels = [BASE, "jaxact, jaxact attention", "Flax", "Flax + block remat"]
+  calls = []
+  for label in labels:
+    body, head = STEPS[label]
+    f = jax.jit(jax.value_and_grad(lce.decoder_loss(c, body, head, norm=_norm(body))))
+    calls.append(lambda f=f: f(params, toks, toks))
+  base, ratios = timing.alternated_ratios(calls, runs)
+  return {BASE: base, **dict(zip(labels[1:], ratios, strict=True))}
+
+
+def longest_fit(label: str, capacity: int, batch: int = 4, step: int = 1024) -> tuple[int, int]:
+  """``(seq, bytes)``: the longest multiple of `step` whose step (temp, arguments, outputs) fits
+  `capacity`, compiled for an H100."""
+
+  def total(seq: int) -> int:
+    body, head = STEPS[label]
+    c = gpu_decoder(seq, batch)
+    step = jax.value_and_grad(lce.decoder_loss(c, body, head, norm=_norm(body)))
+    leaves, tree = jax.tree.flatten(lce.decoder_shapes(c))
+
+    def flat(*leaves):
+      return step(*jax.tree.unflatten(tree, leaves))
+
+    m = test_util.compile_for(flat, leaves).memory_analysis()
+    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+
+  return gated.largest_fit_of(total, capacity, step=step, start=(2048, 8192))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render_decoder(rows: list[DecoderRow], unit=MiB) -> list[str]:
+  name = "GiB" if unit == GiB else "MiB"
+  lines = [
+    f"| B x T | step | temp ({name}) | vs jax.nn attention | vs Flax | vs Flax + block remat "
+    "| attention's share |",
+    "|---|---|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    base, flax, remat = r.temps[BASE], r.temps["Flax"], r.temps["Flax + block remat"]
+    for label, temp in r.temps.items():
+      share = (
+        (temp - r.rest) / temp if label.startswith("jaxact, jax") and "remat" not in label else None
+      )
+      lines.append(
+        f"| {r.batch} x {r.seq} | {label} | {temp / unit:.2f} | {temp / base:.3f} | "
+        f"{temp / flax:.3f} | {temp / remat:.3f} | {'' if share is None else f'{share:.0%}'} |"
+      )
+  return lines
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__)
+  parser.add_argument(
+    "--sections",
+    default="decoder,time,decoder-h100,fits-h100",
+    help="comma-separated: decoder, time, decoder-h100, fits-h100",
+  )
+  parser.add_argument("--runs", type=int, default=5, help="timing rounds")
+  args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  gpu_compiler = test_util.use_gpu_compiler()  # before the first computation starts jax
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}")
+  if "decoder" in sections:
+    print("\n## Decoder step, CPU float32, D = 512, 8 heads, V = 32000\n")
+    print("\n".join(render_decoder(section_decoder())), flush=True)
+  if "time" in sections:
+    print(f"\n## CPU step time, 4 x 512, against {BASE!r} (median of {args.runs} rounds)\n")
+    times = section_time(args.runs)
+    print(f"| step | time / jax.nn attention's |\n|---|---:|\n| {BASE} | 1 ({times[BASE]:.3f} s) |")
+    for label, ratio in list(times.items())[1:]:
+      print(f"| {label} | {ratio:.3f} |", flush=True)
+  if {"decoder-h100", "fits-h100"} & set(sections) and not gpu_compiler:
+    print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
+    return 1
+  if "decoder-h100" in sections:
+    print("\n## Decoder step compiled for an H100, bf16, B = 4, D = 2048, 16 heads, V = 128256\n")
+    print("\n".join(render_decoder(section_decoder(gpu=True), GiB)), flush=True)
+  if "fits-h100" in sections:
+    print("\n## Longest sequence whose step fits an 80 GB H100 (B = 4)\n")
+    cap = gated.capacity()
+    print("| step | T | GiB |\n|---|---:|---:|")
+    for label in STEPS:
+      seq, total = longest_fit(label, cap)
+      print(f"| {label} | {seq} | {total / GiB:.1f} |", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
