@@ -92,15 +92,17 @@ def check_table(hopper: bool) -> tuple[dict, list[str]]:
   return {"failed": failed}, lines
 
 
-def time_table(runs: int, hopper: bool) -> tuple[dict, list[str]]:
+def time_table(runs: int, hopper: bool, sizes=SIZES) -> tuple[dict, list[str]]:
+  """Each path's fwd+bwd and loss-alone time at each of `sizes`; data: ``"(size) label"`` ->
+  (step s, loss s), and ``"failed"``: the paths that raised, with the error."""
   lines = [
     "#### time, bfloat16: ms, and the ratio to the plain composition",
     "",
     "| (tokens, D, V) | path | fwd+bwd ms | / plain | loss alone ms | / plain |",
     "|---|---|---|---|---|---|",
   ]
-  data = {}
-  for size in SIZES:
+  data = {"failed": []}
+  for size in sizes:
     arg_sets = [_inputs(*size, seed=s) for s in range(2)]
     base = {}
     for label, loss in paths(hopper).items():
@@ -111,6 +113,7 @@ def time_table(runs: int, hopper: bool) -> tuple[dict, list[str]]:
       except Exception as e:  # one path failing (memory) must not hide the others
         traceback.print_exc()
         lines.append(f"| {size} | {label} | failed: {type(e).__name__} | | | |")
+        data["failed"].append(f"{size} {label}: {type(e).__name__}: {e}"[:300])
         continue
       base = base or dict(zip(("step", "fwd"), t, strict=True))
       data[f"{size} {label}"] = t
