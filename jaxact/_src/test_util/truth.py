@@ -97,6 +97,10 @@ class Context:
   verdict: Callable[..., Verdict] = dataclasses.field(default=lambda *a, **k: Verdict(*a, **k))
   log: Callable[[str], None] = dataclasses.field(default=lambda text: print(text, file=sys.stderr))
 
+  def pick(self, gpu, small):
+    """`small` in a rehearsal, else `gpu` (a step's shapes)."""
+    return small if self.small else gpu
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -240,10 +244,19 @@ class Report:
     return [Verdict(**v) for s in self.doc["steps"] for v in s["verdicts"]]
 
   def summary(self, rerun: str | None) -> list[str]:
+    """One line a step (its verdicts counted), every verdict that is not ok, the totals and
+    `rerun`: short enough to stay in the tail of a long output."""
+
+    def counted(vs) -> str:
+      return ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(v["status"] == s for v in vs)))
+
+    lines = ["## Summary", ""]
+    for entry in self.doc["steps"]:
+      seconds = f", {entry['seconds']:.0f} s" if entry.get("seconds") else ""
+      lines.append(f"    {entry['name']}: {entry['state']}{seconds}: {counted(entry['verdicts'])}")
     vs = self.verdicts()
     counts = {s: sum(v.status == s for v in vs) for s in STATUSES}
-    lines = ["## Summary", ""]
-    lines += [f"    {v.line()}" for v in vs]
+    lines += ["", "not ok:"] + [f"    {v.line()}" for v in vs if v.status != "ok"]
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
     if rerun:
       lines += ["", f"rerun what failed or was skipped: {rerun}"]
@@ -271,7 +284,8 @@ class Runner:
   `scale` multiplies the estimates once the finished steps say how far off they are: the
   ratio of their time to their estimates, between 0.5 and 3, once 30 estimated seconds have run.
   `clock` (process age), `exit` (``os._exit``) and `poll` (the watchdog's period) are parameters
-  so that tests can drive the budget and the watchdog.
+  so that tests can drive the budget and the watchdog; `rerun` turns the names of the steps that
+  failed, raised, hung or did not fit into the summary's command line for a second run.
   """
 
   def __init__(
@@ -283,8 +297,10 @@ class Runner:
     clock: Callable[[], float] = process_age,
     exit: Callable[[int], Any] = os._exit,
     poll: float = 1.0,
+    rerun: Callable[[list[str]], str | None] = lambda names: None,
   ):
     self.steps, self.budget, self.report = list(steps), float(budget), report
+    self.rerun = rerun
     self.clock, self.exit, self.poll = clock, exit, poll
     self.spent = self.estimated = 0.0
     self.redo: list[str] = []  # steps that failed, raised or were skipped for the budget
@@ -307,6 +323,10 @@ class Runner:
     finally:
       self._done.set()
     return self.report.verdicts()
+
+  def summary(self) -> list[str]:
+    """The report's summary, with the command that reruns :attr:`redo`."""
+    return self.report.summary(self.rerun(self.redo) if self.redo else None)
 
   def _run_step(self, step: Step, ctx: Context) -> None:
     need = step.seconds * self.scale
@@ -377,7 +397,7 @@ class Runner:
         )
         self.report.end(entry, "hung", now - t0)
         self.redo.append(step.name)
-        self.report.summary(None)
+        self.summary()
         self._current = None
       self.exit(3)
       return
