@@ -160,19 +160,17 @@ STEPS: tuple[Step, ...] = (
 
 def _standins() -> tuple[Step, ...]:
   """Steps that exercise the harness on the CPU in a second: what each verdict looks like."""
-  import jaxact
   from jaxact._src.test_util.gpu_compare import compare_to_xla
 
-  def build(impl, precision):
-    return lambda x, w, b: jaxact.dense_bias_act(
-      x, w, b, activation="gelu", precision=precision, implementation=impl
-    )
+  def build(impl, precision):  # a "kernel" that is the XLA path itself
+    return lambda x, w: jnp.tanh(jnp.dot(x, w, precision=precision))
 
   def ok(ctx):
-    shapes = ((4, 8), (8, 16), (16,))
-    keys = jax.random.split(jax.random.key(0), len(shapes))
-    args = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
-    judge(ctx, "standin-check f32 gelu", lambda: compare_to_xla(build, args, "xla"))
+    keys = jax.random.split(jax.random.key(0))
+    args = [
+      jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, [(4, 8), (8, 16)], strict=True)
+    ]
+    judge(ctx, "standin-check f32 tanh", lambda: compare_to_xla(build, args, "xla"))
     return ["a table line"], {"x": 1}
 
   def fail(ctx):
@@ -195,7 +193,7 @@ def _standins() -> tuple[Step, ...]:
 
 
 EXPECTED = {
-  "standin-check f32 gelu": "ok",
+  "standin-check f32 tanh": "ok",
   "standin-fail": "FAIL",
   "standin-error": "ERROR",
   "standin-hopper": "skipped",
