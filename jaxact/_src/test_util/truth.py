@@ -422,6 +422,6 @@ def header(device: str, command: Sequence[str], budget: float, **more) -> dict[s
     "python": platform.python_version(),
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
     "command": " ".join(command),
-    "budget_s": budget,
+    "budget_s": round(budget, 1),
     **more,
   }
