@@ -34,6 +34,7 @@ from jaxact._src.activations import sparse_sigmoid as sparse_sigmoid
 from jaxact._src.activations import squareplus as squareplus
 from jaxact._src.activations import swish as swish
 from jaxact._src.activations import tanh as tanh
+from jaxact._src.attention.api import dot_product_attention as dot_product_attention
 from jaxact._src.fused import conv_bias_act as conv_bias_act
 from jaxact._src.fused import dense_bias_act as dense_bias_act
 from jaxact._src.gated import gated_dense as gated_dense
@@ -84,4 +85,5 @@ __all__ = [
   "linear_cross_entropy",
   "rms_norm",
   "layer_norm",
+  "dot_product_attention",
 ]

@@ -24,6 +24,9 @@ from jaxact._src.validation import require_flax
 
 require_flax("jaxact.linen")
 
+from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
+  linen_dot_product_attention as dot_product_attention,
+)
 from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
 from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
@@ -31,4 +34,12 @@ from jaxact._src.linen_head import LMHead as LMHead  # noqa: E402 (after the che
 from jaxact._src.linen_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.linen_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
-__all__ = ["DenseAct", "ConvAct", "GatedMLP", "LMHead", "RMSNorm", "LayerNorm"]
+__all__ = [
+  "DenseAct",
+  "ConvAct",
+  "GatedMLP",
+  "LMHead",
+  "RMSNorm",
+  "LayerNorm",
+  "dot_product_attention",
+]

@@ -21,6 +21,9 @@ from jaxact._src.validation import require_flax
 
 require_flax("jaxact.nnx")
 
+from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
+  nnx_dot_product_attention as dot_product_attention,
+)
 from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
 from jaxact._src.nnx_gated import GatedMLP as GatedMLP  # noqa: E402 (after the check)
@@ -28,4 +31,12 @@ from jaxact._src.nnx_head import LMHead as LMHead  # noqa: E402 (after the check
 from jaxact._src.nnx_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.nnx_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
-__all__ = ["LinearAct", "ConvAct", "GatedMLP", "LMHead", "RMSNorm", "LayerNorm"]
+__all__ = [
+  "LinearAct",
+  "ConvAct",
+  "GatedMLP",
+  "LMHead",
+  "RMSNorm",
+  "LayerNorm",
+  "dot_product_attention",
+]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
   from jaxact._src.gated_vjp import GatedPlan
   from jaxact._src.lce_vjp import LcePlan
 
-Backend = Literal["xla", "triton", "mosaic"]
+Backend = Literal["xla", "triton", "mosaic", "cudnn"]
 Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _KERNEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -414,7 +414,7 @@ def decide_lce(fn_name: str, implementation: str | None, plan: LcePlan, x: Array
       # The forward kernel, and the backward kernel forming G for XLA's products.
       return Decision("mosaic", "mosaic", forced=True, target=target())
     case _:  # None
-      return _auto(None, LCE_AUTO_RULES, lambda: None)
+      return auto(None, LCE_AUTO_RULES, lambda: None)
 
 
 def check_implementation(fn_name: str, implementation) -> None:
@@ -428,7 +428,7 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
-def _auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
+def auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
   """``implementation=None``: XLA with the reason when the kernels cannot run the call (`why`),
   else the first of `rules` that holds for the call's facts (built only then)."""
   if why is not None:
@@ -462,7 +462,7 @@ def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Ar
       return Decision(backend, backend, forced=True, target=target())
     case _:  # None
       why = triton_unsupported(plan, x, w)
-      return _auto(why, AUTO_RULES, lambda: _Facts(plan, x, w, target()))
+      return auto(why, AUTO_RULES, lambda: _Facts(plan, x, w, target()))
 
 
 def decide_gated(
@@ -499,18 +499,19 @@ def decide_gated(
       return Decision("mosaic", "triton", forced=True, target=target())
     case _:  # None
       why = gated_triton_unsupported(plan, x, w_gate, w_up)
-      return _auto(why, GATED_AUTO_RULES, lambda: _GatedFacts(plan, x, w_gate, target()))
+      return auto(why, GATED_AUTO_RULES, lambda: _GatedFacts(plan, x, w_gate, target()))
 
 
-def rules_table() -> str:
-  """:data:`AUTO_RULES` and :data:`GATED_AUTO_RULES` as a Markdown table (the docs' dispatch
-  page), each rule's evidence a link to its section (the heading's anchor, as mkdocs and GitHub
-  spell it)."""
+def rules_table(*more: tuple[Rule, ...]) -> str:
+  """:data:`AUTO_RULES`, :data:`GATED_AUTO_RULES`, :data:`LCE_AUTO_RULES` and the tables in
+  `more` (the op families' own, e.g. attention's) as a Markdown table (the docs' dispatch page),
+  each rule's evidence a link to its section (the heading's anchor, as mkdocs and GitHub spell
+  it)."""
   rows = [
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
-  for r in (*AUTO_RULES, *GATED_AUTO_RULES, *LCE_AUTO_RULES):
+  for r in (*AUTO_RULES, *GATED_AUTO_RULES, *LCE_AUTO_RULES, *(r for t in more for r in t)):
     evidence = ""
     if r.evidence:
       page, section = r.evidence.split(": ", 1)

@@ -78,8 +78,10 @@ def codes_table() -> str:
 
 def dispatch_table() -> str:
   from jaxact._src import dispatch
+  from jaxact._src.attention import rules as attention_rules
 
-  return "\n".join([DISPATCH_BEGIN, dispatch.rules_table().rstrip(), DISPATCH_END])
+  table = dispatch.rules_table(attention_rules.ATTENTION_AUTO_RULES)
+  return "\n".join([DISPATCH_BEGIN, table.rstrip(), DISPATCH_END])
 
 
 def _replace(text: str, begin: str, end: str, table: str) -> str:

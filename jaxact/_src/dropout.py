@@ -33,11 +33,17 @@ _BLOCK_ELEMENTS = 1 << 16
 
 def _threefry_mask(data: Array, keep: float, rows: int, cols: int, start) -> Array:
   """Rows ``[start, start + rows)`` of ``jax.random.bernoulli(key, keep, (M, cols))`` for the
-  threefry key `data`, `keep` a Python float as ``nn.Dropout`` passes it (float32, or float64
-  under ``jax_enable_x64``): bit for bit jax's partitionable threefry (the default), which draws
-  each element from its linear index, so a block is drawn without the rest."""
+  threefry key `data` (see :func:`keep_from_index`)."""
   index = (lax.iota(np.uint32, rows)[:, None] + jnp.asarray(start, np.uint32)) * np.uint32(cols)
-  index = index + lax.iota(np.uint32, cols)[None, :]
+  return keep_from_index(data, keep, index + lax.iota(np.uint32, cols)[None, :])
+
+
+def keep_from_index(data: Array, keep: float, index: Array) -> Array:
+  """The elements at linear indices `index` (uint32) of ``jax.random.bernoulli(key, keep,
+  shape)`` for the threefry key `data`, `keep` a Python float as ``nn.Dropout`` passes it
+  (float32, or float64 under ``jax_enable_x64``): bit for bit jax's partitionable threefry (the
+  default), which draws each element from its linear index, so any block is drawn without the
+  rest."""
   k1, k2 = data[..., 0], data[..., 1]
   bits1, bits2 = jax_random.threefry2x32_p.bind(k1, k2, jnp.zeros_like(index), index)
   # jax.random.uniform's floats from random bits: the mantissa's bits in [1, 2), minus 1.

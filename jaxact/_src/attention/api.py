@@ -1,0 +1,317 @@
+"""The public op :func:`dot_product_attention`: arguments checked, the plan built, the backend
+decided (:mod:`.rules`), the call run (:mod:`.xla`, or jax.nn's cuDNN path)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.typing import ArrayLike
+
+from jaxact._src import dispatch, dropout, validation
+from jaxact._src import fused_args as args
+from jaxact._src.attention import rules, sharding
+from jaxact._src.attention.xla import AttentionPlan, attention, default_blocks
+
+_FN = "dot_product_attention"
+
+
+def _err(msg: str) -> str:
+  return f"jaxact.{_FN}: {msg}"
+
+
+def _operands(query, key, value) -> tuple[Array, Array, Array, bool]:
+  """q, k, v as 4-d arrays, checked; and whether they came without a batch axis (3-d)."""
+  q, k, v = (
+    validation.as_real_array(_FN, a, n)
+    for a, n in ((query, "query"), (key, "key"), (value, "value"))
+  )
+  for a, name in ((q, "query"), (k, "key"), (v, "value")):
+    if not validation.is_floating(a.dtype):
+      raise TypeError(
+        _err(f"`{name}` has dtype {a.dtype}; accepted: float16, bfloat16, float32 or float64")
+      )
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(
+      _err(
+        f"`query`, `key` and `value` must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype} "
+        "(cast them first, as jax.nn requires too)"
+      )
+    )
+  shapes = f"query.shape={q.shape}, key.shape={k.shape}, value.shape={v.shape}"
+  if q.ndim not in (3, 4) or not q.ndim == k.ndim == v.ndim:
+    raise ValueError(
+      _err(
+        "`query`, `key` and `value` must all be 4-d (batch, length, heads, head_dim) or all 3-d "
+        f"(length, heads, head_dim); got {shapes}"
+      )
+    )
+  unbatched = q.ndim == 3
+  if unbatched:
+    q, k, v = q[None], k[None], v[None]
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(_err(f"`key` and `value` must agree in batch, length and heads; got {shapes}"))
+  if q.shape[0] != k.shape[0]:
+    raise ValueError(_err(f"`query` and `key` have different batch sizes ({shapes})"))
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(_err(f"`query` and `key` have different head dims ({shapes})"))
+  n, kv_heads = q.shape[2], k.shape[2]
+  if kv_heads == 0 or n % kv_heads:
+    raise ValueError(
+      _err(
+        f"`query` has {n} heads, which is not a multiple of `key`'s {kv_heads} (grouped-query "
+        f"attention needs N % K == 0; {shapes})"
+      )
+    )
+  return q, k, v, unbatched
+
+
+def _map(arr, name: str, full: tuple[int, int, int, int], kind: str) -> Array | None:
+  """A bias or mask broadcastable to (B, N, T, S), as a 4-d array of sizes 1 or full."""
+  if arr is None:
+    return None
+  a = validation.as_real_array(_FN, arr, name)
+  if kind == "mask" and a.dtype != jnp.bool_:
+    raise TypeError(
+      _err(
+        f"`mask` has dtype {a.dtype}; accepted: bool (True attends; an additive mask goes in "
+        "`bias`)"
+      )
+    )
+  if kind == "bias" and not validation.is_floating(a.dtype):
+    raise TypeError(_err(f"`bias` has dtype {a.dtype}; accepted: a floating-point dtype"))
+  if a.ndim > 4:
+    raise ValueError(_err(f"`{name}` has rank {a.ndim}; accepted: rank <= 4, (B, N, T, S)"))
+  a = a.reshape((1,) * (4 - a.ndim) + a.shape)
+  if any(d not in (1, f) for d, f in zip(a.shape, full, strict=True)):
+    raise ValueError(
+      _err(
+        f"`{name}` has shape {a.shape}, which does not broadcast to (batch, heads, q_len, "
+        f"kv_len) = {full}"
+      )
+    )
+  return a
+
+
+def _lengths(arr, name: str, batch: int) -> Array | None:
+  if arr is None:
+    return None
+  a = validation.as_real_array(_FN, arr, name)
+  if not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError(_err(f"`{name}` has dtype {a.dtype}; accepted: an integer dtype"))
+  if a.shape != (batch,):
+    raise ValueError(_err(f"`{name}` has shape {a.shape}; accepted: ({batch},), one a batch row"))
+  return a.astype(jnp.int32)
+
+
+def _window(window) -> tuple[int, int] | None:
+  if window is None:
+    return None
+  pair = (window, window) if isinstance(window, (int, np.integer)) else window
+  ok = (
+    isinstance(pair, (tuple, list))
+    and len(pair) == 2
+    and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in pair)
+  )
+  if not ok:
+    raise ValueError(
+      _err(
+        f"`local_window_size` is {window!r}; accepted: None, an int >= 0, or a pair (left, "
+        "right) of ints >= 0"
+      )
+    )
+  return int(pair[0]), int(pair[1])
+
+
+def _static_float(name: str, value, *, positive: bool) -> float:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(_err(f"`{name}` must be a Python float; got {type(value).__name__} {value!r}"))
+  v = float(value)
+  if not math.isfinite(v) or (positive and v <= 0):
+    raise ValueError(
+      _err(f"`{name}` is {value!r}; accepted: a finite number" + (" > 0" if positive else ""))
+    )
+  return v
+
+
+def _blocks(block_sizes, heads: int, t: int, s: int) -> tuple[int, int]:
+  if block_sizes is None:
+    return default_blocks(heads, t, s, gpu=dispatch.target().cuda)
+  ok = (
+    isinstance(block_sizes, (tuple, list))
+    and len(block_sizes) == 2
+    and all(
+      isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_sizes
+    )
+  )
+  if not ok:
+    raise ValueError(
+      _err(f"`block_sizes` is {block_sizes!r}; accepted: None or (block_q, block_k), ints > 0")
+    )
+  return min(int(block_sizes[0]), t), min(int(block_sizes[1]), s)
+
+
+def dot_product_attention(
+  query: ArrayLike,
+  key: ArrayLike,
+  value: ArrayLike,
+  bias: ArrayLike | None = None,
+  mask: ArrayLike | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  query_seq_lengths: ArrayLike | None = None,
+  key_value_seq_lengths: ArrayLike | None = None,
+  local_window_size: int | tuple[int, int] | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: ArrayLike | None = None,
+  broadcast_dropout: bool = True,
+  precision: lax.PrecisionLike = None,
+  implementation: str | None = None,
+  block_sizes: tuple[int, int] | None = None,
+) -> Array:
+  r"""Scaled dot-product attention that keeps its output, not its probabilities.
+
+  ``jax.nn.dot_product_attention``'s signature, defaults and layouts (query ``(B, T, N, H)``, key
+  and value ``(B, S, K, H)``, or all without the batch axis; grouped-query attention when the
+  ``K`` key/value heads divide the ``N`` query heads), computing for each head
+
+  .. math::
+    O = \operatorname{softmax}\!\left(c \tanh\!\left(\frac{\mathrm{scale}\; Q K^\top}{c}\right)
+      + B\right) V
+
+  over the keys that the masks leave (``mask``, ``is_causal``, ``local_window_size``, the
+  lengths, combined as jax.nn combines them), with Gemma 2's soft cap :math:`c`
+  (``logits_soft_cap``; without it the logits are ``scale Q Kᵀ + B``). The cap applies before
+  the bias, so a bias of ``-inf`` masks as a mask does.
+
+  One ``custom_vjp`` keeps ``query``, ``key``, ``value``, the output ``O`` and one float32
+  log-sum-exp a (row, head) for the backward pass (and ``bias``, ``mask``, the lengths and the
+  dropout key where given), which recomputes the probabilities block by block (FlashAttention-2's
+  order). No (T, S) array is kept or built: the XLA path loops over blocks of ``block_sizes``
+  with an online softmax and skips the blocks that the causal mask and the window leave empty.
+  Half precision inputs are multiplied with float32 accumulation; logits, statistics and softmax
+  are float32 (float64 for float64 inputs). Logits of any finite size never overflow (they are
+  clipped to the float32 range before the softmax).
+
+  Differences from jax.nn: a row that sees no key at all (every key masked) gives 0 and zero
+  gradients, where jax.nn returns the mean of the values; ``logits_soft_cap``, dropout,
+  ``precision`` and ``block_sizes`` are extra; the lengths may be of any integer dtype and the
+  value head dim may differ from the query's.
+
+  Args:
+    query: ``(B, T, N, H)`` or ``(T, N, H)``, floating point.
+    key: ``(B, S, K, H)`` or ``(S, K, H)``, the dtype of ``query``; ``N % K == 0``.
+    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``, the dtype of ``query``.
+    bias: added to the (capped) logits, broadcastable to ``(B, N, T, S)`` (rank <= 4, leading
+      axes added); its gradient is computed. ``-inf`` entries mask.
+    mask: bool, broadcastable to ``(B, N, T, S)``: True attends.
+    scale: multiplies ``Q Kᵀ``; None: ``1 / sqrt(H)``.
+    is_causal: mask keys after each query (``u > t``, jax.nn's top-left aligned ``tril``).
+    query_seq_lengths: ``(B,)`` integers: rows at or beyond give 0.
+    key_value_seq_lengths: ``(B,)`` integers: keys at or beyond are masked.
+    local_window_size: ``(left, right)`` or an int for both: each query ``t`` sees keys ``t -
+      left`` to ``t + right``.
+    logits_soft_cap: :math:`c > 0`, or None for no cap.
+    dropout_rate: Flax's attention dropout of the probabilities (0 for none); the mask is drawn
+      from `dropout_rng` as ``flax.linen.dot_product_attention`` draws it (the same key gives the
+      same mask), in both passes, and never kept.
+    dropout_rng: a threefry PRNG key, required when ``dropout_rate > 0``.
+    broadcast_dropout: one ``(T, S)`` mask for every batch row and head (Flax's default).
+    precision: of the products, as :func:`jax.lax.dot_general` takes it.
+    implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
+      ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with jax.nn's
+      semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows cuDNN lacks).
+      ``"pallas"`` and ``"mosaic"`` raise ``NotImplementedError`` until jaxact's GPU kernels land.
+    block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses from the sizes (about 4 MiB of
+      float32 logits a block on CPU, 64 MiB for a GPU).
+
+  Returns:
+    ``O``, shaped like ``query`` with ``value``'s head dim, in ``query``'s dtype.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxact
+    >>> q = k = v = jnp.ones((1, 4, 2, 8))
+    >>> o = jaxact.dot_product_attention(q, k, v, is_causal=True)
+    >>> o.shape
+    (1, 4, 2, 8)
+    >>> lengths = jnp.array([0])  # a batch row with no keys: 0, not NaN
+    >>> jaxact.dot_product_attention(q, k, v, key_value_seq_lengths=lengths).sum()
+    Array(0., dtype=float32)
+  """
+  with jax.named_scope(f"jaxact.{_FN}"):
+    rules.check_implementation(_FN, implementation)
+    q, k, v, unbatched = _operands(query, key, value)
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    full = (b, n, t, s)
+    bias = _map(bias, "bias", full, "bias")
+    mask = _map(mask, "mask", full, "mask")
+    q_len = _lengths(query_seq_lengths, "query_seq_lengths", b)
+    kv_len = _lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
+    window = _window(local_window_size)
+    if not isinstance(is_causal, (bool, np.bool_)):
+      raise TypeError(_err(f"`is_causal` must be a bool; got {is_causal!r}"))
+    cap = None
+    if logits_soft_cap is not None:
+      cap = _static_float("logits_soft_cap", logits_soft_cap, positive=True)
+    scale = (
+      1 / math.sqrt(h)
+      if scale is None and h
+      else _static_float("scale", 1.0 if scale is None else scale, positive=False)
+    )
+    drop, key_data = dropout.check(_FN, dropout_rate, dropout_rng, (), 4)
+    if drop is not None:
+      if not drop.threefry:
+        raise NotImplementedError(
+          _err(
+            f"dropout with a {drop.impl} key: attention draws its mask block by block, which "
+            "jaxact does for threefry keys (jax's default) only"
+          )
+        )
+      drawn = t * s if broadcast_dropout else b * n * t * s
+      if drawn >= 2**32:
+        raise NotImplementedError(
+          _err(f"dropout over {drawn} elements (>= 2**32, where jax draws 64-bit counters)")
+        )
+    out_shape = (b, t, n, v.shape[-1])
+    acc = np.dtype(validation.compute_dtype(q.dtype))
+    plan = AttentionPlan(
+      scale=scale,
+      causal=bool(is_causal),
+      window=window,
+      soft_cap=cap,
+      dropout=drop,
+      broadcast_dropout=bool(broadcast_dropout),
+      precision=args.hashable_precision(precision),
+      acc_dtype=acc,
+    )
+    decision = rules.decide(_FN, implementation, plan, q, bias is not None, mask is not None)
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape[-1:]:  # nothing to attend, or to return
+      out = jnp.zeros(out_shape, q.dtype)
+    elif decision.forward == "cudnn":
+      out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=bool(is_causal),
+        query_seq_lengths=q_len,
+        key_value_seq_lengths=kv_len,
+        local_window_size=window,
+        implementation="cudnn",
+      )
+    else:
+      block_q, block_k = _blocks(block_sizes, b * n, t, s)
+      plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
+      run = sharding.per_device(attention, plan, q, k, v, bias, mask, q_len, kv_len, key_data)
+      out = run(q, k, v, bias, mask, q_len, kv_len, key_data)
+    return out[0] if unbatched else out

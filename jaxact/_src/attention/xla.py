@@ -1,0 +1,476 @@
+"""The ``custom_vjp`` of :func:`jaxact.dot_product_attention` and its blocked XLA path.
+
+For query rows ``t`` and key columns ``u`` of one head, with logits accumulated in float32 (float64
+for float64 inputs),
+
+    s = c tanh(scale q_t . k_u / c) + bias,   masked to -inf where the masks exclude (t, u),
+    P = softmax_u(s),   O_t = sum_u P[t, u] v_u   (dropout: P * keep / (1 - rate)),
+
+the op keeps ``q``, ``k``, ``v``, ``O`` and one log-sum-exp a (row, head), ``lse_t = log sum_u
+exp(s[t, u])``, and never an array of shape (T, S) (FlashAttention's idea: the softmax's output O
+and its normaliser are all its backward needs). The backward pass recomputes ``P = exp(s - lse)``
+block by block in FlashAttention-2's order (key blocks outside, query blocks inside) and forms
+
+    dP = dO vᵀ,   dS = P (dP - D),   D_t = sum_h dO[t, h] O[t, h],
+
+then ``dq = scale dS k ds/dz``, ``dk = scale dSᵀ q ds/dz`` (summed over the query heads of a
+group), ``dv = Pᵀ dO``, ``dbias = dS`` summed over the bias's broadcast axes.
+
+Blocks: the forward loops over query blocks and, inside, over the key blocks that hold an
+unmasked (t, u) for the causal mask and the window, with an online softmax (running max and sum);
+blocks wholly outside are never visited. A last block that would run past T (or S) starts earlier
+instead (the same block shape throughout); the rows (columns) it shares with the block before are
+masked where counting them twice would be wrong. A row that sees no key has ``lse = -inf``, O = 0
+and zero gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from jaxact._src.dispatch import Decision
+from jaxact._src.dropout import Dropout, keep_from_index
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+  """Everything static about one call.
+
+  Attributes:
+    scale: multiplies ``q . k``.
+    causal: mask ``u > t`` (jax.nn's top-left aligned ``tril``).
+    window: ``(left, right)``: mask ``u < t - left`` and ``u > t + right``; None for no window.
+    soft_cap: ``c`` of ``c tanh(s / c)``, or None.
+    block_q, block_k: query rows and key columns a block.
+    dropout: the dropout of the probabilities, or None; ``broadcast_dropout`` shares one (T, S)
+      mask over batch and heads (Flax's default).
+    precision: of the products, as :func:`jax.lax.dot_general` takes it.
+    acc_dtype: float32, or float64 for float64 inputs.
+    decision: the backends of the two passes.
+  """
+
+  scale: float
+  causal: bool = False
+  window: tuple[int, int] | None = None
+  soft_cap: float | None = None
+  block_q: int = 512
+  block_k: int = 512
+  dropout: Dropout | None = None
+  broadcast_dropout: bool = True
+  precision: Any = None
+  acc_dtype: np.dtype = _FLOAT32
+  decision: Decision = dataclasses.field(default_factory=Decision)
+
+  @property
+  def right(self) -> int | None:
+    """The largest ``u - t`` left unmasked by the causal mask and the window, or None."""
+    bounds = ([0] if self.causal else []) + ([self.window[1]] if self.window else [])
+    return min(bounds) if bounds else None
+
+  @property
+  def left(self) -> int | None:
+    """The largest ``t - u`` left unmasked by the window, or None."""
+    return self.window[0] if self.window else None
+
+
+# Elements of one float32 block of logits the XLA path aims at: on CPU 4 MiB (a few such arrays
+# live at once in the backward; benchmarks/results/attention.md), for a GPU 64 MiB, where larger
+# blocks amortize the loop's launches.
+_CPU_BLOCK_ELEMENTS = 1 << 20
+_GPU_BLOCK_ELEMENTS = 16 << 20
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << (max(1, n).bit_length() - 1)
+
+
+def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
+  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``: key
+  blocks of up to 512 columns, query blocks filling the element budget, at least 64 rows."""
+  budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
+  block_k = min(kv_len, 512)
+  block_q = max(64, _pow2_floor(budget // max(1, heads * block_k)))
+  return min(q_len, block_q), block_k
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+  batch: int
+  q_len: int
+  kv_len: int
+  kv_heads: int
+  groups: int
+
+
+def _start(index, block: int, length: int):
+  """First row of block `index`: ``index * block``, moved back so the block ends by `length`."""
+  return jnp.minimum(jnp.asarray(index, jnp.int32) * block, length - block)
+
+
+def _key_blocks(plan: AttentionPlan, sh: _Shapes, q0):
+  """``[lo, hi)``: the key blocks holding an unmasked column for query rows ``[q0, q0 +
+  block_q)``, by the causal mask and the window; static ``(0, n)`` without either."""
+  n = -(-sh.kv_len // plan.block_k)
+  right, left = plan.right, plan.left
+  if right is None and left is None:
+    return 0, n
+  lo, hi = jnp.int32(0), jnp.int32(n)
+  if left is not None:
+    lo = jnp.maximum(q0 - left, 0) // plan.block_k
+  if right is not None:
+    last = q0 + plan.block_q - 1 + right  # the last column any row of the block sees
+    hi = jnp.where(last < 0, 0, jnp.minimum(last, sh.kv_len - 1) // plan.block_k + 1)
+  return lo, jnp.maximum(lo, hi)
+
+
+def _query_blocks(plan: AttentionPlan, sh: _Shapes, j):
+  """``[lo, hi)``: the query blocks holding an unmasked row for key block `j`'s own columns
+  ``[j block_k, min((j + 1) block_k, S))``."""
+  n = -(-sh.q_len // plan.block_q)
+  right, left = plan.right, plan.left
+  if right is None and left is None:
+    return 0, n
+  u0 = j * plan.block_k
+  u1 = jnp.minimum(u0 + plan.block_k, sh.kv_len) - 1
+  lo, hi = jnp.int32(0), jnp.int32(n)
+  if right is not None:
+    lo = jnp.clip(u0 - right, 0, sh.q_len) // plan.block_q
+  if left is not None:
+    last = u1 + left
+    hi = jnp.minimum(last, sh.q_len - 1) // plan.block_q + 1
+  return jnp.minimum(lo, n), jnp.maximum(jnp.minimum(lo, n), hi)
+
+
+def _slice(a: Array | None, axis_starts: dict[int, Any], sizes: dict[int, int]):
+  """`a` sliced at ``axis_starts`` (axis -> start) with ``sizes``, axes of size 1 kept whole
+  (broadcast operands such as a (1, 1, T, S) bias)."""
+  if a is None:
+    return None
+  starts = [jnp.int32(0)] * a.ndim
+  shape = list(a.shape)
+  for axis, start in axis_starts.items():
+    if a.shape[axis] != 1:
+      starts[axis], shape[axis] = jnp.asarray(start, jnp.int32), sizes[axis]
+  return lax.dynamic_slice(a, starts, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  """The operands in the blocks' layouts: q (B, T, K, G, H); k, v (B, S, K, H); bias and mask
+  (B|1, K|1, G|1, T|1, S|1); lengths (B,) or None; the dropout key's data or None."""
+
+  q: Array
+  k: Array
+  v: Array
+  bias: Array | None
+  mask: Array | None
+  q_lengths: Array | None
+  kv_lengths: Array | None
+  key_data: Array | None
+
+
+def _grouped(a: Array | None, sh: _Shapes) -> Array | None:
+  """A (B|1, N|1, T|1, S|1) bias or mask as (B|1, K|1, G|1, T|1, S|1)."""
+  if a is None:
+    return None
+  b, n, t, s = a.shape
+  if n == 1:
+    return a.reshape(b, 1, 1, t, s)
+  return a.reshape(b, sh.kv_heads, sh.groups, t, s)
+
+
+def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, i, j, dedup_rows):
+  """One block of ``s`` (B, K, G, bq, bk), -inf where masked, and ``c tanh(z / c)`` before the
+  bias (None without a cap; the backward's ds/dz)."""
+  acc = plan.acc_dtype
+  z = jnp.einsum(
+    "btkgh,bskh->bkgts", q_blk, k_blk, preferred_element_type=acc, precision=plan.precision
+  )
+  fmax = jnp.finfo(acc).max
+  z = jnp.clip(z * jnp.asarray(plan.scale, acc), -fmax, fmax)  # finite logits, whatever q . k is
+  capped = None
+  if plan.soft_cap is not None:
+    c = jnp.asarray(plan.soft_cap, acc)
+    z = capped = c * jnp.tanh(z / c)
+  bq, bk = plan.block_q, plan.block_k
+  if x.bias is not None:
+    b = _slice(x.bias, {3: q0, 4: k0}, {3: bq, 4: bk})
+    z = jnp.minimum(z + b.astype(acc), fmax)  # -inf stays -inf (masked), +inf is capped
+  rows = q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  valid = cols >= j * bk  # the columns a moved-back last block shares with the one before
+  if dedup_rows:
+    valid &= rows >= i * bq
+  if plan.causal:
+    valid &= cols <= rows
+  if plan.window is not None:
+    left, right = plan.window
+    valid &= (cols >= rows - left) & (cols <= rows + right)
+  valid = valid[None, None, None]
+  if x.q_lengths is not None:
+    valid = valid & (rows < x.q_lengths[:, None, None, None, None])
+  if x.kv_lengths is not None:
+    valid = valid & (cols < x.kv_lengths[:, None, None, None, None])
+  if x.mask is not None:
+    valid = valid & _slice(x.mask, {3: q0, 4: k0}, {3: bq, 4: bk})
+  return jnp.where(valid, z, -jnp.inf), capped
+
+
+def _keep(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q0, k0) -> Array:
+  """The dropout keep mask of one block, broadcastable to (B, K, G, bq, bk): Flax's
+  ``bernoulli(key, 1 - rate, shape)`` over (1, 1, T, S) (broadcast) or (B, N, T, S), drawn from
+  each element's linear index (:func:`jaxact._src.dropout.keep_from_index`)."""
+  bq, bk = plan.block_q, plan.block_k
+  t = (q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)).astype(jnp.uint32)
+  u = (k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)).astype(jnp.uint32)
+  index = t * np.uint32(sh.kv_len) + u
+  if not plan.broadcast_dropout:
+    shape = (sh.batch, sh.kv_heads, sh.groups, 1, 1)
+    head = (
+      lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(sh.kv_heads * sh.groups)
+      + lax.broadcasted_iota(jnp.uint32, shape, 1) * np.uint32(sh.groups)
+      + lax.broadcasted_iota(jnp.uint32, shape, 2)
+    )
+    index = head * np.uint32(sh.q_len * sh.kv_len) + index
+  return keep_from_index(x.key_data, plan.dropout.keep, index)
+
+
+def _shapes(q: Array, k: Array) -> _Shapes:
+  b, t, kv_heads, g, _ = q.shape
+  return _Shapes(b, t, k.shape[1], kv_heads, g)
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
+  """``(O, lse)``: O (B, T, K, G, Hv) in q's dtype, lse (B, K, G, T) in the accumulation dtype."""
+  sh = _shapes(x.q, x.k)
+  acc, bq, bk = plan.acc_dtype, plan.block_q, plan.block_k
+  b, kh, g, hv = sh.batch, sh.kv_heads, sh.groups, x.v.shape[-1]
+  n_q = -(-sh.q_len // bq)
+
+  def q_block(i, carry):
+    o, lse = carry
+    q0 = _start(i, bq, sh.q_len)
+    q_blk = lax.dynamic_slice_in_dim(x.q, q0, bq, 1)
+
+    def k_block(j, state):
+      m, denom, o_acc = state
+      k0 = _start(j, bk, sh.kv_len)
+      k_blk = lax.dynamic_slice_in_dim(x.k, k0, bk, 1)
+      v_blk = lax.dynamic_slice_in_dim(x.v, k0, bk, 1)
+      s, _ = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, dedup_rows=False)
+      m_new = jnp.maximum(m, jnp.max(s, -1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # exp(-inf - -inf) would be NaN
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      denom = alpha * denom + jnp.sum(p, -1)
+      if plan.dropout is not None:
+        p = jnp.where(_keep(plan, sh, x, q0, k0), p * jnp.asarray(1 / plan.dropout.keep, acc), 0)
+      pv = jnp.einsum(
+        "bkgts,bskh->bkgth",
+        p.astype(x.v.dtype),
+        v_blk,
+        preferred_element_type=acc,
+        precision=plan.precision,
+      )
+      return m_new, denom, alpha[..., None] * o_acc + pv
+
+    init = (
+      jnp.full((b, kh, g, bq), -jnp.inf, acc),
+      jnp.zeros((b, kh, g, bq), acc),
+      jnp.zeros((b, kh, g, bq, hv), acc),
+    )
+    lo, hi = _key_blocks(plan, sh, q0)
+    m, denom, o_acc = _loop(lo, hi, k_block, init)
+    empty = denom == 0
+    o_blk = jnp.where(empty[..., None], 0, o_acc / jnp.where(empty, 1, denom)[..., None])
+    lse_blk = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1, denom)))
+    o_blk = jnp.transpose(o_blk.astype(x.q.dtype), (0, 3, 1, 2, 4))  # (B, bq, K, G, Hv)
+    o = lax.dynamic_update_slice_in_dim(o, o_blk, q0, 1)
+    lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, q0, 3)
+    return o, lse
+
+  init = (
+    jnp.zeros((b, sh.q_len, kh, g, hv), x.q.dtype),
+    jnp.zeros((b, kh, g, sh.q_len), acc),
+  )
+  return _loop(0, n_q, q_block, init)
+
+
+def _loop(lo, hi, body, init):
+  """``fori_loop(lo, hi, body, init)``, the body called once in place when there is one step."""
+  if isinstance(lo, int) and isinstance(hi, int) and hi - lo == 1:
+    return body(lo, init)
+  return lax.fori_loop(lo, hi, body, init)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def backward(plan: AttentionPlan, x: _Inputs, o: Array, lse: Array, do: Array):
+  """``(dq, dk, dv, dbias)`` from O, lse and the cotangent dO, in the operands' layouts (dq
+  (B, T, K, G, H), dbias like the grouped bias, None without one)."""
+  sh = _shapes(x.q, x.k)
+  acc, bq, bk = plan.acc_dtype, plan.block_q, plan.block_k
+  n_k = -(-sh.kv_len // bk)
+  # D_t = sum_h dO O: the softmax's backward term, one number a (row, head); (B, K, G, T).
+  delta = jnp.einsum("btkgh,btkgh->bkgt", do.astype(acc), o.astype(acc))
+  lse_safe = jnp.where(lse == -jnp.inf, 0, lse)  # rows that see no key: every s is -inf there
+
+  def k_block(j, carry):
+    dq, dk, dv, dbias = carry
+    k0 = _start(j, bk, sh.kv_len)
+    k_blk = lax.dynamic_slice_in_dim(x.k, k0, bk, 1)
+    v_blk = lax.dynamic_slice_in_dim(x.v, k0, bk, 1)
+
+    def q_block(i, state):
+      dq, dk_j, dv_j, dbias = state
+      q0 = _start(i, bq, sh.q_len)
+      q_blk = lax.dynamic_slice_in_dim(x.q, q0, bq, 1)
+      do_blk = lax.dynamic_slice_in_dim(do, q0, bq, 1)
+      s, capped = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, dedup_rows=True)
+      lse_blk = lax.dynamic_slice_in_dim(lse_safe, q0, bq, 3)
+      d_blk = lax.dynamic_slice_in_dim(delta, q0, bq, 3)
+      p = jnp.exp(s - lse_blk[..., None])
+      dp = jnp.einsum(
+        "btkgh,bskh->bkgts", do_blk, v_blk, preferred_element_type=acc, precision=plan.precision
+      )
+      p_v = p
+      if plan.dropout is not None:
+        keep = _keep(plan, sh, x, q0, k0)
+        inv = jnp.asarray(1 / plan.dropout.keep, acc)
+        p_v = jnp.where(keep, p * inv, 0)
+        dp = jnp.where(keep, dp * inv, 0)
+      dv_j = dv_j + jnp.einsum(
+        "bkgts,btkgh->bskh",
+        p_v.astype(do.dtype),
+        do_blk,
+        preferred_element_type=acc,
+        precision=plan.precision,
+      )
+      ds = p * (dp - d_blk[..., None])  # d loss / d s
+      if dbias is not None:
+        dbias = _add_block(dbias, ds, q0, k0, plan)
+      if capped is not None:
+        ds = ds * (1 - jnp.square(capped / jnp.asarray(plan.soft_cap, acc)))
+      ds = (ds * jnp.asarray(plan.scale, acc)).astype(x.q.dtype)
+      dq_blk = jnp.einsum(
+        "bkgts,bskh->btkgh", ds, k_blk, preferred_element_type=acc, precision=plan.precision
+      )
+      dq = lax.dynamic_update_slice_in_dim(
+        dq, lax.dynamic_slice_in_dim(dq, q0, bq, 1) + dq_blk, q0, 1
+      )
+      dk_j = dk_j + jnp.einsum(
+        "bkgts,btkgh->bskh", ds, q_blk, preferred_element_type=acc, precision=plan.precision
+      )
+      return dq, dk_j, dv_j, dbias
+
+    init = (
+      dq,
+      jnp.zeros((sh.batch, bk, sh.kv_heads, x.k.shape[-1]), acc),
+      jnp.zeros((sh.batch, bk, sh.kv_heads, x.v.shape[-1]), acc),
+      dbias,
+    )
+    lo, hi = _query_blocks(plan, sh, j)
+    dq, dk_j, dv_j, dbias = _loop(lo, hi, q_block, init)
+    # Columns a moved-back last block shares with the one before got nothing here (masked).
+    shared = (k0 + jnp.arange(bk) < j * bk)[None, :, None, None]
+    dk = _write_block(dk, dk_j, k0, shared)
+    dv = _write_block(dv, dv_j, k0, shared)
+    return dq, dk, dv, dbias
+
+  init = (
+    jnp.zeros(x.q.shape, acc),
+    jnp.zeros(x.k.shape, x.k.dtype),
+    jnp.zeros(x.v.shape, x.v.dtype),
+    None if x.bias is None else jnp.zeros(x.bias.shape, acc),
+  )
+  dq, dk, dv, dbias = _loop(0, n_k, k_block, init)
+  dbias = None if dbias is None else dbias.astype(x.bias.dtype)
+  return dq.astype(x.q.dtype), dk, dv, dbias
+
+
+def _write_block(buf: Array, blk: Array, k0, shared: Array) -> Array:
+  """`blk` written over rows ``[k0, k0 + bk)`` of `buf`, but for the `shared` rows."""
+  old = lax.dynamic_slice_in_dim(buf, k0, blk.shape[1], 1)
+  return lax.dynamic_update_slice_in_dim(buf, jnp.where(shared, old, blk.astype(buf.dtype)), k0, 1)
+
+
+def _add_block(dbias: Array, ds: Array, q0, k0, plan: AttentionPlan) -> Array:
+  """``dbias += ds`` summed over the bias's broadcast (size 1) axes, at the block's place."""
+  axes = tuple(d for d in range(5) if dbias.shape[d] == 1 and ds.shape[d] != 1)
+  part = jnp.sum(ds, axes, keepdims=True) if axes else ds
+  sizes = {3: plan.block_q, 4: plan.block_k}
+  old = _slice(dbias, {3: q0, 4: k0}, sizes)
+  zero = jnp.int32(0)
+  starts = [
+    zero,
+    zero,
+    zero,
+    q0 if dbias.shape[3] != 1 else zero,
+    k0 if dbias.shape[4] != 1 else zero,
+  ]
+  return lax.dynamic_update_slice(dbias, old + part, starts)
+
+
+# -------------------------------------------------------------------------- custom_vjp
+
+
+def _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> _Inputs:
+  """jax.nn's layouts (q (B, T, N, H), k and v (B, S, K, H), bias and mask (B|1, N|1, T|1,
+  S|1)) as the blocks read them: reshapes only, free under jit."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  sh = _Shapes(b, t, k.shape[1], kv_heads, n // kv_heads)
+  q5 = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  return _Inputs(q5, k, v, _grouped(bias, sh), _grouped(mask, sh), q_lengths, kv_lengths, key_data)
+
+
+def _ungrouped(o: Array) -> Array:
+  b, t, kv_heads, g, h = o.shape
+  return o.reshape(b, t, kv_heads * g, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> Array:
+  """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
+  grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
+  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+  return _ungrouped(forward(plan, x)[0])
+
+
+def _attention_fwd(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
+  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+  o, lse = forward(plan, x)
+  # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
+  # and XLA cannot recompute it in the backward from what the forward read.
+  o, lse = lax.optimization_barrier((_ungrouped(o), lse))
+  return o, ((q, k, v, bias, mask, q_lengths, kv_lengths, key_data), o, lse)
+
+
+def _attention_bwd(plan: AttentionPlan, res, do):
+  args, o, lse = res
+  (o, lse), do = lax.optimization_barrier(((o, lse), do))
+  x = _grouped_inputs(*args)
+  q, bias = args[0], args[3]
+  shape5 = (*x.q.shape[:-1], o.shape[-1])
+  dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
+  dbias = None if dbias is None else dbias.reshape(bias.shape)
+  return dq.reshape(q.shape), dk, dv, dbias, None, None, None, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
