@@ -18,7 +18,7 @@ process age, ``--budget``), each writing its verdicts and tables under ``--out``
    Hopper forward and backward with every option, the few-bit code kernels (8, 4, 2 bits: Triton
    dense and conv epilogues, Hopper forward and backward), the Triton dense and conv kernels and the
    Hopper dense kernels (one activation of each residual family: identity, relu, gelu), and the
-   attention kernel once it exists; Triton's run on Hopper too;
+   attention kernels once they land (cuDNN's attention meanwhile); Triton's run on Hopper too;
 2. the same in float16, then 3. in float32 (Triton only: Mosaic GPU takes 16-bit operands);
 4. timings, each against XLA in the same process: the gated MLP forward and backward, the LM head
    at 16384 x 4096 x 128k against the plain composition (and tokamax where it imports), the code
@@ -34,8 +34,8 @@ walks a second tile while the others run (the interpreter runs one CTA: it canno
 
 The steps' functions live in :mod:`benchmarks.gpu_truth_checks` and
 :mod:`benchmarks.gpu_truth_timings`. Adding a kernel is one function there and one row of
-:data:`STEPS` (the attention kernel's row is there already: it runs once
-``jaxact.dot_product_attention`` exists).
+:data:`STEPS` (the attention kernels' row is there already: ``implementation="pallas"`` and
+``"mosaic"`` are recorded as unsupported until they land, then checked).
 
 ``--dry-run`` (on the CPU) lists the steps and proves the harness with stand-in steps: the budget,
 the files under ``--out``, the verdict lines, an exception caught; ``tests/test_gpu_truth.py``
@@ -107,7 +107,7 @@ STEPS: tuple[Step, ...] = (
   Step("dense-mosaic-bf16",       1,  21, P(dense, dtype="bf16", impl="mosaic"),
        "Hopper dense forward and backward: identity, relu, gelu", H),
   Step("attention-bf16",          1,  20, P(attention, dtype="bf16"),
-       "attention kernels (once jaxact.dot_product_attention exists)"),
+       "attention: jaxact's kernels (once they land) and cuDNN's"),
   # 2: float16
   Step("gated-triton-f16",        2,  10, P(gated, dtype="f16", impl="pallas", activations=SG),
        "gated MLP: Triton"),

@@ -158,30 +158,27 @@ def lce(ctx: th.Context, dtype: str, cases=tuple(gpu_lce.OPTION_CASES)):
 
 
 def attention(ctx: th.Context, dtype: str):
-  """``jaxact.dot_product_attention`` through its kernels against XLA's, causal and not, with a
-  logit soft cap; recorded as skipped until the attention op exists."""
+  """``jaxact.dot_product_attention`` through jaxact's kernels (``pallas``, ``mosaic``: skipped
+  as unsupported until they land) and cuDNN's against XLA's blocked path, plain, causal and
+  soft-capped: O and the gradients of q, k, v."""
   import jaxact
-
-  fn = getattr(jaxact, "dot_product_attention", None)
-  if fn is None:
-    ctx.verdict("attention", "skipped", "no jaxact.dot_product_attention yet (issue 32)")
-    return [], {}
   from jaxact._src.test_util.gpu_compare import compare_to_xla
 
   b, t, n, h = ctx.pick((2, 1024, 4, 128), (1, 16, 2, 16))
   keys = jax.random.split(jax.random.key(40), 3)
   qkv = [jax.random.normal(k, (b, t, n, h), jnp.float32).astype(DTYPES[dtype]) for k in keys]
-  for options in ({"is_causal": False}, {"is_causal": True}, {"logits_soft_cap": 30.0}):
+  for options in ({}, {"is_causal": True}, {"logits_soft_cap": 30.0}):
 
     def build(impl, precision, options=options):
       def f(q, k, v):
-        with jax.default_matmul_precision("highest" if precision else None):
-          return fn(q, k, v, implementation=impl, **options)
+        return jaxact.dot_product_attention(
+          q, k, v, precision=precision, implementation=impl, **options
+        )
 
       return f
 
-    for impl in ("pallas", "mosaic"):
-      label = ",".join(f"{key}={val}" for key, val in options.items())
+    label = ",".join(f"{key}={val}" for key, val in options.items()) or "plain"
+    for impl in ("pallas", "mosaic") + (() if ctx.small else ("cudnn",)):  # cuDNN: a GPU's
       judge(
         ctx,
         f"attention-{impl} {dtype} {label}",
