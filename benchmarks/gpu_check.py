@@ -1,6 +1,11 @@
 """Check the Pallas kernels against the XLA path on a GPU, time both, and measure memory.
 
     python -m benchmarks.gpu_check [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
+    python -m benchmarks.gpu_check --truth [--budget 540] [--out DIR] [--only STEP,...] [--dry-run]
+
+``--truth`` is the prepared run of a short GPU loan (:mod:`benchmarks.gpu_truth`): every kernel
+no GPU has run, checked against XLA, then the timings, in priority order within a time budget,
+each result written as it comes. The sections below are the longer runs, one at a time.
 
 Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and ``.json``):
 
@@ -59,7 +64,7 @@ import traceback
 
 import jax
 
-from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce
+from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce, gpu_truth
 from benchmarks.gpu_common import gpu_device, section_env
 from jaxact._src.test_util import is_hopper
 
@@ -95,6 +100,9 @@ SECTIONS = {
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--truth" in argv:  # the prepared GPU run of issue 34: its own options
+    return gpu_truth.main([a for a in argv if a != "--truth"])
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", type=int, default=30)
   parser.add_argument(

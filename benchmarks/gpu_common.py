@@ -1,11 +1,10 @@
 """What the GPU benchmarks (``python -m benchmarks.gpu_check``) share: the GPU, timing, inputs,
-errors against a float32 reference, and the ``env`` section (the ceilings the others are read
-against)."""
+float32 references, the error rule (:mod:`jaxact._src.test_util.gpu_compare`'s ``TOL``, ``rel``,
+``within``) and the ``env`` section (the ceilings the others are read against)."""
 
 from __future__ import annotations
 
 import datetime
-import math
 import statistics
 import time
 
@@ -16,6 +15,9 @@ from jax import lax
 
 import jaxact
 from jaxact._src.test_util import param_defaults
+from jaxact._src.test_util.gpu_compare import TOL as TOL
+from jaxact._src.test_util.gpu_compare import rel as rel
+from jaxact._src.test_util.gpu_compare import within as within
 
 SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096))
 ROTATE = 4  # input sets cycled through, so that no call reads what the last left in L2
@@ -109,28 +111,6 @@ def conv_paths(name, implementations=("xla", "pallas")):
     )
 
   return {"jax.nn": composition} | {f"jaxact {i}": fused(i) for i in implementations}
-
-
-# ------------------------------------------------------------------------------- errors
-
-TOL = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 5e-3}  # TF32 / half-precision operands
-
-
-def rel(got, ref) -> float:
-  """``‖got - ref‖ / ‖ref‖`` in float64; inf when `got` is not finite."""
-  got = np.asarray(got, np.float64)
-  ref = np.asarray(ref, np.float64)
-  if not np.all(np.isfinite(got)):
-    return math.inf
-  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def within(errs, xla_errs, dtype: str) -> bool:
-  """Whether each error is finite and at most ``max(2 x XLA's, 1e-5)`` plus the dtype's rounding."""
-  return all(
-    math.isfinite(e) and e <= max(2 * xe, 1e-5) + TOL[dtype]
-    for e, xe in zip(errs, xla_errs, strict=True)
-  )
 
 
 # ------------------------------------------------------------------------------------- env

@@ -28,6 +28,20 @@ from pallas_kernels import bias_act as pk_eltwise
 CONV_X, CONV_W = (128, 56, 56, 256), (3, 3, 256, 256)
 
 
+def check_case(name, dtype, x_shape, w_shape, seed, impl="pallas"):
+  """One 3x3 SAME conv layer through `impl` and ``"xla"`` against the float32 reference:
+  ``(errs, xla_errs, ok)`` of y, dx, dw, db."""
+  x, w, b, g = conv_inputs(x_shape, w_shape, jnp.dtype(dtype), seed)
+  paths = conv_paths(name, ("xla", impl))
+  ref = layer_step(conv_reference(name))(*(a.astype(jnp.float32) for a in (x, w, b, g)))
+
+  def errs(path):
+    return [rel(a, r) for a, r in zip(layer_step(paths[path])(x, w, b, g), ref, strict=True)]
+
+  got, xla = errs(f"jaxact {impl}"), errs("jaxact xla")
+  return got, xla, within(got, xla, dtype)
+
+
 def section_conv(runs, copy_gbps=None):
   lines = ["#### correctness (rel. err against float32 HIGHEST autodiff: y, dx, dw, db)", ""]
   lines += ["| activation | dtype | x, w | pallas | xla | ok |", "|---|---|---|---|---|---|"]
@@ -40,14 +54,7 @@ def section_conv(runs, copy_gbps=None):
     ]
     + [(n, "bfloat16", (3, 13, 13, 5), (3, 3, 5, 37)) for n in ("relu", "gelu")]
   ):
-    x, w, b, g = conv_inputs(xs, ws, jnp.dtype(dtype), 100 + i)
-    paths = conv_paths(name)
-    ref = layer_step(conv_reference(name))(*(a.astype(jnp.float32) for a in (x, w, b, g)))
-    got = [
-      rel(a, r) for a, r in zip(layer_step(paths["jaxact pallas"])(x, w, b, g), ref, strict=True)
-    ]
-    xla = [rel(a, r) for a, r in zip(layer_step(paths["jaxact xla"])(x, w, b, g), ref, strict=True)]
-    ok = within(got, xla, dtype)
+    got, xla, ok = check_case(name, dtype, xs, ws, 100 + i)
     if not ok:
       failed.append((name, dtype, xs))
     lines.append(

@@ -52,24 +52,33 @@ def check_cases(quick: bool = False):
   return cases
 
 
+def check_case(name, dtype, shape, seed, impl="pallas"):
+  """One layer through `impl` and through ``"xla"`` against the float32 reference: ``(errs,
+  xla_errs, ok, error)``, the relative errors of y, dx, dw, db; `error` the kernel's exception in
+  one line (its errors inf), else None."""
+  x, w, b, g = inputs(shape, jnp.dtype(dtype), seed)
+  up = [a.astype(jnp.float32) for a in (x, w, b, g)]
+  ref = layer_step(reference(name))(*up)
+  error = None
+  try:
+    got = layer_step(fused_dense(name, impl))(x, w, b, g)
+    errs = [rel(a, r) for a, r in zip(got, ref, strict=False)]
+  except Exception as e:
+    errs = [math.inf] * 4
+    traceback.print_exc()
+    error = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+    print(f"{name} {dtype} {shape}: {type(e).__name__}: {e}"[:2000], file=sys.stderr)
+  xla = [
+    rel(a, r) for a, r in zip(layer_step(fused_dense(name, "xla"))(x, w, b, g), ref, strict=False)
+  ]
+  return errs, xla, within(errs, xla, dtype), error
+
+
 def section_check(cases, seed=0, impl="pallas"):
   rows = []
   failed = []
   for i, (name, dtype, shape) in enumerate(cases):
-    x, w, b, g = inputs(shape, jnp.dtype(dtype), seed + i)
-    up = [a.astype(jnp.float32) for a in (x, w, b, g)]
-    ref = layer_step(reference(name))(*up)
-    try:
-      got = layer_step(fused_dense(name, impl))(x, w, b, g)
-      errs = [rel(a, r) for a, r in zip(got, ref, strict=False)]
-    except Exception as e:
-      errs = [math.inf] * 4
-      traceback.print_exc()
-      print(f"{name} {dtype} {shape}: {type(e).__name__}: {e}"[:2000], file=sys.stderr)
-    xla = [
-      rel(a, r) for a, r in zip(layer_step(fused_dense(name, "xla"))(x, w, b, g), ref, strict=False)
-    ]
-    ok = within(errs, xla, dtype)
+    errs, xla, ok, _ = check_case(name, dtype, shape, seed + i, impl)
     rows.append((name, dtype, shape, errs, xla, ok))
     print(f"check {name} {dtype} {shape}: {errs} (xla {xla}) {ok}", flush=True)
     if not ok:

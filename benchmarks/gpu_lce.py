@@ -92,15 +92,19 @@ def check_table(hopper: bool) -> tuple[dict, list[str]]:
   return {"failed": failed}, lines
 
 
-def time_table(runs: int, hopper: bool) -> tuple[dict, list[str]]:
+def time_table(runs: int, hopper: bool, sizes=SIZES, on_row=None) -> tuple[dict, list[str]]:
+  """Each path's fwd+bwd and loss-alone time at each of `sizes`; data: ``"(size) label"`` ->
+  (step s, loss s), and ``"failed"``: the paths that raised, with the error. `on_row(label,
+  times, plain's times)` is called as each path is timed (times None: it raised, with the
+  error in its place)."""
   lines = [
     "#### time, bfloat16: ms, and the ratio to the plain composition",
     "",
     "| (tokens, D, V) | path | fwd+bwd ms | / plain | loss alone ms | / plain |",
     "|---|---|---|---|---|---|",
   ]
-  data = {}
-  for size in SIZES:
+  data = {"failed": []}
+  for size in sizes:
     arg_sets = [_inputs(*size, seed=s) for s in range(2)]
     base = {}
     for label, loss in paths(hopper).items():
@@ -111,9 +115,14 @@ def time_table(runs: int, hopper: bool) -> tuple[dict, list[str]]:
       except Exception as e:  # one path failing (memory) must not hide the others
         traceback.print_exc()
         lines.append(f"| {size} | {label} | failed: {type(e).__name__} | | | |")
+        data["failed"].append(f"{size} {label}: {type(e).__name__}: {e}"[:300])
+        if on_row is not None:
+          on_row(label, None, f"{type(e).__name__}: {e}")
         continue
       base = base or dict(zip(("step", "fwd"), t, strict=True))
       data[f"{size} {label}"] = t
+      if on_row is not None:
+        on_row(label, t, (base["step"], base["fwd"]))
       lines.append(
         f"| {size} | {label} | {t[0] * 1e3:.1f} | {t[0] / base['step']:.2f} | "
         f"{t[1] * 1e3:.1f} | {t[1] / base['fwd']:.2f} |"

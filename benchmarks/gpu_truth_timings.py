@@ -1,0 +1,247 @@
+"""The timing steps of the GPU truth run (:mod:`benchmarks.gpu_truth`'s table): each path
+against XLA's (or the plain composition's) in the same process, one verdict a path with the
+time and the ratio, recorded as soon as it is measured. The timed functions are the GPU sections'
+(``benchmarks.gpu_lce.time_table``, ``benchmarks.gpu_codes``' tables) where they exist.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from jaxact._src.test_util import gpu_codes as gc
+from jaxact._src.test_util import gpu_gated
+from jaxact._src.test_util import truth as th
+
+
+def _ratio_verdict(ctx, kernel: str, t: float, base: float, label: str = "xla") -> None:
+  if math.isfinite(t) and math.isfinite(base):
+    ctx.verdict(kernel, "ok", f"{1e3 * t:.3f} ms, {t / base:.2f}x {label}")
+  else:
+    ctx.verdict(kernel, "ERROR", "not timed")
+
+
+def time_gated(ctx: th.Context):
+  """gated_mlp (SwiGLU) in bfloat16, forward and forward + backward: the jax.nn composition,
+  jaxact's XLA path, the Triton kernels, the Hopper forward, and None."""
+  from benchmarks import gated as gated_bench
+  from benchmarks.gpu_common import median_seconds
+
+  tokens, d, f = ctx.pick(gated_bench.GPU_SIZE, (128, 64, 128))
+  runs = 1 if ctx.small else ctx.runs
+  sets = []
+  for s in range(2):
+    x, wg, wu, wd, *_ = gpu_gated.operands((tokens, d, f, d), jnp.bfloat16, 50 + s)
+    g = jax.random.normal(jax.random.key(60 + s), (tokens, d), jnp.float32).astype(jnp.bfloat16)
+    sets.append((x, wg, wu, wd, g))
+
+  def composition(x, wg, wu, wd):
+    return jnp.dot(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
+
+  paths = {"jaxact xla": functools.partial(_gated_mlp, implementation="xla"), "jax.nn": composition}
+  for impl in ("pallas", "mosaic", None):
+    if impl == "mosaic" and not ctx.hopper:
+      continue
+    paths[f"jaxact {impl}"] = functools.partial(_gated_mlp, implementation=impl)
+  lines = [
+    f"gated MLP (SwiGLU), (tokens, D, F) = {(tokens, d, f)}, bfloat16",
+    "",
+    "| path | fwd ms | / xla | fwd+bwd ms | / xla |",
+    "|---|---|---|---|---|",
+  ]
+  times = {}
+  for label, fn in paths.items():
+
+    def step(x, wg, wu, wd, g, fn=fn):
+      y, pull = jax.vjp(fn, x, wg, wu, wd)
+      return y, *pull(g)
+
+    try:
+      t_f = median_seconds(jax.jit(fn), [s[:4] for s in sets], runs)
+      t_s = median_seconds(jax.jit(step), sets, runs)
+    except Exception as e:
+      ctx.log(f"time-gated {label}\n{traceback.format_exc()}")
+      ctx.verdict(f"time-gated {label}", "ERROR", th.one_line(e))
+      continue
+    times[label] = (t_f, t_s)
+    base = times.get("jaxact xla", (math.nan, math.nan))
+    lines.append(
+      f"| {label} | {1e3 * t_f:.3f} | {t_f / base[0]:.2f} | {1e3 * t_s:.3f} | {t_s / base[1]:.2f} |"
+    )
+    ctx.verdict(
+      f"time-gated {label}",
+      "ok",
+      f"fwd {1e3 * t_f:.3f} ms {t_f / base[0]:.2f}x xla, fwd+bwd {1e3 * t_s:.3f} ms "
+      f"{t_s / base[1]:.2f}x xla",
+    )
+  return lines, {k: list(v) for k, v in times.items()}
+
+
+def _gated_mlp(x, wg, wu, wd, implementation):
+  import jaxact
+
+  return jaxact.gated_mlp(x, wg, wu, wd, implementation=implementation)
+
+
+def time_lce(ctx: th.Context):
+  """The LM head's loss at 16384 x 4096 x 128k, bfloat16, fwd+bwd and loss alone: the plain
+  composition, jaxact's XLA path, the Hopper kernels, the forward kernel alone, tokamax where it
+  imports (``benchmarks.gpu_lce.time_table``)."""
+  from benchmarks import gpu_lce as lce_bench
+
+  size = ctx.pick(lce_bench.SIZES[0], (128, 64, 512))
+  runs = 1 if ctx.small else min(ctx.runs, 5)
+
+  def on_row(label, t, base):
+    if t is None:
+      ctx.verdict(f"time-lce {label}", "ERROR", th.one_line(base))
+      return
+    ctx.verdict(
+      f"time-lce {label}",
+      "ok",
+      f"fwd+bwd {1e3 * t[0]:.1f} ms {t[0] / base[0]:.2f}x plain, loss "
+      f"{1e3 * t[1]:.1f} ms {t[1] / base[1]:.2f}x plain",
+    )
+
+  data, lines = lce_bench.time_table(runs, ctx.hopper, sizes=(size,), on_row=on_row)
+  return lines, data
+
+
+def time_codes_kernels(ctx: th.Context):
+  """The conv epilogue kernels alone, exact and with each code, against XLA's fusion
+  (``benchmarks.gpu_codes.kernel_table``)."""
+  from benchmarks import gpu_codes
+  from benchmarks.gpu_conv import CONV_W, CONV_X
+
+  rows, c = ctx.pick((math.prod(CONV_X[:-1]), CONV_W[-1]), (200, 32))
+  copy = ctx.results.get("copy_GBps")
+  out, lines = gpu_codes.kernel_table(
+    1 if ctx.small else ctx.runs, copy, rows, c, interpret=ctx.small
+  )
+  for r in out:
+    _ratio_verdict(ctx, f"time-codes-kernels {r['pass']}", r["s"], r["xla_s"])
+  return lines, out
+
+
+def time_codes_hopper(ctx: th.Context):
+  """The Hopper forward alone writing y and z or y and each code, against ``jnp.dot``
+  (``benchmarks.gpu_codes.hopper_table``)."""
+  from benchmarks import gpu_codes
+
+  shape = ctx.pick(gpu_codes.DENSE, (128, 64, 256))
+  out, lines = gpu_codes.hopper_table(
+    1 if ctx.small else ctx.runs, ctx.num_sms, shape=shape, interpret=ctx.small
+  )
+  base = out[0]["s"]
+  for r in out[1:]:
+    _ratio_verdict(ctx, f"time-codes-hopper {r['path']}", r["s"], base, "jnp.dot")
+  return lines, out
+
+
+def time_codes_step(ctx: th.Context):
+  """One dense and one conv layer's training step, exact and with each code, per implementation
+  (``benchmarks.gpu_codes.step_table``)."""
+  from benchmarks import gpu_codes
+  from benchmarks.gpu_conv import CONV_W, CONV_X
+
+  dense_shape = ctx.pick(gpu_codes.DENSE, (128, 64, 256))
+  conv_shape = ctx.pick((CONV_X, CONV_W), ((2, 6, 6, 3), (3, 3, 3, 16)))
+  out, lines = gpu_codes.step_table(
+    1 if ctx.small else ctx.runs, ctx.hopper, dense=dense_shape, conv=conv_shape
+  )
+  exact = {(r["op"], r["impl"]): r["s"] for r in out if r["bits"] is None}
+  for r in out:
+    base = exact.get((r["op"], r["impl"]), math.nan)
+    _ratio_verdict(
+      ctx, f"time-codes-step {r['op']} {r['impl']} {gc.label(r['bits'])}", r["s"], base, "exact"
+    )
+  return lines, out
+
+
+def time_decoder(ctx: th.Context):
+  """A Llama-style decoder's training step (``benchmarks.lce``'s: 2 scanned blocks of RMS norm,
+  causal attention, a SwiGLU MLP; final norm and head), bfloat16, 16 x 1024 tokens, D 4096,
+  F 14336, V 128256: Flax's composition and optax's loss, against jaxact's rms_norm, gated_mlp and
+  linear_cross_entropy with ``implementation=None`` and with the kernels asked for."""
+  import dataclasses
+
+  import optax
+  from jax import lax
+
+  import jaxact
+  from benchmarks import lce as lce_bench
+  from benchmarks.gpu_common import median_seconds
+
+  c = dataclasses.replace(lce_bench.DECODER_GPU, blocks=2)
+  if ctx.small:
+    c = dataclasses.replace(c, batch=1, seq=128, dim=64, hidden=128, heads=2, vocab=512, blocks=1)
+  kernels = "mosaic" if ctx.hopper else "pallas"
+
+  def loss_of(norm, mlp, head):
+    block = lce_bench.make_block(mlp, c.heads, norm)
+
+    def loss(params, tokens, labels):
+      x = params["embed"][tokens]
+      x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+      h = norm(x, params["norm"])
+      return head(h, params["head"], labels)
+
+    return loss
+
+  def plain_head(h, w, labels):
+    logits = jnp.dot(h, w)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  def jaxact_mlp(impl):
+    return lambda h, p: jaxact.gated_mlp(
+      h, p["w_gate"], p["w_up"], p["w_down"], implementation=impl
+    )
+
+  def jaxact_head(impl):
+    return lambda h, w, labels: jaxact.linear_cross_entropy(h, w, labels, implementation=impl)
+
+  paths = {
+    "Flax + optax": loss_of(lce_bench.rms_norm, lce_bench._flax_mlp, plain_head),
+    "jaxact None": loss_of(lce_bench.jaxact_rms_norm, jaxact_mlp(None), jaxact_head(None)),
+    f"jaxact {kernels}": loss_of(
+      lce_bench.jaxact_rms_norm,
+      jaxact_mlp(kernels),
+      jaxact_head("mosaic" if ctx.hopper else None),
+    ),
+  }
+  shapes = lce_bench.decoder_shapes(c)
+  leaves, tree = jax.tree.flatten(shapes[0])
+  keys = jax.random.split(jax.random.key(70), len(leaves) + 1)
+  params = jax.tree.unflatten(
+    tree,
+    [
+      (jax.random.normal(k, s.shape, jnp.float32) * 0.02).astype(s.dtype)
+      for k, s in zip(keys, leaves, strict=False)
+    ],
+  )
+  tokens = jax.random.randint(keys[-1], (c.batch, c.seq), 0, c.vocab, jnp.int32)
+  labels = jnp.roll(tokens, -1, axis=1)
+  runs = 1 if ctx.small else min(ctx.runs, 3)
+  lines = [
+    f"decoder {c}",
+    "",
+    "| path | step ms | / Flax + optax |",
+    "|---|---|---|",
+  ]
+  times = {}
+  for label, loss in paths.items():
+    try:
+      step = jax.jit(jax.value_and_grad(loss))
+      times[label] = median_seconds(step, [(params, tokens, labels)], runs)
+    except Exception as e:
+      ctx.log(f"time-decoder {label}\n{traceback.format_exc()}")
+      ctx.verdict(f"time-decoder {label}", "ERROR", th.one_line(e))
+      continue
+    base = times.get("Flax + optax", math.nan)
+    lines.append(f"| {label} | {1e3 * times[label]:.1f} | {times[label] / base:.2f} |")
+    _ratio_verdict(ctx, f"time-decoder {label}", times[label], base, "Flax + optax")
+  return lines, times
