@@ -494,9 +494,11 @@ def test_no_features_gives_log_v():
   x, w = jnp.zeros((T, 0)), jnp.zeros((0, V))
   assert rel_err(jaxact.linear_cross_entropy(x, w, labels), np.log(V)) < 1e-12
   f = functools.partial(jaxact.linear_cross_entropy, labels=labels, z_loss=1e-3)
-  value, (dx, dw, db) = jax.value_and_grad(lambda x, w, b: f(x, w, bias=b), (0, 1, 2))(x, w, b)
-  v_ref, (_, _, db_ref) = jax.value_and_grad(
-    lambda x, w, b: reference(x, w, labels, bias=b, z_loss=1e-3), (0, 1, 2)
+  value, (dx, dw, db) = jax.jit(jax.value_and_grad(lambda x, w, b: f(x, w, bias=b), (0, 1, 2)))(
+    x, w, b
+  )
+  v_ref, (_, _, db_ref) = jax.jit(
+    jax.value_and_grad(lambda x, w, b: reference(x, w, labels, bias=b, z_loss=1e-3), (0, 1, 2))
   )(x, w, b)
   assert rel_err(value, v_ref) < 1e-12 and rel_err(db, db_ref) < 1e-12
   assert dx.shape == (T, 0) and dw.shape == (0, V)
@@ -617,13 +619,23 @@ def test_zero_weights_drop_impossible_tokens_and_broadcast():
   value, (dx, dw) = f(x, w)
   want = reference(x, w, jnp.maximum(padded, 0), where=padded >= 0)
   assert rel_err(value, want) < 1e-5 and np.all(np.isfinite(dw)) and np.all(dx[:3] == 0)
-  # concrete: the zero-weight labels raise nothing; a row of weights broadcasts
-  assert rel_err(jaxact.linear_cross_entropy(x, w, padded, weights=weights), want) < 1e-5
+  # concrete: the zero-weight labels raise nothing (the check runs before any computation)
+  with pytest.raises(ValueError, match=r"`labels` holds 3 value"):
+    jaxact.linear_cross_entropy(x, w, padded)
+  jaxact.linear_cross_entropy(x, w, padded, weights=weights)
+  # a row of weights broadcasts; all-zero weights give 0
   x3, l3 = x[:12].reshape(3, 4, D), labels[:12].reshape(3, 4)
   row = jnp.array([1.0, 0.0, 2.0, 1.0], jnp.float32)
-  got = jaxact.linear_cross_entropy(x3, w, l3, weights=row)
+
+  @jax.jit
+  def both(x3, w, zeros):
+    return (
+      jaxact.linear_cross_entropy(x3, w, l3, weights=row),
+      jaxact.linear_cross_entropy(x, w, labels, weights=zeros),
+    )
+
+  got, zero = both(x3, w, jnp.zeros((T,), jnp.float32))
   assert rel_err(got, _weighted_reference(x3, w, l3, jnp.broadcast_to(row, (3, 4)))) < 1e-5
-  zero = jaxact.linear_cross_entropy(x, w, labels, weights=jnp.zeros((T,), jnp.float32))
   assert zero == 0
 
 
