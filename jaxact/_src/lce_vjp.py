@@ -16,6 +16,13 @@ code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``.
 (tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
 its ``G``.
 
+T5X's label smoothing is optax's with ``a V / (V - 1)`` and a constant subtracted from every loss
+(``loss_offset``: :func:`t5x_smoothing`); per-token weights multiply ``g_t`` outside this rule. With
+``predictions`` the forward also returns each token's argmax column of ``s``, tracked in the same
+loop (a running max and its column; across vocabulary shards a ``pmax`` and a ``pmin``). ``w`` is
+(D, V), or (V, D) for ``w_layout="vd"`` (an embedding table, sliced by rows, its gradient written
+by rows: no transposed copy).
+
 Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
 neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
 ``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
