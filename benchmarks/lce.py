@@ -18,7 +18,11 @@ Sections:
   and each head (plain, fused, none: the loss a mean square of the final hidden state), and how
   much of each step the head takes;
 * ``decoder-h100``: the decoder compiled for an H100, bfloat16, 16 x 1024 tokens, D = 4096,
-  F = 14336, V = 128256 (Llama 3's).
+  F = 14336, V = 128256 (Llama 3's);
+* ``tied``: a head tied to the embedding table (V, D), CPU float32 (2048 tokens, D = 512,
+  V = 32000) and compiled for an H100 (bfloat16, V = 32768): compiled temp of the step in x and the
+  table for the untied head (D, V), the table passed as ``emb.T``, the table read by rows
+  (``w_layout="vd"``, what ``attend_cross_entropy`` calls) and the plain ``x @ emb.T``.
 
 Training parity is ``python -m benchmarks.lm --mlp flax,flax+lce --reference``. Results:
 benchmarks/results/lce.md.
@@ -352,6 +356,31 @@ def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[s
 # ----------------------------------------------------------------------------- rendering
 
 
+TIED = (2048, 512)  # tokens, D
+TIED_HEADS = {
+  "untied: w (D, V)": lambda w, x, y: jaxact.linear_cross_entropy(x, w, y),
+  "tied: emb.T": lambda e, x, y: jaxact.linear_cross_entropy(x, e.T, y),
+  'tied: w_layout="vd"': lambda e, x, y: jaxact.linear_cross_entropy(x, e, y, w_layout="vd"),
+  "plain: x @ emb.T, optax": lambda e, x, y: plain_head(x, e.T, y),
+}
+
+
+def section_tied(gpu: bool) -> list[str]:
+  """The tied head's compiled temp (MiB) on CPU (float32) or for an H100 (bfloat16)."""
+  tokens, dim = TIED
+  vocab, dtype = (32768, jnp.bfloat16) if gpu else (32000, jnp.float32)
+  x = jax.ShapeDtypeStruct((tokens, dim), dtype)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+  rows = ["| head | compiled temp (MiB) |", "|---|---|"]
+  for name, head in TIED_HEADS.items():
+    w = jax.ShapeDtypeStruct((dim, vocab) if name.startswith("untied") else (vocab, dim), dtype)
+    step, args = jax.grad(head, argnums=(0, 1)), (w, x, labels)
+    compile_ = test_util.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
+    compiled = compile_(step, args)
+    rows.append(f"| {name} | {compiled.memory_analysis().temp_size_in_bytes / MiB:.1f} |")
+  return rows
+
+
 def render_head(rows: list[HeadRow], unit=MiB, gpu=False) -> list[str]:
   name = "GiB" if unit == GiB else "MiB"
   head = f"| V | head | compiled temp ({name}) | vs plain | largest array ({name}) |"
@@ -400,7 +429,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sections",
     default="head,head-h100,decoder,decoder-h100",
-    help="comma-separated: head, head-h100, decoder, decoder-h100",
+    help="comma-separated: head, head-h100, decoder, decoder-h100, tied",
   )
   parser.add_argument("--runs", type=int, default=5, help="timing rounds (head)")
   parser.add_argument(
@@ -429,6 +458,12 @@ def main(argv=None) -> int:
   if "decoder-h100" in sections:
     print(f"\n## Decoder step, compiled for an H100, {DECODER_GPU}\n")
     print("\n".join(render_decoder(section_decoder(gpu=True), GiB)))
+  if "tied" in sections:
+    print(f"\n## Tied head, {TIED[0]} tokens, D = {TIED[1]}: CPU float32, V = 32000\n")
+    print("\n".join(section_tied(gpu=False)))
+    if gpu_compiler:
+      print("\n## Tied head, compiled for an H100, bfloat16, V = 32768\n")
+      print("\n".join(section_tied(gpu=True)))
   return 0
 
 

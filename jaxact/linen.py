@@ -6,7 +6,8 @@ compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
 :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of transformers (SwiGLU, ...) with the
 parameters of three ``nn.Dense`` (``gate_proj``, ``up_proj``, ``down_proj``) and one
 :func:`jaxact.gated_mlp`. ``LMHead`` is ``nn.Dense`` that, called with labels, returns
-:func:`jaxact.linear_cross_entropy` of its kernel and bias. ``RMSNorm`` and ``LayerNorm`` are
+:func:`jaxact.linear_cross_entropy` of its kernel and bias; ``attend_cross_entropy`` is that loss
+for a head tied to an ``nn.Embed`` (its ``attend``). ``RMSNorm`` and ``LayerNorm`` are
 Flax's, computed by :func:`jaxact.rms_norm` / :func:`jaxact.layer_norm` (keeping their output).
 This module imports Flax;
 ``import jaxact`` alone does not::
@@ -31,6 +32,7 @@ from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
 from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.linen_head import LMHead as LMHead  # noqa: E402 (after the check)
+from jaxact._src.linen_head import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
 from jaxact._src.linen_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.linen_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -39,6 +41,7 @@ __all__ = [
   "ConvAct",
   "GatedMLP",
   "LMHead",
+  "attend_cross_entropy",
   "RMSNorm",
   "LayerNorm",
   "dot_product_attention",

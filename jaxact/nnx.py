@@ -6,7 +6,8 @@ metadata included), and compute ``activation(nnx.Linear(...)(x))`` as one
 :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of
 transformers (SwiGLU, ...) holding three ``nnx.Linear`` (``gate_proj``, ``up_proj``,
 ``down_proj``) and computing with one :func:`jaxact.gated_mlp`. ``LMHead`` is ``nnx.Linear``
-that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel and bias.
+that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel and bias;
+``attend_cross_entropy`` is that loss for a head tied to an ``nnx.Embed`` (its ``attend``).
 ``RMSNorm`` and ``LayerNorm`` are Flax's, computed by :func:`jaxact.rms_norm` /
 :func:`jaxact.layer_norm` (keeping their output). This module imports Flax; ``import jaxact``
 alone does not::
@@ -28,6 +29,7 @@ from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
 from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
 from jaxact._src.nnx_gated import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.nnx_head import LMHead as LMHead  # noqa: E402 (after the check)
+from jaxact._src.nnx_head import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
 from jaxact._src.nnx_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.nnx_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -36,6 +38,7 @@ __all__ = [
   "ConvAct",
   "GatedMLP",
   "LMHead",
+  "attend_cross_entropy",
   "RMSNorm",
   "LayerNorm",
   "dot_product_attention",

@@ -302,20 +302,31 @@ def gated_case(name: str, mesh, tensor_parallel: bool) -> None:
 VOCAB, HEAD_IN = 256, 24  # HEAD_IN: no other array of the case has a dimension of 24
 
 
-def lce_case(name: str, mesh, w_spec) -> None:
+def lce_case(name: str, mesh, w_spec, table: bool = False) -> None:
   """jaxact.linear_cross_entropy (bias, where, smoothing, z-loss, cap), with the tokens split over
-  "data" and/or the vocabulary over "model" (Megatron's vocab-parallel loss)."""
+  "data" and/or the vocabulary over "model" (Megatron's vocab-parallel loss). With `table`, w is
+  an embedding table (V, D) read with w_layout="vd", the tokens are weighted, the smoothing is
+  T5X's, and the predictions of the sharded call are compared with one device's."""
   keys = jax.random.split(jax.random.key(3), 2)
+  w = jax.random.normal(keys[0], (HEAD_IN, VOCAB)) * HEAD_IN**-0.5
   params = {
-    "w": jax.random.normal(keys[0], (HEAD_IN, VOCAB)) * HEAD_IN**-0.5,
+    "w": w.T if table else w,
     "b": jax.random.normal(keys[1], (VOCAB,)),
     "scale": jnp.ones((HEAD_IN,)),  # so that the step needs dx
   }
   x = jax.random.normal(jax.random.key(4), (BATCH, HEAD_IN))
   labels = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, BATCH), jnp.int32)
+  options = {}
+  if table:
+    options = dict(
+      w_layout="vd",
+      weights=1.0 + (labels % 3),
+      label_smoothing_style="t5x",
+      return_predictions=True,
+    )
 
-  def loss_fn(params, x, labels):
-    return jaxact.linear_cross_entropy(
+  def loss_and_predictions(params, x, labels):
+    out = jaxact.linear_cross_entropy(
       x * params["scale"],
       params["w"],
       labels,
@@ -325,9 +336,15 @@ def lce_case(name: str, mesh, w_spec) -> None:
       z_loss=1e-3,
       logit_soft_cap=5.0,
       vocab_block_size=48,  # blocks that do not divide a device's columns
+      **options,
     )
+    return out if table else (out, None)
 
-  specs = {"w": w_spec, "b": P(w_spec[1]), "scale": P()}
+  def loss_fn(params, x, labels):
+    return loss_and_predictions(params, x, labels)[0]
+
+  vocab_axis = w_spec[0] if table else w_spec[1]
+  specs = {"w": w_spec, "b": P(vocab_axis), "scale": P()}
   shardings = {k: NamedSharding(mesh, v) for k, v in specs.items()}
   rows = NamedSharding(mesh, P("data" if "data" in mesh.axis_names else None))
   single = train(loss_fn, one_device(params), one_device(x), one_device(labels))
@@ -335,6 +352,11 @@ def lce_case(name: str, mesh, w_spec) -> None:
     xs, ls = jax.device_put(x, rows), jax.device_put(labels, rows)
     sharded = train(loss_fn, jax.device_put(params, shardings), xs, ls)
     fwd = jax.jit(loss_fn).lower(jax.device_put(params, shardings), xs, ls).compile()
+    predictions = jax.jit(loss_and_predictions)(jax.device_put(params, shardings), xs, ls)[1]
+  extra = {}
+  if table:
+    want = jax.jit(loss_and_predictions)(one_device(params), one_device(x), one_device(labels))[1]
+    extra["predictions_equal"] = bool(np.array_equal(predictions, want))
   step_text = sharded[3].as_text()
   produced = re.findall(
     r"= (.*?) (?:all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", step_text
@@ -342,7 +364,9 @@ def lce_case(name: str, mesh, w_spec) -> None:
   # The shapes (per device) of every array the step's collectives produce.
   shapes = sorted({a for p in produced for a in re.findall(r"[a-z]+\d*\[[\d,]*\]", p)})
   param_specs = {k: str(v.spec) for k, v in shardings.items()}
-  report(name, sharded, single, param_specs, collectives(fwd), step_collective_shapes=shapes)
+  report(
+    name, sharded, single, param_specs, collectives(fwd), step_collective_shapes=shapes, **extra
+  )
 
 
 def main(names) -> None:
@@ -372,6 +396,9 @@ def main(names) -> None:
     "lce_vocab": lambda: lce_case("lce_vocab", jax.make_mesh((8,), ("model",)), P(None, "model")),
     "lce_2d": lambda: lce_case(
       "lce_2d", jax.make_mesh((2, 4), ("data", "model")), P(None, "model")
+    ),
+    "lce_2d_table": lambda: lce_case(
+      "lce_2d_table", jax.make_mesh((2, 4), ("data", "model")), P("model", None), table=True
     ),
     "lce_dp_auto": lambda: lce_case(
       "lce_dp_auto", jax.make_mesh((8,), ("data",), (auto,)), P(None, None)

@@ -258,3 +258,85 @@ def test_nnx_linear_act_is_linear_relu_dropout():
   np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
   ours.train()
   assert not np.allclose(ours(x), ours(x))  # a new mask each call
+
+
+# ------------------------------------------------------------- gated_mlp: the hidden's dropout
+
+
+def _gated_operands(rows, dtype=jnp.float64):
+  ks = jax.random.split(jax.random.key(1), 7)
+  shapes = [(rows, 24), (24, 256), (24, 256), (256, 16), (256,), (256,), (16,)]
+  scales = [1.0, 0.4, 0.2, 0.05, 0.5, 0.5, 0.5]
+  return tuple(
+    (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+    for k, shape, s in zip(ks, shapes, scales, strict=True)
+  )
+
+
+def _gated_plain(act, rate, key, broadcast_dims=()):
+  """The three projections with nn.Dropout between the gated product and the down projection."""
+
+  def f(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    h = act(x @ w_gate + b_gate) * (x @ w_up + b_up)
+    return _dropped(h, key, rate, broadcast_dims) @ w_down + b_down
+
+  return f
+
+
+@pytest.mark.parametrize(
+  "rows, activation, broadcast_dims",
+  [(300, "silu", ()), (40, "gelu", (0,))],
+  ids=["blocks-silu", "whole-shared-mask-gelu"],
+)
+def test_gated_mlp_dropout_is_flax_dropout_of_the_hidden(rows, activation, broadcast_dims):
+  """float64: the values and every gradient of the plain composition with nn.Dropout of the same
+  key (300 rows of 256 hidden: the mask drawn in blocks of 256 rows and a tail of 44)."""
+  args = _gated_operands(rows)
+  act = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}[activation]
+
+  def ours(*a):
+    return jaxact.gated_mlp(
+      *a,
+      activation=activation,
+      dropout_rate=0.3,
+      dropout_rng=KEY,
+      dropout_broadcast_dims=broadcast_dims,
+    )
+
+  y, pull = jax.vjp(jax.jit(ours), *args)
+  y_ref, pull_ref = jax.vjp(_gated_plain(act, 0.3, KEY, broadcast_dims), *args)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+  ct = jax.random.normal(jax.random.key(5), y.shape, jnp.float64)
+  for g, r in zip(pull(ct), pull_ref(ct), strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(r))))
+  # the key is kept, not the mask nor the dropped hidden: x, a and b are the big residuals
+  big = [leaf for leaf in jax.tree.leaves(pull) if leaf.size >= rows * 16 and leaf.ndim == 2]
+  assert sorted(leaf.shape for leaf in big if leaf.shape[0] == rows) == [
+    (rows, 24),
+    (rows, 256),
+    (rows, 256),
+  ]
+  assert not any(leaf.dtype == jnp.bool_ for leaf in jax.tree.leaves(pull))
+
+
+def test_gated_mlp_dropout_other_cases():
+  args = _gated_operands(8, jnp.float32)
+  plain = jaxact.gated_mlp(*args)
+  # rate 0 needs no key and is no dropout
+  np.testing.assert_array_equal(jaxact.gated_mlp(*args, dropout_rate=0.0), plain)
+  # a new key, a new mask
+  assert not np.allclose(
+    jaxact.gated_mlp(*args, dropout_rate=0.5, dropout_rng=jax.random.key(1)),
+    jaxact.gated_mlp(*args, dropout_rate=0.5, dropout_rng=jax.random.key(2)),
+  )
+  # rate 1 drops every hidden unit: only the down bias remains, gradients finite
+  y, grads = jax.value_and_grad(
+    lambda a: jnp.sum(jaxact.gated_mlp(*a, dropout_rate=1.0, dropout_rng=KEY) ** 2)
+  )(args)
+  assert np.isfinite(y) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  with pytest.raises(NotImplementedError, match=r"dropout inside the op"):
+    jaxact.gated_mlp(*args, dropout_rate=0.1, dropout_rng=KEY, implementation="pallas")
+  with pytest.raises(ValueError, match=r"jaxact\.gated_mlp: `dropout_rng` is required"):
+    jaxact.gated_mlp(*args, dropout_rate=0.1)
+  with pytest.raises(ValueError, match=r"jaxact\.gated_mlp: `dropout_rate` must be"):
+    jaxact.gated_mlp(*args, dropout_rate=1.5, dropout_rng=KEY)

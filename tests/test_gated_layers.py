@@ -150,8 +150,17 @@ def test_linen_attributes():
     "precision",
     "kernel_init",
     "bias_init",
+    "dropout_rate",
+    "deterministic",
+    "dropout_broadcast_dims",
+    "rng_collection",
   ]
   assert fields["features"] is None and fields["activation"] == "silu"
+  assert (fields["dropout_rate"], fields["deterministic"], fields["rng_collection"]) == (
+    0.0,
+    None,
+    "dropout",
+  )
   assert fields["use_bias"] is False
   for name in ("dtype", "param_dtype", "precision", "kernel_init"):
     assert fields[name] is dense[name], name
@@ -432,3 +441,97 @@ def test_input_that_does_not_fit_the_checkpoint_is_named():
     nnx_apply(lambda: jnnx.GatedMLP(D, F, rngs=nnx.Rngs(0)))(
       random_params(False, D), normal((2, 5))
     )
+
+
+# ------------------------------------------------------------------------ the hidden's dropout
+
+RATE = 0.25
+
+
+class PlainLinenDropout(nn.Module):
+  """The three ``nn.Dense`` with ``nn.Dropout`` between the gated product and ``down_proj``."""
+
+  @nn.compact
+  def __call__(self, x, train: bool, rng=None):
+    h = jax.nn.silu(nn.Dense(F, use_bias=False, name="gate_proj")(x))
+    h = h * nn.Dense(F, use_bias=False, name="up_proj")(x)
+    h = nn.Dropout(RATE)(h, deterministic=not train, rng=rng)
+    return nn.Dense(D, use_bias=False, name="down_proj")(h)
+
+
+class LinenDropout(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool, rng=None):
+    return jlinen.GatedMLP(F, dropout_rate=RATE, name="mlp")(x, deterministic=not train, rng=rng)
+
+
+def test_linen_dropout_is_nn_dropout_of_the_hidden():
+  """With the same key, the output and gradients of the three Dense and nn.Dropout; deterministic
+  is the plain MLP; the key from the 'dropout' stream when none is passed."""
+  x = normal((4, 32, D))
+  params = PlainLinenDropout().init(KEY, x, False)
+  ours_params = {"params": {"mlp": params["params"]}}
+  key = jax.random.key(3)
+
+  def loss(model, p):
+    return jnp.sum(model.apply(p, x, True, key) ** 2)
+
+  assert_close(
+    LinenDropout().apply(ours_params, x, True, key),
+    PlainLinenDropout().apply(params, x, True, key),
+    "y",
+  )
+  got = jax.grad(functools.partial(loss, LinenDropout()))(ours_params)["params"]["mlp"]
+  assert_trees_close(
+    got, jax.grad(functools.partial(loss, PlainLinenDropout()))(params)["params"], "grads"
+  )
+  plain = PlainLinen(F, D).apply(params, x)
+  assert_close(LinenDropout().apply(ours_params, x, False), plain, "deterministic")
+  drawn = LinenDropout().apply(ours_params, x, True, rngs={"dropout": jax.random.key(4)})
+  assert not np.allclose(drawn, plain)
+  with pytest.raises(ValueError, match="deterministic"):  # as nn.Dropout: say which
+    jlinen.GatedMLP(F, dropout_rate=RATE).init(KEY, x)
+
+
+class PlainNNXDropout(nnx.Module):
+  """Three ``nnx.Linear`` then ``nnx.Dropout``, made in that order from one ``rngs``."""
+
+  def __init__(self, rngs):
+    self.gate_proj = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+    self.up_proj = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+    self.down_proj = nnx.Linear(F, D, use_bias=False, rngs=rngs)
+    self.dropout = nnx.Dropout(RATE, rngs=rngs)
+
+  def __call__(self, x, *, rngs=None):
+    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    return self.down_proj(self.dropout(h, rngs=rngs))
+
+
+def test_nnx_dropout_is_nnx_dropout_of_the_hidden():
+  """The same rngs give the same parameters and masks, call after call (the streams advance
+  alike), as do rngs passed to the call (what a block passes on: ``self.mlp(x, rngs=rngs)``);
+  eval() turns the dropout off; the gradients are the plain module's."""
+  x = normal((4, 32, D))
+  ours, theirs = (
+    jnnx.GatedMLP(D, F, dropout_rate=RATE, rngs=nnx.Rngs(0)),
+    PlainNNXDropout(nnx.Rngs(0)),
+  )
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    np.testing.assert_array_equal(
+      getattr(ours, name).kernel[...], getattr(theirs, name).kernel[...]
+    )
+  for _ in range(2):
+    assert_close(ours(x), theirs(x), "y")
+  assert_close(ours(x, rngs=nnx.Rngs(dropout=5)), theirs(x, rngs=nnx.Rngs(dropout=5)), "call rngs")
+  g1 = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ours)
+  g2 = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(theirs)
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    assert_close(getattr(g1, name).kernel[...], getattr(g2, name).kernel[...], name)
+  ours.eval()
+  theirs.eval()
+  assert_close(ours(x), theirs(x), "eval")
+  ours.train()
+  assert not np.allclose(ours(x), ours(x))  # a new mask each call
+  # without dropout the call's rngs are taken and ignored, and the stream is untouched
+  plain = jnnx.GatedMLP(D, F, rngs=nnx.Rngs(0))
+  assert_close(plain(x, rngs=nnx.Rngs(1)), plain(x), "rate 0")

@@ -258,8 +258,13 @@ def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype, names):
 # ------------------------------------------------------------------ linear_cross_entropy
 
 
-def _lce_step(tied: bool):
+def _lce_step(tied: bool | str):
+  """The gradient step of an untied head (False), a table passed as ``emb.T`` (True) or as it is
+  with ``w_layout="vd"`` ("vd")."""
+
   def loss(w, x, labels):
+    if tied == "vd":
+      return jaxact.linear_cross_entropy(x, w, labels, w_layout="vd")
     return jaxact.linear_cross_entropy(x, w.T if tied else w, labels)
 
   return jax.grad(loss, argnums=(0, 1))
@@ -269,7 +274,8 @@ def test_linear_cross_entropy_for_an_h100_keeps_no_logits_and_folds_a_tied_trans
   """Compiled for an H100 (bf16, 2048 tokens, D = 512, V = 32768): the step's temp is a small
   fraction of the plain composition's (which holds bf16 logits and their float32 softmax), and
   a tied embedding passed as ``emb.T`` costs the temp of an untied ``w`` within a few KiB (XLA
-  gives the loop's operand the transposed layout: no copy of the table)."""
+  gives the loop's operand the transposed layout: no copy of the table), as does the table read
+  by rows (``w_layout="vd"``)."""
   import optax
 
   t, d, v = 2048, 512, 32768
@@ -289,3 +295,5 @@ def test_linear_cross_entropy_for_an_h100_keeps_no_logits_and_folds_a_tied_trans
   composition = temp(jax.grad(plain, argnums=(0, 1)), w, x, labels)
   assert untied <= 0.25 * composition, (untied, composition)
   assert abs(tied - untied) < 0.01 * d * v * 2, (tied, untied)  # a copy of the table: 32 MiB
+  by_rows = temp(_lce_step("vd"), emb, x, labels)
+  assert abs(by_rows - untied) < 0.01 * d * v * 2, (by_rows, untied)

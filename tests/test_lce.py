@@ -453,3 +453,286 @@ def test_concrete_labels_out_of_range_are_a_value_error_unless_masked():
     jaxact.linear_cross_entropy(x, w, labels.at[4].set(V))
   fine = jaxact.linear_cross_entropy(x, w, bad, where=bad >= 0)
   assert rel_err(fine, reference(x, w, jnp.maximum(bad, 0), where=bad >= 0)) < 1e-5
+
+
+# ------------------------------------------------------------------ labels of every int dtype
+
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_labels_of_every_integer_dtype_are_their_values(dtype):
+  """V = 70000 is beyond int8/uint8/int16/uint16: each dtype's labels give the loss of the values
+  they hold (the old clip to [-1, V] in the labels' own dtype wrapped -1 and V); under jit, -1
+  and values >= V are +inf, never another token's loss."""
+  v = 70000
+  info = np.iinfo(dtype)
+  held = [0, 1, min(info.max, 300), min(info.max, v - 1), min(int(info.max) // 3, v - 2), 7]
+  x, w, _, _, _ = inputs(t=6, d=4, v=v)
+  labels = np.asarray(held, dtype)
+  got = jaxact.linear_cross_entropy(x, w, labels, reduction="none")
+  want = reference(x, w, jnp.asarray(held, jnp.int32), reduction="none")
+  assert rel_err(got, want) < 1e-12
+  bad = [v] if info.max >= v else []
+  bad += [-1] if info.min < 0 else []
+  bad += [int(info.max)] if info.max >= v else []
+  if bad:
+    labels = np.asarray(bad + held[: 6 - len(bad)], dtype)
+    got = jax.jit(functools.partial(jaxact.linear_cross_entropy, reduction="none"))(x, w, labels)
+    assert np.all(np.asarray(got)[: len(bad)] == np.inf)
+    assert np.all(np.isfinite(np.asarray(got)[len(bad) :]))
+    with pytest.raises(ValueError, match=_FN + r"`labels` holds"):
+      jaxact.linear_cross_entropy(x, w, labels)
+
+
+# ---------------------------------------------------------------------------- D = 0, NaN in x
+
+
+def test_no_features_gives_log_v():
+  """x of shape (..., 0): every logit is the bias (0 without one), as the composition gives."""
+  _, _, b, labels, _ = inputs()
+  x, w = jnp.zeros((T, 0)), jnp.zeros((0, V))
+  assert rel_err(jaxact.linear_cross_entropy(x, w, labels), np.log(V)) < 1e-12
+  f = functools.partial(jaxact.linear_cross_entropy, labels=labels, z_loss=1e-3)
+  value, (dx, dw, db) = jax.jit(jax.value_and_grad(lambda x, w, b: f(x, w, bias=b), (0, 1, 2)))(
+    x, w, b
+  )
+  v_ref, (_, _, db_ref) = jax.jit(
+    jax.value_and_grad(lambda x, w, b: reference(x, w, labels, bias=b, z_loss=1e-3), (0, 1, 2))
+  )(x, w, b)
+  assert rel_err(value, v_ref) < 1e-12 and rel_err(db, db_ref) < 1e-12
+  assert dx.shape == (T, 0) and dw.shape == (0, V)
+
+
+def test_nan_in_x_gives_nan_not_the_out_of_range_signal():
+  x, w, _, labels, _ = inputs(jnp.float32)
+  x = x.at[2, 3].set(jnp.nan)
+  none = functools.partial(jaxact.linear_cross_entropy, reduction="none")
+  for run in (none, jax.jit(none)):
+    per_token = np.asarray(run(x, w, labels))
+    assert np.isnan(per_token[2]) and np.all(np.isfinite(np.delete(per_token, 2)))
+  assert np.isnan(jaxact.linear_cross_entropy(x, w, labels))
+  # masked out, it is gone (numpy's where); an impossible label stays +inf
+  where = jnp.arange(T) != 2
+  assert np.isfinite(jaxact.linear_cross_entropy(x, w, labels, where=where))
+  bad = jax.jit(functools.partial(jaxact.linear_cross_entropy, reduction="none"))(
+    x, w, labels.at[0].set(V)
+  )
+  assert bad[0] == np.inf
+
+
+# --------------------------------------------------------------------------------- predictions
+
+
+def _capped_logits(x, w, b=None, cap=None):
+  z = x @ w + (0 if b is None else b)
+  return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+@pytest.mark.parametrize("cap", [None, 0.05], ids=["no_cap", "cap"])
+def test_predictions_are_the_argmax_of_the_logits_from_the_same_pass(cap):
+  """Ties across blocks (columns 20 and 60, blocks of 16 with an overlapping last one) go to the
+  first column, as jnp.argmax; with a cap of 0.05 the logits above ~1 saturate to 0.05 exactly,
+  and the prediction is the first of them, not the argmax of the uncapped logits."""
+  x, w, b, labels, where = inputs(scale=3.0)
+  w = w.at[:, 60].set(w[:, 20])
+  b = b.at[20].set(4.0).at[60].set(4.0)
+  kw = dict(bias=b, where=where, logit_soft_cap=cap, label_smoothing=0.1, vocab_block_size=BLOCK)
+
+  def ours(x, w):
+    return jaxact.linear_cross_entropy(x, w, labels, return_predictions=True, **kw)
+
+  (value, predictions), grads = jax.value_and_grad(ours, (0, 1), has_aux=True)(x, w)
+  want = jnp.argmax(_capped_logits(x, w, b, cap), axis=-1)
+  assert predictions.dtype == jnp.int32 and predictions.shape == labels.shape
+  np.testing.assert_array_equal(predictions, want)
+  assert cap is not None or np.any(want == 20)  # a tie with column 60
+  assert (cap is None) == np.array_equal(want, jnp.argmax(x @ w + b, -1))
+  kw.pop("vocab_block_size")
+  v_ref, g_ref = jax.value_and_grad(lambda x, w: reference(x, w, labels, **kw), (0, 1))(x, w)
+  assert rel_err(value, v_ref) < 1e-12
+  for g, r in zip(grads, g_ref, strict=True):
+    assert rel_err(g, r) < 1e-12
+  # by the token-blocked loop, and for a NaN row (jnp.argmax: the first NaN)
+  by_tokens = lce_vjp.LcePlan(block=5, by="tokens", predictions=True, soft_cap=cap)
+  x_nan, w32 = x.at[4, 0].set(jnp.nan).astype(jnp.float32), w.astype(jnp.float32)
+  _, pred_t = lce_vjp.per_token_loss(by_tokens, x_nan, w32, None, labels)
+  np.testing.assert_array_equal(pred_t, jnp.argmax(_capped_logits(x_nan, w32, None, cap), -1))
+
+
+def test_predictions_under_jit_vmap_and_reductions():
+  x, w, _, labels, _ = inputs(t=12)
+  xs, ls = x.reshape(3, 4, D), labels[:12].reshape(3, 4)
+  f = functools.partial(jaxact.linear_cross_entropy, return_predictions=True, vocab_block_size=20)
+  loss, pred = jax.jit(jax.vmap(f, (0, None, 0)))(xs, w, ls)
+  assert loss.shape == (3,) and pred.shape == (3, 4)
+  np.testing.assert_array_equal(pred, jnp.argmax(xs @ w, -1))
+  loss, pred = f(xs, w, ls, reduction="none")
+  assert loss.shape == pred.shape == (3, 4)
+  loss, pred = f(jnp.zeros((0, D)), w, jnp.zeros((0,), jnp.int8))
+  assert loss == 0 and pred.shape == (0,) and pred.dtype == jnp.int32
+
+
+# ------------------------------------------------------------------------------------- weights
+
+
+def _weighted_reference(x, w, labels, weights, *, where=None, reduction="mean", **kw):
+  """T5X's / flax examples/gemma's weighted loss: per-token loss times weight, over the sum of
+  the weights."""
+  loss = reference(x, w, labels, reduction="none", **kw) * weights
+  if where is not None:
+    loss, weights = jnp.where(where, loss, 0), jnp.where(where, weights, 0)
+  if reduction == "none":
+    return loss
+  return jnp.sum(loss) / (jnp.sum(weights) if reduction == "mean" else 1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_weights_scale_each_token_and_the_mean_divides_by_their_sum(reduction):
+  x, w, b, labels, where = inputs()
+  weights = jnp.asarray(np.random.default_rng(3).uniform(0, 2, size=(T,)))
+  kw = dict(bias=b, where=where, reduction=reduction, z_loss=1e-3, label_smoothing=0.1)
+
+  def ours(x, w, weights):
+    return jaxact.linear_cross_entropy(x, w, labels, weights=weights, vocab_block_size=BLOCK, **kw)
+
+  def theirs(x, w, weights):
+    return _weighted_reference(x, w, labels, weights, **kw)
+
+  ct = jnp.arange(T, dtype=jnp.float64) if reduction == "none" else 1.0
+  v, pull = jax.vjp(ours, x, w, weights)
+  v_ref, pull_ref = jax.vjp(theirs, x, w, weights)
+  assert rel_err(v, v_ref) < 1e-12
+  for g, r in zip(pull(ct * jnp.ones_like(v)), pull_ref(ct * jnp.ones_like(v_ref)), strict=True):
+    assert rel_err(g, r) < 1e-12  # dx, dw and d weights
+
+
+def test_zero_weights_drop_impossible_tokens_and_broadcast():
+  x, w, _, labels, _ = inputs(jnp.float32)
+  padded = labels.at[:3].set(-100)
+  weights = (padded >= 0).astype(jnp.float32)  # train.py's weights: the padding mask
+  f = jax.jit(
+    jax.value_and_grad(
+      lambda x, w: jaxact.linear_cross_entropy(x, w, padded, weights=weights), (0, 1)
+    )
+  )
+  value, (dx, dw) = f(x, w)
+  want = reference(x, w, jnp.maximum(padded, 0), where=padded >= 0)
+  assert rel_err(value, want) < 1e-5 and np.all(np.isfinite(dw)) and np.all(dx[:3] == 0)
+  # concrete: the zero-weight labels raise nothing (the check runs before any computation)
+  with pytest.raises(ValueError, match=r"`labels` holds 3 value"):
+    jaxact.linear_cross_entropy(x, w, padded)
+  jaxact.linear_cross_entropy(x, w, padded, weights=weights)
+  # a row of weights broadcasts; all-zero weights give 0
+  x3, l3 = x[:12].reshape(3, 4, D), labels[:12].reshape(3, 4)
+  row = jnp.array([1.0, 0.0, 2.0, 1.0], jnp.float32)
+
+  @jax.jit
+  def both(x3, w, zeros):
+    return (
+      jaxact.linear_cross_entropy(x3, w, l3, weights=row),
+      jaxact.linear_cross_entropy(x, w, labels, weights=zeros),
+    )
+
+  got, zero = both(x3, w, jnp.zeros((T,), jnp.float32))
+  assert rel_err(got, _weighted_reference(x3, w, l3, jnp.broadcast_to(row, (3, 4)))) < 1e-5
+  assert zero == 0
+
+
+# ------------------------------------------------------------------------ T5X label smoothing
+
+
+def _t5x_reference(x, w, labels, alpha, *, bias=None, z_loss=0.0, weights=None):
+  """T5X's compute_weighted_cross_entropy written out (soft targets, its normalizing constant;
+  xlogy for 0 log 0 at alpha = 1), summed and divided by the weight sum as flax's train.py does."""
+  z = x @ w + (0 if bias is None else bias)
+  v = w.shape[1]
+  confidence, low = 1.0 - alpha, alpha / (v - 1)
+  constant = -(
+    jax.scipy.special.xlogy(confidence, confidence)
+    + (v - 1) * jax.scipy.special.xlogy(low, low + 1e-20)
+  )
+  targets = jnp.where(jax.nn.one_hot(labels, v) > 0, confidence, low)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  loss = -jnp.sum(targets * (z - lse[:, None]), axis=-1) + z_loss * lse**2 - constant
+  weights = jnp.ones_like(loss) if weights is None else weights
+  return jnp.sum(loss * weights) / jnp.sum(weights)
+
+
+@pytest.mark.parametrize("alpha", [0.1, 1.0])
+def test_t5x_label_smoothing_is_t5xs_loss(alpha):
+  x, w, b, labels, _ = inputs()
+  weights = jnp.asarray(np.random.default_rng(4).uniform(0, 1, size=(T,)))
+  kw = dict(bias=b, z_loss=1e-3, weights=weights)
+
+  def ours(x, w, b):
+    return jaxact.linear_cross_entropy(
+      x, w, labels, label_smoothing=alpha, label_smoothing_style="t5x", vocab_block_size=BLOCK, **kw
+    )
+
+  v, grads = jax.value_and_grad(ours, (0, 1, 2))(x, w, b)
+  v_ref, g_ref = jax.value_and_grad(
+    lambda x, w, b: _t5x_reference(x, w, labels, alpha, **kw), (0, 1, 2)
+  )(x, w, b)
+  assert rel_err(v, v_ref) < 1e-12
+  for g, r in zip(grads, g_ref, strict=True):
+    assert rel_err(g, r) < 1e-12
+  # not optax's: T5X's loss is lower by about its constant
+  optax_style = jaxact.linear_cross_entropy(x, w, labels, label_smoothing=alpha, **kw)
+  assert float(optax_style - v) > 0.5
+
+
+def test_t5x_smoothing_needs_another_class():
+  x, w, _, labels, _ = inputs(jnp.float32)
+  with pytest.raises(ValueError, match=_FN + r"`label_smoothing` 0\.1 with .*'t5x'.*V = 1"):
+    jaxact.linear_cross_entropy(
+      x, w[:, :1], labels * 0, label_smoothing=0.1, label_smoothing_style="t5x"
+    )
+  # V = 1 without smoothing is fine: loss 0
+  assert jaxact.linear_cross_entropy(x, w[:, :1], labels * 0, label_smoothing_style="t5x") == 0
+
+
+# ---------------------------------------------------------------------- tables as (V, D): "vd"
+
+
+def test_vd_layout_slices_the_table_rows():
+  """w_layout="vd" on the table (V, D) equals the head (D, V) = table.T: values, predictions and
+  the gradients (d table in the table's layout), with overlapping blocks."""
+  x, w, b, labels, where = inputs()
+  table = jnp.asarray(np.asarray(w).T.copy())
+  kw = dict(bias=b, where=where, label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=3.0)
+
+  def ours(x, table, b):
+    return jaxact.linear_cross_entropy(
+      x,
+      table,
+      labels,
+      **{**kw, "bias": b},
+      w_layout="vd",
+      vocab_block_size=BLOCK,
+      return_predictions=True,
+    )
+
+  (v, pred), grads = jax.value_and_grad(ours, (0, 1, 2), has_aux=True)(x, table, b)
+  v_ref, (gx, gw, gb) = jax.value_and_grad(
+    lambda x, w, b: reference(x, w, labels, **{**kw, "bias": b}), (0, 1, 2)
+  )(x, w, b)
+  assert rel_err(v, v_ref) < 1e-12
+  np.testing.assert_array_equal(pred, jnp.argmax(_capped_logits(x, w, b, 3.0), -1))
+  for g, r in zip(grads, (gx, gw.T, gb), strict=True):
+    assert rel_err(g, r) < 1e-12
+
+
+def test_new_options_bad_input():
+  x, w, _, labels, _ = inputs(jnp.float32)
+  cases = [
+    (dict(label_smoothing_style="T5X"), ValueError, r"`label_smoothing_style` 'T5X' is not known"),
+    (dict(w_layout="dv2"), ValueError, r"`w_layout` 'dv2' is not known"),
+    (dict(return_predictions=1), TypeError, r"`return_predictions` must be a Python bool"),
+    (dict(weights=jnp.ones((T + 1,))), ValueError, r"`weights` has shape \(14,\)"),
+    (dict(weights=jnp.ones((T,), jnp.complex64)), TypeError, r"`weights` has complex dtype"),
+    (dict(w_layout="vd"), ValueError, r"`x` has 8 features but `w` expects 67 .*w_layout='vd'"),
+  ]
+  for kw, error, match in cases:
+    with pytest.raises(error, match=_FN + match):
+      jaxact.linear_cross_entropy(x, w, labels, **kw)

@@ -37,10 +37,10 @@ def _close(a, b, dtype):
 def test_linen_attributes_are_flax_plus_residual(ours, theirs):
   fields = [f for f in dataclasses.fields(ours) if f.name not in ("parent", "name")]
   flax_fields = [f for f in dataclasses.fields(theirs) if f.name not in ("parent", "name")]
-  assert [f.name for f in fields] == [f.name for f in flax_fields] + ["residual"]
+  assert [f.name for f in fields] == [f.name for f in flax_fields] + ["residual", "scale_offset"]
   for f, g in zip(fields, flax_fields, strict=False):
     assert f.default is g.default or f.default == g.default, f.name
-  assert fields[-1].default == "output"
+  assert (fields[-2].default, fields[-1].default) == ("output", 0.0)
 
 
 @pytest.mark.parametrize(("ours", "theirs"), NNX_PAIRS, ids=["rms", "layer"])
@@ -48,9 +48,10 @@ def test_nnx_arguments_are_flax_plus_residual(ours, theirs):
   mine = list(inspect.signature(ours.__init__).parameters.values())
   flax_params = list(inspect.signature(theirs.__init__).parameters.values())
   describe = lambda p: (p.name, p.kind, p.default)
-  assert [describe(p) for p in mine[:-1]] == [describe(p) for p in flax_params]
-  assert (mine[-1].name, mine[-1].default) == ("residual", "output")
-  assert list(vars(ours(8, rngs=nnx.Rngs(0)))) == [*vars(theirs(8, rngs=nnx.Rngs(0))), "residual"]
+  assert [describe(p) for p in mine[:-2]] == [describe(p) for p in flax_params]
+  assert [(p.name, p.default) for p in mine[-2:]] == [("residual", "output"), ("scale_offset", 0.0)]
+  flax_vars = vars(theirs(8, rngs=nnx.Rngs(0)))
+  assert list(vars(ours(8, rngs=nnx.Rngs(0)))) == [*flax_vars, "residual", "scale_offset"]
 
 
 CASES = [
@@ -108,6 +109,40 @@ def test_nnx_equals_flax(ours, theirs):
   theirs16 = theirs(16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   assert mine16(x16).dtype == theirs16(x16).dtype == jnp.bfloat16
   _close(mine16(x16), theirs16(x16), jnp.bfloat16)
+
+
+def _gemma_rms(x, scale):
+  """Gemma's RMSNorm (flax examples/gemma, layers.py): ``x_hat * (1 + scale)``."""
+  var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+  return x * jax.lax.rsqrt(var + 1e-6) * (1 + scale)
+
+
+def test_gemma_norm_by_scale_offset_in_linen_and_nnx():
+  """``scale_offset=1.0`` with a zero-initialised scale is Gemma's norm: the output, and the
+  gradients in x and in the scale (which a plain RMSNorm of a zero scale would give as 0)."""
+  x = _x()
+  scale = jax.random.normal(jax.random.key(3), (16,), jnp.float32) * 0.1
+  linen = jnn.RMSNorm(scale_offset=1.0, scale_init=nn.initializers.zeros)
+  params = linen.init(jax.random.key(0), x)
+  assert not params["params"]["scale"].any()
+  params = {"params": {"scale": scale}}  # a Gemma checkpoint's scale
+
+  def loss(f):
+    return lambda x, s: jnp.sum(f(x, s) ** 3)
+
+  got = jax.grad(loss(lambda x, s: linen.apply({"params": {"scale": s}}, x)), (0, 1))(x, scale)
+  want = jax.grad(loss(_gemma_rms), (0, 1))(x, scale)
+  _close(linen.apply(params, x), _gemma_rms(x, scale), jnp.float32)
+  for a, b in zip(got, want, strict=True):
+    _close(a / jnp.abs(b).max(), b / jnp.abs(b).max(), jnp.float32)
+  layer = jnnx.RMSNorm(16, scale_offset=1.0, scale_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+  _close(layer(x), x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6), jnp.float32)
+  layer.scale[...] = scale
+  _close(layer(x), _gemma_rms(x, scale), jnp.float32)
+  d_scale = nnx.grad(lambda m: jnp.sum(m(x) ** 3))(layer).scale[...]
+  _close(d_scale / jnp.abs(want[1]).max(), want[1] / jnp.abs(want[1]).max(), jnp.float32)
+  ln = jnnx.LayerNorm(16, scale_offset=1.0, scale_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+  _close(ln(x), nnx.LayerNorm(16, rngs=nnx.Rngs(0))(x), jnp.float32)  # 1 + 0 is Flax's 1
 
 
 @pytest.mark.parametrize(

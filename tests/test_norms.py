@@ -189,10 +189,77 @@ def test_jit_vmap_remat_scan():
     (lambda x, s: jaxact.rms_norm(x, s, residual="x"), ValueError, r"`residual` must be"),
     (lambda x, s: jaxact.rms_norm(x.astype(jnp.int32), s), TypeError, r"`x` has dtype int32"),
     (lambda x, s: jaxact.layer_norm(x, s.astype(jnp.int32)), TypeError, r"`scale` has dtype"),
+    (
+      lambda x, s: jaxact.rms_norm(x, None, scale_offset=1.0),
+      ValueError,
+      r"jaxact\.rms_norm: `scale_offset` 1\.0 is added to `scale`.*but `scale` is None",
+    ),
+    (
+      lambda x, s: jaxact.layer_norm(x, s, scale_offset=jnp.ones(())),
+      TypeError,
+      r"jaxact\.layer_norm: `scale_offset` must be a Python float",
+    ),
+    (
+      lambda x, s: jaxact.rms_norm(x, s, scale_offset=float("nan")),
+      ValueError,
+      r"`scale_offset` must be finite",
+    ),
   ],
-  ids=["scale-shape", "bias-shape", "axis", "epsilon", "residual", "int-x", "int-scale"],
+  ids=[
+    "scale-shape",
+    "bias-shape",
+    "axis",
+    "epsilon",
+    "residual",
+    "int-x",
+    "int-scale",
+    "offset-no-scale",
+    "offset-array",
+    "offset-nan",
+  ],
 )
 def test_bad_input(call, error, match):
   x, scale, _, _ = _inputs((2, 64))
   with pytest.raises(error, match=match):
     call(x, scale)
+
+
+# ---------------------------------------------------------------------- scale_offset (Gemma's)
+
+
+def gemma_rms(x, scale, bias=None, axis=-1, offset=1.0):
+  """Gemma's RMSNorm as its code writes it (``x * rsqrt(mean(x^2) + eps) * (1 + scale)``)."""
+  var = jnp.mean(jnp.square(x), axis=axis, keepdims=True)
+  return x * jax.lax.rsqrt(var + EPS) * (offset + scale)
+
+
+def ref_ln_offset(x, scale, bias, axis=-1, offset=1.0):
+  return ref_ln(x, offset + scale, bias, axis)
+
+
+@pytest.mark.parametrize("residual", ["output", "input"])
+@pytest.mark.parametrize("scale_kind", ["zeros", "random"], ids=["gemma-init", "trained"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_scale_offset_matches_autodiff_of_the_plain_formula(norm, scale_kind, residual):
+  """``x_hat * (1 + scale)`` in float64: exact gradients with Gemma's initial scale of zeros (the
+  effective gamma is 1, so the output residual recovers x_hat), where ``rms_norm(x, scale)``
+  outputs zeros with a zero scale gradient."""
+  x, scale, bias, ct = _inputs()
+  if scale_kind == "zeros":
+    scale = jnp.zeros_like(scale)
+  if norm == "rms":
+    ours = functools.partial(ours_rms, residual=residual, scale_offset=1.0)
+    ref = gemma_rms
+  else:
+    ours = functools.partial(ours_ln, residual=residual, scale_offset=1.0)
+    ref = ref_ln_offset
+  y1, g1 = _grads(ours, x, scale, bias, ct)
+  y2, g2 = _grads(ref, x, scale, bias, ct)
+  np.testing.assert_allclose(y1, y2, rtol=1e-12, atol=1e-12)
+  for a, b in zip(g1, g2, strict=True):
+    if b is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10 * float(jnp.abs(b).max()))
+  assert float(jnp.abs(g1[1]).min()) > 0  # every channel's scale trains
+  if scale_kind == "zeros" and norm == "rms":  # without the offset: zeros, and no scale gradient
+    y0, (_, d_scale, _) = _grads(ours_rms, x, scale, bias, ct)
+    assert not y0.any() and not d_scale.any()

@@ -88,11 +88,18 @@ def test_rows_without_a_finite_logit_and_no_mean():
 
 @pytest.mark.parametrize(
   "options",
-  [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_soft_cap": 10.0}],
-  ids=["plain", "all-options"],
+  [
+    {},
+    {"label_smoothing": 0.1, "z_loss": 1e-3, "logit_soft_cap": 10.0},
+    # T5X's full smoothing is optax's at V / (V - 1) > 1: a negative label term in the kernel
+    {"label_smoothing": 1.0, "label_smoothing_style": "t5x", "weights": True},
+  ],
+  ids=["plain", "all-options", "t5x-weights"],
 )
 def test_jaxact_mosaic_equals_the_xla_path(options, monkeypatch):
   x, w, b, labels = _inputs(128, 128, 512)
+  if options.get("weights"):
+    options = {**options, "weights": jnp.linspace(0.0, 2.0, 128, dtype=jnp.float32)}
   b = b.astype(jnp.bfloat16)
   impossible = (labels < 0) | (labels >= 512) | (b[jnp.clip(labels, 0, 511)] == -jnp.inf)
   labels = jnp.where(impossible, 1, labels)
@@ -240,8 +247,20 @@ def test_backward_kernel_refusals_and_blocks():
       ),
       r"precision=",
     ),
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(
+        x, w, y, implementation="mosaic", return_predictions=True
+      ),
+      r"return_predictions=True",
+    ),
+    (
+      lambda x, w, y: jaxact.linear_cross_entropy(
+        x, w.T, y, implementation="mosaic", w_layout="vd"
+      ),
+      r"w_layout='vd'",
+    ),
   ],
-  ids=["tokens", "vocab", "float32", "precision"],
+  ids=["tokens", "vocab", "float32", "precision", "predictions", "table"],
 )
 def test_mosaic_refusals_say_why(call, match):
   x, w, _, labels = _inputs(128, 64, 512)

@@ -38,6 +38,7 @@ CASES = [
   "lce_dp",
   "lce_vocab",
   "lce_2d",
+  "lce_2d_table",
   "lce_dp_auto",
 ]
 TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
@@ -109,7 +110,7 @@ def test_data_parallel_step_only_all_reduces(results, name):
   assert set(result["step_collectives"]) == {"all-reduce"}
 
 
-@pytest.mark.parametrize("name", ["lce_vocab", "lce_2d"])
+@pytest.mark.parametrize("name", ["lce_vocab", "lce_2d", "lce_2d_table"])
 def test_vocab_parallel_loss_moves_only_per_token_numbers(results, name):
   """Megatron's vocab-parallel loss: w split over its columns, each device reduces its own slice.
   The step's collectives produce per-token statistics (tokens a device: 32 on a vocabulary-only
@@ -121,10 +122,18 @@ def test_vocab_parallel_loss_moves_only_per_token_numbers(results, name):
   allowed = {f"f32[{tokens}]", f"f32[{tokens},24]", "f32[]", "s32[]"}
   if name == "lce_2d":
     allowed |= {"f32[24,64]", "f32[64]", "f32[24]"}  # dw, db (a quarter of V), d scale over data
+  elif name == "lce_2d_table":  # the table's gradient in its own layout; the weights' sum
+    allowed |= {"f32[64,24]", "f32[64]", "f32[24]"}
   else:
     allowed |= {"f32[24]"}
   assert set(result["step_collective_shapes"]) <= allowed, result["step_collective_shapes"]
   assert f"f32[{tokens}]" in result["step_collective_shapes"]  # the check can fail
+
+
+def test_vocab_parallel_table_predicts_as_one_device(results):
+  """w_layout="vd" over a table split by rows: the argmax of each token's logits comes from a
+  pmin over the devices holding the largest, the first column of it, as on one device."""
+  assert get(results, "lce_2d_table")["predictions_equal"]
 
 
 @pytest.mark.parametrize("name", ["lce_dp", "lce_dp_auto"])

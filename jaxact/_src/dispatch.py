@@ -366,6 +366,12 @@ def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
   on blocks of ``plan.block`` columns) cannot run this call, or None."""
   if np.dtype(plan.acc_dtype) != np.float32:
     return "float64 inputs (the kernel accumulates in float32)"
+  if plan.predictions:
+    return "return_predictions=True (the forward kernel does not track each token's argmax)"
+  if plan.w_layout != "dv":
+    return f"w_layout={plan.w_layout!r} (the kernels read w as (D, V))"
+  if 0 in x.shape or 0 in w.shape:
+    return f"zero-size operands (x.shape={x.shape}, w.shape={w.shape})"
   if np.dtype(x.dtype) != np.dtype(w.dtype):
     return f"x ({np.dtype(x.dtype).name}) and w ({np.dtype(w.dtype).name}) of different dtypes"
   if plan.precision not in (None, lax.Precision.DEFAULT, (None, None)):

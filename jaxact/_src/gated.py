@@ -9,13 +9,13 @@ This module checks the arguments and builds the call's static plan.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jax import Array, lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch
+from jaxact._src import dispatch, dropout
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
 from jaxact._src.gated_vjp import GatedPlan, gated
@@ -60,11 +60,20 @@ def _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> Non
       )
 
 
-def _run(fn_name, arrays, activation, precision, preferred_element_type, implementation):
+def _run(
+  fn_name,
+  arrays,
+  activation,
+  precision,
+  preferred_element_type,
+  implementation,
+  drop=(0.0, None, ()),
+):
   dispatch.check_implementation(fn_name, implementation)
   prepared, acc, out = args.prepare_arrays(fn_name, arrays, preferred_element_type)
   x, w_gate, w_up, w_down, b_gate, b_up, b_down = prepared.values()
   _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+  drop, key = dropout.check(fn_name, *drop, max(x.ndim, 1))
   a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], w_gate.shape[1]), acc)
   act, dynamic = args.resolve_activation(fn_name, activation, a_shape, out)
   if act.rule is not None and act.rule.code is not None:
@@ -89,10 +98,11 @@ def _run(fn_name, arrays, activation, precision, preferred_element_type, impleme
     has_up_bias=b_up is not None,
     has_down=w_down is not None,
     has_down_bias=b_down is not None,
+    dropout=drop,
   )
   decision = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate, w_up)
   plan = dataclasses.replace(plan, decision=decision)
-  return gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+  return gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
 
 
 def gated_dense(
@@ -180,6 +190,9 @@ def gated_mlp(
   precision: lax.PrecisionLike = None,
   preferred_element_type: DTypeLike | None = None,
   implementation: Implementation | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: ArrayLike | None = None,
+  dropout_broadcast_dims: Sequence[int] = (),
 ) -> Array:
   r"""The gated MLP block of transformers (Llama's, Gemma's, PaLM's), keeping ``x``, ``a``, ``b``.
 
@@ -195,6 +208,13 @@ def gated_mlp(
   activation's intermediates besides (about six hidden-sized arrays for silu).
 
   ``activation``, dtypes and ``precision`` as :func:`gated_dense`.
+
+  With ``dropout_rate > 0`` the hidden ``h`` is dropped out before the down projection (T5 v1.1's
+  and Gemma's place for the MLP's dropout), exactly as ``nn.Dropout(rate)(h, rng=dropout_rng)``:
+  ``select(mask, h / (1 - rate), 0)`` with ``mask = jax.random.bernoulli(dropout_rng, 1 - rate,
+  h.shape)``. The op keeps the key, not the mask (nor the dropped ``h``): the backward pass draws
+  the mask again (see :func:`dense_bias_act`). Dropout runs on XLA's path; the kernels draw no
+  masks (``implementation="pallas"`` / ``"mosaic"`` raise ``NotImplementedError`` with it).
 
   Args:
     x: input of shape ``(..., in)``, floating point.
@@ -213,6 +233,11 @@ def gated_mlp(
       ``"mosaic"`` (the Hopper forward with the Triton backward; bfloat16/float16, ``M`` a
       multiple of 128, ``hidden`` of 128, ``in`` of 64). Kernels run in interpret mode off CUDA;
       calls they do not support raise ``NotImplementedError``.
+    dropout_rate: the probability of dropping an element of the hidden ``h`` (default 0: none).
+    dropout_rng: the dropout's PRNG key (``jax.random.key``, or a raw ``jax.random.PRNGKey``);
+      required when ``dropout_rate > 0``.
+    dropout_broadcast_dims: axes of ``h`` that share one mask, as ``nn.Dropout``'s
+      ``broadcast_dims``.
 
   Returns:
     ``y`` of shape ``(..., out)``.
@@ -236,4 +261,7 @@ def gated_mlp(
       "b_up": b_up,
       "b_down": b_down,
     }
-    return _run(fn_name, arrays, activation, precision, preferred_element_type, implementation)
+    drop = (dropout_rate, dropout_rng, dropout_broadcast_dims)
+    return _run(
+      fn_name, arrays, activation, precision, preferred_element_type, implementation, drop
+    )

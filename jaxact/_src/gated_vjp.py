@@ -10,6 +10,13 @@ same composition keeps ``act(a)``, the activation's intermediates and ``h`` besi
 Products of three factors (``gh * act'(a) * b``) are formed so that an intermediate that overflows
 to infinity times an exact zero gives 0, not NaN.
 
+With a dropout of the hidden (``gated_mlp``'s ``dropout_rate``: between the gated product and the
+down projection, T5 v1.1's and Gemma's place) the op keeps the key, not the mask: the forward
+drops ``h`` before the down projection, and the backward draws the same mask again, twice (for the
+down projection's weight gradient, which reads the dropped ``h``, and for ``gh``), in blocks of
+rows (:meth:`jaxact._src.dropout.Dropout.by_blocks`). The kernels draw no masks: with dropout the
+call takes XLA's path.
+
 The plan's :class:`~jaxact._src.dispatch.Decision` says whether the gated projection (forward) and
 the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton kernels
 (:mod:`jaxact._src.kernel_calls`, :mod:`pallas_kernels.gated`); the matmuls of the backward pass
@@ -30,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src import barriers, kernel_calls
 from jaxact._src.dispatch import Decision
+from jaxact._src.dropout import Dropout
 from jaxact._src.fused_vjp import Act
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name): under
@@ -50,6 +58,7 @@ class GatedPlan:
   has_up_bias: bool
   has_down: bool  # gated_mlp (a down projection) or gated_dense
   has_down_bias: bool = False
+  dropout: Dropout | None = None  # of h, before the down projection (gated_mlp only)
   decision: Decision = dataclasses.field(default_factory=Decision)
 
 
@@ -121,13 +130,21 @@ def gate_cotangents(plan: GatedPlan, a: Array, b: Array, gh: Array, dynamic):
 # --------------------------------------------------------------------------------- the rules
 
 
-def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
-  """``(out, a, b)``: out is h for gated_dense, y for gated_mlp."""
+def dropped(plan: GatedPlan, key, h: Array) -> Array:
+  """Flax's dropout of `h` with the mask drawn from the raw `key` (`h` itself without dropout),
+  written over `h` block by block."""
+  if plan.dropout is None:
+    return h
+  return plan.dropout.by_blocks(key, [h], plan.dropout.apply, h.dtype, reuse=0)
+
+
+def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
+  """``(out, a, b)``: out is h for gated_dense, y for gated_mlp (h dropped first, with a key)."""
   a = _project(plan, x, w_gate, b_gate)
   b = _project(plan, x, w_up, b_up)
   out = hidden(plan, a, b, dynamic)
   if plan.has_down:
-    out = _project(plan, out, w_down, b_down)
+    out = _project(plan, dropped(plan, key, out), w_down, b_down)
   return out, a, b
 
 
@@ -147,23 +164,23 @@ def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_do
   return out, a, b
 
 
-def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
   if plan.decision.forward == "xla":
-    out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
-  else:
+    out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
+  else:  # never with dropout (dispatch: the kernels draw no masks)
     out, a, b = _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
   # As barriers.barrier_residual: hide a and b's origin, so that XLA neither recomputes them in
   # the backward pass nor keeps the forward's act(a) or h alive to share with the backward's.
   out, a, b = lax.optimization_barrier((out, a, b))
   a, b = (checkpoint_name(v, n) for v, n in zip((a, b), CHECKPOINT_NAMES, strict=True))
-  return out, (x, w_gate, w_up, w_down, a, b, dynamic)
+  return out, (x, w_gate, w_up, w_down, a, b, key, dynamic)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic):
+def _gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
   if plan.decision.forward != "xla":  # no gradient: XLA drops a and b, a kernel must not write them
     return _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep=False)[0]
-  return _gated_fwd(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)[0]
+  return _gated_fwd(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)[0]
 
 
 def _bias_grad(plan: GatedPlan, present: bool, dz: Array, dtype) -> Array | None:
@@ -189,22 +206,27 @@ def _input_grad(plan: GatedPlan, dz: Array, w: Array, x: Array) -> Array:
 
 
 def _gated_bwd(plan: GatedPlan, res, g: Array):
-  x, w_gate, w_up, w_down, a, b, dynamic = res
+  grads = _gated_bwd_rule(plan, res, g)
+  return (*grads[:7], None, *grads[7:])  # None: the dropout key's (integer) cotangent
+
+
+def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
+  x, w_gate, w_up, w_down, a, b, key, dynamic = res
   acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
-  # Nothing of the backward (h, act(a)) may run before the cotangent exists: it would be computed
-  # in the forward pass and kept alive until here (barriers.after_cotangent).
-  (a, b), g = barriers.after_cotangent((a, b), g)
+  # Nothing of the backward (h, act(a), the mask) may run before the cotangent exists: it would be
+  # computed in the forward pass and kept alive until here (barriers.after_cotangent).
+  (a, b, key), g = barriers.after_cotangent((a, b, key), g)
   if plan.decision.backward != "xla":
     return _kernel_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
   d_down = None, None
   if plan.has_down:
-    h = hidden(plan, a, b, dynamic)
+    h = dropped(plan, key, hidden(plan, a, b, dynamic))
     gy = g.astype(mm)
     d_down = (
       _weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
-    gh = _input_grad(plan, gy, w_down, h)
+    gh = dropped(plan, key, _input_grad(plan, gy, w_down, h))  # Flax's dropout backward
   else:
     gh = g
   da, db, d_dynamic = gate_cotangents(plan, a, b, gh, dynamic)
@@ -264,8 +286,11 @@ _gated.defvjp(_gated_fwd, _gated_bwd)
 _gated_jit = jax.jit(_gated, static_argnums=0)
 
 
-def gated(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic) -> Array:
-  """The gated op by `plan`, differentiated by the rule above."""
+def gated(
+  plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key=None, *dynamic
+) -> Array:
+  """The gated op by `plan` (the hidden dropped out with the raw `key` when ``plan.dropout``),
+  differentiated by the rule above."""
   # A closure-converted callable is a new object on every call; jit would retrace each time.
   run = _gated_jit if plan.act.fn is None else _gated
-  return run(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, *dynamic)
+  return run(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)

@@ -291,7 +291,7 @@ def lce_backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
       labels,
       rows,
       soft_cap=plan.soft_cap,
-      label_term=plan.label_smoothing < 1,
+      label_term=plan.label_smoothing != 1,
       uniform_term=plan.label_smoothing > 0,
       num_sms=d.target.sms,
       interpret=interpret,

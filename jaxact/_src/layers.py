@@ -132,14 +132,18 @@ def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision) -
   return y
 
 
-def gated_mlp(activation, precision, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> jax.Array:
-  """``down(act(gate(x)) * up(x))`` on promoted arrays: one :func:`jaxact.gated_mlp`, or, for
-  dtypes it does not take (complex), Flax's three ``Dense`` computations and the activation."""
+def gated_mlp(
+  activation, precision, x, w_gate, w_up, w_down, b_gate, b_up, b_down, dropped=None, layer=""
+) -> jax.Array:
+  """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
+  :func:`dropout_kwargs` (None or {}: none): one :func:`jaxact.gated_mlp`, or, for dtypes it does
+  not take (complex), Flax's three ``Dense`` computations, the activation and Flax's dropout."""
   arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+  dropped = dropped or {}
   if fusable(*arrays):
-    return gated.gated_mlp(*arrays, activation=activation, precision=precision)
+    return gated.gated_mlp(*arrays, activation=activation, precision=precision, **dropped)
   h = activate(activation, _dense(x, w_gate, b_gate, precision)) * _dense(x, w_up, b_up, precision)
-  return _dense(h, w_down, b_down, precision)
+  return _dense(drop(layer, h, dropped), w_down, b_down, precision)
 
 
 def _broadcast(x: int | Sequence[int] | None, n: int) -> tuple[int, ...]:

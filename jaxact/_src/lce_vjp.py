@@ -16,6 +16,13 @@ code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``.
 (tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
 its ``G``.
 
+T5X's label smoothing is optax's with ``a V / (V - 1)`` and a constant subtracted from every loss
+(``loss_offset``: :func:`t5x_smoothing`); per-token weights multiply ``g_t`` outside this rule. With
+``predictions`` the forward also returns each token's argmax column of ``s``, tracked in the same
+loop (a running max and its column; across vocabulary shards a ``pmax`` and a ``pmin``). ``w`` is
+(D, V), or (V, D) for ``w_layout="vd"`` (an embedding table, sliced by rows, its gradient written
+by rows: no transposed copy).
+
 Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
 neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
 ``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal
 
 import jax
@@ -56,7 +64,13 @@ class LcePlan:
   Attributes:
     block: logits columns a block (``by="vocab"``) or tokens a block (``by="tokens"``).
     by: the axis the XLA path blocks over.
-    label_smoothing, z_loss, soft_cap: the loss's options (``soft_cap`` None: no cap).
+    label_smoothing, z_loss, soft_cap: the loss's options (``soft_cap`` None: no cap);
+      ``label_smoothing`` is optax's ``a`` (T5X's ``a V / (V - 1)``: :func:`t5x_smoothing`), and
+      may exceed 1 for T5X's.
+    loss_offset: subtracted from every token's loss (T5X's normalizing constant).
+    predictions: whether the forward pass also returns each token's argmax column.
+    w_layout: ``"dv"`` for ``w`` of shape (D, V), ``"vd"`` for (V, D) (an embedding table, sliced
+      by rows: no transposed copy).
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
     acc_dtype: the logits', statistics' and loss's dtype: float32, or float64 for float64 inputs.
     decision: the backends of the forward and backward passes.
@@ -67,9 +81,34 @@ class LcePlan:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   soft_cap: float | None = None
+  loss_offset: float = 0.0
+  predictions: bool = False
+  w_layout: Literal["dv", "vd"] = "dv"
   precision: Any = None
   acc_dtype: np.dtype = _FLOAT32
   decision: Decision = dataclasses.field(default_factory=Decision)
+
+  @property
+  def vocab_axis(self) -> int:
+    """The axis of ``w`` that indexes the vocabulary."""
+    return 1 if self.w_layout == "dv" else 0
+
+
+def t5x_smoothing(alpha: float, vocab: int) -> tuple[float, float]:
+  """``(optax's smoothing, T5X's normalizing constant)`` for T5X's label smoothing `alpha`.
+
+  T5X's soft targets put ``1 - alpha`` on the label and ``alpha / (V - 1)`` on every other class;
+  optax's put ``alpha / V`` everywhere on top of ``1 - alpha``. The two cross-entropies agree when
+  optax's smoothing is ``alpha V / (V - 1)``; T5X then subtracts the targets' entropy (computed as
+  T5X computes it, with its ``1e-20`` inside the second log), so that a prediction equal to the
+  targets has loss 0."""
+  if alpha == 0:
+    return 0.0, 0.0
+  confidence, low = 1.0 - alpha, alpha / (vocab - 1)
+  entropy = -(vocab - 1) * low * math.log(low + 1e-20)
+  if confidence > 0:
+    entropy -= confidence * math.log(confidence)
+  return alpha * vocab / (vocab - 1), entropy
 
 
 # Bytes of one float32 block of logits the XLA path aims at. On CPU, 4096 tokens: blocks of 512
@@ -107,10 +146,25 @@ def kernel_block(block: int, vocab: int, step: int = 256) -> int:
 def _logits(plan: LcePlan, x: Array, w: Array, b: Array | None) -> Array:
   """``x @ w + b`` in the accumulation dtype. The forward and the backward pass both call this one
   function on the same blocks, so the backward's logits are the forward's."""
-  z = lax.dot_general(
-    x, w, (((x.ndim - 1,), (0,)), ((), ())), plan.precision, preferred_element_type=plan.acc_dtype
-  )
+  dims = (((x.ndim - 1,), (1 - plan.vocab_axis,)), ((), ()))
+  z = lax.dot_general(x, w, dims, plan.precision, preferred_element_type=plan.acc_dtype)
   return z if b is None else z + b.astype(plan.acc_dtype)
+
+
+def _input_grad(plan: LcePlan, g: Array, w: Array) -> Array:
+  """``g @ wᵀ`` (``g`` (T, Vb) against a block of ``w``'s columns, or rows for ``"vd"``) in the
+  accumulation dtype."""
+  dims = (((1,), (plan.vocab_axis,)), ((), ()))
+  return lax.dot_general(g, w, dims, plan.precision, preferred_element_type=plan.acc_dtype)
+
+
+def _weight_grad(plan: LcePlan, x: Array, g: Array) -> Array:
+  """``xᵀ g`` in ``w``'s layout: (D, Vb), or (Vb, D) for ``"vd"``; accumulation dtype."""
+  dims = (((0,), (0,)), ((), ()))
+  acc = plan.acc_dtype
+  if plan.w_layout == "vd":
+    return lax.dot_general(g, x, dims, plan.precision, preferred_element_type=acc)
+  return lax.dot_general(x, g, dims, plan.precision, preferred_element_type=acc)
 
 
 def _capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
@@ -146,6 +200,21 @@ def _merge(a, b):
   return m, sa * jnp.exp(ma - m) + sb * jnp.exp(mb - m)
 
 
+def _tile_argmax(s: Array, cols: Array) -> tuple[Array, Array]:
+  """``(max, its column)`` per row of a tile whose non-fresh columns are -inf: the column of
+  ``jnp.argmax`` (the first of equal maxima, a NaN before any number)."""
+  i = jnp.argmax(s, axis=-1)
+  return jnp.take_along_axis(s, i[:, None], axis=-1)[:, 0], cols[i].astype(jnp.int32)
+
+
+def _merge_argmax(best, tile):
+  """The running ``(max, column)`` and a later tile's as one, as ``jnp.argmax`` over both: a
+  later column wins only by a strictly larger value (or a NaN against a number)."""
+  (bv, bi), (tv, ti) = best, tile
+  later = (tv > bv) | (jnp.isnan(tv) & ~jnp.isnan(bv))
+  return jnp.where(later, tv, bv), jnp.where(later, ti, bi)
+
+
 def _add(p, q):
   return None if p is None else p + q
 
@@ -178,7 +247,7 @@ def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
   if plan.z_loss:
     p_scale = g * (1 + 2 * plan.z_loss * jnp.where(jnp.isfinite(lse), lse, 0))
   label_scale = None
-  if plan.label_smoothing < 1:
+  if plan.label_smoothing != 1:
     valid = (labels >= 0) & (labels < vocab)
     label_scale = jnp.where(valid, g * (1 - plan.label_smoothing), 0).astype(acc)
   uniform_scale = g * (plan.label_smoothing / vocab) if plan.label_smoothing else None
@@ -187,15 +256,17 @@ def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
 
 def loss_of(plan: LcePlan, lse: Array, sy: Array, mean: Array | None, labels, vocab) -> Array:
   """The loss from the statistics: +inf where the label is outside ``[0, V)`` or no logit is
-  finite."""
+  finite; NaN where the logits hold a NaN (an lse of NaN)."""
   loss = lse
-  if plan.label_smoothing < 1:
+  if plan.label_smoothing != 1:
     loss = loss - (1 - plan.label_smoothing) * sy
   if mean is not None:
     loss = loss - plan.label_smoothing * mean
   if plan.z_loss:
     loss = loss + plan.z_loss * lse * lse
-  valid = (labels >= 0) & (labels < vocab) & (lse > -jnp.inf)
+  if plan.loss_offset:
+    loss = loss - plan.loss_offset
+  valid = (labels >= 0) & (labels < vocab) & (lse != -jnp.inf)
   return jnp.where(valid, loss, jnp.inf)
 
 
@@ -203,12 +274,12 @@ def loss_of(plan: LcePlan, lse: Array, sy: Array, mean: Array | None, labels, vo
 
 
 def _column_block(plan: LcePlan, w, b, j, vocab_here):
-  """Block `j` of `w`'s columns (and `b`'s): the last block ends at the last column and overlaps
-  its predecessor when the block does not divide the vocabulary; `fresh` marks the columns no
-  earlier block had (None when every block is whole)."""
+  """Block `j` of `w`'s columns (rows for ``"vd"``) and `b`'s: the last block ends at the last
+  column and overlaps its predecessor when the block does not divide the vocabulary; `fresh`
+  marks the columns no earlier block had (None when every block is whole)."""
   bv = min(plan.block, vocab_here)
   start = jnp.minimum(j * bv, vocab_here - bv)
-  wj = lax.dynamic_slice_in_dim(w, start, bv, axis=1)
+  wj = lax.dynamic_slice_in_dim(w, start, bv, axis=plan.vocab_axis)
   bj = None if b is None else lax.dynamic_slice_in_dim(b, start, bv, axis=0)
   cols = start + jnp.arange(bv)
   fresh = None if vocab_here % bv == 0 else cols >= j * bv
@@ -220,31 +291,47 @@ def _loop(n: int, body, init):
   return body(0, init) if n == 1 else lax.fori_loop(0, n, body, init)
 
 
+def _no_argmax(t: int, acc) -> tuple[Array, Array]:
+  """The running argmax before any column: ``jnp.argmax`` of a row of -inf is column 0."""
+  return jnp.full((t,), -jnp.inf, acc), jnp.zeros((t,), jnp.int32)
+
+
 def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(max, sum, label logit, mean)`` per token of ``x @ w + b`` over `w`'s columns, for tokens
-  ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole vocabulary
-  (the mean's divisor)."""
-  vocab_here = w.shape[1]
+  """``(max, sum, label logit, mean, argmax)`` per token of ``x @ w + b`` over `w`'s columns,
+  for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole
+  vocabulary (the mean's divisor). ``mean`` is None without smoothing, ``argmax`` (the running
+  ``(max, column)`` of the capped logits) None unless ``plan.predictions``."""
+  vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc, t = plan.acc_dtype, x.shape[0]
 
   def body(j, carry):
-    m, se, sy, mean = carry
+    m, se, sy, mean, best = carry
     _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
     s, _ = _capped(plan, _logits(plan, x, wj, bj))
     tm, tse, tsy, tmean = _tile_stats(plan, s, labels, cols, fresh, vocab)
     m, se = _merge((m, se), (tm, tse))
-    return m, se, sy + tsy, _add(mean, tmean)
+    if best is not None:
+      best = _merge_argmax(
+        best, _tile_argmax(s if fresh is None else jnp.where(fresh, s, -jnp.inf), cols)
+      )
+    return m, se, sy + tsy, _add(mean, tmean), best
 
   zeros = jnp.zeros((t,), acc)
-  init = (jnp.full((t,), -jnp.inf, acc), zeros, zeros, zeros if plan.label_smoothing else None)
+  init = (
+    jnp.full((t,), -jnp.inf, acc),
+    zeros,
+    zeros,
+    zeros if plan.label_smoothing else None,
+    _no_argmax(t, acc) if plan.predictions else None,
+  )
   return _loop(n, body, init)
 
 
 def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
   """``(dx, dw, db)`` over `w`'s column blocks: `dw` and `db` written block by block, each block
   from one product over all tokens; `dx` accumulated in the accumulation dtype."""
-  vocab_here = w.shape[1]
+  vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc = plan.acc_dtype
   lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
@@ -267,7 +354,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
     def block_grads(x, wj, bj, labels, cols, fresh):
       def xla(x, wj, bj, labels_j, rows):
         scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales))
-        cols_j = jnp.arange(wj.shape[1])
+        cols_j = jnp.arange(wj.shape[plan.vocab_axis])
         g, _, db = xla_block(x, wj, bj, labels_j, cols_j, None, rows[0], scales_j)
         return g.astype(ops), db
 
@@ -280,13 +367,9 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
     dx, dw, db = carry
     start, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
     g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
-    dx = dx + lax.dot_general(
-      g_dx.astype(ops), wj, (((1,), (1,)), ((), ())), plan.precision, preferred_element_type=acc
-    )
-    dwj = lax.dot_general(
-      x, g.astype(ops), (((0,), (0,)), ((), ())), plan.precision, preferred_element_type=acc
-    )
-    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=1)
+    dx = dx + _input_grad(plan, g_dx.astype(ops), wj)
+    dwj = _weight_grad(plan, x, g.astype(ops))
+    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=plan.vocab_axis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
     return dx, dw, db
@@ -315,22 +398,29 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
   against every column (a (block, V) logits temporary)."""
   t = x.shape[0]
   n = -(-t // min(plan.block, t))
-  cols = jnp.arange(w.shape[1])
+  cols = jnp.arange(w.shape[plan.vocab_axis])
 
   def body(i, carry):
     bt, start, _ = _row_block(plan, t, i)
     xi = lax.dynamic_slice_in_dim(x, start, bt, axis=0)
     li = lax.dynamic_slice_in_dim(labels, start, bt, axis=0)
     s, _ = _capped(plan, _logits(plan, xi, w, b))
-    stats = _tile_stats(plan, s, li, cols, None, vocab)
+    best = _tile_argmax(s, cols) if plan.predictions else None
+    stats = (*_tile_stats(plan, s, li, cols, None, vocab), best)
     # Rows a block shares with its predecessor get the same values again.
-    return tuple(
-      None if c is None else lax.dynamic_update_slice_in_dim(c, v, start, axis=0)
-      for c, v in zip(carry, stats, strict=True)
+    return jax.tree.map(
+      lambda c, v: lax.dynamic_update_slice_in_dim(c, v, start, axis=0), carry, stats
     )
 
   zeros = jnp.zeros((t,), plan.acc_dtype)
-  return _loop(n, body, (zeros, zeros, zeros, zeros if plan.label_smoothing else None))
+  init = (
+    zeros,
+    zeros,
+    zeros,
+    zeros if plan.label_smoothing else None,
+    _no_argmax(t, plan.acc_dtype) if plan.predictions else None,
+  )
+  return _loop(n, body, init)
 
 
 def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
@@ -339,7 +429,7 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
   t = x.shape[0]
   n = -(-t // min(plan.block, t))
   acc, ops = plan.acc_dtype, x.dtype
-  cols = jnp.arange(w.shape[1])
+  cols = jnp.arange(w.shape[plan.vocab_axis])
   lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
   def body(i, carry):
@@ -352,14 +442,10 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
     xi, li = rows(x), rows(labels)
     s, dcap = _capped(plan, _logits(plan, xi, w, b))
     g = _tile_grad(plan, s, dcap, li, cols, rows(lse_inf), tuple(map(rows, row_scales)), acc)
-    dxi = lax.dot_general(
-      g.astype(ops), w, (((1,), (1,)), ((), ())), plan.precision, preferred_element_type=acc
-    )
+    dxi = _input_grad(plan, g.astype(ops), w)
     dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, axis=0)
     g_w = g if fresh is None else jnp.where(fresh[:, None], g, 0)  # each row once into dw, db
-    dw = dw + lax.dot_general(
-      xi, g_w.astype(ops), (((0,), (0,)), ((), ())), plan.precision, preferred_element_type=acc
-    )
+    dw = dw + _weight_grad(plan, xi, g_w.astype(ops))
     if db is not None:
       db = db + jnp.sum(g_w, 0)
     return dx, dw, db
@@ -376,14 +462,22 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
 # ------------------------------------------------------------------------ per device (shards)
 
 
+def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
+  """``x`` as (tokens, D) and the labels as (tokens,) (D may be 0)."""
+  tokens = math.prod(labels.shape)
+  return x.reshape(tokens, x.shape[-1]), labels.reshape(tokens)
+
+
 def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
-  """``(lse, label logit, mean)`` for one device's tokens ``x`` (..., D) and columns `w`; over
-  `model` axes (the vocabulary split across devices) the statistics are combined by
-  ``pmax``/``psum`` of per-token numbers."""
+  """``(lse, label logit, mean, argmax column)`` for one device's tokens ``x`` (..., D) and
+  columns `w`; over `model` axes (the vocabulary split across devices) the statistics are
+  combined by ``pmax``/``psum``/``pmin`` of per-token numbers."""
   shape = x.shape[:-1]
-  x2, labels2 = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+  x2, labels2 = _flat(x, labels)
+  first = 0  # the global index of this device's first column
   if model:
-    labels2 = labels2 - lax.axis_index(model) * w.shape[1]
+    first = lax.axis_index(model) * w.shape[plan.vocab_axis]
+    labels2 = labels2 - first
   if plan.decision.forward == "mosaic":
     from jaxact._src import kernel_calls
 
@@ -391,20 +485,30 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
       m, se, sy, mean = stats_by_vocab(plan, x, w, b, labels, vocab)
       return lse_of(m, se), sy, mean
 
-    # Never with the vocabulary split over `model` axes (dispatch.lce_mosaic_unsupported).
+    # Never with the vocabulary split over `model` axes, nor with predictions
+    # (dispatch.lce_mosaic_unsupported).
     lse, sy, mean = kernel_calls.lce_forward(plan, x2, w, b, labels2, xla)
+    pred = None
   else:
     by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
-    m, se, sy, mean = by(plan, x2, w, b, labels2, vocab)
+    m, se, sy, mean, best = by(plan, x2, w, b, labels2, vocab)
     if model:
       m_all = lax.pmax(m, model)
       se = lax.psum(se * jnp.exp(m - m_all), model)
       m = m_all
     lse = lse_of(m, se)
+    pred = None
+    if best is not None:
+      value, pred = best
+      pred = pred + first
+      if model:  # the first column of the largest value over the devices (NaN: as jnp.argmax)
+        top = lax.pmax(jnp.where(jnp.isnan(value), jnp.inf, value), model)
+        mine = (value == top) | (jnp.isnan(value) & (top == jnp.inf))
+        pred = lax.pmin(jnp.where(mine, pred, vocab), model)
   if model:
     sy = lax.psum(sy, model)
     mean = None if mean is None else lax.psum(mean, model)
-  return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean))
+  return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean, pred))
 
 
 def _local_grads(
@@ -422,12 +526,12 @@ def _local_grads(
 ):
   """``(dx, dw, db)`` of one device's shards (dx still to be summed over `model`, dw and db over
   the data axes: :func:`pallas_sharding.per_shard` does it)."""
-  x2, labels2 = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+  x2, labels2 = _flat(x, labels)
   if model:
-    labels2 = labels2 - lax.axis_index(model) * w.shape[1]
+    labels2 = labels2 - lax.axis_index(model) * w.shape[plan.vocab_axis]
 
   def flat(v):
-    return None if v is None else v.reshape(-1)
+    return None if v is None else v.reshape(labels2.shape)
 
   row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
   # The Hopper kernel forms G block by block inside grads_by_vocab (plan.decision.backward).
@@ -436,10 +540,10 @@ def _local_grads(
   return dx.reshape(x.shape), dw, db
 
 
-def _sharding(x: Array, w: Array):
-  """The dense sharding pattern of ``x @ w`` (None unsharded); raises for the patterns the loop
-  cannot run per device."""
-  found = pallas_sharding.dense_pattern(x, w)
+def _sharding(plan: LcePlan, x: Array, w: Array):
+  """The dense sharding pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``; None unsharded); raises
+  for the patterns the loop cannot run per device."""
+  found = pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd")
   if isinstance(found, str):
     raise NotImplementedError(
       f"jaxact.linear_cross_entropy: {found}; shard the tokens of `x` and the vocabulary of `w` "
@@ -450,32 +554,39 @@ def _sharding(x: Array, w: Array):
   return found
 
 
+def _w_spec(plan: LcePlan, pattern):
+  """`w`'s partition spec in its own layout (the pattern's is (D, V))."""
+  return pattern.w if plan.w_layout == "dv" else pattern.w[::-1]
+
+
 def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(lse, label logit, mean)`` per token, on each device's shards when sharded."""
-  pattern = _sharding(x, w)
+  """``(lse, label logit, mean, argmax column)`` per token, on each device's shards when
+  sharded."""
+  pattern = _sharding(plan, x, w)
   if pattern is None:
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
   rows = pattern.x[:-1]
   return pallas_sharding.per_shard(
     functools.partial(_local_stats, plan, vocab=vocab, model=pattern.model),
     (x, w, b, labels),
-    (pattern.x, pattern.w, (pattern.model,), rows),
-    (rows, rows, rows),
+    (pattern.x, _w_spec(plan, pattern), (pattern.model,), rows),
+    (rows, rows, rows, rows),
     mesh=pattern.mesh,
   )
 
 
 def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
   """``(dx, dw, db)``, on each device's shards when sharded."""
-  pattern = _sharding(x, w)
+  pattern = _sharding(plan, x, w)
   if pattern is None:
     return _local_grads(plan, x, w, b, labels, lse, *row_scales)
   rows = pattern.x[:-1]
+  w_spec = _w_spec(plan, pattern)
   return pallas_sharding.per_shard(
     functools.partial(_local_grads, plan, model=pattern.model),
     (x, w, b, labels, lse, *row_scales),
-    (pattern.x, pattern.w, (pattern.model,), rows, rows, rows, rows, rows),
-    (pattern.x, pattern.w, (pattern.model,)),
+    (pattern.x, w_spec, (pattern.model,), rows, rows, rows, rows, rows),
+    (pattern.x, w_spec, (pattern.model,)),
     mesh=pattern.mesh,
     sum_over=(pattern.model, pattern.data, pattern.data),
   )
@@ -485,28 +596,32 @@ def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
 
 
 def _fwd(plan: LcePlan, x, w, b, labels, where):
-  vocab = w.shape[1]
-  lse, sy, mean = statistics(plan, x, w, b, labels, vocab)
+  vocab = w.shape[plan.vocab_axis]
+  lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
   loss = loss_of(plan, lse, sy, mean, labels, vocab)
   if where is not None:
     loss = jnp.where(where, loss, 0)
-  return loss, (x, w, b, labels, where, lse)
+  out = (loss, pred) if plan.predictions else loss
+  return out, (x, w, b, labels, where, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def per_token_loss(
   plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array, where: Array | None = None
-) -> Array:
+) -> Array | tuple[Array, Array]:
   """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
-  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring."""
+  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring. With
+  ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of every token)."""
   return _fwd(plan, x, w, b, labels, where)[0]
 
 
-def _bwd(plan: LcePlan, res, g: Array):
+def _bwd(plan: LcePlan, res, g):
   x, w, b, labels, where, lse = res
+  if plan.predictions:
+    g = g[0]  # the predictions' cotangent is float0
   if where is not None:
     g = jnp.where(where, g, 0)
-  row_scales = scales(plan, g, lse, labels, w.shape[1])
+  row_scales = scales(plan, g, lse, labels, w.shape[plan.vocab_axis])
   dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
   return dx, dw, db, None, None
 

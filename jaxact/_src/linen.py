@@ -375,6 +375,14 @@ class GatedMLP(nn.Module):
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
     kernel_init: initializer of the three kernels.
     bias_init: initializer of the three biases.
+    dropout_rate: ``nn.Dropout``'s ``rate`` for the hidden activations, between the gated product
+      and ``down_proj`` (T5 v1.1's and Gemma's place; default 0: none): the layer is the three
+      ``nn.Dense`` with ``nn.Dropout`` applied to ``activation(gate_proj(x)) * up_proj(x)``, with
+      the same mask for the same key, keeping the key, not the mask (see
+      :func:`jaxact.gated_mlp`).
+    deterministic: as ``nn.Dropout``'s (also a call argument): True turns the dropout off.
+    dropout_broadcast_dims: ``nn.Dropout``'s ``broadcast_dims``.
+    rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
   """
 
   hidden_features: int
@@ -386,14 +394,27 @@ class GatedMLP(nn.Module):
   precision: PrecisionLike = None
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = initializers.zeros_init()
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
+  dropout_broadcast_dims: Sequence[int] = ()
+  rng_collection: str = "dropout"
 
   @nn.compact
-  def __call__(self, inputs: Array) -> Array:
-    """``down_proj(activation(gate_proj(inputs)) * up_proj(inputs))`` over the last dimension."""
+  def __call__(
+    self, inputs: Array, deterministic: bool | None = None, rng: Array | None = None
+  ) -> Array:
+    """``down_proj(dropout(activation(gate_proj(inputs)) * up_proj(inputs)))`` over the last
+    dimension; `deterministic` and `rng` as ``nn.Dropout``'s call takes them."""
     name = "jaxact.linen.GatedMLP"
     layers.check_features(name, "hidden_features", self.hidden_features)
     layers.check_features(name, "features", self.features, optional=True)
     layers.check_activation(name, self.activation)
+    key = None
+    if self.dropout_rate != 0 and not nn.merge_param(
+      "deterministic", self.deterministic, deterministic
+    ):
+      key = rng if rng is not None else self.make_rng(self.rng_collection)
+    drop = layers.dropout_kwargs(self.dropout_rate, self.dropout_broadcast_dims, key)
     in_features = jnp.shape(inputs)[-1]
     out_features = in_features if self.features is None else self.features
 
@@ -407,4 +428,4 @@ class GatedMLP(nn.Module):
     w_up, b_up = projection("up_proj", in_features, self.hidden_features)
     w_down, b_down = projection("down_proj", self.hidden_features, out_features)
     arrays = promote_dtype(inputs, w_gate, w_up, w_down, b_gate, b_up, b_down, dtype=self.dtype)
-    return layers.gated_mlp(self.activation, self.precision, *arrays)
+    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name)

@@ -63,6 +63,10 @@ class RMSNorm(nn.Module):
     use_fast_variance, force_float32_reductions: accepted; the statistics are always computed in
       float32 (float64 for float64 inputs).
     residual: ``"output"`` (default: keep the output and ``1/rms``) or ``"input"``.
+    scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale)``. Gemma's
+      norm is ``x_hat * (1 + scale)`` with a zero-initialised scale: ``scale_offset=1.0`` (and
+      ``scale_init=nn.initializers.zeros`` for a fresh model) loads its checkpoints, where
+      ``flax.linen.RMSNorm`` and this layer's default would output zeros.
   """
 
   epsilon: float = 1e-6
@@ -77,6 +81,7 @@ class RMSNorm(nn.Module):
   use_fast_variance: bool = True
   force_float32_reductions: bool = True
   residual: str = "output"
+  scale_offset: float = 0.0
 
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
@@ -98,6 +103,7 @@ class RMSNorm(nn.Module):
       axis=axes,
       residual=self.residual,
       out_dtype=out,
+      scale_offset=self.scale_offset,
     )
 
 
@@ -120,6 +126,7 @@ class LayerNorm(nn.Module):
     use_fast_variance, force_float32_reductions: accepted; the variance is always computed in two
       passes, in float32 (float64 for float64 inputs).
     residual: ``"output"`` (default: keep the output and ``1/sigma``) or ``"input"``.
+    scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale) + bias``.
   """
 
   epsilon: float = 1e-6
@@ -136,6 +143,7 @@ class LayerNorm(nn.Module):
   use_fast_variance: bool = True
   force_float32_reductions: bool = True
   residual: str = "output"
+  scale_offset: float = 0.0
 
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
@@ -159,4 +167,5 @@ class LayerNorm(nn.Module):
       axis=axes,
       residual=self.residual,
       out_dtype=out,
+      scale_offset=self.scale_offset,
     )

@@ -206,28 +206,33 @@ class LinearAct(nnx.Module):
     return layers.drop("jaxact.nnx.LinearAct", layers.activate(activation, y), drop)
 
   def _dropout_key(self, deterministic, rngs) -> jax.Array | None:
-    """The dropout's key for this call, None when it does not drop (as ``nnx.Dropout``)."""
-    if self.dropout_rate == 0:
-      return None
-    deterministic = deterministic if deterministic is not None else self.deterministic
-    if deterministic is None:
-      raise ValueError(
-        "jaxact.nnx.LinearAct: no `deterministic` given (to the constructor, the call, "
-        "model.train()/eval() or nnx.view) while dropout_rate > 0"
-      )
-    if deterministic:
-      return None
-    rngs = rngs if rngs is not None else self.rngs
-    if isinstance(rngs, nnx.Rngs):
-      return rngs[self.rng_collection]()
-    if isinstance(rngs, nnx.RngStream):
-      return rngs()
-    if isinstance(rngs, jax.Array):
-      return rngs
-    raise TypeError(
-      "jaxact.nnx.LinearAct: dropout needs `rngs` (an nnx.Rngs, RngStream or key, given to the "
-      f"constructor or the call); got {type(rngs).__name__}"
+    return dropout_key("jaxact.nnx.LinearAct", self, deterministic, rngs)
+
+
+def dropout_key(layer: str, module, deterministic, rngs) -> jax.Array | None:
+  """The dropout's key for one call of `module` (``dropout_rate``, ``deterministic``, ``rngs``,
+  ``rng_collection`` attributes), None when it does not drop, as ``nnx.Dropout`` decides."""
+  if module.dropout_rate == 0:
+    return None
+  deterministic = deterministic if deterministic is not None else module.deterministic
+  if deterministic is None:
+    raise ValueError(
+      f"{layer}: no `deterministic` given (to the constructor, the call, model.train()/eval() or "
+      "nnx.view) while dropout_rate > 0"
     )
+  if deterministic:
+    return None
+  rngs = rngs if rngs is not None else module.rngs
+  if isinstance(rngs, nnx.Rngs):
+    return rngs[module.rng_collection]()
+  if isinstance(rngs, nnx.RngStream):
+    return rngs()
+  if isinstance(rngs, jax.Array):
+    return rngs
+  raise TypeError(
+    f"{layer}: dropout needs `rngs` (an nnx.Rngs, RngStream or key, given to the constructor or "
+    f"the call); got {type(rngs).__name__}"
+  )
 
 
 class ConvAct(nnx.Module):

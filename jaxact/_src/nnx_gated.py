@@ -18,6 +18,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jaxact._src import layers
 from jaxact._src.layers import Activation
+from jaxact._src.nnx import dropout_key
 
 Array = jax.Array
 
@@ -68,6 +69,14 @@ class GatedMLP(nnx.Module):
     down_kernel_metadata: metadata of the ``down_proj`` kernel (``(hidden, out)``), e.g.
       ``{"out_sharding": ("model", None)}``; the two shapes differ, so the metadata does too.
     down_bias_metadata: metadata of the ``down_proj`` bias.
+    dropout_rate: ``nnx.Dropout``'s ``rate`` for the hidden activations, between the gated product
+      and ``down_proj`` (T5 v1.1's and Gemma's place; default 0: none), inside the op, keeping the
+      key, not the mask (see :func:`jaxact.gated_mlp`). Its key stream is forked from `rngs` after
+      the three projections' parameters are drawn, as an ``nnx.Dropout(rate, rngs=rngs)`` built
+      after them: the same `rngs` give the same masks.
+    dropout_broadcast_dims: ``nnx.Dropout``'s ``broadcast_dims``.
+    deterministic: as ``nnx.Dropout``'s (``model.eval()`` / ``model.train()`` set it).
+    rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
   """
 
   def __init__(
@@ -88,6 +97,10 @@ class GatedMLP(nnx.Module):
     bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     down_kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     down_bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    dropout_rate: float = 0.0,
+    dropout_broadcast_dims: tp.Sequence[int] = (),
+    deterministic: bool | None = False,
+    rng_collection: str = "dropout",
   ):
     name = "jaxact.nnx.GatedMLP"
     layers.check_features(name, "in_features", in_features)
@@ -124,12 +137,40 @@ class GatedMLP(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
+    self.dropout_rate = dropout_rate
+    self.dropout_broadcast_dims = dropout_broadcast_dims
+    self.deterministic = deterministic
+    self.rng_collection = rng_collection
+    # The dropout's stream, as nnx.Dropout forks it; none without dropout (the rngs stay untouched).
+    self.rngs = rngs[rng_collection].fork() if dropout_rate != 0 else nnx.data(None)
 
-  def __call__(self, inputs: Array) -> Array:
-    """``down_proj(activation(gate_proj(inputs)) * up_proj(inputs))`` over the last dimension."""
-    layers.check_activation("jaxact.nnx.GatedMLP", self.activation)
+  def set_view(self, deterministic: bool | None = None):
+    """``nnx.view``'s hook, as ``nnx.Dropout``'s: True turns the dropout off."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+
+  def __call__(
+    self,
+    inputs: Array,
+    *,
+    deterministic: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+  ) -> Array:
+    """``down_proj(dropout(activation(gate_proj(inputs)) * up_proj(inputs)))`` over the last
+    dimension.
+
+    Args:
+      inputs: the array to transform.
+      deterministic: as ``nnx.Dropout``'s call: overrides the attribute.
+      rngs: as ``nnx.Dropout``'s call: a key, stream or ``Rngs`` overriding the layer's stream
+        (what a block passes on, ``self.mlp(x, rngs=rngs)``; unused without dropout).
+    """
+    name = "jaxact.nnx.GatedMLP"
+    layers.check_activation(name, self.activation)
+    key = dropout_key(name, self, deterministic, rngs)
+    drop = layers.dropout_kwargs(self.dropout_rate, self.dropout_broadcast_dims, key)
     projections = (self.gate_proj, self.up_proj, self.down_proj)
     kernels = [p.kernel[...] for p in projections]
     biases = [None if p.bias is None else p.bias[...] for p in projections]
     arrays = dtypes.promote_dtype((inputs, *kernels, *biases), dtype=self.dtype)
-    return layers.gated_mlp(self.activation, self.precision, *arrays)
+    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name)

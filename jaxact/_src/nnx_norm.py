@@ -42,6 +42,7 @@ def _call(layer: str, module, center: bool, x, mask):
     axis=axes,
     residual=module.residual,
     out_dtype=x.dtype,
+    scale_offset=module.scale_offset,
   )
 
 
@@ -64,6 +65,10 @@ class RMSNorm(nnx.Module):
       always computed in float32, or float64 for float64 inputs).
     axis_name, axis_index_groups: must be None (statistics across devices are not supported).
     residual: ``"output"`` (default: keep the output and ``1/rms``) or ``"input"``.
+    scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale)``. Gemma's
+      norm is ``x_hat * (1 + scale)`` with a zero-initialised scale: ``scale_offset=1.0`` (and
+      ``scale_init=nnx.initializers.zeros`` for a fresh model) loads its checkpoints, where
+      ``flax.nnx.RMSNorm`` and this layer's default would output zeros.
   """
 
   def __init__(
@@ -84,6 +89,7 @@ class RMSNorm(nnx.Module):
     rngs: nnx.Rngs,
     scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     residual: str = "output",
+    scale_offset: float = 0.0,
   ):
     self.scale: nnx.Param[jax.Array] | None
     if use_scale:
@@ -103,6 +109,7 @@ class RMSNorm(nnx.Module):
     self.use_fast_variance = use_fast_variance
     self.promote_dtype = promote_dtype
     self.residual = residual
+    self.scale_offset = scale_offset
 
   def __call__(self, x: Array, mask: Array | None = None) -> Array:
     """The RMS norm of `x` over `reduction_axes`."""
@@ -128,6 +135,7 @@ class LayerNorm(nnx.Module):
       ``reduction_axes``; the variance is always computed in two passes, in float32).
     axis_name, axis_index_groups: must be None.
     residual: ``"output"`` (default: keep the output and ``1/sigma``) or ``"input"``.
+    scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale) + bias``.
   """
 
   def __init__(
@@ -151,6 +159,7 @@ class LayerNorm(nnx.Module):
     bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     residual: str = "output",
+    scale_offset: float = 0.0,
   ):
     feature_shape = (num_features,)
     self.scale: nnx.Param[jax.Array] | None
@@ -178,6 +187,7 @@ class LayerNorm(nnx.Module):
     self.use_fast_variance = use_fast_variance
     self.promote_dtype = promote_dtype
     self.residual = residual
+    self.scale_offset = scale_offset
 
   def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
     """The layer norm of `x` over `reduction_axes`."""

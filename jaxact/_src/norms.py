@@ -3,7 +3,8 @@
 In a pre-norm block ``y = norm(x)`` feeds a matmul, which keeps ``y`` for its weight gradient.
 Autodiff of the norm keeps ``x`` as well (and, for half precision, a float32 copy of it), though
 the backward can be written from ``y``: the normalized input is ``x̂ = y / gamma`` (RMS norm) or
-``(y - beta) / gamma`` (layer norm), and with the per-row ``r = 1 / sqrt(var + ε)``
+``(y - beta) / gamma`` (layer norm), where ``gamma = scale_offset + scale`` (``scale_offset`` is 0,
+or 1 for Gemma's ``x̂ (1 + scale)``), and with the per-row ``r = 1 / sqrt(var + ε)``
 
 .. math::
   \\bar x = r \\left(\\bar{\\hat x} - \\overline{\\bar{\\hat x}} - \\hat x \\,
@@ -46,6 +47,7 @@ class _Plan:
   acc: np.dtype  # statistics and arithmetic: float32, or float64 for float64 inputs
   x_dtype: np.dtype
   out_dtype: np.dtype  # x's, or a Flax layer's promoted dtype
+  scale_offset: float = 0.0  # gamma = scale_offset + scale (Gemma: 1)
 
   def feature_shape(self, x_shape) -> tuple[int, ...]:
     """The broadcast shape of a parameter: x's sizes on the normalized axes, 1 elsewhere."""
@@ -54,6 +56,12 @@ class _Plan:
 
 def _param(plan: _Plan, p: Array | None, x_shape) -> Array | None:
   return None if p is None else p.astype(plan.acc).reshape(plan.feature_shape(x_shape))
+
+
+def _gamma(plan: _Plan, scale: Array | None, x_shape) -> Array | None:
+  """``scale_offset + scale`` in the accumulation dtype, broadcast to `x_shape`'s rank."""
+  gamma = _param(plan, scale, x_shape)
+  return gamma if gamma is None or not plan.scale_offset else gamma + plan.scale_offset
 
 
 def _normalized(plan: _Plan, x: Array) -> tuple[Array, Array]:
@@ -69,7 +77,7 @@ def _forward(plan: _Plan, x, scale, bias):
   x_hat, r = _normalized(plan, x)
   y = x_hat
   if scale is not None:
-    y = y * _param(plan, scale, x.shape)
+    y = y * _gamma(plan, scale, x.shape)
   if bias is not None:
     y = y + _param(plan, bias, x.shape)
   return y.astype(plan.out_dtype), r
@@ -94,7 +102,7 @@ def _norm_bwd(plan: _Plan, res, g):
   kept, r, scale, bias = res
   (kept, r), g = barriers.after_cotangent((kept, r), g)
   shape, acc = g.shape, plan.acc
-  gamma, beta = _param(plan, scale, shape), _param(plan, bias, shape)
+  gamma, beta = _gamma(plan, scale, shape), _param(plan, bias, shape)
   if plan.residual == "input":
     x_hat, r = _normalized(plan, kept)
   else:
@@ -125,7 +133,7 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 _norm_jit = jax.jit(_norm, static_argnums=0)
 
 
-def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None):
+def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None, scale_offset=0.0):
   x = validation.as_real_array(fn_name, x)
   if not validation.is_floating(x.dtype):
     raise TypeError(
@@ -151,6 +159,18 @@ def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None):
       f"jaxact.{fn_name}: `residual` must be 'output' (keep y and 1/rms a row) or 'input' (keep "
       f"x); got {residual!r}"
     )
+  if isinstance(scale_offset, (bool, np.bool_)) or not isinstance(scale_offset, numbers.Real):
+    raise TypeError(
+      f"jaxact.{fn_name}: `scale_offset` must be a Python float (0.0, or 1.0 for Gemma's "
+      f"x_hat * (1 + scale)); got {type(scale_offset).__name__} {scale_offset!r}"
+    )
+  if not np.isfinite(scale_offset):
+    raise ValueError(f"jaxact.{fn_name}: `scale_offset` must be finite; got {scale_offset!r}")
+  if scale is None and scale_offset != 0:
+    raise ValueError(
+      f"jaxact.{fn_name}: `scale_offset` {scale_offset!r} is added to `scale` (y = x_hat * "
+      "(scale_offset + scale)), but `scale` is None; pass the scale, or scale_offset=0.0"
+    )
   features = tuple(x.shape[d] for d in axes)
   params = []
   for arg, p in (("scale", scale), ("bias", bias)):
@@ -169,17 +189,30 @@ def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None):
   acc = np.dtype(jnp.promote_types(validation.compute_dtype(x.dtype), np.float32))
   out = np.dtype(x.dtype if out_dtype is None else out_dtype)
   acc = np.dtype(jnp.promote_types(acc, validation.compute_dtype(out)))
-  plan = _Plan(fn_name == "layer_norm", axes, float(epsilon), residual, acc, np.dtype(x.dtype), out)
+  plan = _Plan(
+    fn_name == "layer_norm",
+    axes,
+    float(epsilon),
+    residual,
+    acc,
+    np.dtype(x.dtype),
+    out,
+    float(scale_offset),
+  )
   return plan, x, *params
 
 
-def norm(layer: str, center: bool, x, scale, bias, *, epsilon, axis, residual, out_dtype):
+def norm(
+  layer: str, center: bool, x, scale, bias, *, epsilon, axis, residual, out_dtype, scale_offset=0.0
+):
   """The op for a Flax layer named `layer` (errors name it): `center` layer norm, else RMS norm;
   the output in `out_dtype` (Flax's promoted dtype)."""
   fn_name = "layer_norm" if center else "rms_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
     try:
-      plan, x, scale, bias = _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype)
+      plan, x, scale, bias = _check(
+        fn_name, x, scale, bias, epsilon, axis, residual, out_dtype, scale_offset
+      )
     except (TypeError, ValueError) as e:
       raise type(e)(str(e).replace(f"jaxact.{fn_name}", layer, 1)) from None
     return _norm_jit(plan, x, scale, bias)
@@ -192,16 +225,22 @@ def rms_norm(
   epsilon: float = 1e-6,
   axis: int | tuple[int, ...] = -1,
   residual: Residual = "output",
+  scale_offset: float = 0.0,
 ) -> Array:
   r"""RMS norm keeping its output for the backward pass.
 
   .. math::
-    y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \gamma
+    y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \, (o + \gamma)
 
-  with the mean over `axis`, as ``flax.linen.RMSNorm`` (Llama, Gemma, Mistral) computes it: the
-  statistics in float32 for half precision inputs, the output in `x`'s dtype. The backward pass
-  reads ``y``, one float32 ``1/rms`` a row and ``scale``, not ``x``: where ``scale`` is exactly 0
-  that channel's ``d scale`` and its own ``dx`` term are 0 (``x`` cannot be recovered from ``y``
+  with the mean over `axis` and :math:`o` the ``scale_offset``. With the default :math:`o = 0`
+  this is ``flax.linen.RMSNorm`` (Llama's, Mistral's, T5's norm). Gemma's ``RMSNorm`` computes
+  ``x_hat * (1 + scale)`` with a scale initialised to zeros: pass ``scale_offset=1.0`` to load its
+  checkpoints (without it a Gemma scale of zeros gives an output of zeros and, from ``y = 0``, a
+  scale gradient of 0: it would never train). The statistics are float32 for half precision
+  inputs, the output in `x`'s dtype. The backward pass reads ``y``, one float32 ``1/rms`` a row
+  and ``scale``, not ``x``: ``x_hat = y / (o + scale)``, exact wherever :math:`o + \gamma \ne 0`
+  (with Gemma's offset a zero scale is a factor of 1); where :math:`o + \gamma` is exactly 0 that
+  channel's ``d scale`` and its own ``dx`` term are 0 (``x`` cannot be recovered from ``y``
   there); ``residual="input"`` keeps ``x`` and is exact everywhere.
 
   Args:
@@ -210,6 +249,8 @@ def rms_norm(
     epsilon: added to the mean square, > 0.
     axis: the normalized axis or axes.
     residual: ``"output"`` (default: keep ``y`` and ``1/rms``) or ``"input"`` (keep ``x``).
+    scale_offset: :math:`o`, a Python float added to ``scale`` (0.0; 1.0 for Gemma); needs a
+      ``scale``.
 
   Returns:
     ``y``, of `x`'s shape and dtype.
@@ -219,10 +260,16 @@ def rms_norm(
     >>> y = jaxact.rms_norm(jnp.array([[3.0, 4.0]]), jnp.array([1.0, 2.0]), epsilon=1e-12)
     >>> [round(v, 4) for v in y[0].tolist()]
     [0.8485, 2.2627]
+    >>> gemma_scale = jnp.zeros(2)  # Gemma's initial scale: x_hat * (1 + 0)
+    >>> y = jaxact.rms_norm(jnp.array([[3.0, 4.0]]), gemma_scale, scale_offset=1.0, epsilon=1e-12)
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [0.8485, 1.1314]
   """
   fn_name = "rms_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
-    plan, x, scale, _ = _check(fn_name, x, scale, None, epsilon, axis, residual)
+    plan, x, scale, _ = _check(
+      fn_name, x, scale, None, epsilon, axis, residual, scale_offset=scale_offset
+    )
     return _norm_jit(plan, x, scale, None)
 
 
@@ -234,17 +281,20 @@ def layer_norm(
   epsilon: float = 1e-6,
   axis: int | tuple[int, ...] = -1,
   residual: Residual = "output",
+  scale_offset: float = 0.0,
 ) -> Array:
   r"""Layer norm keeping its output for the backward pass.
 
   .. math::
-    y = \frac{x - \bar x}{\sqrt{\overline{(x - \bar x)^2} + \epsilon}} \gamma + \beta
+    y = \frac{x - \bar x}{\sqrt{\overline{(x - \bar x)^2} + \epsilon}} (o + \gamma) + \beta
 
-  with the means over `axis`, as ``flax.linen.LayerNorm`` computes it (the variance in two passes):
-  statistics in float32 for half precision inputs, the output in `x`'s dtype. The backward pass
-  reads ``y``, one float32 ``1/sigma`` a row, ``scale`` and ``bias``, not ``x``: where ``scale``
-  is exactly 0 that channel's ``d scale`` and its own ``dx`` term ``-r x_hat mean(dx_hat x_hat)``
-  are 0; ``residual="input"`` keeps ``x``.
+  with the means over `axis` and :math:`o` the ``scale_offset``; with the default :math:`o = 0`,
+  as ``flax.linen.LayerNorm`` computes it (the variance in two passes). ``scale_offset=1.0`` is
+  the ``1 + scale`` parametrization (a scale initialised to zeros, as Gemma's RMS norm). Statistics
+  are float32 for half precision inputs, the output in `x`'s dtype. The backward pass reads ``y``,
+  one float32 ``1/sigma`` a row, ``scale`` and ``bias``, not ``x``: ``x_hat = (y - beta) / (o +
+  scale)``; where :math:`o + \gamma` is exactly 0 that channel's ``d scale`` and its own ``dx``
+  term ``-r x_hat mean(dx_hat x_hat)`` are 0; ``residual="input"`` keeps ``x``.
 
   Args:
     x: the input, floating point.
@@ -253,6 +303,7 @@ def layer_norm(
     epsilon: added to the variance, > 0.
     axis: the normalized axis or axes.
     residual: ``"output"`` (default: keep ``y`` and ``1/sigma``) or ``"input"`` (keep ``x``).
+    scale_offset: :math:`o`, a Python float added to ``scale`` (default 0.0); needs a ``scale``.
 
   Returns:
     ``y``, of `x`'s shape and dtype.
@@ -265,5 +316,7 @@ def layer_norm(
   """
   fn_name = "layer_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
-    plan, x, scale, bias = _check(fn_name, x, scale, bias, epsilon, axis, residual)
+    plan, x, scale, bias = _check(
+      fn_name, x, scale, bias, epsilon, axis, residual, scale_offset=scale_offset
+    )
     return _norm_jit(plan, x, scale, bias)

@@ -201,11 +201,13 @@ class _DensePlan:
   model: Axes  # the axes w's columns are split over: dx is summed over them
 
 
-def _dense_plan(x: Array, w: Array) -> _DensePlan | str | None:
+def _dense_plan(x: Array, w: Array, w_transposed: bool = False) -> _DensePlan | str | None:
   mesh = _mesh(x, w)
   if mesh is None or isinstance(mesh, str):
     return mesh
   xs, ws = spec_of(x), spec_of(w)
+  if w_transposed:
+    ws = ws[::-1]
   if xs[-1] or ws[0]:
     return (
       f"the contraction dimension is sharded (x over {_pspec(xs)}, w over {_pspec(ws)}; "
@@ -220,10 +222,11 @@ def _dense_plan(x: Array, w: Array) -> _DensePlan | str | None:
   return _DensePlan(mesh, xs, ws, (*xs[:-1], model), data, model)
 
 
-def dense_pattern(x: Array, w: Array) -> _DensePlan | str | None:
-  """The dense pattern of ``x @ w`` on sharded operands (mesh, specs, ``data`` and ``model``
-  axes), None when their types name no Explicit mesh, or why no per-shard pattern covers them."""
-  return _dense_plan(x, w)
+def dense_pattern(x: Array, w: Array, w_transposed: bool = False) -> _DensePlan | str | None:
+  """The dense pattern of ``x @ w`` (``x @ w.T`` when `w_transposed`; the pattern's ``w`` spec is
+  then the transpose's) on sharded operands (mesh, specs, ``data`` and ``model`` axes), None when
+  their types name no Explicit mesh, or why no per-shard pattern covers them."""
+  return _dense_plan(x, w, w_transposed)
 
 
 def dense_reason(x: Array, w: Array) -> str | None:
