@@ -78,7 +78,7 @@ class AttentionBlockConfig:
 # (fwd, dq, dkv) as (block_q, block_k, num_warps, num_stages), by the largest head dimension each
 # row takes; 16-bit operands, then float32 (TF32 dots). See _block_config.
 _HALF_TILES = {
-  64: ((128, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3)),
+  64: ((128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 2)),
   128: ((128, 64, 8, 2), (64, 32, 8, 3), (32, 64, 8, 3)),
   256: ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
 }
@@ -86,7 +86,7 @@ _FLOAT32_TILES = {
   32: ((128, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
   64: ((64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)),
   128: ((128, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-  256: ((32, 32, 8, 1), (32, 32, 8, 1), (32, 32, 8, 1)),
+  256: ((32, 32, 8, 1), (32, 32, 8, 1), (32, 16, 8, 1)),
 }
 
 
@@ -97,19 +97,22 @@ def _block_config(q_shape, k_shape, dtype) -> AttentionBlockConfig:
   128 forward, 4 warps up to H = 64 and 8 above), tokamax's Triton flash attention (64 x 32 for
   dq, 32 x 64 for dk, dv) and Triton's fused-attention tutorial (128 x 64 forward on Hopper, more
   stages in the backward), tuned on A100s and H100s, then cut where XLA's register-spill check
-  failed them compiled for an A100 or an H100 (tests/test_pallas_attention.py, B 4,
-  T = S = 2048, every head dimension and dtype):
+  failed them compiled for an A100 or an H100 (tests/test_pallas_attention.py: B 4,
+  T = S = 2048, every head dimension and dtype, causal alone and with a window, a soft cap and
+  lengths, which cost registers):
   * Forward: 128 query rows by 64 keys a step. q and the float32 accumulator (block_q x H) stay in
-    registers through the key loop beside the (128, 64) logits: 4 warps to H = 64, 8 from
-    H = 128 (the accumulator alone is then 64 registers a thread). Stages are k and v tiles,
-    2 x 64 x H x 2 B: three at H <= 64, two at H = 128 (64 KiB compiled on an A100, 96 KiB on an
-    H100, beside q). H = 256 (Gemma) halves rows and keys.
+    registers through the key loop beside the (128, 64) logits, over 8 warps (4 spilled at H = 64
+    on an A100 with a soft cap, a window and lengths). Stages are k and v tiles, 2 x 64 x H x 2 B:
+    three at H <= 64, two at H = 128 (64 KiB compiled on an A100, 96 KiB on an H100, beside q).
+    H = 256 (Gemma) halves rows and keys.
   * dq holds q, dO and the float32 dq (block_q x H) through its loop: 64 rows by 32 keys; dk, dv
     hold k, v and two float32 accumulators (block_k x H): 64 keys by 32 rows. Three stages of
-    q and dO tiles (at most 68 KiB on an A100 at H = 128).
+    q and dO tiles from H = 128 (at most 68 KiB on an A100); two for dk, dv below (three spilled
+    at H = 16 on an A100 with the options above).
   * float32 operands (TF32 dots) take twice the registers and shared memory of a tile: 128 x 64
     forward tiles spilled at H = 64 on an H100, 64-row dq and 64-key dk, dv tiles at H = 64 on an
-    A100 and at H = 128 on an H100, 64 x 32 forward tiles at H = 256 on an H100; those are halved.
+    A100 and at H = 128 on an H100, 64 x 32 forward tiles at H = 256 on an H100, 32-key dk, dv
+    tiles at H = 256 on an A100 with the options above; those are halved.
   * A sequence shorter than a block takes the smallest power of two >= 16 (Triton's smallest dot
     operand side) that covers it, so short sequences do not compute mostly masked tiles.
   """
@@ -524,7 +527,9 @@ def _check(name, q, k, v, q_lengths, kv_lengths, *, scale, window, soft_cap, pre
       f"{name}: `soft_cap` must be None or a positive finite Python number; got {soft_cap!r}"
     )
   if window is not None and not (
-    isinstance(window, tuple) and len(window) == 2 and all(isinstance(w, int) for w in window)
+    isinstance(window, tuple)
+    and len(window) == 2
+    and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)
   ):
     raise ValueError(
       f"{name}: `window` must be None or a (left, right) pair of ints; got {window!r}"
