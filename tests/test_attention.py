@@ -375,6 +375,30 @@ def test_dropout_keeps_the_key_not_the_mask():
   )
 
 
+# --------------------------------------------------------------------------------- backends
+
+
+def test_the_triton_kernels_through_jaxact_equal_the_xla_path():
+  """implementation='pallas' runs pallas_kernels.attention (interpret mode on CPU) inside the same
+  custom_vjp: values and gradients equal the XLA path's (grouped heads, causal, soft cap, a batch
+  row with no key)."""
+  q, k, v, _ = inputs(jnp.float32, s=T, h=16)
+  kw = dict(is_causal=True, logits_soft_cap=3.0, key_value_seq_lengths=jnp.array([T, 0], jnp.int32))
+  got, want = (
+    _value_and_grads(
+      lambda q, k, v, _, impl=impl: jaxact.dot_product_attention(
+        q, k, v, implementation=impl, **kw
+      ),
+      q,
+      k,
+      v,
+      None,
+    )
+    for impl in ("pallas", "xla")
+  )
+  _close(got, want, 2e-5)
+
+
 # ----------------------------------------------------------------------------------- errors
 
 _q, _k, _v, _ = inputs(jnp.float32)
@@ -405,7 +429,9 @@ ERRORS = [
   (dict(dropout_rate=1.5, dropout_rng=jax.random.key(0)), ValueError, "`dropout_rate`"),
   (dict(block_sizes=(0, 4)), ValueError, "`block_sizes`"),
   (dict(implementation="triton"), ValueError, "`implementation` 'triton' is not known"),
-  (dict(implementation="pallas"), NotImplementedError, "no GPU attention kernel"),
+  (dict(implementation="pallas", bias=jnp.zeros((1, 1, T, S))), NotImplementedError, "additive"),
+  (dict(implementation="pallas", scale=-1.0), NotImplementedError, "positive scale"),
+  (dict(implementation="mosaic"), NotImplementedError, "no Mosaic GPU"),
   (dict(implementation="cudnn", logits_soft_cap=2.0), NotImplementedError, "soft cap"),
   (dict(implementation="cudnn"), NotImplementedError, "dtype float32"),
 ]

@@ -226,9 +226,11 @@ def dot_product_attention(
     broadcast_dropout: one ``(T, S)`` mask for every batch row and head (Flax's default).
     precision: of the products, as :func:`jax.lax.dot_general` takes it.
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
-      ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with jax.nn's
-      semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows cuDNN lacks).
-      ``"pallas"`` and ``"mosaic"`` raise ``NotImplementedError`` until jaxact's GPU kernels land.
+      ``"pallas"`` (the Triton kernels of :mod:`pallas_kernels.attention`, interpret mode off
+      CUDA; ``NotImplementedError`` for a bias, a mask array, dropout, float64 and head dims they
+      cannot tile), ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with
+      jax.nn's semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows
+      cuDNN lacks). ``"mosaic"`` raises: there is no Hopper attention kernel yet.
     block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses from the sizes (about 4 MiB of
       float32 logits a block on CPU, 64 MiB for a GPU).
 
@@ -292,7 +294,7 @@ def dot_product_attention(
       precision=args.hashable_precision(precision),
       acc_dtype=acc,
     )
-    decision = rules.decide(_FN, implementation, plan, q, bias is not None, mask is not None)
+    decision = rules.decide(_FN, implementation, plan, q, k, v, bias, mask)
     if 0 in q.shape or 0 in k.shape or 0 in v.shape[-1:]:  # nothing to attend, or to return
       out = jnp.zeros(out_shape, q.dtype)
     elif decision.forward == "cudnn":

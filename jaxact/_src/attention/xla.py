@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from jaxact._src.attention import kernels
 from jaxact._src.dispatch import Decision
 from jaxact._src.dropout import Dropout, keep_from_index
 
@@ -445,32 +446,61 @@ def _ungrouped(o: Array) -> Array:
   return o.reshape(b, t, kv_heads * g, h)
 
 
+def _xla_forward(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
+  """``(O (B, T, N, Hv), lse (B, N, T))`` of the blocked XLA path."""
+  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+  o, lse = forward(plan, x)
+  return _ungrouped(o), lse.reshape(lse.shape[0], -1, lse.shape[-1])
+
+
+def _forward(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
+  if plan.decision.forward == "triton":  # no bias, mask or dropout (kernels.triton_unsupported)
+
+    def xla(q, k, v, q_lengths, kv_lengths):
+      return _xla_forward(plan, q, k, v, None, None, q_lengths, kv_lengths, None)
+
+    return kernels.forward(plan, q, k, v, q_lengths, kv_lengths, xla)
+  return _xla_forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> Array:
   """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
   grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
-  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
-  return _ungrouped(forward(plan, x)[0])
+  return _forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)[0]
 
 
 def _attention_fwd(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
-  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
-  o, lse = forward(plan, x)
+  o, lse = _forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
   # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
   # and XLA cannot recompute it in the backward from what the forward read.
-  o, lse = lax.optimization_barrier((_ungrouped(o), lse))
+  o, lse = lax.optimization_barrier((o, lse))
   return o, ((q, k, v, bias, mask, q_lengths, kv_lengths, key_data), o, lse)
+
+
+def _xla_backward(plan: AttentionPlan, args, o, lse, do):
+  x = _grouped_inputs(*args)
+  shape5 = (*x.q.shape[:-1], do.shape[-1])
+  lse = lse.reshape(x.q.shape[0], x.q.shape[2], x.q.shape[3], -1)  # (B, K, G, T)
+  dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
+  dbias = None if dbias is None else dbias.reshape(args[3].shape)
+  return dq.reshape(args[0].shape), dk, dv, dbias
 
 
 def _attention_bwd(plan: AttentionPlan, res, do):
   args, o, lse = res
   (o, lse), do = lax.optimization_barrier(((o, lse), do))
-  x = _grouped_inputs(*args)
-  q, bias = args[0], args[3]
-  shape5 = (*x.q.shape[:-1], do.shape[-1])
-  dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
-  dbias = None if dbias is None else dbias.reshape(bias.shape)
-  return dq.reshape(q.shape), dk, dv, dbias, None, None, None, None
+  q, k, v, _, _, q_lengths, kv_lengths, _ = args
+  if plan.decision.backward == "triton":
+
+    def xla(q, k, v, o, lse, do, q_lengths, kv_lengths):
+      a = (q, k, v, None, None, q_lengths, kv_lengths, None)
+      return _xla_backward(plan, a, o, lse, do)[:3]
+
+    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, q_lengths, kv_lengths, xla)
+    return dq, dk, dv, None, None, None, None, None
+  dq, dk, dv, dbias = _xla_backward(plan, args, o, lse, do)
+  return dq, dk, dv, dbias, None, None, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
