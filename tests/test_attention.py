@@ -50,6 +50,10 @@ OPTIONS = {
   ),
   "mask": dict(mask=_mask()),
   "scale": dict(scale=0.7),
+  "segments": dict(
+    query_segment_ids=jnp.asarray(np.arange(T)[None] // np.array([[5], [9]]), jnp.int32),
+    key_value_segment_ids=jnp.asarray(np.arange(S)[None] // np.array([[4], [9]]), jnp.int32),
+  ),
   "all": dict(
     is_causal=True,
     local_window_size=(6, 1),
@@ -80,7 +84,7 @@ def _close(got, want, tol):
 
 # Every option alone and together, with several blocks each way whose last ones move back; the
 # default suite runs the combination and the skipping options (the others under -m exhaustive).
-_DEFAULT = {"all": BLOCKS[1], "causal+window": BLOCKS[0]}
+_DEFAULT = {"all": BLOCKS[1], "causal+window": BLOCKS[0], "segments": BLOCKS[0]}
 
 
 @pytest.mark.parametrize(
@@ -223,11 +227,11 @@ def test_the_pullback_keeps_q_k_v_bias_o_and_one_lse_a_row():
   for a in (q, k, v, bias):
     assert any(x is a for x in kept)
   assert any(x.shape == out.shape and np.array_equal(x, out) for x in kept)
-  lse = [x for x in kept if x.size == B * N * T and x.dtype == jnp.float32 and x.ndim == 4]
+  lse = [x for x in kept if x.shape == (B, N, T) and x.dtype == jnp.float32]
   assert len(lse) == 1
   z = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, 2)) / np.sqrt(H) + bias
   z = jnp.where(jnp.tril(jnp.ones((T, S), bool)), z, -jnp.inf)
-  want = jax.nn.logsumexp(z, -1).reshape(B, K, N // K, T)
+  want = jax.nn.logsumexp(z, -1)
   np.testing.assert_allclose(lse[0], want, rtol=1e-5)
   budget = q.nbytes + k.nbytes + v.nbytes + bias.nbytes + out.nbytes + lse[0].nbytes
   assert sum(x.nbytes for x in kept) <= budget + 64
@@ -420,6 +424,12 @@ ERRORS = [
   (dict(local_window_size=-1), ValueError, "ints >= 0"),
   (dict(local_window_size=(2.5, 1)), ValueError, "`local_window_size`"),
   (dict(query_seq_lengths=jnp.array([1, 2, 3])), ValueError, r"accepted: \(2,\)"),
+  (dict(query_segment_ids=jnp.zeros((B, T), jnp.int32)), ValueError, "only when T == S"),
+  (
+    dict(query_segment_ids=jnp.zeros((B, T)), key_value_segment_ids=jnp.zeros((B, S))),
+    TypeError,
+    "`query_segment_ids` has dtype float",
+  ),
   (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), TypeError, "integer dtype"),
   (dict(logits_soft_cap=0.0), ValueError, "`logits_soft_cap` is 0.0"),
   (dict(logits_soft_cap="1"), TypeError, "Python float"),

@@ -60,12 +60,15 @@ def backward(plan, q, k, v, o, lse, do, q_len, kv_len, xla: Callable[..., Any]):
   return _switch((q, k, v, o, lse, do, q_len, kv_len), kernel, xla, plan.decision)
 
 
-def triton_unsupported(plan, q, k, v, bias, mask) -> str | None:
-  """Why the Triton attention kernels cannot run this call, or None."""
+def triton_unsupported(plan, q, k, v, bias, aux) -> str | None:
+  """Why the Triton attention kernels cannot run this call (`aux`: :class:`.xla.Aux`), or
+  None."""
   if bias is not None:
     return "an additive `bias` (the kernels take causal, window and length masks)"
-  if mask is not None:
+  if aux.mask is not None:
     return "a boolean `mask` array (the kernels take causal, window and length masks)"
+  if aux.q_segments is not None:
+    return "segment ids (the kernels take causal, window and length masks)"
   if plan.dropout is not None:
     return "dropout (the kernels draw no masks)"
   if plan.scale <= 0:

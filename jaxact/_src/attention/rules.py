@@ -41,13 +41,15 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
-def cudnn_unsupported(plan, q: Array) -> str | None:
+def cudnn_unsupported(plan, q: Array, aux) -> str | None:
   """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot take this call, or None
   (what jaxact knows before cuDNN is asked; cuDNN may still refuse a head size)."""
   if plan.soft_cap is not None:
     return "`logits_soft_cap` (cuDNN has no soft cap)"
   if plan.dropout is not None:
     return "dropout (jax.nn's cuDNN path takes none)"
+  if aux.q_segments is not None:
+    return "segment ids (jax.nn takes none)"
   if np.dtype(q.dtype).name not in ("bfloat16", "float16"):
     return f"dtype {np.dtype(q.dtype).name} (cuDNN's fused attention takes bfloat16 and float16)"
   if plan.window is not None and plan.window[1] != 0 and not plan.causal:
@@ -57,14 +59,14 @@ def cudnn_unsupported(plan, q: Array) -> str | None:
   return None
 
 
-def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, mask) -> Decision:
+def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, aux) -> Decision:
   """The backends of one attention call (see the module docstring)."""
   check_implementation(fn_name, implementation)
   match implementation:
     case "xla":
       return Decision()
     case "cudnn":
-      why = cudnn_unsupported(plan, q)
+      why = cudnn_unsupported(plan, q, aux)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='cudnn' does not support this call: {why}; use "
@@ -72,7 +74,7 @@ def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, mask) 
         )
       return Decision("cudnn", "cudnn", forced=True)
     case "pallas":
-      why = kernels.triton_unsupported(plan, q, k, v, bias, mask)
+      why = kernels.triton_unsupported(plan, q, k, v, bias, aux)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "

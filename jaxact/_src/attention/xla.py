@@ -83,11 +83,13 @@ class AttentionPlan:
     return self.window[0] if self.window else None
 
 
-# Elements of one float32 block of logits the XLA path aims at: on CPU 4 MiB (a few such arrays
-# live at once in the backward; benchmarks/results/attention.md), for a GPU 64 MiB, where larger
-# blocks amortize the loop's launches.
-_CPU_BLOCK_ELEMENTS = 1 << 20
-_GPU_BLOCK_ELEMENTS = 16 << 20
+# Elements of one float32 block of logits (batch x heads x block_q x block_k) the XLA path aims at.
+# On CPU 128 Ki (512 KiB, a few such arrays live at once and stay in cache): square blocks of 64
+# at 4 x 8 heads, 128 at 1 x 8, ran 0.34-0.38x jax.nn's fwd+bwd time where 512-column blocks ran
+# 1.2-1.3x (benchmarks/results/attention.md). For a GPU 16 Mi elements (64 MiB), where larger
+# blocks amortize the loop's launches (not yet measured on one).
+_CPU_BLOCK_ELEMENTS = 1 << 17
+_GPU_BLOCK_ELEMENTS = 1 << 24
 
 
 def _pow2_floor(n: int) -> int:
@@ -95,12 +97,11 @@ def _pow2_floor(n: int) -> int:
 
 
 def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
-  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``: key
-  blocks of up to 512 columns, query blocks filling the element budget, at least 64 rows."""
+  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
+  square blocks of a power of two filling the element budget, from 32 to 512."""
   budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
-  block_k = min(kv_len, 512)
-  block_q = max(64, _pow2_floor(budget // max(1, heads * block_k)))
-  return min(q_len, block_q), block_k
+  side = min(512, max(32, _pow2_floor(int((budget // max(1, heads)) ** 0.5))))
+  return min(q_len, side), min(kv_len, side)
 
 
 # ----------------------------------------------------------------------------- the blocks
@@ -167,10 +168,28 @@ def _slice(a: Array | None, axis_starts: dict[int, Any], sizes: dict[int, int]):
   return lax.dynamic_slice(a, starts, shape)
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["mask", "q_lengths", "kv_lengths", "q_segments", "kv_segments", "key_data"],
+  meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Aux:
+  """The call's arrays that get no gradient, each None when not given: a bool mask (B|1, N|1,
+  T|1, S|1), lengths (B,), segment ids (B, T) and (B, S), the dropout key's raw data."""
+
+  mask: Array | None = None
+  q_lengths: Array | None = None
+  kv_lengths: Array | None = None
+  q_segments: Array | None = None
+  kv_segments: Array | None = None
+  key_data: Array | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
   """The operands in the blocks' layouts: q (B, T, K, G, H); k, v (B, S, K, H); bias and mask
-  (B|1, K|1, G|1, T|1, S|1); lengths (B,) or None; the dropout key's data or None."""
+  (B|1, K|1, G|1, T|1, S|1); the rest as :class:`Aux` holds them."""
 
   q: Array
   k: Array
@@ -179,6 +198,8 @@ class _Inputs:
   mask: Array | None
   q_lengths: Array | None
   kv_lengths: Array | None
+  q_segments: Array | None
+  kv_segments: Array | None
   key_data: Array | None
 
 
@@ -224,6 +245,10 @@ def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, 
     valid = valid & (rows < x.q_lengths[:, None, None, None, None])
   if x.kv_lengths is not None:
     valid = valid & (cols < x.kv_lengths[:, None, None, None, None])
+  if x.q_segments is not None:  # packed sequences: a query sees the keys of its own segment
+    seg_q = lax.dynamic_slice_in_dim(x.q_segments, q0, bq, 1)
+    seg_k = lax.dynamic_slice_in_dim(x.kv_segments, k0, bk, 1)
+    valid = valid & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
   if x.mask is not None:
     valid = valid & _slice(x.mask, {3: q0, 4: k0}, {3: bq, 4: bk})
   return jnp.where(valid, z, -jnp.inf), capped
@@ -431,14 +456,26 @@ def _add_block(dbias: Array, ds: Array, q0, k0, plan: AttentionPlan) -> Array:
 # -------------------------------------------------------------------------- custom_vjp
 
 
-def _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> _Inputs:
+def _grouped_inputs(q, k, v, bias, aux: Aux) -> _Inputs:
   """jax.nn's layouts (q (B, T, N, H), k and v (B, S, K, H), bias and mask (B|1, N|1, T|1,
   S|1)) as the blocks read them: reshapes only, free under jit."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   sh = _Shapes(b, t, k.shape[1], kv_heads, n // kv_heads)
   q5 = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  return _Inputs(q5, k, v, _grouped(bias, sh), _grouped(mask, sh), q_lengths, kv_lengths, key_data)
+  a = aux
+  return _Inputs(
+    q5,
+    k,
+    v,
+    _grouped(bias, sh),
+    _grouped(a.mask, sh),
+    a.q_lengths,
+    a.kv_lengths,
+    a.q_segments,
+    a.kv_segments,
+    a.key_data,
+  )
 
 
 def _ungrouped(o: Array) -> Array:
@@ -446,61 +483,58 @@ def _ungrouped(o: Array) -> Array:
   return o.reshape(b, t, kv_heads * g, h)
 
 
-def _xla_forward(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
+def _xla_forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
   """``(O (B, T, N, Hv), lse (B, N, T))`` of the blocked XLA path."""
-  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
-  o, lse = forward(plan, x)
+  o, lse = forward(plan, _grouped_inputs(q, k, v, bias, aux))
   return _ungrouped(o), lse.reshape(lse.shape[0], -1, lse.shape[-1])
 
 
-def _forward(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
-  if plan.decision.forward == "triton":  # no bias, mask or dropout (kernels.triton_unsupported)
+def _forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+  if plan.decision.forward == "triton":  # lengths only (kernels.triton_unsupported)
 
     def xla(q, k, v, q_lengths, kv_lengths):
-      return _xla_forward(plan, q, k, v, None, None, q_lengths, kv_lengths, None)
+      return _xla_forward(plan, q, k, v, None, Aux(q_lengths=q_lengths, kv_lengths=kv_lengths))
 
-    return kernels.forward(plan, q, k, v, q_lengths, kv_lengths, xla)
-  return _xla_forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+    return kernels.forward(plan, q, k, v, aux.q_lengths, aux.kv_lengths, xla)
+  return _xla_forward(plan, q, k, v, bias, aux)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> Array:
+def attention(plan: AttentionPlan, q, k, v, bias, aux: Aux) -> Array:
   """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
   grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
-  return _forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)[0]
+  return _forward(plan, q, k, v, bias, aux)[0]
 
 
-def _attention_fwd(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
-  o, lse = _forward(plan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
+def _attention_fwd(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+  o, lse = _forward(plan, q, k, v, bias, aux)
   # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
   # and XLA cannot recompute it in the backward from what the forward read.
   o, lse = lax.optimization_barrier((o, lse))
-  return o, ((q, k, v, bias, mask, q_lengths, kv_lengths, key_data), o, lse)
+  return o, ((q, k, v, bias, aux), o, lse)
 
 
-def _xla_backward(plan: AttentionPlan, args, o, lse, do):
-  x = _grouped_inputs(*args)
+def _xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, lse, do):
+  x = _grouped_inputs(q, k, v, bias, aux)
   shape5 = (*x.q.shape[:-1], do.shape[-1])
   lse = lse.reshape(x.q.shape[0], x.q.shape[2], x.q.shape[3], -1)  # (B, K, G, T)
   dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
-  dbias = None if dbias is None else dbias.reshape(args[3].shape)
-  return dq.reshape(args[0].shape), dk, dv, dbias
+  dbias = None if dbias is None else dbias.reshape(bias.shape)
+  return dq.reshape(q.shape), dk, dv, dbias
 
 
 def _attention_bwd(plan: AttentionPlan, res, do):
-  args, o, lse = res
+  (q, k, v, bias, aux), o, lse = res
   (o, lse), do = lax.optimization_barrier(((o, lse), do))
-  q, k, v, _, _, q_lengths, kv_lengths, _ = args
   if plan.decision.backward == "triton":
 
     def xla(q, k, v, o, lse, do, q_lengths, kv_lengths):
-      a = (q, k, v, None, None, q_lengths, kv_lengths, None)
-      return _xla_backward(plan, a, o, lse, do)[:3]
+      lengths = Aux(q_lengths=q_lengths, kv_lengths=kv_lengths)
+      return _xla_backward(plan, q, k, v, None, lengths, o, lse, do)[:3]
 
-    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, q_lengths, kv_lengths, xla)
-    return dq, dk, dv, None, None, None, None, None
-  dq, dk, dv, dbias = _xla_backward(plan, args, o, lse, do)
-  return dq, dk, dv, dbias, None, None, None, None
+    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, aux.q_lengths, aux.kv_lengths, xla)
+    return dq, dk, dv, None, None
+  return (*_xla_backward(plan, q, k, v, bias, aux, o, lse, do), None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
