@@ -19,6 +19,7 @@ from jax.test_util import check_grads
 
 import jaxact
 from jaxact._src.attention import xla
+from jaxact._src.attention.plan import AttentionPlan
 from jaxact._src.attention.reference import attention_reference
 
 B, T, S, N, K, H = 2, 24, 19, 4, 2, 8
@@ -267,7 +268,7 @@ def test_the_visited_blocks_are_exactly_those_with_an_unmasked_entry(causal, win
   """The loop bounds skip every block wholly outside the causal mask and the window, and visit
   every block with an unmasked entry (forward: key blocks a query block; backward: query blocks
   a key block)."""
-  plan = xla.AttentionPlan(scale=1.0, causal=causal, window=window, block_q=8, block_k=6)
+  plan = AttentionPlan(scale=1.0, causal=causal, window=window, block_q=8, block_k=6)
   sh = xla._Shapes(1, t, s, 1, 1)
   rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
   allowed = np.ones((t, s), bool)

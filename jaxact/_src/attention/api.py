@@ -16,7 +16,8 @@ from jax.typing import ArrayLike
 from jaxact._src import dispatch, dropout, validation
 from jaxact._src import fused_args as args
 from jaxact._src.attention import rules, sharding
-from jaxact._src.attention.xla import AttentionPlan, Aux, attention, default_blocks
+from jaxact._src.attention.plan import AttentionPlan, Aux, default_blocks
+from jaxact._src.attention.vjp import attention
 
 _FN = "dot_product_attention"
 

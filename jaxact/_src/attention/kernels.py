@@ -61,7 +61,7 @@ def backward(plan, q, k, v, o, lse, do, q_len, kv_len, xla: Callable[..., Any]):
 
 
 def triton_unsupported(plan, q, k, v, bias, aux) -> str | None:
-  """Why the Triton attention kernels cannot run this call (`aux`: :class:`.xla.Aux`), or
+  """Why the Triton attention kernels cannot run this call (`aux`: :class:`.plan.Aux`), or
   None."""
   if bias is not None:
     return "an additive `bias` (the kernels take causal, window and length masks)"

@@ -27,82 +27,14 @@ and zero gradients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src.attention import kernels
-from jaxact._src.dispatch import Decision
-from jaxact._src.dropout import Dropout, keep_from_index
-
-_FLOAT32 = np.dtype(np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan:
-  """Everything static about one call.
-
-  Attributes:
-    scale: multiplies ``q . k``.
-    causal: mask ``u > t`` (jax.nn's top-left aligned ``tril``).
-    window: ``(left, right)``: mask ``u < t - left`` and ``u > t + right``; None for no window.
-    soft_cap: ``c`` of ``c tanh(s / c)``, or None.
-    block_q, block_k: query rows and key columns a block.
-    dropout: the dropout of the probabilities, or None; ``broadcast_dropout`` shares one (T, S)
-      mask over batch and heads (Flax's default).
-    precision: of the products, as :func:`jax.lax.dot_general` takes it.
-    acc_dtype: float32, or float64 for float64 inputs.
-    decision: the backends of the two passes.
-  """
-
-  scale: float
-  causal: bool = False
-  window: tuple[int, int] | None = None
-  soft_cap: float | None = None
-  block_q: int = 512
-  block_k: int = 512
-  dropout: Dropout | None = None
-  broadcast_dropout: bool = True
-  precision: Any = None
-  acc_dtype: np.dtype = _FLOAT32
-  decision: Decision = dataclasses.field(default_factory=Decision)
-
-  @property
-  def right(self) -> int | None:
-    """The largest ``u - t`` left unmasked by the causal mask and the window, or None."""
-    bounds = ([0] if self.causal else []) + ([self.window[1]] if self.window else [])
-    return min(bounds) if bounds else None
-
-  @property
-  def left(self) -> int | None:
-    """The largest ``t - u`` left unmasked by the window, or None."""
-    return self.window[0] if self.window else None
-
-
-# Elements of one float32 block of logits (batch x heads x block_q x block_k) the XLA path aims at.
-# On CPU 128 Ki (512 KiB, a few such arrays live at once and stay in cache): square blocks of 64
-# at 4 x 8 heads, 128 at 1 x 8, ran 0.34-0.38x jax.nn's fwd+bwd time where 512-column blocks ran
-# 1.2-1.3x (benchmarks/results/attention.md). For a GPU 16 Mi elements (64 MiB), where larger
-# blocks amortize the loop's launches (not yet measured on one).
-_CPU_BLOCK_ELEMENTS = 1 << 17
-_GPU_BLOCK_ELEMENTS = 1 << 24
-
-
-def _pow2_floor(n: int) -> int:
-  return 1 << (max(1, n).bit_length() - 1)
-
-
-def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
-  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
-  square blocks of a power of two filling the element budget, from 32 to 512."""
-  budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
-  side = min(512, max(32, _pow2_floor(int((budget // max(1, heads)) ** 0.5))))
-  return min(q_len, side), min(kv_len, side)
-
+from jaxact._src.attention.plan import AttentionPlan, Aux
+from jaxact._src.dropout import keep_from_index
 
 # ----------------------------------------------------------------------------- the blocks
 
@@ -166,24 +98,6 @@ def _slice(a: Array | None, axis_starts: dict[int, Any], sizes: dict[int, int]):
     if a.shape[axis] != 1:
       starts[axis], shape[axis] = jnp.asarray(start, jnp.int32), sizes[axis]
   return lax.dynamic_slice(a, starts, shape)
-
-
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["mask", "q_lengths", "kv_lengths", "q_segments", "kv_segments", "key_data"],
-  meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True)
-class Aux:
-  """The call's arrays that get no gradient, each None when not given: a bool mask (B|1, N|1,
-  T|1, S|1), lengths (B,), segment ids (B, T) and (B, S), the dropout key's raw data."""
-
-  mask: Array | None = None
-  q_lengths: Array | None = None
-  kv_lengths: Array | None = None
-  q_segments: Array | None = None
-  kv_segments: Array | None = None
-  key_data: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +367,7 @@ def _add_block(dbias: Array, ds: Array, q0, k0, plan: AttentionPlan) -> Array:
   return lax.dynamic_update_slice(dbias, old + part, starts)
 
 
-# -------------------------------------------------------------------------- custom_vjp
+# ------------------------------------------------------------ jax.nn's layouts in and out
 
 
 def _grouped_inputs(q, k, v, bias, aux: Aux) -> _Inputs:
@@ -483,58 +397,16 @@ def _ungrouped(o: Array) -> Array:
   return o.reshape(b, t, kv_heads * g, h)
 
 
-def _xla_forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+def xla_forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
   """``(O (B, T, N, Hv), lse (B, N, T))`` of the blocked XLA path."""
   o, lse = forward(plan, _grouped_inputs(q, k, v, bias, aux))
   return _ungrouped(o), lse.reshape(lse.shape[0], -1, lse.shape[-1])
 
 
-def _forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
-  if plan.decision.forward == "triton":  # lengths only (kernels.triton_unsupported)
-
-    def xla(q, k, v, q_lengths, kv_lengths):
-      return _xla_forward(plan, q, k, v, None, Aux(q_lengths=q_lengths, kv_lengths=kv_lengths))
-
-    return kernels.forward(plan, q, k, v, aux.q_lengths, aux.kv_lengths, xla)
-  return _xla_forward(plan, q, k, v, bias, aux)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: AttentionPlan, q, k, v, bias, aux: Aux) -> Array:
-  """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
-  grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
-  return _forward(plan, q, k, v, bias, aux)[0]
-
-
-def _attention_fwd(plan: AttentionPlan, q, k, v, bias, aux: Aux):
-  o, lse = _forward(plan, q, k, v, bias, aux)
-  # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
-  # and XLA cannot recompute it in the backward from what the forward read.
-  o, lse = lax.optimization_barrier((o, lse))
-  return o, ((q, k, v, bias, aux), o, lse)
-
-
-def _xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, lse, do):
+def xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, lse, do):
   x = _grouped_inputs(q, k, v, bias, aux)
   shape5 = (*x.q.shape[:-1], do.shape[-1])
   lse = lse.reshape(x.q.shape[0], x.q.shape[2], x.q.shape[3], -1)  # (B, K, G, T)
   dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
   dbias = None if dbias is None else dbias.reshape(bias.shape)
   return dq.reshape(q.shape), dk, dv, dbias
-
-
-def _attention_bwd(plan: AttentionPlan, res, do):
-  (q, k, v, bias, aux), o, lse = res
-  (o, lse), do = lax.optimization_barrier(((o, lse), do))
-  if plan.decision.backward == "triton":
-
-    def xla(q, k, v, o, lse, do, q_lengths, kv_lengths):
-      lengths = Aux(q_lengths=q_lengths, kv_lengths=kv_lengths)
-      return _xla_backward(plan, q, k, v, None, lengths, o, lse, do)[:3]
-
-    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, aux.q_lengths, aux.kv_lengths, xla)
-    return dq, dk, dv, None, None
-  return (*_xla_backward(plan, q, k, v, bias, aux, o, lse, do), None)
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
