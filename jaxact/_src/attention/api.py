@@ -273,8 +273,8 @@ def dot_product_attention(
     >>> o.shape
     (1, 4, 2, 8)
     >>> lengths = jnp.array([0])  # a batch row with no keys: 0, not NaN
-    >>> jaxact.dot_product_attention(q, k, v, key_value_seq_lengths=lengths).sum()
-    Array(0., dtype=float32)
+    >>> float(jaxact.dot_product_attention(q, k, v, key_value_seq_lengths=lengths).sum())
+    0.0
   """
   with jax.named_scope(f"jaxact.{_FN}"):
     rules.check_implementation(_FN, implementation)
