@@ -245,9 +245,10 @@ def dot_product_attention(
     local_window_size: ``(left, right)`` or an int for both: each query ``t`` sees keys ``t -
       left`` to ``t + right``.
     logits_soft_cap: :math:`c > 0`, or None for no cap.
-    query_segment_ids, key_value_segment_ids: ``(B, T)`` and ``(B, S)`` integers for packed
-      sequences: a query attends only to keys of its own segment id (one of them alone serves
-      both when T == S).
+    query_segment_ids: ``(B, T)`` integers for packed sequences: a query attends only to keys
+      of its own segment id (alone it serves the keys too, when T == S).
+    key_value_segment_ids: ``(B, S)`` integers, the keys' segment ids (alone it serves the
+      queries too, when T == S).
     dropout_rate: Flax's attention dropout of the probabilities (0 for none); the mask is drawn
       from `dropout_rng` as ``flax.linen.dot_product_attention`` draws it (the same key gives the
       same mask), in both passes, and never kept.
