@@ -33,6 +33,10 @@ def run_script(script: Path, names: Iterable[str] = ()) -> dict[str, dict]:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
   env["JAX_PLATFORMS"] = "cpu"
+  # The script's folder, not the working directory, starts its sys.path: put this checkout first,
+  # so that it imports this jaxact, not another checkout's editable install.
+  root = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   proc = subprocess.run(
     [sys.executable, str(script), *names], env=env, capture_output=True, text=True, timeout=600
   )

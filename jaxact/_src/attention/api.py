@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, dropout, validation
+from jaxact._src import dispatch, dropout, shardings, validation
 from jaxact._src import fused_args as args
 from jaxact._src.attention import rules, sharding
 from jaxact._src.attention.xla import AttentionPlan, attention, default_blocks
@@ -175,6 +176,7 @@ def dot_product_attention(
   precision: lax.PrecisionLike = None,
   implementation: str | None = None,
   block_sizes: tuple[int, int] | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Scaled dot-product attention that keeps its output, not its probabilities.
 
@@ -205,6 +207,13 @@ def dot_product_attention(
   ``precision`` and ``block_sizes`` are extra; the lengths may be of any integer dtype and the
   value head dim may differ from the query's.
 
+  Under Explicit mesh axes (``jax.set_mesh`` of a mesh from ``jax.make_mesh``) each device runs
+  the op on its batch rows and query heads (data and tensor parallelism, as Gemma's ``act_btnh``
+  splits them), with no collective; key/value heads that cannot split as the query heads do (MQA
+  under tensor parallelism) are taken whole and each device picks the ones its heads read.
+  Sequence-sharded operands raise ``NotImplementedError``. Under Auto axes the op is XLA's to
+  partition.
+
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``, floating point.
     key: ``(B, S, K, H)`` or ``(S, K, H)``, the dtype of ``query``; ``N % K == 0``.
@@ -231,6 +240,10 @@ def dot_product_attention(
       ``"pallas"`` and ``"mosaic"`` raise ``NotImplementedError`` until jaxact's GPU kernels land.
     block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses from the sizes (about 4 MiB of
       float32 logits a block on CPU, 64 MiB for a GPU).
+    out_sharding: ``O``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for the
+      query's batch and heads. Under Explicit mesh axes each device attends its own batch rows
+      and heads (see above) and ``O`` is then resharded to it (a copy where it differs); under
+      Auto axes it is a sharding constraint.
 
   Returns:
     ``O``, shaped like ``query`` with ``value``'s head dim, in ``query``'s dtype.
@@ -314,4 +327,6 @@ def dot_product_attention(
       plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
       run = sharding.per_device(attention, plan, q, k, v, bias, mask, q_len, kv_len, key_data)
       out = run(q, k, v, bias, mask, q_len, kv_len, key_data)
-    return out[0] if unbatched else out
+    out = out[0] if unbatched else out
+    out_sharding = shardings.check(_FN, out_sharding, out.ndim)
+    return shardings.constrain(shardings.reshard(out, out_sharding), out_sharding)
