@@ -22,10 +22,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import eight_devices
+import jaxact
+import jaxact.linen
+import jaxact.nnx
 
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
 CASES = [
@@ -212,3 +218,118 @@ def exhaustive_results() -> dict[str, dict]:
 @pytest.mark.parametrize("name", ["gemma_1x1", "gemma_2x1", "gemma_1x2"])
 def test_gemma_decoder_on_the_examples_other_meshes(exhaustive_results, name):
   _decoder_equals_one_device(get(exhaustive_results, name))
+
+
+# ----------------------------------------------------- this process: one device, a 1 x 1 mesh
+
+ACT = P("fsdp", None, "tensor")
+
+
+def _mesh_1x1():
+  return jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
+
+
+def test_out_sharding_is_checked_and_an_ambiguous_product_names_it():
+  from jaxact._src.shardings import ShardingTypeError
+
+  x = jnp.ones((2, 4, 8), jnp.float32)
+  w, w_down = jnp.ones((8, 16), jnp.float32), jnp.ones((16, 8), jnp.float32)
+  with pytest.raises(TypeError, match=r"dense_bias_act: `out_sharding` must be a .*PartitionSpec"):
+    jaxact.dense_bias_act(x, w, activation="relu", out_sharding=("fsdp", None, "tensor"))
+  with pytest.raises(
+    ValueError, match=r"rms_norm: `out_sharding` P\('fsdp',\) is a .* needs a mesh"
+  ):
+    jaxact.rms_norm(x, out_sharding=P("fsdp"))
+  with jax.set_mesh(_mesh_1x1()):
+    with pytest.raises(ValueError, match=r"`out_sharding` .* has 4 entries, but the output has 3"):
+      jaxact.gated_mlp(x, w, w, w_down, out_sharding=P("fsdp", None, None, None))
+    xs = jax.device_put(x, ACT)
+    ws, w_downs = (
+      jax.device_put(w, P("fsdp", "tensor")),
+      jax.device_put(w_down, P("tensor", "fsdp")),
+    )
+    # Both contraction dimensions split: jnp.dot needs an out_sharding, and so do the ops.
+    with pytest.raises(ShardingTypeError, match=r"jaxact.dense_bias_act: .*pass `out_sharding=`"):
+      jaxact.dense_bias_act(xs, ws, activation="relu")
+    with pytest.raises(ShardingTypeError, match=r"jaxact.gated_mlp: .*pass `out_sharding=`"):
+      jaxact.gated_mlp(xs, ws, ws, w_downs)
+    y = jaxact.gated_mlp(xs, ws, ws, w_downs, out_sharding=ACT)
+  assert y.sharding.spec == ACT
+  np.testing.assert_allclose(y, jaxact.gated_mlp(x, w, w, w_down), rtol=1e-6)
+
+
+def _layers():
+  """(name, module, input, parameter specs by name, out_sharding), linen and nnx, FSDP and tensor
+  parallel as Gemma's weights."""
+  from flax import nnx
+
+  rngs = lambda: nnx.Rngs(0)
+  x3, x4 = (2, 4, 8), (2, 4, 4, 8)
+  dense = {"kernel": P("fsdp", "tensor"), "bias": P("tensor")}
+  gated = {"gate_proj": P("fsdp", "tensor"), "up_proj": P("fsdp", "tensor")}
+  gated["down_proj"] = P("tensor", "fsdp")
+  norm = {"scale": P("tensor"), "bias": P(None)}
+  conv = {"kernel": P(None, None, "fsdp", "tensor"), "bias": P("tensor")}
+  conv_out = P("fsdp", None, None, "tensor")
+  return (
+    [
+      ("linen.DenseAct", jaxact.linen.DenseAct(16, activation="gelu"), x3, dense, ACT),
+      ("linen.GatedMLP", jaxact.linen.GatedMLP(16, activation="gelu"), x3, gated, ACT),
+      ("linen.RMSNorm", jaxact.linen.RMSNorm(scale_offset=1.0), x3, norm, ACT),
+      ("linen.LayerNorm", jaxact.linen.LayerNorm(), x3, norm, ACT),
+      ("linen.ConvAct", jaxact.linen.ConvAct(16, (3, 3), activation="relu"), x4, conv, conv_out),
+      (
+        "nnx.LinearAct",
+        jaxact.nnx.LinearAct(8, 16, activation="gelu", rngs=rngs()),
+        x3,
+        dense,
+        ACT,
+      ),
+      ("nnx.GatedMLP", jaxact.nnx.GatedMLP(8, 16, activation="gelu", rngs=rngs()), x3, gated, ACT),
+      ("nnx.RMSNorm", jaxact.nnx.RMSNorm(8, scale_offset=1.0, rngs=rngs()), x3, norm, ACT),
+      ("nnx.LayerNorm", jaxact.nnx.LayerNorm(8, rngs=rngs()), x3, norm, ACT),
+      (
+        "nnx.ConvAct",
+        jaxact.nnx.ConvAct(8, 16, (3, 3), activation="relu", rngs=rngs()),
+        x4,
+        conv,
+        conv_out,
+      ),
+    ],
+    nn,
+    nnx,
+  )
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_flax_layers_take_out_sharding_at_the_call(index):
+  """Each Flax layer with FSDP + tensor-parallel parameters on feature-sharded input, called with
+  out_sharding (nnx as nnx.Linear takes it; linen as a keyword): its output takes that sharding
+  and equals the unsharded call, and each parameter's gradient takes its parameter's sharding."""
+  table, nnx = _layers()
+  name, module, shape, specs, out = table[index]
+  x = jnp.asarray(np.random.default_rng(index).standard_normal(shape), jnp.float32)
+
+  def spec_of(path):  # the innermost name the table knows (a projection's, or the parameter's)
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return specs[next(n for n in reversed(names) if n in specs)]
+
+  if name.startswith("linen"):
+    params = module.init(jax.random.key(0), x)
+    apply = lambda p, x, **kw: module.apply(p, x, **kw)
+  else:
+    graphdef, params = nnx.split(module)
+    apply = lambda p, x, **kw: nnx.merge(graphdef, p)(x, **kw)
+  want = apply(params, x)
+  with jax.set_mesh(_mesh_1x1()):
+    sharded = jax.tree_util.tree_map_with_path(
+      lambda path, a: jax.device_put(a, spec_of(path)), params
+    )
+    xs = jax.device_put(x, P("fsdp", *(None,) * (x.ndim - 2), "tensor"))
+    y = jax.jit(lambda p, x: apply(p, x, out_sharding=out))(sharded, xs)
+    loss = lambda p, x: jnp.sum(jnp.sin(apply(p, x, out_sharding=out)))
+    grads = jax.jit(jax.grad(loss))(sharded, xs)
+  assert y.sharding.spec == out, name
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  got_specs = jax.tree.map(lambda g: g.sharding.spec, grads)
+  assert got_specs == jax.tree.map(lambda a: a.sharding.spec, sharded), name
