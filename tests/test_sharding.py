@@ -296,7 +296,6 @@ def _layers():
         conv_out,
       ),
     ],
-    nn,
     nnx,
   )
 
