@@ -188,12 +188,12 @@ def test_gemma_decoder_on_the_examples_4x2_mesh(results):
 
 def test_gemma_decoder_under_auto_axes(results):
   """The same program on a mesh of Auto axes (the out_sharding arguments become sharding
-  constraints): equal to one device and no more temp. XLA partitions both programs; its choices
-  for jaxact's ops move within 5% of the plain composition's bytes (measured: 536 against 522
-  kB; the LM head's vocabulary loop gathers its table a block at a time)."""
+  constraints): equal to one device, no more temp, no larger collective. XLA partitions both
+  programs; it runs the LM head's vocabulary loop a block of the table at a time, each gathered
+  and its gradient reduced once an iteration (documented: for a sharded head use Explicit axes)."""
   result = get(results, "gemma_4x2_auto")
   _decoder_equals_one_device(result, explicit=False)
-  assert result["collectives"]["bytes"] <= 1.05 * result["plain_collectives"]["bytes"]
+  assert result["collectives"]["largest"] <= result["plain_collectives"]["largest"]
 
 
 def test_fsdp_and_tensor_parallel_convolutions(results):
