@@ -36,7 +36,9 @@ tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in th
 needs a weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop
 on its shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the
 vocabulary over model axes, as Megatron's vocab-parallel loss) and only per-token statistics,
-``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices.
+``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices. A sharded contraction
+dimension (an FSDP table, feature-sharded ``x``) is gathered on each device, ``x`` once in the
+forward and kept so; ``dx`` and ``dw`` are reduce-scattered back to their primals' shardings.
 """
 
 from __future__ import annotations
