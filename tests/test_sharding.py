@@ -254,8 +254,10 @@ def test_out_sharding_is_checked_and_an_ambiguous_product_names_it():
     with pytest.raises(ShardingTypeError, match=r"jaxact.gated_mlp: .*pass `out_sharding=`"):
       jaxact.gated_mlp(xs, ws, ws, w_downs)
     y = jaxact.gated_mlp(xs, ws, ws, w_downs, out_sharding=ACT)
-  assert y.sharding.spec == ACT
+    h = jaxact.gated_dense(xs, ws, ws, out_sharding=ACT)  # its hidden, the output here
+  assert y.sharding.spec == ACT and h.sharding.spec == ACT
   np.testing.assert_allclose(y, jaxact.gated_mlp(x, w, w, w_down), rtol=1e-6)
+  np.testing.assert_allclose(h, jaxact.gated_dense(x, w, w), rtol=1e-6)
 
 
 def _layers():

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import kernel_calls, pallas_sharding, shardings
+from jaxact._src import kernel_calls, pallas_sharding
 
 if TYPE_CHECKING:
   from jaxact._src.fused_vjp import Plan
@@ -84,10 +84,16 @@ class Target:
     return self.compute_capability is None or self.compute_capability >= 8.0
 
 
+def context_mesh():
+  """The mesh of the current ``jax.set_mesh`` / ``use_abstract_mesh`` context (an empty one
+  without): the lowering target's device, and what a ``PartitionSpec`` ``out_sharding`` names."""
+  return jax.sharding.get_abstract_mesh()
+
+
 def target() -> Target:
   """The lowering target: the abstract mesh's device when it is a CUDA one, else the CUDA devices
   this process sees."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  device = getattr(context_mesh(), "abstract_device", None)
   if device is not None and device.platform in ("cuda", "gpu"):
     return Target(True, device.device_kind, getattr(device, "num_cores", None) or None)
   try:
@@ -135,7 +141,7 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
   if why is not None:
     return why
   out = plan.linear.out_sharding  # the caller's out_sharding (Explicit axes), or None
-  out = None if out is None else shardings.spec_of_sharding(out, x.ndim)
+  out = None if out is None else pallas_sharding.sharding_spec(out, x.ndim)
   if dense:
     # kernels under shard_map for known patterns
     sharded = pallas_sharding.dense_reason(x, w, out)
@@ -197,7 +203,7 @@ def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Arr
   if why is not None:
     return why
   hidden = plan.hidden_sharding
-  hidden = None if hidden is None else shardings.spec_of_sharding(hidden, x.ndim)
+  hidden = None if hidden is None else pallas_sharding.sharding_spec(hidden, x.ndim)
   sharded = pallas_sharding.gated_reason(x, w_gate, w_up, hidden)
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"

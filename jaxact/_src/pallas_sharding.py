@@ -122,6 +122,13 @@ def _pspec(spec: Sequence[Axes]) -> P:
   return P(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
 
 
+def sharding_spec(sharding: NamedSharding | P, ndim: int) -> tuple[Axes, ...]:
+  """A ``NamedSharding``'s or ``PartitionSpec``'s spec as :func:`spec_of` writes one, padded to
+  `ndim` dimensions."""
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
+
+
 # ---------------------------------------------------------------------------------- per_shard
 
 

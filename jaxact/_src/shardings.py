@@ -23,7 +23,7 @@ from jax._src.core import ShardingTypeError  # jax raises it, and exports it now
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxact._src import pallas_sharding
+from jaxact._src import dispatch, pallas_sharding
 
 Spec = tuple[tuple[str, ...], ...]  # one tuple of mesh axes per dimension, as spec_of gives it
 
@@ -37,7 +37,7 @@ def check(fn_name: str, out_sharding: Any, ndim: int) -> NamedSharding | P | Non
     spec = out_sharding.spec
   elif isinstance(out_sharding, P):
     spec = out_sharding
-    if jax.sharding.get_abstract_mesh().empty:
+    if dispatch.context_mesh().empty:
       raise ValueError(
         f"jaxact.{fn_name}: `out_sharding` {out_sharding} is a PartitionSpec, which needs a mesh: "
         "call the op under `with jax.set_mesh(mesh):` or pass a NamedSharding"
@@ -56,7 +56,7 @@ def check(fn_name: str, out_sharding: Any, ndim: int) -> NamedSharding | P | Non
 
 
 def _mesh(sharding: NamedSharding | P):
-  return sharding.mesh if isinstance(sharding, NamedSharding) else jax.sharding.get_abstract_mesh()
+  return sharding.mesh if isinstance(sharding, NamedSharding) else dispatch.context_mesh()
 
 
 def _spec(sharding: NamedSharding | P) -> P:
@@ -97,8 +97,7 @@ def reshard(y: Array, sharding: NamedSharding | P | None) -> Array:
 
 def spec_of_sharding(sharding: NamedSharding | P, ndim: int) -> Spec:
   """`sharding`'s spec as :func:`pallas_sharding.spec_of` writes one, padded to `ndim`."""
-  spec = tuple(pallas_sharding._axes(e) for e in _spec(sharding))
-  return spec + ((),) * (ndim - len(spec))
+  return pallas_sharding.sharding_spec(sharding, ndim)
 
 
 def spec(a: Array | None) -> Spec | None:
@@ -200,5 +199,5 @@ def spread(specs_: tuple[Spec | None, ...]) -> bool:
   the current mesh has Auto axes over more than one device (XLA then chooses their shardings)."""
   if any(any(s) for s in specs_ if s is not None):
     return True
-  mesh = jax.sharding.get_abstract_mesh()
+  mesh = dispatch.context_mesh()
   return not mesh.empty and mesh.size > 1 and AxisType.Auto in mesh.axis_types
