@@ -361,6 +361,32 @@ def loss_and_grads(graphdef, rest):
   return jax.value_and_grad(loss, has_aux=True)
 
 
+def build(config: Config, use_jaxact: bool, layout=None, seed: int = 0, mesh=None) -> Gemma:
+  """The model with parameters drawn on the host, as a checkpoint's values would be loaded: under
+  a mesh each is placed as its ``out_sharding`` metadata says (``nnx.get_named_sharding``). The
+  model is built abstractly (``nnx.eval_shape``): drawn eagerly, every initializer compiles a
+  program of its own, longer than the check itself."""
+  model = nnx.eval_shape(
+    lambda: Gemma(config, use_jaxact=use_jaxact, layout=layout, rngs=nnx.Rngs(0))
+  )
+  state = nnx.state(model, nnx.Param)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = jax.tree_util.keystr(path)
+    scale = 0.1 if name.endswith("['scale']") else config.embed**-0.5
+    return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
+
+  values = jax.tree_util.tree_map_with_path(draw, state)
+  if mesh is not None:
+    shardings = nnx.get_named_sharding(state, mesh)
+    values = jax.tree.map(jax.device_put, values, shardings)
+  else:
+    values = jax.tree.map(jnp.asarray, values)
+  nnx.update(model, values)
+  return model
+
+
 def split(model):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, params, rest
@@ -452,7 +478,7 @@ def section_mesh(config: Config = Config()) -> list[str]:
   for name, (use_jaxact, remat) in MODELS.items():
     c = dataclasses.replace(config, remat=remat)
     with jax.set_mesh(mesh):
-      model = Gemma(c, use_jaxact=use_jaxact, layout=Layout(), rngs=nnx.Rngs(0))
+      model = build(c, use_jaxact, Layout(), mesh=mesh)
       graphdef, params, rest = split(model)
       data = [jax.device_put(a, P("fsdp")) for a in batch(c)]
       compiled = jax.jit(loss_and_grads(graphdef, rest)).lower(params, *data).compile()
@@ -483,9 +509,9 @@ def check(config: Config = SMALL) -> dict:
       "--check needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (CPU)"
     )
   data = batch(config, seed=1)
-  graphdef, params, rest = split(Gemma(config, use_jaxact=True, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = split(build(config, True))
   (loss1, (correct1, _)), grads1 = jax.jit(loss_and_grads(graphdef, rest))(params, *data)
-  original = Gemma(config, use_jaxact=False, rngs=nnx.Rngs(1))
+  original = build(config, False, seed=1)  # other values; the port's are loaded below
   names = lambda state: [jax.tree_util.keystr(k) for k, _ in nnx.to_flat_state(state)]
   same_names = names(nnx.state(original, nnx.Param)) == names(params)
   nnx.update(original, params)  # the port's parameters into the original, by name
@@ -496,7 +522,7 @@ def check(config: Config = SMALL) -> dict:
   layout = Layout()
   with jax.set_mesh(mesh):
     # As train.py builds it: the model under the mesh, each parameter sharded by its metadata.
-    model = Gemma(config, use_jaxact=True, layout=layout, rngs=nnx.Rngs(0))
+    model = build(config, True, layout, mesh=mesh)
     s_graph, s_params, s_rest = split(model)
     sharded = (
       jax.device_put(data[0], P("fsdp")),
