@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, dropout, validation
+from jaxact._src import dispatch, dropout, shardings, validation
 from jaxact._src import fused_args as args
 from jaxact._src.attention import rules, sharding
 from jaxact._src.attention.plan import AttentionPlan, Aux, default_blocks
@@ -201,6 +202,7 @@ def dot_product_attention(
   precision: lax.PrecisionLike = None,
   implementation: str | None = None,
   block_sizes: tuple[int, int] | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Scaled dot-product attention that keeps its output, not its probabilities.
 
@@ -230,6 +232,13 @@ def dot_product_attention(
   gradients, where jax.nn returns the mean of the values; ``logits_soft_cap``, segment ids,
   dropout, ``precision`` and ``block_sizes`` are extra; the lengths may be of any integer dtype
   and the value head dim may differ from the query's.
+
+  Under Explicit mesh axes (``jax.set_mesh`` of a mesh from ``jax.make_mesh``) each device runs
+  the op on its batch rows and query heads (data and tensor parallelism, as Gemma's ``act_btnh``
+  splits them), with no collective; key/value heads that cannot split as the query heads do (MQA
+  under tensor parallelism) are taken whole and each device picks the ones its heads read.
+  Sequence-sharded operands raise ``NotImplementedError``. Under Auto axes the op is XLA's to
+  partition.
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``, floating point.
@@ -263,6 +272,10 @@ def dot_product_attention(
       cuDNN lacks). ``"mosaic"`` raises: there is no Hopper attention kernel yet.
     block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses square blocks from the
       sizes (about 512 KiB of float32 logits a block on CPU, 64 MiB for a GPU).
+    out_sharding: ``O``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for the
+      query's batch and heads. Under Explicit mesh axes each device attends its own batch rows
+      and heads (see above) and ``O`` is then resharded to it (a copy where it differs); under
+      Auto axes it is a sharding constraint.
 
   Returns:
     ``O``, shaped like ``query`` with ``value``'s head dim, in ``query``'s dtype.
@@ -350,4 +363,6 @@ def dot_product_attention(
       block_q, block_k = _blocks(block_sizes, b * n, t, s)
       plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
       out = sharding.per_device(attention, plan, q, k, v, bias, aux)(q, k, v, bias, aux)
-    return out[0] if unbatched else out
+    out = out[0] if unbatched else out
+    out_sharding = shardings.check(_FN, out_sharding, out.ndim)
+    return shardings.constrain(shardings.reshard(out, out_sharding), out_sharding)
