@@ -4,6 +4,7 @@ With x64 enabled, every test builds its arrays with an explicit dtype so that wh
 the dtype it names, never a default.
 """
 
+import collections
 import os
 
 # The tests are CPU tests (Pallas kernels in interpret mode, lowering and compiling for abstract
@@ -15,8 +16,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # NPROC says otherwise. On a 2-core machine two waiting warpgroups could hold both threads while
 # the third (the one they wait for) never starts: the kernel hangs.
 os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
+# The suite's programs are small: compiling them costs more than running them. LLVM's expensive
+# passes off (XLA's HLO passes, fusion and buffer assignment, which the memory tests read, still
+# run); here and in every subprocess the tests start (8-device scripts, notebooks, the docs build).
+# test_util.compile_for restores the full backend optimization for the GPU compiles (spill checks).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
+import pytest
 
 from jaxact._src import test_util
 
@@ -35,3 +42,118 @@ def pytest_make_parametrize_id(config, val, argname):
   if callable(val) and not isinstance(val, type):
     return getattr(val, "__name__", None) or type(val).__name__
   return None
+
+
+# The default suite's budget: under 8 minutes on the 2-core CI machine, install included. These
+# parametrized tests are surveys: by default each runs `n` of its cases (those not marked exhaustive
+# already), spread evenly over its collection order, the first always; 0 runs none. `pytest -m
+# exhaustive` runs every case. Chosen from `pytest --durations=0` (2026-11-26): every activation,
+# dtype and option still runs in some test by default.
+SAMPLED: dict[str, int] = {
+  # kernels compiled for GPUs and run in the interpreter
+  "tests/test_gpu_compile.py::test_no_spill_where_triton_tiles_spilled_before": 1,
+  "tests/test_gpu_compile.py::test_the_fused_backward_keeps_no_dz_in_the_compiled_step": 1,
+  "tests/test_gpu_compile.py::test_every_hopper_backward_variant_compiles": 0,
+  "tests/test_gpu_compile.py::test_the_hopper_kernels_compile_for_an_h100": 1,
+  "tests/test_pallas_hopper.py::test_backward_kernels_over_many_tiles_match_float32_reference": 1,
+  "tests/test_pallas_hopper.py::test_every_accepted_activation_lowers_for_h100": 1,
+  "tests/test_pallas_hopper.py::test_every_tile_configuration_lowers_for_h100": 1,
+  "tests/test_pallas_hopper.py::test_values_and_grads_match_xla": 1,
+  "tests/test_pallas_hopper.py::test_expm1_log1p_activations_stay_finite_at_extreme_inputs": 1,
+  "tests/test_pallas_hopper.py::test_every_backward_tile_configuration_lowers_for_h100": 1,
+  "tests/test_pallas_hopper.py::test_every_backward_tiling_the_benchmark_times_lowers_for_h100": 0,
+  "tests/test_pallas_conv.py::test_activations_float32": 1,
+  "tests/test_pallas_conv.py::test_layouts_and_shapes": 1,
+  "tests/test_pallas_conv.py::test_every_block_config_lowers_for_cuda": 1,
+  "tests/test_pallas_conv.py::test_every_spec_activation_lowers_for_cuda": 4,
+  "tests/test_pallas.py::test_activations_float32_ragged": 1,
+  "tests/test_pallas.py::test_shapes": 2,
+  "tests/test_pallas.py::test_half_precision": 1,
+  "tests/test_pallas.py::test_every_spec_activation_lowers_for_cuda": 4,
+  "tests/test_pallas_lce_hopper.py::test_jaxact_mosaic_equals_the_xla_path": 1,
+  "tests/test_pallas_lce_hopper.py::test_forward_kernel_matches_its_reference_and_float64": 1,
+  "tests/test_pallas_lce_hopper.py::test_backward_kernel_matches_float64_autodiff": 1,
+  "tests/test_pallas_hopper_codes.py::test_forward_writes_the_xla_paths_bytes": 1,
+  "tests/test_pallas_attention.py::test_kernels_match_the_reference_and_float64_autodiff": 1,
+  "tests/test_pallas_sharding.py::test_sharded_call_lowers_for_h100_to_mosaic_per_shard": 2,
+  "tests/test_gpu_codes_section.py::test_epilogue_passes_match_xla_and_count_their_bytes": 1,
+  # value and gradient surveys over the spec table
+  "tests/test_activations.py::test_values_match_float64_reference_and_jax_nn": 40,
+  "tests/test_activations.py::test_gradient_matches_float64_reference": 40,
+  "tests/test_activations.py::test_kinks_follow_the_documented_convention": 16,
+  "tests/test_activations.py::test_spec_derivatives_match_autodiff_of_reference": 12,
+  "tests/test_numerics.py::test_extreme_inputs": 24,
+  "tests/test_numerics.py::test_far_inputs_follow_the_asymptote": 24,
+  "tests/test_numerics.py::test_nan_propagates": 30,
+  "tests/test_numerics.py::test_gradient_at_tiny_inputs_is_that_sides_derivative": 20,
+  "tests/test_residuals.py::test_pullback_keeps_what_the_spec_says": 25,
+  "tests/test_transforms.py::test_jit_and_vmap": 8,
+  "tests/test_transforms.py::test_check_grads_second_order": 8,
+  "tests/test_transforms.py::test_checkpoint": 8,
+  "tests/test_transforms.py::test_hessian_matches_reference": 3,
+  "tests/test_transforms.py::test_scan_over_layers": 3,
+  "tests/test_jax_nn_dropin.py::test_nan_gradient_wherever_jax_nn_gives_nan": 10,
+  "tests/test_activation_resolution.py::test_jax_nn_function_keeps_what_its_name_keeps": 8,
+  "tests/test_sweep.py::test_no_nan_and_gradients_within_a_few_ulps": 6,
+  "tests/test_softmax.py::test_axes_match_jax_nn_and_reference": 5,
+  "tests/test_params.py::test_gradient_wrt_parameter_and_input": 6,
+  "tests/test_errors.py::test_integer_input_behaves_as_jax_nn": 30,
+  # fused layers and Flax layers
+  "tests/test_fused.py::test_conv_matches_composition": 4,
+  "tests/test_fused.py::test_dense_every_activation_by_name": 8,
+  "tests/test_fused.py::test_conv_1x1_that_is_not_a_matmul_stays_a_conv": 2,
+  "tests/test_fused.py::test_vmap_dense": 3,
+  "tests/test_fused.py::test_grad_of_grad_dense": 2,
+  "tests/test_fused.py::test_hessian": 1,
+  "tests/test_fused.py::test_dense_batch_dims": 2,
+  "tests/test_fused.py::test_conv_1x1_takes_the_dense_path": 2,
+  "tests/test_fused.py::test_dense_activation_forms": 5,
+  "tests/test_fused.py::test_dense_residual": 4,
+  "tests/test_fused.py::test_dense_half_precision": 3,
+  "tests/test_linen.py::test_conv_options": 10,
+  "tests/test_linen.py::test_dense_activations": 5,
+  "tests/test_linen.py::test_dense_options": 6,
+  "tests/test_linen.py::test_init_is_flax": 2,
+  "tests/test_linen.py::test_conv_shapes_and_paddings": 4,
+  "tests/test_nnx.py::test_conv_options": 6,
+  "tests/test_nnx.py::test_linear_options": 6,
+  "tests/test_nnx.py::test_conv_shapes_paddings_dtypes": 3,
+  "tests/test_nnx.py::test_linear_activations": 3,
+  "tests/test_norm_layers.py::test_linen_equals_flax": 5,
+  "tests/test_dropout.py::test_equals_flax_dropout_of_the_plain_layer": 3,
+  "tests/test_dropout.py::test_gated_mlp_dropout_is_flax_dropout_of_the_hidden": 1,
+  "tests/test_lm_head.py::test_linen_head_is_nn_dense_and_its_loss": 2,
+  "tests/test_gated.py::test_float64_matches_autodiff_of_the_composition": 3,
+  "tests/test_gated.py::test_lower_precisions_match_the_composition_in_float32": 1,
+  "tests/test_lce.py::test_float64_matches_autodiff_of_the_composition": 5,
+  "tests/test_lce.py::test_every_block_size_gives_the_same_result": 2,
+  "tests/test_sharding.py::test_flax_layers_take_out_sharding_at_the_call": 4,
+  "tests/test_codes.py::test_encode_and_pack_match_a_numpy_reference": 2,
+  "tests/test_codes.py::test_few_bit_codes_meet_the_optimality_conditions": 1,
+  "tests/test_attention_flax.py::test_linen_attention_fn_equals_flax": 1,
+  "tests/test_attention_flax.py::test_nnx_attention_fn_equals_flax": 1,
+  "tests/test_attention.py::test_float64_values_and_gradients_equal_the_plain_formula": 2,
+  "tests/test_attention.py::test_float64_against_jax_nn_xla": 1,
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Mark the cases SAMPLED leaves out as exhaustive (before `-m` deselects by marks)."""
+  groups = collections.defaultdict(list)
+  modules = {}
+  for item in items:
+    modules[item.nodeid.split("::")[0]] = getattr(item, "module", None)
+    key = item.nodeid.split("[")[0]
+    if key in SAMPLED and not item.get_closest_marker("exhaustive"):
+      groups[key].append(item)
+  for key in SAMPLED:  # a renamed test must not slip out of the table into the default suite
+    path, name = key.split("::")
+    if modules.get(path) is not None and not hasattr(modules[path], name):
+      raise pytest.UsageError(f"tests/conftest.py SAMPLED names no test: {key}")
+  for key, group in groups.items():
+    n = SAMPLED[key]
+    keep = {round(i * len(group) / n) for i in range(min(n, len(group)))}
+    for i, item in enumerate(group):
+      if i not in keep:
+        item.add_marker(pytest.mark.exhaustive)

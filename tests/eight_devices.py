@@ -81,3 +81,19 @@ def get(results: dict[str, dict], name: str, script: Path) -> dict:
   assert "error" not in result, f"{name}: {result['error']}"
   assert result["devices"] == 8
   return result
+
+
+def selected_cases(request, module: str, reads: dict[str, str]) -> list[str]:
+  """The cases this session's selected tests of `module` read (every xdist worker collects the
+  same items): each test's parametrized ``name``, and ``reads[test]`` for a test that names its case
+  itself. A script runs only these: the default suite leaves the exhaustive cases out."""
+  names = set()
+  for item in request.session.items:
+    if getattr(getattr(item, "module", None), "__name__", None) != module:
+      continue
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if isinstance(params.get("name"), str):
+      names.add(params["name"])
+    elif item.originalname in reads:
+      names.add(reads[item.originalname])
+  return sorted(names)

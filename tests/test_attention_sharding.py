@@ -12,6 +12,8 @@ import pytest
 
 import eight_devices
 
+from cases import representatives
+
 SCRIPT = Path(__file__).with_name("attention_sharding_cases.py")
 CASES = [
   "dp_explicit",
@@ -23,12 +25,19 @@ CASES = [
 ]
 
 
+# The default suite: data parallel, grouped-query tensor parallel, Auto axes; the rest under
+# `pytest -m exhaustive`.
+DEFAULT = {"dp_explicit", "gqa_tp_explicit", "tp_auto"}
+
+
 @pytest.fixture(scope="session")
-def results(tmp_path_factory) -> dict[str, dict]:
-  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
+def results(request, tmp_path_factory) -> dict[str, dict]:
+  reads = {"test_a_sequence_sharded_query_is_refused_by_name": "seq_explicit"}
+  names = eight_devices.selected_cases(request, __name__, reads)
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory, names)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", representatives(CASES, DEFAULT))
 def test_equal_to_one_device_and_no_gather(results, name):
   r = eight_devices.get(results, name, SCRIPT)
   assert r["err"] < 2e-6

@@ -557,7 +557,12 @@ def test_predictions_are_the_argmax_of_the_logits_from_the_same_pass(cap):
   by_tokens = lce_vjp.LcePlan(block=5, by="tokens", predictions=True, soft_cap=cap)
   x_nan, w32 = x.at[4, 0].set(jnp.nan).astype(jnp.float32), w.astype(jnp.float32)
   _, pred_t = lce_vjp.per_token_loss(by_tokens, x_nan, w32, None, labels)
-  np.testing.assert_array_equal(pred_t, jnp.argmax(_capped_logits(x_nan, w32, None, cap), -1))
+  logits = _capped_logits(x_nan, w32, None, cap)
+  assert pred_t[4] == jnp.argmax(logits[4])  # the first NaN
+  # Elsewhere the largest logit: in float32 two programs may round a saturated cap's ties apart.
+  rows = np.arange(len(labels)) != 4
+  chosen = jnp.take_along_axis(logits, pred_t[:, None], -1)[:, 0]
+  np.testing.assert_allclose(chosen[rows], logits.max(-1)[rows], rtol=1e-6)
 
 
 def test_predictions_under_jit_vmap_and_reductions():

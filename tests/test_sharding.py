@@ -33,6 +33,8 @@ import jaxact
 import jaxact.linen
 import jaxact.nnx
 
+from cases import representatives
+
 SCRIPT = Path(__file__).with_name("sharding_cases.py")
 CASES = [
   "linen_dp",
@@ -57,16 +59,36 @@ TENSOR_PARALLEL = ["linen_tp", "nnx_tp", "nnx_tp_explicit"]
 RTOL = 1e-5
 
 
+# The default suite keeps one case of each behaviour (Auto and Explicit axes, data and tensor
+# parallel, each op, the Gemma decoder); `pytest -m exhaustive` runs them all.
+DEFAULT = {"linen_tp", "nnx_tp_explicit", "gated_tp", "gated_dp_explicit", "lce_2d_table"}
+# The case each unparametrized test reads.
+READS = {
+  "test_tensor_parallel_gated_mlp_reduces_y_once_and_gathers_nothing": "gated_tp",
+  "test_vocab_parallel_table_predicts_as_one_device": "lce_2d_table",
+  "test_gemma_decoder_on_the_examples_4x2_mesh": "gemma_4x2",
+  "test_gemma_decoder_under_auto_axes": "gemma_4x2_auto",
+  "test_fsdp_and_tensor_parallel_convolutions": "conv_4x2",
+  "test_rms_norm_of_feature_sharded_rows_with_a_replicated_scale": "norm_bug_1x1",
+}
+
+
 @pytest.fixture(scope="session")
-def results(tmp_path_factory) -> dict[str, dict]:
-  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
+def results(request, tmp_path_factory) -> dict[str, dict]:
+  names = eight_devices.selected_cases(request, __name__, READS)
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory, names)
+
+
+def some(names):
+  """`names` as parameters, those outside DEFAULT under ``pytest -m exhaustive`` only."""
+  return representatives(names, DEFAULT & set(names))
 
 
 def get(results, name: str) -> dict:
   return eight_devices.get(results, name, SCRIPT)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", some(CASES))
 def test_same_loss_and_gradients_as_one_device(results, name):
   result = get(results, name)
   assert result["loss_err"] < RTOL, result["loss_err"]
@@ -75,7 +97,7 @@ def test_same_loss_and_gradients_as_one_device(results, name):
   assert result["losses"][-1] < result["losses"][0]  # it trains
 
 
-@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+@pytest.mark.parametrize("name", some(TENSOR_PARALLEL))
 def test_partitioning_metadata_is_honoured(results, name):
   specs = get(results, name)["param_specs"]
   prefix = "['params']" if name.startswith("linen") else ""
@@ -89,7 +111,7 @@ def test_partitioning_metadata_is_honoured(results, name):
   assert specs == {f"{prefix}{k}{suffix}": v for k, v in want.items()}
 
 
-@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+@pytest.mark.parametrize("name", some(TENSOR_PARALLEL))
 def test_column_parallel_layer_gathers_no_weights(results, name):
   """The compiled forward of the column-parallel layer alone holds no collective at all; the
   training step of the block only all-reduces (the row-parallel output, gradients, the loss)."""
@@ -109,7 +131,7 @@ def test_tensor_parallel_gated_mlp_reduces_y_once_and_gathers_nothing(results):
 
 
 @pytest.mark.parametrize(
-  "name", ["linen_dp", "nnx_dp_explicit", "conv_dp", "gated_dp", "gated_dp_explicit"]
+  "name", some(["linen_dp", "nnx_dp_explicit", "conv_dp", "gated_dp", "gated_dp_explicit"])
 )
 def test_data_parallel_step_only_all_reduces(results, name):
   """Data parallelism all-reduces gradients and nothing else: no activation moves between devices
@@ -119,7 +141,7 @@ def test_data_parallel_step_only_all_reduces(results, name):
   assert set(result["step_collectives"]) == {"all-reduce"}
 
 
-@pytest.mark.parametrize("name", ["lce_vocab", "lce_2d", "lce_2d_table"])
+@pytest.mark.parametrize("name", some(["lce_vocab", "lce_2d", "lce_2d_table"]))
 def test_vocab_parallel_loss_moves_only_per_token_numbers(results, name):
   """Megatron's vocab-parallel loss: w split over its columns, each device reduces its own slice.
   The step's collectives produce per-token statistics (tokens a device: 32 on a vocabulary-only
@@ -145,7 +167,7 @@ def test_vocab_parallel_table_predicts_as_one_device(results):
   assert get(results, "lce_2d_table")["predictions_equal"]
 
 
-@pytest.mark.parametrize("name", ["lce_dp", "lce_dp_auto"])
+@pytest.mark.parametrize("name", some(["lce_dp", "lce_dp_auto"]))
 def test_data_parallel_loss_reduces_gradients_and_the_loss_only(results, name):
   result = get(results, name)
   assert set(result["step_collectives"]) == {"all-reduce"}
@@ -186,6 +208,7 @@ def test_gemma_decoder_on_the_examples_4x2_mesh(results):
   assert "reduce-scatter" in result["collectives"]["kinds"]  # the table's and dx's gradients
 
 
+@pytest.mark.exhaustive
 def test_gemma_decoder_under_auto_axes(results):
   """The same program on a mesh of Auto axes (the out_sharding arguments become sharding
   constraints): equal to one device, no more temp, no larger collective. XLA partitions both

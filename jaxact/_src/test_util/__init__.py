@@ -141,7 +141,15 @@ def compile_for(
   with jax.default_device(dev):
     with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind)):
       lowered = jax.jit(fn).lower(*args)
-    return lowered.compile(compiler_options=options or {})
+    return lowered.compile(compiler_options={**FULL_OPTIMIZATION, **(options or {})})
+
+
+# What XLA compiles by default, whatever `jax_disable_most_optimizations` says (the test suite sets
+# it for its CPU programs): a GPU compile here checks what a user's compile builds.
+FULL_OPTIMIZATION = {
+  "xla_backend_optimization_level": 3,
+  "xla_llvm_disable_expensive_passes": False,
+}
 
 
 # With this option XLA discards a kernel ptxas had to spill registers for, and says so: a check that
