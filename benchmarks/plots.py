@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 import matplotlib
@@ -110,6 +111,105 @@ def step_time(
   ax.margins(y=0.15)
   ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _place_labels(ax, points, labels, avoid=(), fontsize=7) -> None:
+  """Each point's label beside it, moved to the first of a few nearby places where it overlaps no
+  label already placed, no point, no point of `avoid` (data coordinates: lines sampled) and no
+  text already on the axes (greedy, in display coordinates)."""
+  renderer = ax.figure.canvas.get_renderer()
+  marks = [ax.transData.transform(xy) for xy in [*points, *avoid]]
+  taken = [t.get_window_extent(renderer) for t in ax.texts]
+  offsets = [(6, -3), (6, 6), (6, -12), (-6, -3), (-6, 6), (-6, -12), (6, 15), (6, -21)]
+  offsets += [(-6, 15), (-6, -21), (6, 24), (6, -30), (-6, 24), (-6, -30)]
+  order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+  for i in order:
+    for dx, dy in offsets:
+      text = ax.annotate(
+        labels[i],
+        points[i],
+        xytext=(dx, dy),
+        textcoords="offset points",
+        fontsize=fontsize,
+        ha="left" if dx > 0 else "right",
+        va="bottom",
+      )
+      box = text.get_window_extent(renderer).expanded(1.04, 1.1)
+      clear = not any(box.overlaps(t) for t in taken) and not any(
+        box.contains(*m) for j, m in enumerate(marks) if j != i
+      )
+      if clear or (dx, dy) == offsets[-1]:
+        taken.append(box)
+        break
+      text.remove()
+
+
+def _staircase(points) -> list[tuple[float, float]]:
+  """The front's step line as points: each point, then the corner before the next."""
+  out = []
+  for a, b in itertools.pairwise(points):
+    out += [(a.memory, a.time), (b.memory, a.time)]
+  return out + [(p.memory, p.time) for p in points[-1:]]
+
+
+def _sampled(line, n=24) -> list[tuple[float, float]]:
+  """Points along a polyline (n per segment), for labels to keep off it."""
+  out = []
+  for (x0, y0), (x1, y1) in itertools.pairwise(line):
+    out += [(x0 + (x1 - x0) * k / n, y0 + (y1 - y0) * k / n) for k in range(n + 1)]
+  return out
+
+
+def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
+  """A model's memory-time trade-off: compiled temp (x) against step time relative to Flax (y),
+  every point labelled, Flax's and jaxact's in their colours, the Pareto front as a staircase, and
+  the two reference lines of the summary (Flax + remat's memory, Flax's step time).
+
+  points: benchmarks.frontier.Point list."""
+  from benchmarks import frontier as fr
+
+  v = fr.verdict(points)
+  on_front = fr.front(points)
+  line = _staircase(on_front)
+  fig, ax = plt.subplots(figsize=(7.5, 4.6))
+  ax.plot(*zip(*line, strict=True), color="k", lw=1, ls="--", alpha=0.6, label="Pareto front")
+  for library, label in ((fr.FLAX, "Flax"), (fr.JAXACT, "jaxact")):
+    mine = [p for p in points if p.library == library]
+    ax.scatter(
+      [p.memory for p in mine],
+      [p.time for p in mine],
+      s=[46 if p in on_front else 26 for p in mine],
+      color=COLORS[label],
+      edgecolors=["k" if p in on_front else "none" for p in mine],
+      linewidths=0.8,
+      label=label,
+      zorder=3,
+    )
+  right = max(p.memory for p in points) * 1.25
+  times = [p.time for p in points]
+  pad = max(0.05, 0.12 * (max(times) - min(times)))
+  ax.set_xlim(0, right)
+  ax.set_ylim(min(times) - pad, max(times) + pad)
+  ax.axhline(v.flax.time, color=COLORS["Flax"], lw=0.7, ls=":", zorder=0)
+  ax.axvline(v.remat.memory, color=COLORS["Flax + remat"], lw=0.7, ls=":", zorder=0)
+  ax.text(right, v.flax.time, "Flax's step time ", fontsize=6, ha="right", va="bottom")
+  ax.text(
+    v.remat.memory,
+    min(times) - pad,
+    f" {v.remat.label}'s temp",
+    fontsize=6,
+    rotation=90,
+    ha="left",
+    va="bottom",
+  )
+  ax.set_xlabel(f"compiled temp of the training step ({unit})")
+  ax.set_ylabel("step time / Flax's")
+  ax.set_title(title + " (black edge: on the Pareto front)", fontsize=10)
+  ax.legend(fontsize=7, loc="best")
+  fig.tight_layout()
+  _place_labels(ax, [(p.memory, p.time) for p in points], [p.label for p in points], _sampled(line))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
