@@ -99,7 +99,9 @@ class Results:
   gpu_elementwise: list[gpu.ElementwiseRow] | None = None
   seconds: float = 0.0
   cpu_seconds: float = 0.0
-  section_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  section_seconds: dict[str, tuple[float, float]] = dataclasses.field(
+    default_factory=dict
+  )  # wall, CPU
 
 
 @dataclasses.dataclass
@@ -139,18 +141,19 @@ class Plan:
 
 
 class _Progress:
-  """One tqdm bar (stderr) over every measurement, and the seconds each section took."""
+  """One tqdm bar (stderr) over every measurement, and the seconds each section took: wall and
+  process CPU (all of XLA's threads; on a shared machine the steadier of the two)."""
 
   def __init__(self, total: int):
     self.bar = tqdm(total=total, file=sys.stderr, unit="measurement", dynamic_ncols=True)
-    self.seconds: dict[str, float] = {}
+    self.seconds: dict[str, tuple[float, float]] = {}
     self.current: str | None = None
-    self.start = time.perf_counter()
+    self.start = (time.perf_counter(), time.process_time())
 
   def section(self, name: str | None) -> None:
-    now = time.perf_counter()
+    now = (time.perf_counter(), time.process_time())
     if self.current is not None:
-      self.seconds[self.current] = now - self.start
+      self.seconds[self.current] = (now[0] - self.start[0], now[1] - self.start[1])
     self.current, self.start = name, now
     if name is not None:
       self.bar.set_description(name)
@@ -159,7 +162,7 @@ class _Progress:
     self.bar.set_postfix_str(label, refresh=False)
     self.bar.update()
 
-  def close(self) -> dict[str, float]:
+  def close(self) -> dict[str, tuple[float, float]]:
     self.section(None)
     self.bar.close()
     return self.seconds
@@ -207,7 +210,7 @@ def measure(quick: bool) -> Results:
     quick,
     reps=10 if quick else 40,
     fused_runs=15,
-    flax_runs=3 if quick else 11,
+    flax_runs=2 if quick else 11,
     stack_runs=2 if quick else 7,
   )
   progress = _Progress(plan.total)
@@ -252,7 +255,7 @@ def measure(quick: bool) -> Results:
     progress.step(f"{label} {act}")
 
   progress.section("frontier: gated MLP stack")
-  res.gated = gated.section_cpu(with_kept=not quick)
+  res.gated = gated.section_cpu(with_kept=not quick, layouts=("scan",) if quick else None)
   progress.step("memory")
   res.frontiers["gated"] = _gated_frontier(res.gated, res.stack_runs)
   progress.step("points")
@@ -431,7 +434,9 @@ def _frontier_section(res: Results) -> list[str]:
 
 
 def render(res: Results, figures: list[str]) -> str:
-  sections = ", ".join(f"{k} {v:.0f} s" for k, v in res.section_seconds.items())
+  sections = ", ".join(
+    f"{k} {w:.0f} s ({c:.0f} s CPU)" for k, (w, c) in res.section_seconds.items()
+  )
   lines = [
     "# jaxact benchmark results",
     "",
@@ -531,9 +536,11 @@ def render(res: Results, figures: list[str]) -> str:
     "",
     "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
     "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
-    "`jit(value_and_grad(loss))` in MiB, unrolled and as `lax.scan` over stacked parameters;",
-    "ratios against Flax (`python -m benchmarks.gated` for the H100 figures and tokamax; the",
-    "stack's frontier, with every remat policy, is above).",
+    "`jit(value_and_grad(loss))` in MiB, as `lax.scan` over stacked parameters"
+    + (" (`--quick`)" if res.quick else " and unrolled")
+    + "; ratios against",
+    "Flax (`python -m benchmarks.gated` for the H100 figures and tokamax; the stack's frontier,",
+    "with every remat policy, is above).",
     "",
     *gated.render_memory(res.gated, None if res.quick else "kept"),
   ]

@@ -399,8 +399,8 @@ def decoder_args(c: Decoder, key=0):
     else:
       scale = 1.0 if name == "embed" else leaf.shape[-2] ** -0.5
       made.append((jax.random.normal(k, leaf.shape, jnp.float32) * scale).astype(leaf.dtype))
-  ids = jax.random.randint(keys[-2], tokens.shape, 0, c.vocab)
-  labels = jax.random.randint(keys[-1], tokens.shape, 0, c.vocab)
+  ids = jax.random.randint(keys[-2], tokens.shape, 0, c.vocab, tokens.dtype)
+  labels = jax.random.randint(keys[-1], tokens.shape, 0, c.vocab, tokens.dtype)
   return jax.tree.unflatten(tree, made), ids, labels
 
 
