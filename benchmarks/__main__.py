@@ -178,7 +178,7 @@ def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
     title = f"{fused.MLP_LAYERS} layers, {fused.MLP_BATCH} x {fused.MLP_WIDTH} float32"
   else:
     shape = "x".join(map(str, fused.CNN_SHAPE))
-    title = f"{fused.CNN_LAYERS} 3x3 conv layers, NHWC {shape} float32"
+    title = f"{fused.CNN_LAYERS} conv layers (3x3), NHWC {shape} float32"
   points = [fr.point(k, temp, t) for k, (temp, t) in found.items()]
   return Frontier(f"{model}, {act}", title, "buffers", points, seconds, runs)
 

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 COLORS = {
@@ -122,8 +123,8 @@ def _place_labels(ax, points, labels, avoid=(), fontsize=7) -> None:
   renderer = ax.figure.canvas.get_renderer()
   marks = [ax.transData.transform(xy) for xy in [*points, *avoid]]
   taken = [t.get_window_extent(renderer) for t in ax.texts]
-  offsets = [(6, -3), (6, 6), (6, -12), (-6, -3), (-6, 6), (-6, -12), (6, 15), (6, -21)]
-  offsets += [(-6, 15), (-6, -21), (6, 24), (6, -30), (-6, 24), (-6, -30)]
+  offsets = [(6, -3), (8, 7), (8, -13), (-6, -3), (-8, 7), (-8, -13), (10, 16), (10, -22)]
+  offsets += [(-10, 16), (-10, -22), (12, 26), (12, -32), (-12, 26), (-12, -32)]
   order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
   for i in order:
     for dx, dy in offsets:
@@ -135,6 +136,8 @@ def _place_labels(ax, points, labels, avoid=(), fontsize=7) -> None:
         fontsize=fontsize,
         ha="left" if dx > 0 else "right",
         va="bottom",
+        # A leader line, so that a label moved off its point still shows whose it is.
+        arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.45", "shrinkA": 0, "shrinkB": 3},
       )
       box = text.get_window_extent(renderer).expanded(1.04, 1.1)
       clear = not any(box.overlaps(t) for t in taken) and not any(
@@ -174,7 +177,7 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
   on_front = fr.front(points)
   line = _staircase(on_front)
   fig, ax = plt.subplots(figsize=(7.5, 4.6))
-  ax.plot(*zip(*line, strict=True), color="k", lw=1, ls="--", alpha=0.6, label="Pareto front")
+  ax.plot(*zip(*line, strict=True), color="k", lw=1, ls="--", alpha=0.6)
   for library, label in ((fr.FLAX, "Flax"), (fr.JAXACT, "jaxact")):
     mine = [p for p in points if p.library == library]
     ax.scatter(
@@ -184,7 +187,6 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
       color=COLORS[label],
       edgecolors=["k" if p in on_front else "none" for p in mine],
       linewidths=0.8,
-      label=label,
       zorder=3,
     )
   right = max(p.memory for p in points) * 1.25
@@ -206,8 +208,15 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
   )
   ax.set_xlabel(f"compiled temp of the training step ({unit})")
   ax.set_ylabel("step time / Flax's")
-  ax.set_title(title + " (black edge: on the Pareto front)", fontsize=10)
-  ax.legend(fontsize=7, loc="best")
+  name, _, sizes = title.partition(": ")
+  ax.set_title(f"{name} (black edge: on the Pareto front)\n{sizes}", fontsize=9)
+  dot = {"marker": "o", "ls": "none", "ms": 5}
+  handles = [
+    Line2D([], [], color="k", lw=1, ls="--", alpha=0.6, label="Pareto front"),
+    Line2D([], [], color=COLORS["Flax"], label="Flax", **dot),
+    Line2D([], [], color=COLORS["jaxact"], label="jaxact", **dot),
+  ]
+  ax.legend(handles=handles, fontsize=7, loc="best")
   fig.tight_layout()
   _place_labels(ax, [(p.memory, p.time) for p in points], [p.label for p in points], _sampled(line))
   fig.savefig(path, dpi=120)
