@@ -11,8 +11,8 @@ less and jaxact's least memory at Flax's step time or less.
 
 `--quick` keeps the model sizes and every memory figure the README quotes (they come from XLA's
 compiled buffer assignment and need no long runs) but times fewer rounds and fewer activations,
-and measures the fused layers' memory for relu and gelu only, untimed (the frontier times the
-same ops as `jaxact.linen` layers). On a GPU the suite
+measures the fused layers' memory for relu and gelu only, untimed (the frontier times the same
+ops as `jaxact.linen` layers), and leaves out the gated stack's table at 1, 2 and 8 blocks. On a GPU the suite
 also times the fused layers and the activations against their peak bandwidth and throughput
 (benchmarks/gpu.py).
 """
@@ -114,6 +114,7 @@ class Plan:
   fused_timed: set[tuple[str, str]]
   flax: list[tuple[str, str]]  # (model, activation): the frontier
   kept: bool  # the arrays jax.vjp keeps per layer, for the Flax models
+  gated_table: bool  # the gated stack's memory at 1, 2 and 8 blocks, scanned and unrolled
   nans: list[str]
   gpu: bool
 
@@ -129,6 +130,7 @@ class Plan:
       fused_timed=set() if quick else {(m, a) for m, _, _ in MODELS for a in fused.ACTIVATIONS},
       flax=[(m, a) for m in flax_models.MODELS for a in MODEL_ACTIVATIONS],
       kept=not quick,
+      gated_table=not quick,
       nans=names,
       gpu=jax.default_backend() == "gpu",
     )
@@ -136,7 +138,7 @@ class Plan:
   @property
   def total(self) -> int:
     n = len(self.memory) + len(self.timed) + len(self.fused) + len(self.fused_timed)
-    n += len(self.flax) + len(self.nans) + 3  # the gated stack's memory and frontier; decoder
+    n += len(self.flax) + len(self.nans) + 2 + int(self.gated_table)  # gated stack, decoder
     return n + (2 if self.gpu else 0)
 
 
@@ -184,7 +186,7 @@ def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
 
 
 def _gated_frontier(rows: list[gated.MemoryRow], runs: int) -> Frontier:
-  known = {r.peer: r.temp8 for r in rows if r.layout == "scan"}
+  known = {r.peer: r.temp8 for r in rows if r.layout == "scan"}  # the full run's table
   seconds, found = gated.frontier(runs, known=known)
   t, d, f = gated.CPU_SIZE
   title = f"{gated.BLOCKS} scanned residual blocks, {t} tokens, D = {d}, F = {f}, float32"
@@ -255,8 +257,9 @@ def measure(quick: bool) -> Results:
     progress.step(f"{label} {act}")
 
   progress.section("frontier: gated MLP stack")
-  res.gated = gated.section_cpu(with_kept=not quick, layouts=("scan",) if quick else None)
-  progress.step("memory")
+  if plan.gated_table:
+    res.gated = gated.section_cpu()
+    progress.step("memory")
   res.frontiers["gated"] = _gated_frontier(res.gated, res.stack_runs)
   progress.step("points")
 
@@ -534,16 +537,22 @@ def render(res: Results, figures: list[str]) -> str:
     f"## Gated MLP stack: {gated.BLOCKS} residual blocks `x + mlp(rms_norm(x))`, {t} tokens, "
     f"D = {d}, F = {f}, float32",
     "",
-    "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
-    "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
-    "`jit(value_and_grad(loss))` in MiB, as `lax.scan` over stacked parameters"
-    + (" (`--quick`)" if res.quick else " and unrolled")
-    + "; ratios against",
-    "Flax (`python -m benchmarks.gated` for the H100 figures and tokamax; the stack's frontier,",
-    "with every remat policy, is above).",
-    "",
-    *gated.render_memory(res.gated, None if res.quick else "kept"),
   ]
+  if res.gated:
+    lines += [
+      "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
+      "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
+      "`jit(value_and_grad(loss))` in MiB, unrolled and as `lax.scan` over stacked parameters;",
+      "ratios against Flax (`python -m benchmarks.gated` for the H100 figures and tokamax; the",
+      "stack's frontier, with every remat policy, is above).",
+      "",
+      *gated.render_memory(res.gated, "kept"),
+    ]
+  else:
+    lines.append(
+      "`--quick` measures the stack's frontier only (above); the full run adds its temp at 1, 2"
+      " and 8 blocks, scanned and unrolled, and the arrays each block keeps."
+    )
   lines += [
     "",
     "## Numerics: NaN values / non-finite gradients on the finite extreme-input grid",

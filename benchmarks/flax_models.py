@@ -25,6 +25,7 @@ relative to Flax's, from alternated runs; and (:func:`kept`) the activation-size
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -132,8 +133,23 @@ def build(model: str, variant: str, activation: str):
     raise ValueError(f"`model` {model!r} is not known; choose one of: {', '.join(MODELS)}")
   module = Stack(_layer(variant), layers, features, activation, conv)
   x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-  params = module.init(jax.random.key(0), x)
-  return module.apply, params, x, layers
+  return module.apply, _init(module, x), x, layers
+
+
+def _init(module: nn.Module, x):
+  """Parameters at the scale of Flax's defaults (kernels normal with variance 1 / fan in, biases
+  zero), drawn without `module.init`, which would run the forward pass eagerly."""
+  shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  made = []
+  for k, leaf in zip(keys, leaves, strict=True):
+    if leaf.ndim == 1:  # bias
+      made.append(jnp.zeros(leaf.shape, leaf.dtype))
+    else:  # kernel (in, out) or (h, w, in, out): fan in = all but the last axis
+      fan_in = math.prod(leaf.shape[:-1])
+      made.append(jax.random.normal(k, leaf.shape, leaf.dtype) * fan_in**-0.5)
+  return jax.tree.unflatten(tree, made)
 
 
 def _loss(apply):

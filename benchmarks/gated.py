@@ -273,12 +273,9 @@ class MemoryRow:
     return (self.temp8 - self.temp2) / (BLOCKS - 2)
 
 
-def section_cpu(with_kept: bool = True, layouts=None) -> list[MemoryRow]:
-  """Every peer's rows, for `layouts` ("scan", "unrolled"; None: both)."""
+def section_cpu(with_kept: bool = True) -> list[MemoryRow]:
   rows = []
   for scan in (True, False):
-    if layouts is not None and ("scan" if scan else "unrolled") not in layouts:
-      continue
     for label, block in peers().items():
       forward, loss = stack(block, scan)
       temps = [cpu_memory(loss, *shapes(n, CPU_SIZE, jnp.float32)) / MiB for n in (1, 2, BLOCKS)]
