@@ -12,9 +12,9 @@ less and jaxact's least memory at Flax's step time or less.
 `--quick` keeps the model sizes and every memory figure the README quotes (they come from XLA's
 compiled buffer assignment and need no long runs) but times fewer rounds and fewer activations,
 measures the fused layers' memory for relu and gelu only, untimed (the frontier times the same
-ops as `jaxact.linen` layers), and leaves out the gated stack's table at 1, 2 and 8 blocks. On a GPU the suite
-also times the fused layers and the activations against their peak bandwidth and throughput
-(benchmarks/gpu.py).
+ops as `jaxact.linen` layers), and leaves out the gated stack's table at 1, 2 and 8 blocks. On a
+GPU the suite also times the fused layers and the activations against their peak bandwidth and
+throughput (benchmarks/gpu.py).
 """
 
 from __future__ import annotations
@@ -174,6 +174,15 @@ def _model_key(model: str, activation: str) -> str:
   return f"{model.lower()}_{activation}"
 
 
+def _points(found: dict[str, tuple], unit: float = 1.0) -> list[fr.Point]:
+  """benchmarks.frontier's points of ``{key: (temp, median ratio, rounds' ratios)}``, the temp
+  divided by `unit`."""
+  return [
+    fr.point(k, temp / unit, ratio, (min(rounds), max(rounds)))
+    for k, (temp, ratio, rounds) in found.items()
+  ]
+
+
 def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
   seconds, found = flax_models.frontier(model, act, runs)
   if model == "MLP":
@@ -181,8 +190,7 @@ def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
   else:
     shape = "x".join(map(str, fused.CNN_SHAPE))
     title = f"{fused.CNN_LAYERS} conv layers (3x3), NHWC {shape} float32"
-  points = [fr.point(k, temp, t) for k, (temp, t) in found.items()]
-  return Frontier(f"{model}, {act}", title, "buffers", points, seconds, runs)
+  return Frontier(f"{model}, {act}", title, "buffers", _points(found), seconds, runs)
 
 
 def _gated_frontier(rows: list[gated.MemoryRow], runs: int) -> Frontier:
@@ -190,8 +198,7 @@ def _gated_frontier(rows: list[gated.MemoryRow], runs: int) -> Frontier:
   seconds, found = gated.frontier(runs, known=known)
   t, d, f = gated.CPU_SIZE
   title = f"{gated.BLOCKS} scanned residual blocks, {t} tokens, D = {d}, F = {f}, float32"
-  points = [fr.point(k, temp, ratio) for k, (temp, ratio) in found.items()]
-  return Frontier("gated MLP stack", title, "MiB", points, seconds, runs)
+  return Frontier("gated MLP stack", title, "MiB", _points(found), seconds, runs)
 
 
 def _decoder_frontier(runs: int) -> Frontier:
@@ -201,8 +208,7 @@ def _decoder_frontier(runs: int) -> Frontier:
     f"{c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, F = {c.hidden}, "
     f"{c.heads} heads, V = {c.vocab}, float32"
   )
-  points = [fr.point(k, temp / MiB, ratio) for k, (temp, ratio) in found.items()]
-  return Frontier("LM decoder step", title, "MiB", points, seconds, runs)
+  return Frontier("LM decoder step", title, "MiB", _points(found, MiB), seconds, runs)
 
 
 def measure(quick: bool) -> Results:

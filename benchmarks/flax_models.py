@@ -156,10 +156,9 @@ def _loss(apply):
   return lambda params, x: jnp.sum(apply(params, x))
 
 
-def frontier(
-  model: str, activation: str, runs: int
-) -> tuple[float, dict[str, tuple[float, float]]]:
-  """``(Flax's step in seconds, {variant: (temp in activation buffers, step time / Flax's)})``.
+def frontier(model: str, activation: str, runs: int) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {variant: (temp in activation buffers, step time / Flax's, its
+  rounds' ratios)})``.
 
   Each variant's ``jit(grad(loss))`` is compiled once; its memory analysis gives the temp, and the
   compiled programs themselves are timed, alternated, the ratios taken within rounds."""
@@ -169,9 +168,8 @@ def frontier(
     compiled = jax.jit(jax.grad(_loss(apply))).lower(params, x).compile()
     found[variant] = compiled.memory_analysis().temp_size_in_bytes / (x.size * x.dtype.itemsize)
     calls.append(functools.partial(compiled, params, x))
-  seconds, ratios = timing.alternated_ratios(calls, runs)
-  times = dict(zip(found, [1.0, *ratios], strict=True))
-  return seconds, {v: (temp, times[v]) for v, temp in found.items()}
+  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  return seconds, timing.with_ratios(found, by_round)
 
 
 def kept(model: str, variant: str, activation: str) -> float:

@@ -40,14 +40,15 @@ class Point:
   label: str  # what the picture and the tables call it
   library: str  # FLAX or JAXACT
   memory: float  # compiled temp of the step, in the model's unit
-  time: float  # step time relative to Flax's
+  time: float  # step time relative to Flax's (the median over rounds)
+  spread: tuple[float, float] | None = None  # the least and the most of the rounds' ratios
 
 
-def point(key: str, memory: float, time: float) -> Point:
+def point(key: str, memory: float, time: float, spread: tuple[float, float] | None = None) -> Point:
   """The point of :data:`LABELS` named `key`."""
   if key not in LABELS:
     raise ValueError(f"`key` {key!r} is not known; choose one of: {', '.join(LABELS)}")
-  return Point(key, LABELS[key], JAXACT if key.startswith(JAXACT) else FLAX, memory, time)
+  return Point(key, LABELS[key], JAXACT if key.startswith(JAXACT) else FLAX, memory, time, spread)
 
 
 def beats(a: Point, b: Point) -> bool:
@@ -154,8 +155,12 @@ def sentence(v: Verdict, unit: str) -> str:
 def table(points: Sequence[Point], unit: str) -> list[str]:
   """A model's points as a markdown table, the front marked."""
   on_front = {p.key for p in front(points)}
-  lines = [f"| point | temp ({unit}) | step time / Flax | on the front |", "|---|---:|---:|---|"]
+  lines = [
+    f"| point | temp ({unit}) | step time / Flax | rounds' least-most | on the front |",
+    "|---|---:|---:|---:|---|",
+  ]
   for p in sorted(points, key=lambda p: (p.library != FLAX, p.memory, p.time)):
     mark = "yes" if p.key in on_front else ""
-    lines.append(f"| {p.label} | {fmt_memory(p.memory, unit)} | {p.time:.2f} | {mark} |")
+    spread = "—" if p.spread is None else f"{p.spread[0]:.2f}-{p.spread[1]:.2f}"
+    lines.append(f"| {p.label} | {fmt_memory(p.memory, unit)} | {p.time:.2f} | {spread} | {mark} |")
   return lines

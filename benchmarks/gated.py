@@ -387,9 +387,9 @@ def step_times(
 
 def frontier(
   runs: int, timed_blocks: int = 2, known: dict[str, float] | None = None
-) -> tuple[float, dict[str, tuple[float, float]]]:
-  """``(Flax's step in seconds, {point: (temp in MiB, step time / Flax's)})`` for every point of
-  :data:`FRONTIER`, float32 at :data:`CPU_SIZE`.
+) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {point: (temp in MiB, step time / Flax's, its rounds' ratios)})``
+  for every point of :data:`FRONTIER`, float32 at :data:`CPU_SIZE`.
 
   The temp is the compiled ``jit(value_and_grad)`` of the :data:`BLOCKS`-block scanned stack
   (`known`: those :func:`section_cpu` measured, in MiB, by peer); the step time, alternated runs
@@ -406,8 +406,8 @@ def frontier(
     temps[key] = known[peer]
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
     calls.append(functools.partial(compiled, params, x))
-  seconds, ratios = timing.alternated_ratios(calls, runs)
-  return seconds, {k: (temps[k], r) for k, r in zip(temps, [1.0, *ratios], strict=True)}
+  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  return seconds, timing.with_ratios(temps, by_round)
 
 
 # ----------------------------------------------------- the MLP and CNN of fused_memory, scanned

@@ -404,10 +404,10 @@ def decoder_args(c: Decoder, key=0):
   return jax.tree.unflatten(tree, made), ids, labels
 
 
-def decoder_frontier(c: Decoder, runs: int) -> tuple[float, dict[str, tuple[int, float]]]:
-  """``(Flax's step in seconds, {point: (temp bytes, step time / Flax's)})`` for every
-  point of :data:`FRONTIER` on CPU: each step compiled once, its memory analysis read and the
-  compiled programs timed, alternated, the ratios taken within rounds."""
+def decoder_frontier(c: Decoder, runs: int) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {point: (temp bytes, step time / Flax's, its rounds' ratios)})``
+  for every point of :data:`FRONTIER` on CPU: each step compiled once, its memory analysis read
+  and the compiled programs timed, alternated, the ratios taken within rounds."""
   args = decoder_args(c)
   temps, calls = {}, []
   for key, (body, head) in FRONTIER.items():
@@ -415,8 +415,8 @@ def decoder_frontier(c: Decoder, runs: int) -> tuple[float, dict[str, tuple[int,
     compiled = jax.jit(step).lower(*decoder_shapes(c)).compile()
     temps[key] = compiled.memory_analysis().temp_size_in_bytes
     calls.append(functools.partial(compiled, *args))
-  seconds, ratios = timing.alternated_ratios(calls, runs)
-  return seconds, {k: (temps[k], r) for k, r in zip(temps, [1.0, *ratios], strict=True)}
+  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  return seconds, timing.with_ratios(temps, by_round)
 
 
 def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[str, str], int]:

@@ -167,8 +167,9 @@ def _sampled(line, n=24) -> list[tuple[float, float]]:
 
 def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
   """A model's memory-time trade-off: compiled temp (x) against step time relative to Flax (y),
-  every point labelled, Flax's and jaxact's in their colours, the Pareto front as a staircase, and
-  the two reference lines of the summary (Flax + remat's memory, Flax's step time).
+  every point labelled, Flax's and jaxact's in their colours, each with a bar over its timed
+  rounds' ratios, the Pareto front as a staircase, and the two reference lines of the summary
+  (Flax + remat's memory, Flax's step time).
 
   points: benchmarks.frontier.Point list."""
   from benchmarks import frontier as fr
@@ -178,6 +179,12 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
   line = _staircase(on_front)
   fig, ax = plt.subplots(figsize=(7.5, 4.6))
   ax.plot(*zip(*line, strict=True), color="k", lw=1, ls="--", alpha=0.6)
+  bars = []  # each point's spread over the timed rounds, as a vertical bar
+  for p in points:
+    if p.spread is not None:
+      color = COLORS["jaxact" if p.library == fr.JAXACT else "Flax"]
+      ax.plot([p.memory, p.memory], p.spread, color=color, lw=1.2, alpha=0.45, zorder=2)
+      bars += _sampled([(p.memory, p.spread[0]), (p.memory, p.spread[1])], 8)
   for library, label in ((fr.FLAX, "Flax"), (fr.JAXACT, "jaxact")):
     mine = [p for p in points if p.library == library]
     ax.scatter(
@@ -190,7 +197,7 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
       zorder=3,
     )
   right = max(p.memory for p in points) * 1.25
-  times = [p.time for p in points]
+  times = [t for p in points for t in (p.time, *(p.spread or ()))]
   pad = max(0.05, 0.12 * (max(times) - min(times)))
   ax.set_xlim(0, right)
   ax.set_ylim(min(times) - pad, max(times) + pad)
@@ -216,9 +223,12 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
     Line2D([], [], color=COLORS["Flax"], label="Flax", **dot),
     Line2D([], [], color=COLORS["jaxact"], label="jaxact", **dot),
   ]
+  if bars:
+    handles.append(Line2D([], [], color="0.5", lw=1.2, alpha=0.45, label="rounds' least-most"))
   ax.legend(handles=handles, fontsize=7, loc="best")
   fig.tight_layout()
-  _place_labels(ax, [(p.memory, p.time) for p in points], [p.label for p in points], _sampled(line))
+  xy = [(p.memory, p.time) for p in points]
+  _place_labels(ax, xy, [p.label for p in points], _sampled(line) + bars)
   fig.savefig(path, dpi=120)
   plt.close(fig)
 

@@ -33,9 +33,30 @@ def alternated_ratios(calls: Sequence[Callable[[], Any]], runs: int) -> tuple[fl
   round, and a round's calls see nearly the same load, so the paired ratio varies less than the
   ratio of two medians.
   """
+  seconds, by_round = alternated_round_ratios(calls, runs)
+  return seconds, [statistics.median(ratios) for ratios in by_round]
+
+
+def alternated_round_ratios(
+  calls: Sequence[Callable[[], Any]], runs: int
+) -> tuple[float, list[list[float]]]:
+  """``(median seconds of calls[0], [[t_i / t_0 in each round] for every later call])``: what
+  :func:`alternated_ratios` takes the median of, for a caller that also shows their spread."""
   rounds = _rounds(calls, runs)
-  ratios = [statistics.median(row[i] / row[0] for row in rounds) for i in range(1, len(calls))]
+  ratios = [[row[i] / row[0] for row in rounds] for i in range(1, len(calls))]
   return statistics.median(row[0] for row in rounds), ratios
+
+
+def with_ratios(values: dict, by_round: list[list[float]]) -> dict:
+  """``{key: (value, median ratio, rounds' ratios)}`` for keys in the order the calls were timed:
+  the first is the reference (ratio 1 in every round), each later key takes its row of
+  `by_round` (:func:`alternated_round_ratios`)."""
+  runs = len(by_round[0]) if by_round else 1
+  rows = [[1.0] * runs, *by_round]
+  return {
+    k: (v, statistics.median(row), tuple(row))
+    for (k, v), row in zip(values.items(), rows, strict=True)
+  }
 
 
 def alternated_medians(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:

@@ -117,8 +117,10 @@ def test_verdict_needs_flax_and_a_remat_point():
     fr.verdict(points(flax=(16, 1.0), jaxact=(9, 0.9)))
 
 
-def test_table_marks_the_front():
-  rows = fr.table(SLOW, "MiB")
-  assert rows[0] == "| point | temp (MiB) | step time / Flax | on the front |"
+def test_table_marks_the_front_and_shows_the_rounds_spread():
+  rows = fr.table([*SLOW, fr.point("dots", 570, 1.05, (0.98, 1.12))], "MiB")
+  assert rows[0] == "| point | temp (MiB) | step time / Flax | rounds' least-most | on the front |"
   marked = {row.split(" | ")[0].lstrip("| ") for row in rows[2:] if row.endswith("| yes |")}
   assert marked == {"Flax", "jaxact + remat", "jaxact + remat(names)"}
+  assert "| Flax + remat(dots) | 570 | 1.05 | 0.98-1.12 |  |" in rows
+  assert "| Flax | 1266 | 1.00 | — | yes |" in rows
