@@ -62,6 +62,7 @@ import jax.numpy as jnp
 
 from benchmarks.gpu_truth_checks import attention, codes, conv, dense, env, gated, judge, lce
 from benchmarks.gpu_truth_timings import (
+  time_attention,
   time_codes_hopper,
   time_codes_kernels,
   time_codes_step,
@@ -106,8 +107,8 @@ STEPS: tuple[Step, ...] = (
        "conv epilogue kernels: identity, relu, gelu"),
   Step("dense-mosaic-bf16",       1,  21, P(dense, dtype="bf16", impl="mosaic"),
        "Hopper dense forward and backward: identity, relu, gelu", H),
-  Step("attention-bf16",          1,  20, P(attention, dtype="bf16"),
-       "attention: jaxact's kernels (once they land) and cuDNN's"),
+  Step("attention-bf16",          1,  25, P(attention, dtype="bf16"),
+       "attention: jaxact's Triton kernels and cuDNN's against jaxact's XLA path"),
   # 2: float16
   Step("gated-triton-f16",        2,  10, P(gated, dtype="f16", impl="pallas", activations=SG),
        "gated MLP: Triton"),
@@ -141,6 +142,8 @@ STEPS: tuple[Step, ...] = (
   # 4: timings, each against XLA in this process
   Step("time-gated",              4,  50, time_gated,
        "gated MLP fwd and fwd+bwd against XLA, 8192 x 4096 x 11008"),
+  Step("time-attention",          4,  45, time_attention,
+       "causal attention B 4 x T 2048, GQA: jaxact xla / pallas against jax.nn xla / cudnn"),
   Step("time-lce",                4,  75, time_lce,
        "LM head 16384 x 4096 x 128k against the plain composition"),
   Step("time-codes-kernels",      4,  40, time_codes_kernels,

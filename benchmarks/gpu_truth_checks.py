@@ -158,16 +158,19 @@ def lce(ctx: th.Context, dtype: str, cases=tuple(gpu_lce.OPTION_CASES)):
 
 
 def attention(ctx: th.Context, dtype: str):
-  """``jaxact.dot_product_attention`` through jaxact's kernels (``pallas``, ``mosaic``: skipped
-  as unsupported until they land) and cuDNN's against XLA's blocked path, plain, causal and
-  soft-capped: O and the gradients of q, k, v."""
+  """``jaxact.dot_product_attention`` through jaxact's Triton kernels (``pallas``; there is no
+  Hopper attention kernel yet) and cuDNN's against XLA's blocked path,
+  plain, causal, soft-capped, and causal with a window and lengths (a batch row with no key): O
+  and the gradients of q, k, v."""
   import jaxact
   from jaxact._src.test_util.gpu_compare import compare_to_xla
 
   b, t, n, h = ctx.pick((2, 1024, 4, 128), (1, 16, 2, 16))
   keys = jax.random.split(jax.random.key(40), 3)
   qkv = [jax.random.normal(k, (b, t, n, h), jnp.float32).astype(DTYPES[dtype]) for k in keys]
-  for options in ({}, {"is_causal": True}, {"logits_soft_cap": 30.0}):
+  lengths = jnp.asarray([t // 3, 0][:b] if b > 1 else [t // 3], jnp.int32)
+  gqa = {"is_causal": True, "local_window_size": (t // 4, 0), "key_value_seq_lengths": lengths}
+  for options in ({}, {"is_causal": True}, {"logits_soft_cap": 30.0}, gqa):
 
     def build(impl, precision, options=options):
       def f(q, k, v):
@@ -177,8 +180,12 @@ def attention(ctx: th.Context, dtype: str):
 
       return f
 
-    label = ",".join(f"{key}={val}" for key, val in options.items()) or "plain"
-    for impl in ("pallas", "mosaic") + (() if ctx.small else ("cudnn",)):  # cuDNN: a GPU's
+    label = (
+      "window+lengths"
+      if options is gqa
+      else (",".join(f"{key}={val}" for key, val in options.items()) or "plain")
+    )
+    for impl in ("pallas",) + (() if ctx.small else ("cudnn",)):  # cuDNN: a GPU's
       judge(
         ctx,
         f"attention-{impl} {dtype} {label}",

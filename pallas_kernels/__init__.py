@@ -11,7 +11,9 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_tiles`),
   :mod:`pallas_kernels.bias_act` (convolution epilogue and its backward, the bias gradient pass),
   :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
-  b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward).
+  b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
+  :mod:`pallas_kernels.attention` (FlashAttention-2's forward and backward keeping q, k, v, o and
+  one float32 log-sum-exp a row: GQA/MQA, causal, sliding window, lengths, logit soft cap).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
   :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward;
   its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),
@@ -28,6 +30,12 @@ what it holds.
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
 from pallas_kernels._triton import unlowered_primitives as unlowered_primitives
+from pallas_kernels.attention import AttentionBlockConfig as AttentionBlockConfig
+from pallas_kernels.attention import AttentionTiles as AttentionTiles
+from pallas_kernels.attention import attention_backward as attention_backward
+from pallas_kernels.attention import attention_forward as attention_forward
+from pallas_kernels.attention import attention_reference as attention_reference
+from pallas_kernels.attention import attention_unsupported as attention_unsupported
 from pallas_kernels.bias_act import EltwiseTiles as EltwiseTiles
 from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
 from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
@@ -54,6 +62,8 @@ from pallas_kernels.gated import gated_fwd as gated_fwd
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
+  "AttentionBlockConfig",
+  "AttentionTiles",
   "BlockConfig",
   "DerivativeCode",
   "EltwiseTiles",
@@ -61,6 +71,10 @@ __all__ = [
   "GatedBlockConfig",
   "Tiles",
   "allow_tf32",
+  "attention_backward",
+  "attention_forward",
+  "attention_reference",
+  "attention_unsupported",
   "bias_act_bwd",
   "bias_act_fwd",
   "bias_act_reference",

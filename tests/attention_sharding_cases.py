@@ -3,10 +3,10 @@
 ``python tests/attention_sharding_cases.py [case ...]`` prints one JSON object per case
 (tests/test_attention_sharding.py asserts on them): batch and heads sharded (data and tensor
 parallel, multi- and grouped-query attention with fewer key/value heads than devices), Explicit
-and Auto mesh axes, with bias, mask, lengths and dropout; each against the same program on one
-device (``err``: the largest relative difference of the value and the gradients of q, k, v, bias),
-with the collectives of the compiled gradient (``collectives``, with the shapes they produce) and
-the error a sequence-sharded query raises.
+and Auto mesh axes, with bias, lengths, segment ids and dropout; each against the same program on
+one device (``err``: the largest relative difference of the value and the gradients of q, k, v,
+bias), with the collectives of the compiled gradient (``collectives``, with the shapes they
+produce) and the error a sequence-sharded query raises.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def arrays(n, kv_heads):
 def case(name, mesh, n, kv_heads, q_spec, kv_spec, explicit=True, **kw):
   q, k, v, bias, w = arrays(n, kv_heads)
   lengths = jnp.asarray(np.arange(B) % 5 + T - 4, jnp.int32)
+  segments = jnp.asarray(np.arange(T)[None] // (np.arange(B)[:, None] + 5), jnp.int32)
   extra = dict(key_value_seq_lengths=lengths, is_causal=True, logits_soft_cap=3.0, **kw)
+  if extra.pop("segments", False):
+    extra["query_segment_ids"] = segments
 
   def loss(q, k, v, bias, w):
     out = jaxact.dot_product_attention(q, k, v, bias, block_sizes=(8, 8), **extra)
@@ -70,6 +73,9 @@ def case(name, mesh, n, kv_heads, q_spec, kv_spec, explicit=True, **kw):
     with jax.set_mesh(mesh):
       lengths = jax.device_put(lengths, NamedSharding(mesh, P(q_spec[0])))
       extra["key_value_seq_lengths"] = lengths
+      if "query_segment_ids" in extra:
+        rows = NamedSharding(mesh, P(q_spec[0], None))
+        extra["query_segment_ids"] = jax.device_put(segments, rows)
       compiled = jax.jit(step).lower(*args).compile()
       got = compiled(*args)
   else:
@@ -123,6 +129,7 @@ def main(names) -> None:
       P("data"),
       dropout_rate=0.2,
       dropout_rng=jax.random.key(1),
+      segments=True,
     ),
     "tp_auto": lambda: case(
       "tp_auto",

@@ -30,11 +30,21 @@ def run_cases(cases: dict[str, Callable[[], None]], names: Iterable[str]) -> Non
 def run_script(script: Path, names: Iterable[str] = ()) -> dict[str, dict]:
   """The JSON result of every case `script` prints (the named ones, or all), by case name, run on
   8 CPU devices."""
+  return run_command([str(script), *names], script.name)
+
+
+def run_command(args: list[str], what: str) -> dict[str, dict]:
+  """:func:`run_script` for any ``python`` command line (``["-m", "benchmarks.gemma", ...]``),
+  run in the checkout's root."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
   env["JAX_PLATFORMS"] = "cpu"
+  # The script's folder, not the working directory, starts its sys.path: put this checkout first,
+  # so that it imports this jaxact, not another checkout's editable install.
+  root = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   proc = subprocess.run(
-    [sys.executable, str(script), *names], env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root
   )
   out = {}
   for line in proc.stdout.splitlines():
@@ -42,7 +52,7 @@ def run_script(script: Path, names: Iterable[str] = ()) -> dict[str, dict]:
       result = json.loads(line)
       out[result["case"]] = result
   if proc.returncode != 0 or not out:
-    pytest.fail(f"{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    pytest.fail(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
   return out
 
 

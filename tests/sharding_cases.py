@@ -15,6 +15,9 @@ shardings) and reports, against the same program on one device:
 * ``param_specs``: the partition spec each parameter ends up with;
 * ``fwd_collectives``: the collectives in the compiled forward of the first (column-parallel)
   layer alone, and ``step_collectives`` those of the compiled training step.
+
+The cases of ``explicit_sharding_cases.py`` (the ops sharded as Flax's Gemma example shards them)
+run here too, in the same process.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import eight_devices
+import explicit_sharding_cases
 import jaxact.linen
 import jaxact.nnx
 
@@ -404,7 +408,10 @@ def main(names) -> None:
       "lce_dp_auto", jax.make_mesh((8,), ("data",), (auto,)), P(None, None)
     ),
   }
-  eight_devices.run_cases(cases, names)
+  # The ops as Flax's Gemma example shards them; the exhaustive ones run only when named.
+  cases |= explicit_sharding_cases.CASES
+  everything = cases | explicit_sharding_cases.EXHAUSTIVE
+  eight_devices.run_cases(everything, names or list(cases))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from jax.test_util import check_grads
 
 import jaxact
 from jaxact._src.attention import xla
+from jaxact._src.attention.plan import AttentionPlan
 from jaxact._src.attention.reference import attention_reference
 
 B, T, S, N, K, H = 2, 24, 19, 4, 2, 8
@@ -50,6 +51,10 @@ OPTIONS = {
   ),
   "mask": dict(mask=_mask()),
   "scale": dict(scale=0.7),
+  "segments": dict(
+    query_segment_ids=jnp.asarray(np.arange(T)[None] // np.array([[5], [9]]), jnp.int32),
+    key_value_segment_ids=jnp.asarray(np.arange(S)[None] // np.array([[4], [9]]), jnp.int32),
+  ),
   "all": dict(
     is_causal=True,
     local_window_size=(6, 1),
@@ -78,18 +83,36 @@ def _close(got, want, tol):
     np.testing.assert_allclose(g, r, rtol=tol, atol=tol * max(1.0, np.abs(r).max()))
 
 
-@pytest.mark.parametrize("option", OPTIONS)
-def test_float64_values_and_gradients_equal_the_plain_formula(option):
-  q, k, v, bias = inputs(jnp.float64)
-  kw = OPTIONS[option]
-  want = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, bias)
-  for blocks in BLOCKS:
-    f = functools.partial(jaxact.dot_product_attention, block_sizes=blocks, **kw)
-    _close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
+# Every option alone and together, with several blocks each way whose last ones move back; the
+# default suite runs the combination and the skipping options (the others under -m exhaustive).
+_DEFAULT = {"all": BLOCKS[1], "causal+window": BLOCKS[0], "segments": BLOCKS[0]}
 
 
 @pytest.mark.parametrize(
-  "option", ["plain", "causal", "window", "causal+window", "mask", "scale", "lengths"]
+  "option, blocks",
+  [(o, b) for o, b in _DEFAULT.items()]
+  + [
+    pytest.param(o, b, marks=pytest.mark.exhaustive)
+    for o in OPTIONS
+    for b in BLOCKS
+    if _DEFAULT.get(o) != b
+  ],
+)
+def test_float64_values_and_gradients_equal_the_plain_formula(option, blocks):
+  q, k, v, bias = inputs(jnp.float64)
+  kw = OPTIONS[option]
+  want = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, bias)
+  f = functools.partial(jaxact.dot_product_attention, block_sizes=blocks, **kw)
+  _close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
+
+
+@pytest.mark.parametrize(
+  "option",
+  ["mask", "lengths"]
+  + [
+    pytest.param(o, marks=pytest.mark.exhaustive)
+    for o in ("plain", "causal", "window", "causal+window", "scale")
+  ],
 )
 def test_float64_against_jax_nn_xla(option):
   """jax.nn's own attention, differentiated by JAX; its softmax runs in float32 even for float64
@@ -105,7 +128,9 @@ def test_float64_against_jax_nn_xla(option):
   _close(_value_and_grads(ours, q, k, v, bias), _value_and_grads(theirs, q, k, v, bias), 2e-6)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 4], ids=["mqa", "mha"])
+@pytest.mark.parametrize(
+  "kv_heads", [1, pytest.param(4, marks=pytest.mark.exhaustive)], ids=["mqa", "mha"]
+)
 def test_gqa_mqa_mha_and_a_value_head_dim_of_its_own(kv_heads):
   q, k, v, bias = inputs(jnp.float64, kh=kv_heads, hv=5)
   f = functools.partial(jaxact.dot_product_attention, is_causal=True, block_sizes=(8, 8))
@@ -113,7 +138,11 @@ def test_gqa_mqa_mha_and_a_value_head_dim_of_its_own(kv_heads):
   _close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, T, S), (B, 1, 1, S), (1, N, T, 1), (T, S)])
+@pytest.mark.parametrize(
+  "shape",
+  [(B, 1, 1, S)]
+  + [pytest.param(s, marks=pytest.mark.exhaustive) for s in ((1, 1, T, S), (1, N, T, 1), (T, S))],
+)
 def test_the_bias_gradient_sums_over_its_broadcast_axes(shape):
   q, k, v, _ = inputs(jnp.float64)
   bias = jax.random.normal(jax.random.key(5), shape, jnp.float64)
@@ -129,13 +158,19 @@ def test_the_bias_gradient_sums_over_its_broadcast_axes(shape):
 
 def test_three_dimensional_inputs():
   q, k, v, bias = inputs(jnp.float64, b=1)
-  got = jaxact.dot_product_attention(q[0], k[0], v[0], bias[0], is_causal=True)
-  want = jax.nn.dot_product_attention(q[0], k[0], v[0], bias[0], is_causal=True)
+  got = jax.jit(functools.partial(jaxact.dot_product_attention, is_causal=True))(
+    q[0], k[0], v[0], bias[0]
+  )
+  want = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True))(
+    q[0], k[0], v[0], bias[0]
+  )
   assert got.shape == q.shape[1:]
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+  "dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.exhaustive)]
+)
 def test_half_precision_against_float32(dtype):
   q, k, v, bias = (a.astype(dtype) for a in inputs(jnp.float32))
   kw = dict(is_causal=True, logits_soft_cap=3.0, block_sizes=(8, 8))
@@ -144,7 +179,7 @@ def test_half_precision_against_float32(dtype):
   up = tuple(a.astype(jnp.float32) for a in (q, k, v, bias))
   want = _value_and_grads(f, *up)
   assert got[0].dtype == jnp.float64 and got[1][0].dtype == dtype
-  assert jaxact.dot_product_attention(q, k, v).dtype == dtype
+  assert jax.eval_shape(jaxact.dot_product_attention, q, k, v).dtype == dtype
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
     assert np.linalg.norm(g - r) <= 2e-2 * np.linalg.norm(r)
@@ -153,6 +188,7 @@ def test_half_precision_against_float32(dtype):
 def test_check_grads_reverse():
   q, k, v, bias = inputs(jnp.float64, b=1, t=6, s=5, n=2, kh=1, h=4)
 
+  @jax.jit
   def f(q, k, v, bias):
     return jaxact.dot_product_attention(
       q, k, v, bias, is_causal=True, logits_soft_cap=2.0, block_sizes=(4, 2)
@@ -162,31 +198,22 @@ def test_check_grads_reverse():
 
 
 def test_jit_vmap_remat_scan():
+  """vmap over a leading axis, and the gradient through a scan of two layers with and without
+  jax.checkpoint, equal the plain call (which the tests above compare with the references)."""
   q, k, v, bias = inputs(jnp.float64)
   f = functools.partial(jaxact.dot_product_attention, is_causal=True, block_sizes=(8, 8))
-  want = f(q, k, v, bias)
-  np.testing.assert_allclose(jax.jit(f)(q, k, v, bias), want, rtol=1e-13)
-  stacked = jax.vmap(f, in_axes=(0, 0, 0, None))(q[None], k[None], v[None], bias)
+  want = jax.jit(f)(q, k, v, bias)
+  stacked = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q[None], k[None], v[None], bias)
   np.testing.assert_allclose(stacked[0], want, rtol=1e-13)
 
   def layers(q, checkpoint):
     body = jax.checkpoint(f) if checkpoint else f
+    return jnp.sum(lax.scan(lambda x, _: (body(x, k, v, bias), None), q, None, length=2)[0])
 
-    def step(x, _):
-      return body(x, k, v, bias), None
-
-    return jnp.sum(lax.scan(step, q, None, length=3)[0])
-
-  g, g_remat = (jax.grad(layers)(q, c) for c in (False, True))
+  g, g_remat = (jax.jit(jax.grad(layers), static_argnums=1)(q, c) for c in (False, True))
   np.testing.assert_allclose(g_remat, g, rtol=1e-12)
-  ref = jax.grad(
-    lambda q: jnp.sum(
-      lax.scan(
-        lambda x, _: (attention_reference(x, k, v, bias, is_causal=True), None), q, None, length=3
-      )[0]
-    )
-  )(q)
-  np.testing.assert_allclose(g, ref, rtol=1e-10, atol=1e-12)
+  twice = jax.grad(lambda q: jnp.sum(f(f(q, k, v, bias), k, v, bias)))  # the scan unrolled
+  np.testing.assert_allclose(g, jax.jit(twice)(q), rtol=1e-12)
 
 
 # ------------------------------------------------------------------------- what it keeps
@@ -201,11 +228,11 @@ def test_the_pullback_keeps_q_k_v_bias_o_and_one_lse_a_row():
   for a in (q, k, v, bias):
     assert any(x is a for x in kept)
   assert any(x.shape == out.shape and np.array_equal(x, out) for x in kept)
-  lse = [x for x in kept if x.size == B * N * T and x.dtype == jnp.float32 and x.ndim == 4]
+  lse = [x for x in kept if x.shape == (B, N, T) and x.dtype == jnp.float32]
   assert len(lse) == 1
   z = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, 2)) / np.sqrt(H) + bias
   z = jnp.where(jnp.tril(jnp.ones((T, S), bool)), z, -jnp.inf)
-  want = jax.nn.logsumexp(z, -1).reshape(B, K, N // K, T)
+  want = jax.nn.logsumexp(z, -1)
   np.testing.assert_allclose(lse[0], want, rtol=1e-5)
   budget = q.nbytes + k.nbytes + v.nbytes + bias.nbytes + out.nbytes + lse[0].nbytes
   assert sum(x.nbytes for x in kept) <= budget + 64
@@ -241,7 +268,7 @@ def test_the_visited_blocks_are_exactly_those_with_an_unmasked_entry(causal, win
   """The loop bounds skip every block wholly outside the causal mask and the window, and visit
   every block with an unmasked entry (forward: key blocks a query block; backward: query blocks
   a key block)."""
-  plan = xla.AttentionPlan(scale=1.0, causal=causal, window=window, block_q=8, block_k=6)
+  plan = AttentionPlan(scale=1.0, causal=causal, window=window, block_q=8, block_k=6)
   sh = xla._Shapes(1, t, s, 1, 1)
   rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
   allowed = np.ones((t, s), bool)
@@ -282,21 +309,28 @@ def test_rows_that_see_no_key_give_zero_and_zero_gradients():
   q, k, v, _ = inputs(jnp.float32)
   mask = jnp.ones((B, 1, T, S), bool).at[0, 0, 3].set(False)  # row 3 of batch 0 sees nothing
   bias = jnp.zeros((B, 1, T, S), jnp.float32).at[1, 0, 5].set(-jnp.inf)  # nor row 5 of batch 1
-  kv_len = jnp.array([S, 0])  # batch 1 sees no key at all ...
-  kw = dict(mask=mask, block_sizes=(8, 8))
-  f = functools.partial(jaxact.dot_product_attention, **kw)
-  out = f(q, k, v, bias)
-  assert np.all(out[0, 3] == 0) and np.all(out[1, 5] == 0)
-  g = jax.grad(lambda q, k, v, b: jnp.sum(f(q, k, v, b)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  kv_len = jnp.array([S, 0], jnp.int32)  # nor, with the lengths, any row of batch 1
+
+  def f(q, k, v, bias, kv_len):
+    return jaxact.dot_product_attention(
+      q, k, v, bias, mask, key_value_seq_lengths=kv_len, block_sizes=(8, 8)
+    )
+
+  step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3)))
+  (_, g), out = step(q, k, v, bias, kv_len.at[1].set(S)), jax.jit(f)(q, k, v, bias, kv_len)
+  assert np.all(out[0, 3] == 0) and np.all(out[1] == 0) and np.all(np.isfinite(out))
   assert all(np.all(np.isfinite(x)) for x in g)
   assert np.all(g[0][0, 3] == 0) and np.all(g[0][1, 5] == 0)
-  out = f(q, k, v, bias, key_value_seq_lengths=kv_len)  # ... and every batch-1 row is 0
-  assert np.all(out[1] == 0) and np.all(np.isfinite(out))
-  g = jax.grad(lambda k: jnp.sum(f(q, k, v, bias, key_value_seq_lengths=kv_len)))(k)
-  assert np.all(g[1] == 0) and np.all(np.isfinite(g))
+  assert np.all(g[3][0, 0, 3] == 0) and np.all(g[3][1, 0, 5] == 0)  # dbias too
+  _, g = step(q, k, v, bias, kv_len)
+  assert np.all(g[0][1] == 0) and np.all(g[1][1] == 0) and np.all(g[2][1] == 0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+  "dtype",
+  [jnp.float32]
+  + [pytest.param(d, marks=pytest.mark.exhaustive) for d in (jnp.bfloat16, jnp.float16)],
+)
 def test_logits_of_any_finite_size_give_no_nan(dtype):
   """Logits past the float32 range (q . k overflows: each product fits, their sum does not) are
   clipped to it; the softmax of huge logits stays finite, and so do the gradients."""
@@ -304,8 +338,8 @@ def test_logits_of_any_finite_size_give_no_nan(dtype):
   big = 1e19 if dtype != jnp.float16 else float(jnp.finfo(dtype).max) / 4
   q, k, v = (a.astype(dtype) for a in (jnp.abs(q) * big, jnp.abs(k) * big, v))
   f = functools.partial(jaxact.dot_product_attention, is_causal=True, block_sizes=(8, 8))
-  out = f(q, k, v)
-  g = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
+  out, g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in g)
 
@@ -313,7 +347,11 @@ def test_logits_of_any_finite_size_give_no_nan(dtype):
 # ---------------------------------------------------------------------------------- dropout
 
 
-@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "per_head"])
+@pytest.mark.parametrize(
+  "broadcast",
+  [True, pytest.param(False, marks=pytest.mark.exhaustive)],
+  ids=["broadcast", "per_head"],
+)
 def test_dropout_equals_flax_attention_dropout(broadcast):
   """The same key gives Flax's mask: values and gradients equal flax.linen's attention with
   dropout (float32), blocked or whole."""
@@ -325,9 +363,8 @@ def test_dropout_equals_flax_attention_dropout(broadcast):
     return nn.dot_product_attention(q, k, v, deterministic=False, **flax_kw)
 
   want = _value_and_grads(theirs, q, k, v, None)
-  for blocks in ((8, 8), (T, S)):
-    ours = functools.partial(jaxact.dot_product_attention, block_sizes=blocks, **flax_kw)
-    _close(_value_and_grads(ours, q, k, v, None), want, 2e-5)
+  ours = functools.partial(jaxact.dot_product_attention, block_sizes=(8, 8), **flax_kw)
+  _close(_value_and_grads(ours, q, k, v, None), want, 2e-5)
 
 
 def test_dropout_keeps_the_key_not_the_mask():
@@ -341,6 +378,30 @@ def test_dropout_keeps_the_key_not_the_mask():
     for x in jax.tree.leaves(pull)
     if x.shape != q.shape and x.shape != k.shape
   )
+
+
+# --------------------------------------------------------------------------------- backends
+
+
+def test_the_triton_kernels_through_jaxact_equal_the_xla_path():
+  """implementation='pallas' runs pallas_kernels.attention (interpret mode on CPU) inside the same
+  custom_vjp: values and gradients equal the XLA path's (grouped heads, causal, soft cap, a batch
+  row with no key)."""
+  q, k, v, _ = inputs(jnp.float32, s=T, h=16)
+  kw = dict(is_causal=True, logits_soft_cap=3.0, key_value_seq_lengths=jnp.array([T, 0], jnp.int32))
+  got, want = (
+    _value_and_grads(
+      lambda q, k, v, _, impl=impl: jaxact.dot_product_attention(
+        q, k, v, implementation=impl, **kw
+      ),
+      q,
+      k,
+      v,
+      None,
+    )
+    for impl in ("pallas", "xla")
+  )
+  _close(got, want, 2e-5)
 
 
 # ----------------------------------------------------------------------------------- errors
@@ -364,6 +425,12 @@ ERRORS = [
   (dict(local_window_size=-1), ValueError, "ints >= 0"),
   (dict(local_window_size=(2.5, 1)), ValueError, "`local_window_size`"),
   (dict(query_seq_lengths=jnp.array([1, 2, 3])), ValueError, r"accepted: \(2,\)"),
+  (dict(query_segment_ids=jnp.zeros((B, T), jnp.int32)), ValueError, "only when T == S"),
+  (
+    dict(query_segment_ids=jnp.zeros((B, T)), key_value_segment_ids=jnp.zeros((B, S))),
+    TypeError,
+    "`query_segment_ids` has dtype float",
+  ),
   (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), TypeError, "integer dtype"),
   (dict(logits_soft_cap=0.0), ValueError, "`logits_soft_cap` is 0.0"),
   (dict(logits_soft_cap="1"), TypeError, "Python float"),
@@ -373,7 +440,9 @@ ERRORS = [
   (dict(dropout_rate=1.5, dropout_rng=jax.random.key(0)), ValueError, "`dropout_rate`"),
   (dict(block_sizes=(0, 4)), ValueError, "`block_sizes`"),
   (dict(implementation="triton"), ValueError, "`implementation` 'triton' is not known"),
-  (dict(implementation="pallas"), NotImplementedError, "no GPU attention kernel"),
+  (dict(implementation="pallas", bias=jnp.zeros((1, 1, T, S))), NotImplementedError, "additive"),
+  (dict(implementation="pallas", scale=-1.0), NotImplementedError, "positive scale"),
+  (dict(implementation="mosaic"), NotImplementedError, "no Mosaic GPU"),
   (dict(implementation="cudnn", logits_soft_cap=2.0), NotImplementedError, "soft cap"),
   (dict(implementation="cudnn"), NotImplementedError, "dtype float32"),
 ]

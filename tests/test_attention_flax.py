@@ -26,7 +26,10 @@ def _close(a, b, tol=2e-5):
     np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("case", ["plain", "causal_mask", "dropout", "batch_axes"])
+@pytest.mark.parametrize(
+  "case",
+  ["causal_mask", "dropout", "batch_axes", pytest.param("plain", marks=pytest.mark.exhaustive)],
+)
 def test_linen_attention_fn_equals_flax(case):
   x = _x((2, 3, 12, D) if case == "batch_axes" else (2, 12, D))
   kw = dict(num_heads=HEADS, qkv_features=D)
@@ -49,7 +52,11 @@ def test_linen_attention_fn_equals_flax(case):
   _close(got, want)
 
 
-@pytest.mark.parametrize("case", ["plain", "is_causal", "mask", "dropout"])
+@pytest.mark.parametrize(
+  "case",
+  ["is_causal", "dropout"]
+  + [pytest.param(c, marks=pytest.mark.exhaustive) for c in ("plain", "mask")],
+)
 def test_nnx_attention_fn_equals_flax(case):
   x = _x()
   kw = dict(num_heads=HEADS, in_features=D, qkv_features=D, decode=False)
@@ -65,6 +72,7 @@ def test_nnx_attention_fn_equals_flax(case):
     call["mask"] = nnx.make_causal_mask(jnp.ones(x.shape[:-1]))
   if case == "dropout":
     call["deterministic"] = False
+    call["is_causal"] = True
 
   def loss(model, x, seed):
     extra = {"rngs": nnx.Rngs(dropout=seed)} if case == "dropout" else {}

@@ -313,3 +313,50 @@ def test_mosaic_reason_names_the_per_device_block():
       loss("mosaic").trace(x, w)
     text = loss(None).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
   assert MOSAIC not in text and TRITON not in text
+
+
+def test_the_kernels_refuse_gemmas_sharding_by_name_and_none_takes_xla():
+  """Issue 33's patterns (Flax's Gemma example on a 4 x 2 fsdp x tensor mesh: FSDP weights,
+  feature-sharded activations, out_sharding): "pallas" / "mosaic" say why (a contraction
+  dimension split, an out_sharding the kernels do not give), and None lowers for CUDA to XLA's
+  partitioned products with no kernel at all."""
+  mesh = cuda_mesh((4, 2), ("fsdp", "tensor"))
+  act = P("fsdp", None, "tensor")
+
+  def struct(shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  x = struct((8, 16, 64), act)
+  w_in, w_out = struct((64, 128), P("fsdp", "tensor")), struct((128, 64), P("tensor", "fsdp"))
+  head, labels = struct((64, 256), P("fsdp", "tensor")), struct((8, 16), P("fsdp"), jnp.int32)
+
+  def dense(impl):
+    return lambda x, w: jaxact.dense_bias_act(
+      x, w, activation="gelu", implementation=impl, out_sharding=act
+    )
+
+  def gated(impl):
+    return lambda x, w, w_out: jaxact.gated_mlp(
+      x, w, w, w_out, activation="gelu", implementation=impl, out_sharding=act
+    )
+
+  def lce(impl):
+    return lambda x, w, y: jaxact.linear_cross_entropy(x, w, y, implementation=impl)
+
+  cases = [(dense, "pallas", (x, w_in)), (gated, "pallas", (x, w_in, w_out))]
+  cases.append((lce, "mosaic", (x, head, labels)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    for make, impl, args in cases:
+      with pytest.raises(NotImplementedError, match="contraction dimension is sharded"):
+        jax.jit(make(impl)).trace(*args)
+      text = jax.jit(make(None)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert TRITON not in text and MOSAIC not in text
+    # Rows and columns as the kernels split them, but an out_sharding they do not give.
+    rows, columns = struct((8, 16, 64), P("fsdp", None, None)), struct((64, 128), P(None, "tensor"))
+    out = P("fsdp", None, None)
+    with pytest.raises(NotImplementedError, match=r"out_sharding=P\('fsdp', None, None\) differs"):
+      jax.jit(
+        lambda x, w: jaxact.dense_bias_act(
+          x, w, activation="gelu", implementation="pallas", out_sharding=out
+        )
+      ).trace(rows, columns)

@@ -84,10 +84,16 @@ class Target:
     return self.compute_capability is None or self.compute_capability >= 8.0
 
 
+def context_mesh():
+  """The mesh of the current ``jax.set_mesh`` / ``use_abstract_mesh`` context (an empty one
+  without): the lowering target's device, and what a ``PartitionSpec`` ``out_sharding`` names."""
+  return jax.sharding.get_abstract_mesh()
+
+
 def target() -> Target:
   """The lowering target: the abstract mesh's device when it is a CUDA one, else the CUDA devices
   this process sees."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  device = getattr(context_mesh(), "abstract_device", None)
   if device is not None and device.platform in ("cuda", "gpu"):
     return Target(True, device.device_kind, getattr(device, "num_cores", None) or None)
   try:
@@ -134,13 +140,21 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
   why = _call_unsupported(plan, x, w)
   if why is not None:
     return why
+  out = plan.linear.out_sharding  # the caller's out_sharding (Explicit axes), or None
+  out = None if out is None else pallas_sharding.sharding_spec(out, x.ndim)
   if dense:
-    sharded = pallas_sharding.dense_reason(x, w)  # kernels under shard_map for known patterns
+    # kernels under shard_map for known patterns
+    sharded = pallas_sharding.dense_reason(x, w, out)
   else:
     # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
     sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
     if sharded is None and any(pallas_sharding.spec_of(w)):
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
+    if sharded is None and out is not None and out[plan.linear.dimension_numbers.out_spec[1]]:
+      sharded = (
+        f"out_sharding={pallas_sharding._pspec(out)} splits the output's features (the "
+        "epilogue kernels split the batch only)"
+      )
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
   rule = plan.act.rule
@@ -188,7 +202,9 @@ def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Arr
   why = _call_unsupported(plan, x, w_gate)
   if why is not None:
     return why
-  sharded = pallas_sharding.gated_reason(x, w_gate, w_up)
+  hidden = plan.hidden_sharding
+  hidden = None if hidden is None else pallas_sharding.sharding_spec(hidden, x.ndim)
+  sharded = pallas_sharding.gated_reason(x, w_gate, w_up, hidden)
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
   from pallas_kernels import allow_tf32, unlowered_primitives
@@ -377,7 +393,9 @@ def lce_mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
   if plan.precision not in (None, lax.Precision.DEFAULT, (None, None)):
     return f"precision={plan.precision!r} (the kernel multiplies at the operands' own precision)"
   pattern = pallas_sharding.dense_pattern(x, w)
-  if isinstance(pattern, str) or (pattern is not None and pattern.model):
+  if isinstance(pattern, str):
+    return f"inputs sharded over a mesh: {pattern}"
+  if pattern is not None and pattern.model:
     return "the vocabulary split over devices (the kernel path runs data parallel only)"
   from pallas_kernels import lce_hopper, lce_hopper_bwd
 

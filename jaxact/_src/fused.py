@@ -17,28 +17,35 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch, dropout, pallas_sharding
+from jaxact._src import dispatch, dropout, shardings
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
 from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
 
 
 def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation, drop=None):
-  z = jax.eval_shape(functools.partial(linear, acc_dtype=acc_dtype), x, w)
+  z = shardings.product_shape(fn_name, functools.partial(linear, acc_dtype=acc_dtype), x, w)
   act, dynamic = args.resolve_activation(fn_name, activation, z, out_dtype)
   drop, key = drop if drop is not None else (None, None)
   plan = Plan(linear, act, acc_dtype, out_dtype, b is not None, dropout=drop)
-  if b is not None and pallas_sharding.typed_sharding(b) is not None:
-    plan = dataclasses.replace(plan, bias_sharding=pallas_sharding.typed_sharding(b))
+  x_dim, w_dim = linear.contraction_dims(x.ndim)
+  x_gather = shardings.product_input(x, x_dim, w, w_dim)
+  specs = shardings.specs(x, w, b)
+  plan = dataclasses.replace(
+    plan, shardings=specs, x_gather=x_gather, sharded=shardings.spread(specs)
+  )
   if implementation != "xla":
     decision = dispatch.decide(fn_name, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
   return fused(plan, x, w, b, key, *dynamic)
 
 
-def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl, drop=None) -> Array:
+def _dense(
+  fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl, drop=None, out_sharding=None
+) -> Array:
   if x.ndim < 1 or w.ndim != 2:
     raise ValueError(
       f"jaxact.{fn_name}: `x` must have rank >= 1 and `w` rank 2 (in, out); got "
@@ -50,8 +57,10 @@ def _dense(fn_name, x, w, b, activation, precision, acc_dtype, out_dtype, impl, 
       f"(x.shape={x.shape}, w.shape={w.shape})"
     )
   args.check_bias(fn_name, b, w.shape[1], w)
-  linear = Dense(args.hashable_precision(precision))
-  return _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, impl, drop)
+  out_sharding = shardings.check(fn_name, out_sharding, x.ndim)
+  linear = Dense(args.hashable_precision(precision), shardings.typed(out_sharding))
+  y = _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, impl, drop)
+  return shardings.constrain(y, out_sharding)
 
 
 # ------------------------------------------------------------------------- public functions
@@ -69,6 +78,7 @@ def dense_bias_act(
   dropout_rate: float = 0.0,
   dropout_rng: ArrayLike | None = None,
   dropout_broadcast_dims: Sequence[int] = (),
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Dense layer with bias and activation, keeping only the output for the backward pass.
 
@@ -125,6 +135,13 @@ def dense_bias_act(
       required when ``dropout_rate > 0``.
     dropout_broadcast_dims: output axes that share one mask, as ``nn.Dropout``'s
       ``broadcast_dims``.
+    out_sharding: the output's sharding, as ``jnp.dot`` takes it (a ``PartitionSpec`` of the
+      current mesh or a ``NamedSharding``). Under Explicit mesh axes it is needed where ``x``'s and
+      ``w``'s contraction dimensions are both sharded (FSDP weights with feature-sharded
+      activations); it goes to the forward's ``lax.dot_general``, so XLA partitions the product
+      as it would ``jnp.dot(x, w, out_sharding=...)``, and the backward's transposes give ``dx``
+      and ``dw`` their inputs' shardings (``db`` too). Under Auto axes it is a sharding
+      constraint on the output.
 
   Returns:
     ``activation(x @ w + b)``, of shape ``(..., out)``, dropped out when ``dropout_rate > 0``.
@@ -141,7 +158,9 @@ def dense_bias_act(
     dispatch.check_implementation(fn_name, implementation)
     x, w, b, acc, out = args.prepare(fn_name, x, w, b, preferred_element_type)
     drop = dropout.check(fn_name, dropout_rate, dropout_rng, dropout_broadcast_dims, max(x.ndim, 1))
-    return _dense(fn_name, x, w, b, activation, precision, acc, out, implementation, drop)
+    return _dense(
+      fn_name, x, w, b, activation, precision, acc, out, implementation, drop, out_sharding
+    )
 
 
 def conv_bias_act(
@@ -159,6 +178,7 @@ def conv_bias_act(
   precision: lax.PrecisionLike = None,
   preferred_element_type: DTypeLike | None = None,
   implementation: Implementation | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Convolution with bias and activation, keeping only the output for the backward pass.
 
@@ -196,6 +216,8 @@ def conv_bias_act(
       the convolution and its transposes stay with XLA and the bias + activation epilogue and its
       backward (dz and db in one pass) are kernels; channels-last outputs only. ``"mosaic"`` (the
       Hopper dense kernels) applies to 1x1 unit-stride convolutions only, which are dense layers.
+    out_sharding: the output's sharding, as :func:`jax.lax.conv_general_dilated` takes it (under
+      Explicit mesh axes needed where the kernel is sharded; see :func:`dense_bias_act`).
 
   Returns:
     ``activation(conv(x, w) + b)``.
@@ -265,6 +287,12 @@ def conv_bias_act(
     ):
       # A 1x1 kernel is a matmul over the channels; rhs_dilation of a size-1 window is a no-op.
       w2 = w.reshape(w.shape[-2], w.shape[-1])
-      return _dense(fn_name, x, w2, b, activation, precision, acc, out, implementation)
-    linear = Conv(strides, pads, lhs_dil, rhs_dil, dn, groups, args.hashable_precision(precision))
-    return _run(fn_name, linear, x, w, b, activation, acc, out, implementation)
+      return _dense(
+        fn_name, x, w2, b, activation, precision, acc, out, implementation, None, out_sharding
+      )
+    out_sharding = shardings.check(fn_name, out_sharding, x.ndim)
+    precision = args.hashable_precision(precision)
+    typed = shardings.typed(out_sharding)
+    linear = Conv(strides, pads, lhs_dil, rhs_dil, dn, groups, precision, typed)
+    y = _run(fn_name, linear, x, w, b, activation, acc, out, implementation)
+    return shardings.constrain(y, out_sharding)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import activations, barriers, kernel_calls, pallas_sharding
+from jaxact._src import activations, barriers, kernel_calls, pallas_sharding, shardings
 from jaxact._src.dispatch import Decision
 from jaxact._src.dropout import Dropout
 
@@ -69,13 +69,27 @@ class Act:
 class Dense:
   kind: ClassVar[str] = "dense"
   precision: Any
+  # Under Explicit mesh axes, the product's output sharding (jnp.dot's `out_sharding`); its
+  # transposes, the backward's products, give x's and w's.
+  out_sharding: Any = None
 
   def __call__(self, x: Array, w: Array, acc_dtype) -> Array:
     dims = (((x.ndim - 1,), (0,)), ((), ()))
-    return lax.dot_general(x, w, dims, self.precision, preferred_element_type=acc_dtype)
+    return lax.dot_general(
+      x,
+      w,
+      dims,
+      self.precision,
+      preferred_element_type=acc_dtype,
+      out_sharding=self.out_sharding,
+    )
 
   def feature_axis(self, ndim: int) -> int:
     return ndim - 1
+
+  def contraction_dims(self, ndim: int) -> tuple[int, int]:
+    """The dimensions of x and w the product contracts."""
+    return ndim - 1, 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +102,7 @@ class Conv:
   dimension_numbers: lax.ConvDimensionNumbers
   feature_group_count: int
   precision: Any
+  out_sharding: Any = None  # as Dense's
 
   def __call__(self, x: Array, w: Array, acc_dtype) -> Array:
     return lax.conv_general_dilated(
@@ -101,10 +116,14 @@ class Conv:
       self.feature_group_count,
       precision=self.precision,
       preferred_element_type=acc_dtype,
+      out_sharding=self.out_sharding,
     )
 
   def feature_axis(self, ndim: int) -> int:
     return self.dimension_numbers.out_spec[1]
+
+  def contraction_dims(self, ndim: int) -> tuple[int, int]:
+    return self.dimension_numbers.lhs_spec[1], self.dimension_numbers.rhs_spec[1]
 
 
 # ------------------------------------------------------------------------- the custom_vjp rule
@@ -120,9 +139,14 @@ class Plan:
   out_dtype: np.dtype
   has_bias: bool
   decision: Decision = dataclasses.field(default_factory=Decision)  # jaxact._src.dispatch
-  # b's sharding when its type carries one (Explicit mesh axes): db, summed from dz, is sharded like
-  # the output's features and must be resharded to match b (a replicated b with column-sharded w).
-  bias_sharding: Any = None
+  # The specs of x, w and b when their types carry Explicit-axes shardings: each cotangent is
+  # resharded to its primal's (db, summed from dz, is split like the output's features, where b
+  # may be replicated).
+  shardings: tuple = (None, None, None)
+  # The spec x is resharded to before the products (shardings.product_input), and kept in: its
+  # contraction dimension split as w's is, gathered over the other axes (None: x as it is).
+  x_gather: Any = None
+  sharded: bool = False  # operands are or may be split over devices (shardings.spread)
   dropout: Dropout | None = None  # applied to the activation's output, inside the op
 
   def bias_shape(self, ndim: int, features: int) -> tuple[int, ...]:
@@ -157,7 +181,8 @@ def _backward_matmul_dtype(plan: Plan, operands) -> np.dtype:
 def _preactivation(plan: Plan, x: Array, w: Array, b: Array | None) -> Array:
   z = plan.linear(x, w, _forward_matmul_dtype(plan, x.dtype)).astype(plan.acc_dtype)
   if b is not None:
-    z = z + b.astype(plan.acc_dtype).reshape(plan.bias_shape(z.ndim, b.shape[0]))
+    bias = b.astype(plan.acc_dtype).reshape(plan.bias_shape(z.ndim, b.shape[0]))
+    z = z + shardings.align(bias, z)
   return z
 
 
@@ -181,7 +206,7 @@ def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Arra
     # agree. A kept one is the residual, whole.
     drop = plan.dropout
     z = _preactivation(plan, x, w, b if act.kept_z else None)
-    bias = None if act.kept_z or b is None else b.astype(plan.acc_dtype)
+    bias = None if act.kept_z or b is None else shardings.align(b.astype(plan.acc_dtype), z)
 
     def block(mask, z):
       return drop.apply(mask, activate(z if bias is None else z + bias))
@@ -197,6 +222,8 @@ def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Arra
 
 def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, key, *dynamic: Array):
   act = plan.act
+  if plan.x_gather is not None:  # gathered once; the backward's dw reads it again
+    x = shardings.to_spec(x, plan.x_gather)
   if plan.decision.forward == "xla":
     y, z = _xla_forward(plan, x, w, b, *dynamic, key=key)
   else:  # only calls without array parameters get here: `dynamic` is empty
@@ -253,7 +280,9 @@ def _kernel_grad(plan: Plan, x: Array, w: Array, dz: Array) -> Array:
   # Without the barrier XLA (on CPU) copies each layer's input to the layout of its kernel-gradient
   # convolution as soon as the input exists, in the forward pass, and keeps the copy next to it
   # until the backward pass (2L buffers instead of L). Tying x to dz keeps the copy in the backward.
-  x, dz = lax.optimization_barrier((x, dz))
+  # Sharded, _transposes ties them for both products (see there).
+  if not plan.sharded:
+    x, dz = lax.optimization_barrier((x, dz))
   chunks = 1
   # Under Explicit mesh axes the sharding is in the types, which cannot express a strided slice of
   # a sharded batch: there the kernel gradient stays one convolution (each device's is local).
@@ -288,8 +317,7 @@ def _kernel_grad(plan: Plan, x: Array, w: Array, dz: Array) -> Array:
 
 def _fused_bwd(plan: Plan, res, g):
   dx, dw, db, *rest = _fused_bwd_unsharded(plan, res, g)
-  if db is not None and plan.bias_sharding is not None:
-    db = jax.sharding.reshard(db, plan.bias_sharding)
+  dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
   return (dx, dw, db, None, *rest)  # None: the dropout key's (integer) cotangent
 
 
@@ -376,10 +404,19 @@ def _dropped_cotangents(plan: Plan, kept, key, g, dynamic, cotangents, dz_dtype)
 
 def _transposes(plan: Plan, x: Array, w: Array, dz: Array) -> tuple[Array, Array]:
   """``(dx, dw)`` from dz (in the backward matmul dtype): the linear op's two transposes."""
+  if plan.sharded:
+    # One barrier for both products: past a barrier XLA gathers again what a product gathers (dz's
+    # features, a weight), so dw and dx read the same dz, as the plain composition's do.
+    x, dz = lax.optimization_barrier((x, dz))
   dw = _kernel_grad(plan, x, w, dz)
-  # dx waits for the kernel gradient, whose operand copies would otherwise be alive next to it.
-  dz, w, _ = lax.optimization_barrier((dz, w, dw))
-  (dx,) = jax.linear_transpose(lambda x_: plan.linear(x_, w, dz.dtype), x)(dz)
+  # dx waits for the kernel gradient, whose operand copies would otherwise be alive next to it
+  # (sharded, not: see _kernel_grad).
+  if not plan.sharded:
+    dz, w, _ = lax.optimization_barrier((dz, w, dw))
+  # Against x's own type where the forward gathered it: dx comes out split as x is (a
+  # reduce-scatter where XLA would all-reduce then slice).
+  x_type = x if plan.x_gather is None else shardings.struct(x, plan.shardings[0])
+  (dx,) = jax.linear_transpose(lambda x_: plan.linear(x_, w, dz.dtype), x_type)(dz)
   return dx, dw
 
 

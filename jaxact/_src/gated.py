@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 
 import jax
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch, dropout
+from jaxact._src import dispatch, dropout, shardings
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
 from jaxact._src.gated_vjp import GatedPlan, gated
@@ -60,6 +61,43 @@ def _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> Non
       )
 
 
+def _sharded_plan(fn_name: str, plan: GatedPlan, x, w_gate, w_up, w_down, out_sharding, arrays):
+  """`plan` with the shardings of its products (Explicit mesh axes): the hidden's (the caller's
+  for gated_dense; where jax infers none, x's rows and w_gate's columns), y's (the caller's), the
+  gathers of x and h, the primals' specs."""
+  out_sharding = shardings.typed(out_sharding)
+  hidden = out_sharding if not plan.has_down else None
+  if hidden is None and (shardings.spec(x) is not None or shardings.spec(w_gate) is not None):
+    hidden = shardings.inferred_or_rows_by_columns(x, w_gate)
+  x_gather = shardings.product_input(x, x.ndim - 1, w_gate, 0)
+  h_gather = None
+  if plan.has_down:
+    x_in = x if x_gather is None else shardings.struct(x, x_gather)
+
+    def h_of(x, w):
+      return _project_shape(plan, x, w, hidden)
+
+    h = shardings.product_shape(fn_name, h_of, x_in, w_gate)
+    h_gather = shardings.product_input(h, h.ndim - 1, w_down, 0)
+    h_in = h if h_gather is None else shardings.struct(h, h_gather)
+    shardings.product_shape(
+      fn_name, lambda h, w: _project_shape(plan, h, w, out_sharding), h_in, w_down
+    )
+  return dataclasses.replace(
+    plan,
+    hidden_sharding=hidden,
+    out_sharding=out_sharding if plan.has_down else None,
+    x_gather=x_gather,
+    h_gather=h_gather,
+    shardings=shardings.specs(*arrays),
+  )
+
+
+def _project_shape(plan: GatedPlan, x, w, out_sharding):
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  return lax.dot_general(x, w, dims, plan.precision, out_sharding=out_sharding)
+
+
 def _run(
   fn_name,
   arrays,
@@ -68,11 +106,13 @@ def _run(
   preferred_element_type,
   implementation,
   drop=(0.0, None, ()),
+  out_sharding=None,
 ):
   dispatch.check_implementation(fn_name, implementation)
   prepared, acc, out = args.prepare_arrays(fn_name, arrays, preferred_element_type)
   x, w_gate, w_up, w_down, b_gate, b_up, b_down = prepared.values()
   _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+  out_sharding = shardings.check(fn_name, out_sharding, x.ndim)
   drop, key = dropout.check(fn_name, *drop, max(x.ndim, 1))
   a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], w_gate.shape[1]), acc)
   act, dynamic = args.resolve_activation(fn_name, activation, a_shape, out)
@@ -100,9 +140,11 @@ def _run(
     has_down_bias=b_down is not None,
     dropout=drop,
   )
+  plan = _sharded_plan(fn_name, plan, x, w_gate, w_up, w_down, out_sharding, prepared.values())
   decision = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate, w_up)
   plan = dataclasses.replace(plan, decision=decision)
-  return gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
+  y = gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
+  return shardings.constrain(y, out_sharding)
 
 
 def gated_dense(
@@ -116,6 +158,7 @@ def gated_dense(
   precision: lax.PrecisionLike = None,
   preferred_element_type: DTypeLike | None = None,
   implementation: Implementation | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Gated linear unit: two projections of ``x``, one through an activation, multiplied.
 
@@ -152,6 +195,9 @@ def gated_dense(
       ``"mosaic"`` (the Hopper forward with the Triton backward; bfloat16/float16, ``M`` a
       multiple of 128, ``hidden`` of 128, ``in`` of 64). Kernels run in interpret mode off CUDA;
       calls they do not support raise ``NotImplementedError``.
+    out_sharding: ``h``'s sharding, as ``jnp.dot`` takes it (see :func:`dense_bias_act`); both
+      projections give it. None: what jax infers for ``x @ w_gate``, or where it infers none
+      (both contraction dimensions sharded), ``x``'s rows and ``w_gate``'s columns.
 
   Returns:
     ``h`` of shape ``(..., hidden)``.
@@ -174,7 +220,15 @@ def gated_dense(
       "b_up": b_up,
       "b_down": None,
     }
-    return _run(fn_name, arrays, activation, precision, preferred_element_type, implementation)
+    return _run(
+      fn_name,
+      arrays,
+      activation,
+      precision,
+      preferred_element_type,
+      implementation,
+      out_sharding=out_sharding,
+    )
 
 
 def gated_mlp(
@@ -193,6 +247,7 @@ def gated_mlp(
   dropout_rate: float = 0.0,
   dropout_rng: ArrayLike | None = None,
   dropout_broadcast_dims: Sequence[int] = (),
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""The gated MLP block of transformers (Llama's, Gemma's, PaLM's), keeping ``x``, ``a``, ``b``.
 
@@ -238,6 +293,12 @@ def gated_mlp(
       required when ``dropout_rate > 0``.
     dropout_broadcast_dims: axes of ``h`` that share one mask, as ``nn.Dropout``'s
       ``broadcast_dims``.
+    out_sharding: ``y``'s sharding, as ``jnp.dot`` takes it (see :func:`dense_bias_act`): under
+      Explicit mesh axes needed where ``h``'s and ``w_down``'s contraction dimensions are both
+      sharded (Megatron's row-parallel down projection, FSDP weights). The hidden ``a``, ``b``,
+      ``h`` are split as jax infers for ``x @ w_gate``, or where it infers none, as ``x``'s rows
+      and ``w_gate``'s columns (Gemma's ``act_btf`` for its ``act_btd`` input and ``(fsdp,
+      tensor)`` weights). Each gradient has its input's sharding.
 
   Returns:
     ``y`` of shape ``(..., out)``.
@@ -263,5 +324,12 @@ def gated_mlp(
     }
     drop = (dropout_rate, dropout_rng, dropout_broadcast_dims)
     return _run(
-      fn_name, arrays, activation, precision, preferred_element_type, implementation, drop
+      fn_name,
+      arrays,
+      activation,
+      precision,
+      preferred_element_type,
+      implementation,
+      drop,
+      out_sharding,
     )

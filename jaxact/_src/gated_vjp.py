@@ -35,7 +35,7 @@ import numpy as np
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxact._src import barriers, kernel_calls
+from jaxact._src import barriers, kernel_calls, shardings
 from jaxact._src.dispatch import Decision
 from jaxact._src.dropout import Dropout
 from jaxact._src.fused_vjp import Act
@@ -60,6 +60,15 @@ class GatedPlan:
   has_down_bias: bool = False
   dropout: Dropout | None = None  # of h, before the down projection (gated_mlp only)
   decision: Decision = dataclasses.field(default_factory=Decision)
+  # Explicit mesh axes: the output shardings of the two projections (a, b and h) and of the down
+  # projection (jnp.dot's `out_sharding`, None where jax infers one); the specs x and h are
+  # resharded to before their products (shardings.product_input; None: as they are); the specs
+  # of the primal arguments, which their cotangents take.
+  hidden_sharding: Any = None
+  out_sharding: Any = None
+  x_gather: Any = None
+  h_gather: Any = None
+  shardings: tuple = (None,) * 7
 
 
 def safe_mul(p: Array, q: Array) -> Array:
@@ -78,17 +87,25 @@ def _matmul_dtype(plan: GatedPlan, operands) -> np.dtype:
   return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
 
 
-def _dot(plan: GatedPlan, x: Array, w: Array, dtype) -> Array:
+def _dot(plan: GatedPlan, x: Array, w: Array, dtype, out_sharding=None) -> Array:
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  return lax.dot_general(x, w, dims, plan.precision, preferred_element_type=dtype)
+  return lax.dot_general(
+    x, w, dims, plan.precision, preferred_element_type=dtype, out_sharding=out_sharding
+  )
 
 
-def _project(plan: GatedPlan, x: Array, w: Array, bias: Array | None) -> Array:
+def _project(plan: GatedPlan, x: Array, w: Array, bias: Array | None, out_sharding=None) -> Array:
   """``x @ w + bias`` in the output dtype (the array that is kept), accumulated in float32+."""
-  z = _dot(plan, x, w, _matmul_dtype(plan, x.dtype)).astype(plan.acc_dtype)
+  z = _dot(plan, x, w, _matmul_dtype(plan, x.dtype), out_sharding).astype(plan.acc_dtype)
   if bias is not None:
-    z = z + bias.astype(plan.acc_dtype)
+    z = z + shardings.align(bias.astype(plan.acc_dtype), z)
   return z.astype(plan.out_dtype)
+
+
+def _down(plan: GatedPlan, h: Array, w_down: Array, b_down: Array | None) -> Array:
+  """The down projection of (the dropped) h, gathered first where its product needs it."""
+  h = shardings.to_spec(h, plan.h_gather) if plan.h_gather is not None else h
+  return _project(plan, h, w_down, b_down, plan.out_sharding)
 
 
 def _act(plan: GatedPlan, a: Array, dynamic) -> Array:
@@ -140,11 +157,11 @@ def dropped(plan: GatedPlan, key, h: Array) -> Array:
 
 def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
   """``(out, a, b)``: out is h for gated_dense, y for gated_mlp (h dropped first, with a key)."""
-  a = _project(plan, x, w_gate, b_gate)
-  b = _project(plan, x, w_up, b_up)
+  a = _project(plan, x, w_gate, b_gate, plan.hidden_sharding)
+  b = _project(plan, x, w_up, b_up, plan.hidden_sharding)
   out = hidden(plan, a, b, dynamic)
   if plan.has_down:
-    out = _project(plan, dropped(plan, key, out), w_down, b_down)
+    out = _down(plan, dropped(plan, key, out), w_down, b_down)
   return out, a, b
 
 
@@ -154,17 +171,20 @@ def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_do
   the kernel writes h alone, and a and b are None."""
 
   def xla(x, w_gate, w_up, b_gate, b_up):
-    a, b = _project(plan, x, w_gate, b_gate), _project(plan, x, w_up, b_up)
+    hs = plan.hidden_sharding
+    a, b = _project(plan, x, w_gate, b_gate, hs), _project(plan, x, w_up, b_up, hs)
     return (hidden(plan, a, b, ()), a, b) if keep else (hidden(plan, a, b, ()), None, None)
 
   args = (x, w_gate, w_up, b_gate, b_up)
   out, a, b = kernel_calls.gated_forward(plan, *args, xla, keep=keep)
   if plan.has_down:
-    out = _project(plan, out, w_down, b_down)
+    out = _down(plan, out, w_down, b_down)
   return out, a, b
 
 
 def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
+  if plan.x_gather is not None:  # gathered once; the backward's weight gradients read it again
+    x = shardings.to_spec(x, plan.x_gather)
   if plan.decision.forward == "xla":
     out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
   else:  # never with dropout (dispatch: the kernels draw no masks)
@@ -189,19 +209,20 @@ def _bias_grad(plan: GatedPlan, present: bool, dz: Array, dtype) -> Array | None
   return jnp.sum(dz, tuple(range(dz.ndim - 1)), dtype=plan.acc_dtype).astype(dtype)
 
 
-def _weight_grad(plan: GatedPlan, x: Array, w: Array, dz: Array) -> Array:
+def _weight_grad(plan: GatedPlan, x: Array, w: Array, dz: Array, out_sharding=None) -> Array:
   """``x^T dz`` over every axis but the last, as the transpose in `w` of ``x @ w``.
 
   Transposes rather than a hand-written dot_general: under Explicit mesh axes the transpose rules
   give the result `w`'s sharding, where a contraction over a sharded batch would be ambiguous.
   """
-  (dw,) = jax.linear_transpose(lambda w_: _dot(plan, x, w_, dz.dtype), w)(dz)
+  (dw,) = jax.linear_transpose(lambda w_: _dot(plan, x, w_, dz.dtype, out_sharding), w)(dz)
   return dw
 
 
-def _input_grad(plan: GatedPlan, dz: Array, w: Array, x: Array) -> Array:
-  """``dz @ w^T``, the transpose in `x` of ``x @ w``, in x's dtype."""
-  (dx,) = jax.linear_transpose(lambda x_: _dot(plan, x_, w, dz.dtype), x)(dz)
+def _input_grad(plan: GatedPlan, dz: Array, w: Array, x, out_sharding=None) -> Array:
+  """``dz @ w^T``, the transpose in `x` of ``x @ w``, in x's dtype (and sharding: `x` may be a
+  ``ShapeDtypeStruct`` of the sharding the result should take)."""
+  (dx,) = jax.linear_transpose(lambda x_: _dot(plan, x_, w, dz.dtype, out_sharding), x)(dz)
   return dx
 
 
@@ -223,10 +244,10 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
     h = dropped(plan, key, hidden(plan, a, b, dynamic))
     gy = g.astype(mm)
     d_down = (
-      _weight_grad(plan, h, w_down, gy),
+      _down_weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
-    gh = dropped(plan, key, _input_grad(plan, gy, w_down, h))  # Flax's dropout backward
+    gh = dropped(plan, key, _down_input_grad(plan, gy, w_down, a))  # Flax's dropout backward
   else:
     gh = g
   da, db, d_dynamic = gate_cotangents(plan, a, b, gh, dynamic)
@@ -238,25 +259,30 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
   return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, d_dynamic)
 
 
+def _down_weight_grad(plan: GatedPlan, h: Array, w_down: Array, gy: Array) -> Array:
+  h = shardings.to_spec(h, plan.h_gather) if plan.h_gather is not None else h
+  return _weight_grad(plan, h, w_down, gy, plan.out_sharding)
+
+
+def _down_input_grad(plan: GatedPlan, gy: Array, w_down: Array, like: Array) -> Array:
+  """gh, shaped, typed and split as `like` (a: h's shape, dtype and sharding)."""
+  return _input_grad(plan, gy, w_down, like, plan.out_sharding)
+
+
 def _projection_grads(plan: GatedPlan, x, w_gate, w_up, da, db, d_down, d_dynamic):
   """The cotangents of the primal arguments from da and db (in the backward matmul dtype)."""
-  acc = plan.acc_dtype
+  acc, hs = plan.acc_dtype, plan.hidden_sharding
   d_gate_bias = _bias_grad(plan, plan.has_gate_bias, da, x.dtype)
   d_up_bias = _bias_grad(plan, plan.has_up_bias, db, x.dtype)
-  dw_gate = _weight_grad(plan, x, w_gate, da)
-  dw_up = _weight_grad(plan, x, w_up, db)
-  dx = _input_grad(plan, da, w_gate, x).astype(acc) + _input_grad(plan, db, w_up, x).astype(acc)
+  dw_gate = _weight_grad(plan, x, w_gate, da, hs)
+  dw_up = _weight_grad(plan, x, w_up, db, hs)
+  # Against x's own type where the forward gathered it: dx comes out split as x is.
+  x_type = x if plan.x_gather is None else shardings.struct(x, plan.shardings[0])
+  dx = _input_grad(plan, da, w_gate, x_type, hs).astype(acc)
+  dx = dx + _input_grad(plan, db, w_up, x_type, hs).astype(acc)
   dw_down, d_down_bias = d_down
-  return (
-    dx.astype(x.dtype),
-    dw_gate,
-    dw_up,
-    dw_down,
-    d_gate_bias,
-    d_up_bias,
-    d_down_bias,
-    *d_dynamic,
-  )
+  grads = (dx.astype(x.dtype), dw_gate, dw_up, dw_down, d_gate_bias, d_up_bias, d_down_bias)
+  return (*shardings.retype(grads, plan.shardings), *d_dynamic)
 
 
 def _kernel_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
@@ -271,10 +297,10 @@ def _kernel_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
   d_down = None, None
   if plan.has_down:
     gy = g.astype(mm)
-    gh = _input_grad(plan, gy, w_down, a)  # a: an array of h's shape and dtype (h comes after)
+    gh = _down_input_grad(plan, gy, w_down, a)  # a: of h's shape and dtype (h comes after)
     da, db, h = kernel_calls.gated_backward(plan, gh, a, b, xla, with_h=True, grad_dtype=mm)
     d_down = (
-      _weight_grad(plan, h, w_down, gy),
+      _down_weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
   else:

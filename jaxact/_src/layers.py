@@ -4,7 +4,7 @@ The layers compute exactly what Flax's ``Dense``/``Linear`` and ``Conv`` compute
 (parameter creation, dtype promotion, batch flattening, ``CIRCULAR``/``REFLECT``/``CAUSAL`` padding,
 the kernel mask), and hand the matmul or convolution, the bias and the activation to
 :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act` as one op. What the fused op cannot
-express (a custom ``dot_general`` / ``conv_general_dilated``, an ``out_sharding``, dtypes other than
+express (a custom ``dot_general`` / ``conv_general_dilated``, dtypes other than
 real floating point) takes Flax's own computation followed by the activation.
 
 Flax's two padding and batch-flattening steps are written once here (:class:`ConvInputs`); they
@@ -124,16 +124,30 @@ def fused_out_dtype(preferred_element_type, bias: jax.Array | None):
   return jnp.promote_types(preferred_element_type, bias.dtype)
 
 
-def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision) -> jax.Array:
+def _dense(
+  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision, out_sharding=None
+) -> jax.Array:
   """Flax ``Dense``'s computation on promoted arrays."""
-  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  y = jax.lax.dot_general(x, kernel, dims, precision=precision, out_sharding=out_sharding)
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
 
 
 def gated_mlp(
-  activation, precision, x, w_gate, w_up, w_down, b_gate, b_up, b_down, dropped=None, layer=""
+  activation,
+  precision,
+  x,
+  w_gate,
+  w_up,
+  w_down,
+  b_gate,
+  b_up,
+  b_down,
+  dropped=None,
+  layer="",
+  out_sharding=None,
 ) -> jax.Array:
   """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
   :func:`dropout_kwargs` (None or {}: none): one :func:`jaxact.gated_mlp`, or, for dtypes it does
@@ -141,9 +155,11 @@ def gated_mlp(
   arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
   dropped = dropped or {}
   if fusable(*arrays):
-    return gated.gated_mlp(*arrays, activation=activation, precision=precision, **dropped)
+    return gated.gated_mlp(
+      *arrays, activation=activation, precision=precision, out_sharding=out_sharding, **dropped
+    )
   h = activate(activation, _dense(x, w_gate, b_gate, precision)) * _dense(x, w_up, b_up, precision)
-  return _dense(drop(layer, h, dropped), w_down, b_down, precision)
+  return _dense(drop(layer, h, dropped), w_down, b_down, precision, out_sharding)
 
 
 def _broadcast(x: int | Sequence[int] | None, n: int) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, validation
+from jaxact._src import dispatch, shardings, validation
 from jaxact._src import fused_args as args
 from jaxact._src.dispatch import Implementation
 from jaxact._src.lce_vjp import LcePlan, default_block, kernel_block, per_token_loss, t5x_smoothing
@@ -368,6 +368,7 @@ def linear_cross_entropy(
       w_layout=w_layout,
       precision=args.hashable_precision(precision),
       acc_dtype=out_dtype,
+      shardings=shardings.specs(x, w, b),
     )
     decision = dispatch.decide_lce(_FN, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)

@@ -36,7 +36,9 @@ tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in th
 needs a weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop
 on its shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the
 vocabulary over model axes, as Megatron's vocab-parallel loss) and only per-token statistics,
-``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices.
+``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices. A sharded contraction
+dimension (an FSDP table, feature-sharded ``x``) is gathered on each device, ``x`` once in the
+forward and kept so; ``dx`` and ``dw`` are reduce-scattered back to their primals' shardings.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import pallas_sharding
+from jaxact._src import pallas_sharding, shardings
 from jaxact._src.dispatch import Decision
 
 _FLOAT32 = np.dtype(np.float32)
@@ -87,6 +89,7 @@ class LcePlan:
   precision: Any = None
   acc_dtype: np.dtype = _FLOAT32
   decision: Decision = dataclasses.field(default_factory=Decision)
+  shardings: tuple = (None, None, None)  # the specs of x, w, bias: their gradients' types
 
   @property
   def vocab_axis(self) -> int:
@@ -541,22 +544,36 @@ def _local_grads(
 
 
 def _sharding(plan: LcePlan, x: Array, w: Array):
-  """The dense sharding pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``; None unsharded); raises
-  for the patterns the loop cannot run per device."""
-  found = pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd")
+  """The dense sharding pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``; None unsharded), the
+  contraction dimension whole on each device; raises for the patterns the loop cannot run per
+  device."""
+  found = pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd", gather=True)
   if isinstance(found, str):
     raise NotImplementedError(
       f"jaxact.linear_cross_entropy: {found}; shard the tokens of `x` and the vocabulary of `w` "
-      "only"
+      "over different mesh axes"
     )
   if found is None or not (found.data or found.model):
     return None
   return found
 
 
-def _w_spec(plan: LcePlan, pattern):
-  """`w`'s partition spec in its own layout (the pattern's is (D, V))."""
-  return pattern.w if plan.w_layout == "dv" else pattern.w[::-1]
+def _w_spec(plan: LcePlan, spec):
+  """A (D, V) spec in `w`'s own layout."""
+  return spec if plan.w_layout == "dv" else spec[::-1]
+
+
+def _split(pattern, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The `axes` of more than one device (over one, the reductions would be collectives that do
+  nothing)."""
+  return tuple(a for a in axes if pattern.mesh.shape[a] > 1)
+
+
+def gathered(plan: LcePlan, x, w):
+  """`x` with its features whole on each device (gathered where they are split, as the product
+  needs them): the array the forward multiplies and the backward keeps."""
+  pattern = _sharding(plan, x, w)
+  return x if pattern is None else shardings.to_spec(x, pattern.x)
 
 
 def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
@@ -567,28 +584,34 @@ def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
   rows = pattern.x[:-1]
   return pallas_sharding.per_shard(
-    functools.partial(_local_stats, plan, vocab=vocab, model=pattern.model),
+    functools.partial(_local_stats, plan, vocab=vocab, model=_split(pattern, pattern.model)),
     (x, w, b, labels),
-    (pattern.x, _w_spec(plan, pattern), (pattern.model,), rows),
+    (pattern.x, _w_spec(plan, pattern.w), (pattern.model,), rows),
     (rows, rows, rows, rows),
     mesh=pattern.mesh,
   )
 
 
 def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
-  """``(dx, dw, db)``, on each device's shards when sharded."""
+  """``(dx, dw, db)``, on each device's shards when sharded: dx summed over the vocabulary's axes
+  and dw, db over the tokens', each then split as its primal is (``plan.shardings``; a
+  reduce-scatter where a summed axis splits it: an FSDP table's gradient)."""
   pattern = _sharding(plan, x, w)
   if pattern is None:
     return _local_grads(plan, x, w, b, labels, lse, *row_scales)
   rows = pattern.x[:-1]
-  w_spec = _w_spec(plan, pattern)
+  w_local = _w_spec(plan, pattern.w)
+  x_spec, w_spec, _ = plan.shardings
+  x_final = pattern.x if x_spec is None else x_spec
+  w_final = w_local if w_spec is None else w_spec
   return pallas_sharding.per_shard(
-    functools.partial(_local_grads, plan, model=pattern.model),
+    functools.partial(_local_grads, plan, model=_split(pattern, pattern.model)),
     (x, w, b, labels, lse, *row_scales),
-    (pattern.x, w_spec, (pattern.model,), rows, rows, rows, rows, rows),
-    (pattern.x, w_spec, (pattern.model,)),
+    (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows),
+    (x_final, w_final, (pattern.model,)),
     mesh=pattern.mesh,
     sum_over=(pattern.model, pattern.data, pattern.data),
+    local_specs=(pattern.x, w_local, (pattern.model,)),
   )
 
 
@@ -597,6 +620,7 @@ def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
 
 def _fwd(plan: LcePlan, x, w, b, labels, where):
   vocab = w.shape[plan.vocab_axis]
+  x = gathered(plan, x, w)  # kept so: the backward needs the features whole again
   lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
   loss = loss_of(plan, lse, sy, mean, labels, vocab)
   if where is not None:
@@ -623,6 +647,7 @@ def _bwd(plan: LcePlan, res, g):
     g = jnp.where(where, g, 0)
   row_scales = scales(plan, g, lse, labels, w.shape[plan.vocab_axis])
   dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
+  dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
   return dx, dw, db, None, None
 
 

@@ -132,10 +132,16 @@ class DenseAct(nn.Module):
 
   @nn.compact
   def __call__(
-    self, inputs: Array, deterministic: bool | None = None, rng: Array | None = None
+    self,
+    inputs: Array,
+    deterministic: bool | None = None,
+    rng: Array | None = None,
+    *,
+    out_sharding=None,
   ) -> Array:
     """``activation(inputs @ kernel + bias)`` over the last dimension of `inputs`, then the
-    dropout; `deterministic` and `rng` as ``nn.Dropout``'s call takes them."""
+    dropout; `deterministic` and `rng` as ``nn.Dropout``'s call takes them, `out_sharding` as
+    ``nnx.Linear``'s call (and :func:`jaxact.dense_bias_act`) takes it."""
     layers.check_activation("jaxact.linen.DenseAct", self.activation)
     key = None
     if self.dropout_rate != 0 and not nn.merge_param(
@@ -159,7 +165,13 @@ class DenseAct(nn.Module):
       and layers.fusable(inputs, kernel, bias)
     ):
       return fused.dense_bias_act(
-        inputs, kernel, bias, activation=activation, precision=self.precision, **drop
+        inputs,
+        kernel,
+        bias,
+        activation=activation,
+        precision=self.precision,
+        out_sharding=out_sharding,
+        **drop,
       )
     # Flax's own computation, then the activation and the dropout.
     if self.dot_general_cls is not None:
@@ -168,8 +180,9 @@ class DenseAct(nn.Module):
       dot_general = self.dot_general
     else:
       dot_general = lax.dot_general
+    sharded = {} if out_sharding is None else {"out_sharding": out_sharding}
     y = dot_general(
-      inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
+      inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision, **sharded
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
@@ -249,8 +262,9 @@ class ConvAct(nn.Module):
     return True
 
   @nn.compact
-  def __call__(self, inputs: Array) -> Array:
-    """``activation(conv(inputs, kernel) + bias)``, inputs ``(*batch, *spatial, features)``."""
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
+    """``activation(conv(inputs, kernel) + bias)``, inputs ``(*batch, *spatial, features)``;
+    `out_sharding` as ``nnx.Conv``'s call (and :func:`jaxact.conv_bias_act`) takes it."""
     name = "jaxact.linen.ConvAct"
     layers.check_activation(name, self.activation)
     activation = layers.with_bits(name, self.activation, self.residual_bits)
@@ -291,6 +305,7 @@ class ConvAct(nn.Module):
         rhs_dilation=conv.kernel_dilation,
         feature_group_count=self.feature_group_count,
         precision=self.precision,
+        out_sharding=out_sharding,
       )
       return conv.restore(y)
     # Flax's own computation, then the activation.
@@ -310,6 +325,7 @@ class ConvAct(nn.Module):
       dimension_numbers=layers.conv_dimension_numbers(x.ndim),
       feature_group_count=self.feature_group_count,
       precision=self.precision,
+      **({} if out_sharding is None else {"out_sharding": out_sharding}),
     )
     if bias is not None:
       y += bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
@@ -401,10 +417,16 @@ class GatedMLP(nn.Module):
 
   @nn.compact
   def __call__(
-    self, inputs: Array, deterministic: bool | None = None, rng: Array | None = None
+    self,
+    inputs: Array,
+    deterministic: bool | None = None,
+    rng: Array | None = None,
+    *,
+    out_sharding=None,
   ) -> Array:
     """``down_proj(dropout(activation(gate_proj(inputs)) * up_proj(inputs)))`` over the last
-    dimension; `deterministic` and `rng` as ``nn.Dropout``'s call takes them."""
+    dimension; `deterministic` and `rng` as ``nn.Dropout``'s call takes them, `out_sharding` (the
+    output's) as :func:`jaxact.gated_mlp` takes it."""
     name = "jaxact.linen.GatedMLP"
     layers.check_features(name, "hidden_features", self.hidden_features)
     layers.check_features(name, "features", self.features, optional=True)
@@ -428,4 +450,4 @@ class GatedMLP(nn.Module):
     w_up, b_up = projection("up_proj", in_features, self.hidden_features)
     w_down, b_down = projection("down_proj", self.hidden_features, out_features)
     arrays = promote_dtype(inputs, w_gate, w_up, w_down, b_gate, b_up, b_down, dtype=self.dtype)
-    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name)
+    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)

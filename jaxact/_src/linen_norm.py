@@ -84,8 +84,9 @@ class RMSNorm(nn.Module):
   scale_offset: float = 0.0
 
   @nn.compact
-  def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
-    """The RMS norm of `x` over `reduction_axes`."""
+  def __call__(self, x: Array, *, mask: Array | None = None, out_sharding=None) -> Array:
+    """The RMS norm of `x` over `reduction_axes` (in `out_sharding` when given: see
+    :func:`jaxact.rms_norm`)."""
     layer = "jaxact.linen.RMSNorm"
     axes = check_supported(layer, self, x, mask)
     shape = tuple(x.shape[a] for a in axes)
@@ -104,6 +105,7 @@ class RMSNorm(nn.Module):
       residual=self.residual,
       out_dtype=out,
       scale_offset=self.scale_offset,
+      out_sharding=out_sharding,
     )
 
 
@@ -146,8 +148,8 @@ class LayerNorm(nn.Module):
   scale_offset: float = 0.0
 
   @nn.compact
-  def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
-    """The layer norm of `x` over `reduction_axes`."""
+  def __call__(self, x: Array, *, mask: Array | None = None, out_sharding=None) -> Array:
+    """The layer norm of `x` over `reduction_axes` (in `out_sharding` when given)."""
     layer = "jaxact.linen.LayerNorm"
     axes = check_supported(layer, self, x, mask)
     shape = tuple(x.shape[a] for a in axes)
@@ -168,4 +170,5 @@ class LayerNorm(nn.Module):
       residual=self.residual,
       out_dtype=out,
       scale_offset=self.scale_offset,
+      out_sharding=out_sharding,
     )

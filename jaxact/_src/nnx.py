@@ -41,9 +41,9 @@ class LinearAct(nnx.Module):
   ``bias`` of shape ``(out_features,)``, drawn from ``rngs.params()`` in that order, with
   ``kernel_metadata`` / ``bias_metadata``) are ``flax.nnx.Linear``'s, so with the same ``rngs``
   the parameters equal ``nnx.Linear``'s and its checkpoints load. The matmul, bias and activation
-  run as :func:`jaxact.dense_bias_act`. A custom ``dot_general``, an ``out_sharding`` in the call,
-  or promoted dtypes other than real floating point run Flax's computation followed by the
-  activation.
+  run as :func:`jaxact.dense_bias_act` (an ``out_sharding`` in the call too). A custom
+  ``dot_general``, or promoted dtypes other than real floating point, run Flax's computation
+  followed by the activation.
 
   Example usage::
 
@@ -161,8 +161,9 @@ class LinearAct(nnx.Module):
 
     Args:
       inputs: the array to transform.
-      out_sharding: as ``nnx.Linear``: the output sharding under explicit sharding; when given,
-        Flax's computation runs (``dot_general(..., out_sharding=)``), then the activation.
+      out_sharding: as ``nnx.Linear``'s: the output's sharding (under Explicit mesh axes needed
+        where the input's features and the kernel's rows are both sharded), given to
+        :func:`jaxact.dense_bias_act`.
       deterministic: as ``nnx.Dropout``'s call: overrides the attribute.
       rngs: as ``nnx.Dropout``'s call: a key, stream or ``Rngs`` overriding the layer's stream.
     """
@@ -177,7 +178,6 @@ class LinearAct(nnx.Module):
     pet = self.preferred_element_type
     if (
       self.dot_general is lax.dot_general
-      and out_sharding is None
       and layers.fusable(inputs, kernel, bias)
       and (pet is None or jnp.issubdtype(pet, jnp.floating))
     ):
@@ -188,6 +188,7 @@ class LinearAct(nnx.Module):
         activation=activation,
         precision=self.precision,
         preferred_element_type=layers.fused_out_dtype(pet, bias),
+        out_sharding=out_sharding,
         **drop,
       )
     # Flax's own computation, then the activation and the dropout.
@@ -244,9 +245,9 @@ class ConvAct(nnx.Module):
   ``flax.nnx.Conv``'s. The input is channels-last, batch dimensions folded into one (or one added)
   as Flax does; ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'`` padding pad the input explicitly and
   a ``mask`` multiplies the kernel, as in Flax, and both then run through
-  :func:`jaxact.conv_bias_act`. A custom ``conv_general_dilated``, an ``out_sharding`` in the call,
-  or promoted dtypes other than real floating point run Flax's computation followed by the
-  activation.
+  :func:`jaxact.conv_bias_act` (an ``out_sharding`` in the call too). A custom
+  ``conv_general_dilated``, or promoted dtypes other than real floating point, run Flax's
+  computation followed by the activation.
 
   Example usage::
 
@@ -355,7 +356,7 @@ class ConvAct(nnx.Module):
 
     Args:
       inputs: channels-last input.
-      out_sharding: as ``nnx.Conv``; when given, Flax's computation runs, then the activation.
+      out_sharding: as ``nnx.Conv``'s, given to :func:`jaxact.conv_bias_act`.
     """
     name = "jaxact.nnx.ConvAct"
     layers.check_activation(name, self.activation)
@@ -378,7 +379,6 @@ class ConvAct(nnx.Module):
     pet = self.preferred_element_type
     if (
       self.conv_general_dilated is lax.conv_general_dilated
-      and out_sharding is None
       and layers.fusable(x, kernel, bias)
       and (pet is None or jnp.issubdtype(pet, jnp.floating))
     ):
@@ -394,6 +394,7 @@ class ConvAct(nnx.Module):
         feature_group_count=self.feature_group_count,
         precision=self.precision,
         preferred_element_type=layers.fused_out_dtype(pet, bias),
+        out_sharding=out_sharding,
       )
       return conv.restore(y)
     # Flax's own computation, then the activation.

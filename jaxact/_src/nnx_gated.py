@@ -152,6 +152,7 @@ class GatedMLP(nnx.Module):
   def __call__(
     self,
     inputs: Array,
+    out_sharding=None,
     *,
     deterministic: bool | None = None,
     rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
@@ -161,6 +162,9 @@ class GatedMLP(nnx.Module):
 
     Args:
       inputs: the array to transform.
+      out_sharding: the output's sharding, as ``nnx.Linear``'s call takes it (Gemma's
+        ``act_btd``), for :func:`jaxact.gated_mlp`; the hidden is split as ``inputs``' rows and
+        the kernels' columns (``act_btf``).
       deterministic: as ``nnx.Dropout``'s call: overrides the attribute.
       rngs: as ``nnx.Dropout``'s call: a key, stream or ``Rngs`` overriding the layer's stream
         (what a block passes on, ``self.mlp(x, rngs=rngs)``; unused without dropout).
@@ -173,4 +177,4 @@ class GatedMLP(nnx.Module):
     kernels = [p.kernel[...] for p in projections]
     biases = [None if p.bias is None else p.bias[...] for p in projections]
     arrays = dtypes.promote_dtype((inputs, *kernels, *biases), dtype=self.dtype)
-    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name)
+    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)

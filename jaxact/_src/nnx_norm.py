@@ -22,7 +22,7 @@ from jaxact._src import norms
 from jaxact._src.linen_norm import check_supported
 
 
-def _call(layer: str, module, center: bool, x, mask):
+def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
   axes = check_supported(layer, module, x, mask)
   if tuple(x.shape[a] for a in axes) != (module.num_features,):
     raise ValueError(
@@ -43,6 +43,7 @@ def _call(layer: str, module, center: bool, x, mask):
     residual=module.residual,
     out_dtype=x.dtype,
     scale_offset=module.scale_offset,
+    out_sharding=out_sharding,
   )
 
 
@@ -111,9 +112,10 @@ class RMSNorm(nnx.Module):
     self.residual = residual
     self.scale_offset = scale_offset
 
-  def __call__(self, x: Array, mask: Array | None = None) -> Array:
-    """The RMS norm of `x` over `reduction_axes`."""
-    return _call("jaxact.nnx.RMSNorm", self, False, x, mask)
+  def __call__(self, x: Array, mask: Array | None = None, *, out_sharding=None) -> Array:
+    """The RMS norm of `x` over `reduction_axes` (in `out_sharding` when given: see
+    :func:`jaxact.rms_norm`)."""
+    return _call("jaxact.nnx.RMSNorm", self, False, x, mask, out_sharding)
 
 
 class LayerNorm(nnx.Module):
@@ -189,6 +191,6 @@ class LayerNorm(nnx.Module):
     self.residual = residual
     self.scale_offset = scale_offset
 
-  def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
-    """The layer norm of `x` over `reduction_axes`."""
-    return _call("jaxact.nnx.LayerNorm", self, True, x, mask)
+  def __call__(self, x: Array, *, mask: Array | None = None, out_sharding=None) -> Array:
+    """The layer norm of `x` over `reduction_axes` (in `out_sharding` when given)."""
+    return _call("jaxact.nnx.LayerNorm", self, True, x, mask, out_sharding)

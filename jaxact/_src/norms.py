@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src import barriers, validation
+from jaxact._src import barriers, shardings, validation
 
 Residual = Literal["output", "input"]
 
@@ -48,19 +48,26 @@ class _Plan:
   x_dtype: np.dtype
   out_dtype: np.dtype  # x's, or a Flax layer's promoted dtype
   scale_offset: float = 0.0  # gamma = scale_offset + scale (Gemma: 1)
+  # Explicit mesh axes: the specs of x, scale, bias (their cotangents' types) and y's sharding
+  # when the caller asked for one (y is resharded to it, and kept so).
+  shardings: tuple = (None, None, None)
+  out_sharding: Any = None
 
   def feature_shape(self, x_shape) -> tuple[int, ...]:
     """The broadcast shape of a parameter: x's sizes on the normalized axes, 1 elsewhere."""
     return tuple(n if d in self.axes else 1 for d, n in enumerate(x_shape))
 
 
-def _param(plan: _Plan, p: Array | None, x_shape) -> Array | None:
-  return None if p is None else p.astype(plan.acc).reshape(plan.feature_shape(x_shape))
+def _param(plan: _Plan, p: Array | None, like: Array) -> Array | None:
+  """`p` in the accumulation dtype, broadcastable to `like` and split as its features are."""
+  if p is None:
+    return None
+  return shardings.align(p.astype(plan.acc).reshape(plan.feature_shape(like.shape)), like)
 
 
-def _gamma(plan: _Plan, scale: Array | None, x_shape) -> Array | None:
-  """``scale_offset + scale`` in the accumulation dtype, broadcast to `x_shape`'s rank."""
-  gamma = _param(plan, scale, x_shape)
+def _gamma(plan: _Plan, scale: Array | None, like: Array) -> Array | None:
+  """``scale_offset + scale`` in the accumulation dtype, broadcastable to `like`."""
+  gamma = _param(plan, scale, like)
   return gamma if gamma is None or not plan.scale_offset else gamma + plan.scale_offset
 
 
@@ -77,10 +84,15 @@ def _forward(plan: _Plan, x, scale, bias):
   x_hat, r = _normalized(plan, x)
   y = x_hat
   if scale is not None:
-    y = y * _gamma(plan, scale, x.shape)
+    y = y * _gamma(plan, scale, x)
   if bias is not None:
-    y = y + _param(plan, bias, x.shape)
-  return y.astype(plan.out_dtype), r
+    y = y + _param(plan, bias, x)
+  y = y.astype(plan.out_dtype)
+  if plan.out_sharding is not None:  # y as asked, and r split as y's rows
+    y = shardings.reshard(y, plan.out_sharding)
+    rows = shardings.spec_of_sharding(plan.out_sharding, y.ndim)
+    r = shardings.to_spec(r, tuple(() if d in plan.axes else a for d, a in enumerate(rows)))
+  return y, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -100,9 +112,12 @@ def _norm_fwd(plan: _Plan, x, scale, bias):
 
 def _norm_bwd(plan: _Plan, res, g):
   kept, r, scale, bias = res
+  x_spec = plan.shardings[0]
+  if plan.residual == "input" and x_spec is not None:
+    g = shardings.to_spec(g, x_spec)  # the arithmetic below pairs g with x
   (kept, r), g = barriers.after_cotangent((kept, r), g)
-  shape, acc = g.shape, plan.acc
-  gamma, beta = _gamma(plan, scale, shape), _param(plan, bias, shape)
+  acc = plan.acc
+  gamma, beta = _gamma(plan, scale, g), _param(plan, bias, g)
   if plan.residual == "input":
     x_hat, r = _normalized(plan, kept)
   else:
@@ -126,14 +141,25 @@ def _norm_bwd(plan: _Plan, res, g):
   inner = dx_hat - x_hat * jnp.mean(dx_hat * x_hat, plan.axes, keepdims=True)
   if plan.center:
     inner = inner - jnp.mean(dx_hat, plan.axes, keepdims=True)
-  return (r * inner).astype(plan.x_dtype), d_scale, d_bias
+  return shardings.retype(((r * inner).astype(plan.x_dtype), d_scale, d_bias), plan.shardings)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
 _norm_jit = jax.jit(_norm, static_argnums=0)
 
 
-def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None, scale_offset=0.0):
+def _check(
+  fn_name,
+  x,
+  scale,
+  bias,
+  epsilon,
+  axis,
+  residual,
+  out_dtype=None,
+  scale_offset=0.0,
+  out_sharding=None,
+):
   x = validation.as_real_array(fn_name, x)
   if not validation.is_floating(x.dtype):
     raise TypeError(
@@ -198,12 +224,29 @@ def _check(fn_name, x, scale, bias, epsilon, axis, residual, out_dtype=None, sca
     np.dtype(x.dtype),
     out,
     float(scale_offset),
+    shardings.specs(x, *params),
+    shardings.typed(shardings.check(fn_name, out_sharding, x.ndim)),
   )
   return plan, x, *params
 
 
+def _run(plan: _Plan, x, scale, bias, out_sharding):
+  return shardings.constrain(_norm_jit(plan, x, scale, bias), out_sharding)
+
+
 def norm(
-  layer: str, center: bool, x, scale, bias, *, epsilon, axis, residual, out_dtype, scale_offset=0.0
+  layer: str,
+  center: bool,
+  x,
+  scale,
+  bias,
+  *,
+  epsilon,
+  axis,
+  residual,
+  out_dtype,
+  scale_offset=0.0,
+  out_sharding=None,
 ):
   """The op for a Flax layer named `layer` (errors name it): `center` layer norm, else RMS norm;
   the output in `out_dtype` (Flax's promoted dtype)."""
@@ -211,11 +254,11 @@ def norm(
   with jax.named_scope(f"jaxact.{fn_name}"):
     try:
       plan, x, scale, bias = _check(
-        fn_name, x, scale, bias, epsilon, axis, residual, out_dtype, scale_offset
+        fn_name, x, scale, bias, epsilon, axis, residual, out_dtype, scale_offset, out_sharding
       )
     except (TypeError, ValueError) as e:
       raise type(e)(str(e).replace(f"jaxact.{fn_name}", layer, 1)) from None
-    return _norm_jit(plan, x, scale, bias)
+    return _run(plan, x, scale, bias, out_sharding)
 
 
 def rms_norm(
@@ -226,6 +269,7 @@ def rms_norm(
   axis: int | tuple[int, ...] = -1,
   residual: Residual = "output",
   scale_offset: float = 0.0,
+  out_sharding=None,
 ) -> Array:
   r"""RMS norm keeping its output for the backward pass.
 
@@ -251,6 +295,11 @@ def rms_norm(
     residual: ``"output"`` (default: keep ``y`` and ``1/rms``) or ``"input"`` (keep ``x``).
     scale_offset: :math:`o`, a Python float added to ``scale`` (0.0; 1.0 for Gemma); needs a
       ``scale``.
+    out_sharding: ``y``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for
+      ``x``'s. Under Explicit mesh axes ``y`` is resharded to it and kept so (the backward
+      computes in that sharding and gives ``dx`` ``x``'s); under Auto axes it is a sharding
+      constraint. Each gradient has its input's sharding (a replicated ``scale`` of
+      feature-sharded rows gets a replicated gradient).
 
   Returns:
     ``y``, of `x`'s shape and dtype.
@@ -268,9 +317,17 @@ def rms_norm(
   fn_name = "rms_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
     plan, x, scale, _ = _check(
-      fn_name, x, scale, None, epsilon, axis, residual, scale_offset=scale_offset
+      fn_name,
+      x,
+      scale,
+      None,
+      epsilon,
+      axis,
+      residual,
+      scale_offset=scale_offset,
+      out_sharding=out_sharding,
     )
-    return _norm_jit(plan, x, scale, None)
+    return _run(plan, x, scale, None, out_sharding)
 
 
 def layer_norm(
@@ -282,6 +339,7 @@ def layer_norm(
   axis: int | tuple[int, ...] = -1,
   residual: Residual = "output",
   scale_offset: float = 0.0,
+  out_sharding=None,
 ) -> Array:
   r"""Layer norm keeping its output for the backward pass.
 
@@ -304,6 +362,7 @@ def layer_norm(
     axis: the normalized axis or axes.
     residual: ``"output"`` (default: keep ``y`` and ``1/sigma``) or ``"input"`` (keep ``x``).
     scale_offset: :math:`o`, a Python float added to ``scale`` (default 0.0); needs a ``scale``.
+    out_sharding: ``y``'s sharding, or None for ``x``'s; as :func:`rms_norm` takes it.
 
   Returns:
     ``y``, of `x`'s shape and dtype.
@@ -317,6 +376,14 @@ def layer_norm(
   fn_name = "layer_norm"
   with jax.named_scope(f"jaxact.{fn_name}"):
     plan, x, scale, bias = _check(
-      fn_name, x, scale, bias, epsilon, axis, residual, scale_offset=scale_offset
+      fn_name,
+      x,
+      scale,
+      bias,
+      epsilon,
+      axis,
+      residual,
+      scale_offset=scale_offset,
+      out_sharding=out_sharding,
     )
-    return _norm_jit(plan, x, scale, bias)
+    return _run(plan, x, scale, bias, out_sharding)

@@ -80,7 +80,8 @@ def _sharding(a: Array | None) -> NamedSharding | None:
   """`a`'s sharding, when its type has one over a mesh with at least one Explicit axis."""
   if a is None:
     return None
-  sharding = getattr(jax.typeof(a), "sharding", None)
+  typed = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
+  sharding = getattr(typed, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
     return None
@@ -121,6 +122,13 @@ def _pspec(spec: Sequence[Axes]) -> P:
   return P(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
 
 
+def sharding_spec(sharding: NamedSharding | P, ndim: int) -> tuple[Axes, ...]:
+  """A ``NamedSharding``'s or ``PartitionSpec``'s spec as :func:`spec_of` writes one, padded to
+  `ndim` dimensions."""
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
+
+
 # ---------------------------------------------------------------------------------- per_shard
 
 
@@ -132,6 +140,7 @@ def per_shard(
   *,
   mesh: Any,
   sum_over: Sequence[Axes] | None = None,
+  local_specs: Sequence[Sequence[Axes]] | None = None,
   **static: Any,
 ) -> tuple[Any, ...]:
   """``kernel(*args, **static)`` run on each device's shards, inside ``jax.shard_map``.
@@ -144,13 +153,20 @@ def per_shard(
       (``()`` for an unsharded one). An argument whose type has another sharding is resharded
       first (``jax.sharding.reshard``).
     mesh: the mesh of the arguments' types.
-    sum_over: per output, the mesh axes to ``psum`` its per-shard value over (default none).
+    sum_over: per output, the mesh axes to sum its per-shard value over (default none).
+    local_specs: per output, the spec of the block the kernel returns (default: `out_specs`);
+      where an output's spec splits a dimension further, the block is cut to it after the sum:
+      a reduce-scatter (``psum_scatter``) over the summed axes that split it, a local slice over
+      the others (a gradient summed over the data axes and split as its FSDP weight is).
     **static: passed to `kernel` as they are.
 
   Returns:
     The outputs, as global arrays sharded by `out_specs`.
   """
   sum_over = tuple(sum_over) if sum_over is not None else ((),) * len(out_specs)
+  # A sum over an axis of one device is the identity, which XLA would still run as a collective.
+  sum_over = tuple(tuple(a for a in axes if mesh.shape[a] > 1) for axes in sum_over)
+  local_specs = tuple(local_specs) if local_specs is not None else tuple(out_specs)
   present = [i for i, a in enumerate(args) if a is not None]
   operands = []
   for i in present:
@@ -165,8 +181,8 @@ def per_shard(
       full[i] = a
     outs = tuple(kernel(*full, **static))
     return tuple(
-      o if o is None or not axes else jax.lax.psum(o, axes)
-      for o, axes in zip(outs, sum_over, strict=True)
+      o if o is None else _reduce(o, axes, tuple(local), tuple(final), mesh)
+      for o, axes, local, final in zip(outs, sum_over, local_specs, out_specs, strict=True)
     )
 
   # Manual over the Explicit axes only: Auto axes stay XLA's, Manual ones are a caller's shard_map.
@@ -188,6 +204,36 @@ def per_shard(
   )(*operands)
 
 
+def _reduce(o, sum_axes: Axes, local, final, mesh):
+  """A pytree of per-shard blocks `o` (spec `local`) summed over `sum_axes` and cut to `final`,
+  whose entry for each dimension starts with `local`'s."""
+  remaining = list(sum_axes)
+
+  def cut(a):
+    nonlocal_sum = list(remaining)
+    for d, (have, want) in enumerate(zip(local, final, strict=True)):
+      if tuple(want[: len(have)]) != tuple(have):
+        raise ValueError(f"per_shard: output spec {final} does not refine {local} at dim {d}")
+      extra = tuple(a for a in want[len(have) :] if mesh.shape[a] > 1)
+      if not extra:
+        continue
+      if all(ax in nonlocal_sum for ax in extra):  # summed and split: one reduce-scatter
+        a = jax.lax.psum_scatter(a, extra, scatter_dimension=d, tiled=True)
+        nonlocal_sum = [ax for ax in nonlocal_sum if ax not in extra]
+        continue
+      summed = tuple(ax for ax in extra if ax in nonlocal_sum)
+      if summed:
+        a = jax.lax.psum(a, summed)
+        nonlocal_sum = [ax for ax in nonlocal_sum if ax not in summed]
+      size = a.shape[d] // math.prod(mesh.shape[ax] for ax in extra)
+      a = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(extra) * size, size, d)
+    return jax.lax.psum(a, tuple(nonlocal_sum)) if nonlocal_sum else a
+
+  if all(tuple(w) == tuple(h) for w, h in zip(final, local, strict=True)):
+    return o if not remaining else jax.tree.map(lambda a: jax.lax.psum(a, tuple(remaining)), o)
+  return jax.tree.map(cut, o)
+
+
 # -------------------------------------------------------------------------------------- dense
 
 
@@ -201,13 +247,17 @@ class _DensePlan:
   model: Axes  # the axes w's columns are split over: dx is summed over them
 
 
-def _dense_plan(x: Array, w: Array, w_transposed: bool = False) -> _DensePlan | str | None:
+def _dense_plan(
+  x: Array, w: Array, w_transposed: bool = False, gather: bool = False
+) -> _DensePlan | str | None:
   mesh = _mesh(x, w)
   if mesh is None or isinstance(mesh, str):
     return mesh
   xs, ws = spec_of(x), spec_of(w)
   if w_transposed:
     ws = ws[::-1]
+  if gather:  # each device holds the whole contraction dimension: gathered where it is split
+    xs, ws = (*xs[:-1], ()), ((), ws[1])
   if xs[-1] or ws[0]:
     return (
       f"the contraction dimension is sharded (x over {_pspec(xs)}, w over {_pspec(ws)}; "
@@ -222,17 +272,33 @@ def _dense_plan(x: Array, w: Array, w_transposed: bool = False) -> _DensePlan | 
   return _DensePlan(mesh, xs, ws, (*xs[:-1], model), data, model)
 
 
-def dense_pattern(x: Array, w: Array, w_transposed: bool = False) -> _DensePlan | str | None:
+def dense_pattern(
+  x: Array, w: Array, w_transposed: bool = False, gather: bool = False
+) -> _DensePlan | str | None:
   """The dense pattern of ``x @ w`` (``x @ w.T`` when `w_transposed`; the pattern's ``w`` spec is
   then the transpose's) on sharded operands (mesh, specs, ``data`` and ``model`` axes), None when
-  their types name no Explicit mesh, or why no per-shard pattern covers them."""
-  return _dense_plan(x, w, w_transposed)
+  their types name no Explicit mesh, or why no per-shard pattern covers them. With `gather`, a
+  sharded contraction dimension is taken whole on each device (the pattern's specs leave it
+  unsplit: ``x`` and ``w`` are gathered along it, as XLA does for FSDP weights)."""
+  return _dense_plan(x, w, w_transposed, gather)
 
 
-def dense_reason(x: Array, w: Array) -> str | None:
-  """Why the per-shard dense kernels cannot run on these sharded operands, or None."""
+def dense_reason(x: Array, w: Array, out: Sequence[Axes] | None = None) -> str | None:
+  """Why the per-shard dense kernels cannot run on these sharded operands, or None; `out`, the
+  spec the caller asked for the output (``out_sharding``), must be the one they give."""
   plan = _dense_plan(x, w)
-  return plan if isinstance(plan, str) else None
+  if isinstance(plan, str):
+    return plan
+  return _out_reason(out, ((),) * x.ndim if plan is None else plan.y)
+
+
+def _out_reason(out: Sequence[Axes] | None, given: Sequence[Axes]) -> str | None:
+  if out is None or tuple(out) == tuple(given):
+    return None
+  return (
+    f"out_sharding={_pspec(out)} differs from the per-shard kernels' output sharding "
+    f"{_pspec(given)} (x's rows by w's columns)"
+  )
 
 
 def dense_shard_shape(x: Array, w: Array) -> tuple[int, int, int]:
@@ -352,12 +418,15 @@ def elementwise_backward(kernel: Callable[..., Any], feature_axis: int = -1) -> 
 # -------------------------------------------------------------------------------------- gated
 
 
-def gated_reason(x: Array, w_gate: Array, w_up: Array) -> str | None:
-  """Why the per-shard gated forward kernel cannot run on these sharded operands, or None."""
+def gated_reason(
+  x: Array, w_gate: Array, w_up: Array, hidden: Sequence[Axes] | None = None
+) -> str | None:
+  """Why the per-shard gated forward kernel cannot run on these sharded operands (`hidden`: the
+  hidden's spec the call asks for), or None."""
   mesh = _mesh(x, w_gate, w_up)
   if isinstance(mesh, str):
     return mesh
-  return dense_reason(x, w_gate)
+  return dense_reason(x, w_gate, hidden)
 
 
 def gated_forward(kernel: Callable[..., Any]) -> Callable[..., Any]:

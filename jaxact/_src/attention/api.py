@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, dropout, validation
+from jaxact._src import dispatch, dropout, shardings, validation
 from jaxact._src import fused_args as args
 from jaxact._src.attention import rules, sharding
-from jaxact._src.attention.xla import AttentionPlan, attention, default_blocks
+from jaxact._src.attention.plan import AttentionPlan, Aux, default_blocks
+from jaxact._src.attention.vjp import attention
 
 _FN = "dot_product_attention"
 
@@ -109,6 +111,29 @@ def _lengths(arr, name: str, batch: int) -> Array | None:
   return a.astype(jnp.int32)
 
 
+def _segments(q_ids, kv_ids, b: int, t: int, s: int) -> tuple[Array | None, Array | None]:
+  """Segment ids, (B, T) and (B, S) int32; one given alone serves both when T == S."""
+  if q_ids is None and kv_ids is None:
+    return None, None
+  if kv_ids is None or q_ids is None:
+    if t != s:
+      given = "query_segment_ids" if kv_ids is None else "key_value_segment_ids"
+      raise ValueError(
+        _err(f"`{given}` alone serves both sides only when T == S (T={t}, S={s}); pass both")
+      )
+    q_ids = kv_ids if q_ids is None else q_ids
+    kv_ids = q_ids if kv_ids is None else kv_ids
+  out = []
+  for ids, name, n in ((q_ids, "query_segment_ids", t), (kv_ids, "key_value_segment_ids", s)):
+    a = validation.as_real_array(_FN, ids, name)
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise TypeError(_err(f"`{name}` has dtype {a.dtype}; accepted: an integer dtype"))
+    if a.shape != (b, n):
+      raise ValueError(_err(f"`{name}` has shape {a.shape}; accepted: ({b}, {n})"))
+    out.append(a.astype(jnp.int32))
+  return out[0], out[1]
+
+
 def _window(window) -> tuple[int, int] | None:
   if window is None:
     return None
@@ -169,12 +194,15 @@ def dot_product_attention(
   key_value_seq_lengths: ArrayLike | None = None,
   local_window_size: int | tuple[int, int] | None = None,
   logits_soft_cap: float | None = None,
+  query_segment_ids: ArrayLike | None = None,
+  key_value_segment_ids: ArrayLike | None = None,
   dropout_rate: float = 0.0,
   dropout_rng: ArrayLike | None = None,
   broadcast_dropout: bool = True,
   precision: lax.PrecisionLike = None,
   implementation: str | None = None,
   block_sizes: tuple[int, int] | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
 ) -> Array:
   r"""Scaled dot-product attention that keeps its output, not its probabilities.
 
@@ -201,9 +229,16 @@ def dot_product_attention(
   clipped to the float32 range before the softmax).
 
   Differences from jax.nn: a row that sees no key at all (every key masked) gives 0 and zero
-  gradients, where jax.nn returns the mean of the values; ``logits_soft_cap``, dropout,
-  ``precision`` and ``block_sizes`` are extra; the lengths may be of any integer dtype and the
-  value head dim may differ from the query's.
+  gradients, where jax.nn returns the mean of the values; ``logits_soft_cap``, segment ids,
+  dropout, ``precision`` and ``block_sizes`` are extra; the lengths may be of any integer dtype
+  and the value head dim may differ from the query's.
+
+  Under Explicit mesh axes (``jax.set_mesh`` of a mesh from ``jax.make_mesh``) each device runs
+  the op on its batch rows and query heads (data and tensor parallelism, as Gemma's ``act_btnh``
+  splits them), with no collective; key/value heads that cannot split as the query heads do (MQA
+  under tensor parallelism) are taken whole and each device picks the ones its heads read.
+  Sequence-sharded operands raise ``NotImplementedError``. Under Auto axes the op is XLA's to
+  partition.
 
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``, floating point.
@@ -219,6 +254,10 @@ def dot_product_attention(
     local_window_size: ``(left, right)`` or an int for both: each query ``t`` sees keys ``t -
       left`` to ``t + right``.
     logits_soft_cap: :math:`c > 0`, or None for no cap.
+    query_segment_ids: ``(B, T)`` integers for packed sequences: a query attends only to keys
+      of its own segment id (alone it serves the keys too, when T == S).
+    key_value_segment_ids: ``(B, S)`` integers, the keys' segment ids (alone it serves the
+      queries too, when T == S).
     dropout_rate: Flax's attention dropout of the probabilities (0 for none); the mask is drawn
       from `dropout_rng` as ``flax.linen.dot_product_attention`` draws it (the same key gives the
       same mask), in both passes, and never kept.
@@ -226,11 +265,17 @@ def dot_product_attention(
     broadcast_dropout: one ``(T, S)`` mask for every batch row and head (Flax's default).
     precision: of the products, as :func:`jax.lax.dot_general` takes it.
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
-      ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with jax.nn's
-      semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows cuDNN lacks).
-      ``"pallas"`` and ``"mosaic"`` raise ``NotImplementedError`` until jaxact's GPU kernels land.
-    block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses from the sizes (about 4 MiB of
-      float32 logits a block on CPU, 64 MiB for a GPU).
+      ``"pallas"`` (the Triton kernels of :mod:`pallas_kernels.attention`, interpret mode off
+      CUDA; ``NotImplementedError`` for a bias, a mask array, dropout, float64 and head dims they
+      cannot tile), ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with
+      jax.nn's semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows
+      cuDNN lacks). ``"mosaic"`` raises: there is no Hopper attention kernel yet.
+    block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses square blocks from the
+      sizes (about 512 KiB of float32 logits a block on CPU, 64 MiB for a GPU).
+    out_sharding: ``O``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for the
+      query's batch and heads. Under Explicit mesh axes each device attends its own batch rows
+      and heads (see above) and ``O`` is then resharded to it (a copy where it differs); under
+      Auto axes it is a sharding constraint.
 
   Returns:
     ``O``, shaped like ``query`` with ``value``'s head dim, in ``query``'s dtype.
@@ -242,8 +287,8 @@ def dot_product_attention(
     >>> o.shape
     (1, 4, 2, 8)
     >>> lengths = jnp.array([0])  # a batch row with no keys: 0, not NaN
-    >>> jaxact.dot_product_attention(q, k, v, key_value_seq_lengths=lengths).sum()
-    Array(0., dtype=float32)
+    >>> float(jaxact.dot_product_attention(q, k, v, key_value_seq_lengths=lengths).sum())
+    0.0
   """
   with jax.named_scope(f"jaxact.{_FN}"):
     rules.check_implementation(_FN, implementation)
@@ -255,6 +300,10 @@ def dot_product_attention(
     mask = _map(mask, "mask", full, "mask")
     q_len = _lengths(query_seq_lengths, "query_seq_lengths", b)
     kv_len = _lengths(key_value_seq_lengths, "key_value_seq_lengths", b)
+    seg_ids = [query_segment_ids, key_value_segment_ids]
+    if unbatched:  # (T,) and (S,) for unbatched inputs
+      seg_ids = [i[None] if i is not None and np.ndim(i) == 1 else i for i in seg_ids]
+    q_seg, kv_seg = _segments(*seg_ids, b, t, s)
     window = _window(local_window_size)
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(_err(f"`is_causal` must be a bool; got {is_causal!r}"))
@@ -292,7 +341,8 @@ def dot_product_attention(
       precision=args.hashable_precision(precision),
       acc_dtype=acc,
     )
-    decision = rules.decide(_FN, implementation, plan, q, bias is not None, mask is not None)
+    aux = Aux(mask, q_len, kv_len, q_seg, kv_seg, key_data)
+    decision = rules.decide(_FN, implementation, plan, q, k, v, bias, aux)
     if 0 in q.shape or 0 in k.shape or 0 in v.shape[-1:]:  # nothing to attend, or to return
       out = jnp.zeros(out_shape, q.dtype)
     elif decision.forward == "cudnn":
@@ -312,6 +362,7 @@ def dot_product_attention(
     else:
       block_q, block_k = _blocks(block_sizes, b * n, t, s)
       plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
-      run = sharding.per_device(attention, plan, q, k, v, bias, mask, q_len, kv_len, key_data)
-      out = run(q, k, v, bias, mask, q_len, kv_len, key_data)
-    return out[0] if unbatched else out
+      out = sharding.per_device(attention, plan, q, k, v, bias, aux)(q, k, v, bias, aux)
+    out = out[0] if unbatched else out
+    out_sharding = shardings.check(_FN, out_sharding, out.ndim)
+    return shardings.constrain(shardings.reshard(out, out_sharding), out_sharding)

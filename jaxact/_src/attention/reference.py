@@ -26,6 +26,8 @@ def attention_reference(
   key_value_seq_lengths=None,
   local_window_size=None,
   logits_soft_cap=None,
+  query_segment_ids=None,
+  key_value_segment_ids=None,
   dropout_multiplier=None,
 ):
   """``O`` for 4-d jax.nn layouts (B, T, N, H), (B, S, K, H); `dropout_multiplier` (broadcastable
@@ -59,6 +61,10 @@ def attention_reference(
     valid &= (rows < query_seq_lengths[:, None, None, None]) & jnp.ones_like(cols, bool)
   if key_value_seq_lengths is not None:
     valid &= (cols < key_value_seq_lengths[:, None, None, None]) & jnp.ones_like(rows, bool)
+  if query_segment_ids is not None or key_value_segment_ids is not None:
+    seg_q = key_value_segment_ids if query_segment_ids is None else query_segment_ids
+    seg_k = query_segment_ids if key_value_segment_ids is None else key_value_segment_ids
+    valid &= (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
   valid &= z > -jnp.inf  # a bias of -inf masks
   m = jnp.max(jnp.where(valid, z, -jnp.inf), -1, keepdims=True)
   m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))

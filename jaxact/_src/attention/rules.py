@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from jax import Array
 
-from jaxact._src.dispatch import Decision, Rule, auto
+from jaxact._src.attention import kernels
+from jaxact._src.dispatch import Decision, Rule, auto, target
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "mosaic")
 
@@ -40,13 +41,15 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
-def cudnn_unsupported(plan, q: Array, has_bias: bool, has_mask: bool) -> str | None:
+def cudnn_unsupported(plan, q: Array, aux) -> str | None:
   """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot take this call, or None
   (what jaxact knows before cuDNN is asked; cuDNN may still refuse a head size)."""
   if plan.soft_cap is not None:
     return "`logits_soft_cap` (cuDNN has no soft cap)"
   if plan.dropout is not None:
     return "dropout (jax.nn's cuDNN path takes none)"
+  if aux.q_segments is not None:
+    return "segment ids (jax.nn takes none)"
   if np.dtype(q.dtype).name not in ("bfloat16", "float16"):
     return f"dtype {np.dtype(q.dtype).name} (cuDNN's fused attention takes bfloat16 and float16)"
   if plan.window is not None and plan.window[1] != 0 and not plan.causal:
@@ -56,26 +59,33 @@ def cudnn_unsupported(plan, q: Array, has_bias: bool, has_mask: bool) -> str | N
   return None
 
 
-def decide(
-  fn_name: str, implementation: str | None, plan, q: Array, has_bias: bool, has_mask: bool
-):
+def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, aux) -> Decision:
   """The backends of one attention call (see the module docstring)."""
   check_implementation(fn_name, implementation)
   match implementation:
     case "xla":
       return Decision()
     case "cudnn":
-      why = cudnn_unsupported(plan, q, has_bias, has_mask)
+      why = cudnn_unsupported(plan, q, aux)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='cudnn' does not support this call: {why}; use "
           "implementation='xla' or None"
         )
       return Decision("cudnn", "cudnn", forced=True)
-    case "pallas" | "mosaic":
+    case "pallas":
+      why = kernels.triton_unsupported(plan, q, k, v, bias, aux)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
+          "implementation='xla' or None"
+        )
+      return Decision("triton", "triton", forced=True, target=target())
+    case "mosaic":
       raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation={implementation!r}: jaxact has no GPU attention "
-        "kernel of that kind yet; use implementation='xla', 'cudnn' or None"
+        f"jaxact.{fn_name}: implementation='mosaic': jaxact has no Mosaic GPU (Hopper) attention "
+        "kernel yet; use implementation='pallas' (Triton, which Hopper runs), 'xla', 'cudnn' or "
+        "None"
       )
     case _:  # None
       return auto(None, ATTENTION_AUTO_RULES, lambda: None)

@@ -14,10 +14,10 @@ Under Auto axes the op is XLA's to partition, as for any jnp code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
-import jax
 from jax import lax
 
 from jaxact._src import pallas_sharding as ps
@@ -27,10 +27,12 @@ def _fail(msg: str):
   raise NotImplementedError(f"jaxact.dot_product_attention on sharded operands: {msg}")
 
 
-def per_device(fn, plan, q, k, v, bias, mask, q_len, kv_len, key_data):
-  """``fn(plan, q, k, v, bias, mask, q_len, kv_len, key_data)`` as a function of the arrays, run
+def per_device(fn, plan, q, k, v, bias, aux):
+  """``fn(plan, q, k, v, bias, aux)`` (`aux`: :class:`.xla.Aux`) as a function of the arrays, run
   per device under ``shard_map`` when their types name a mesh with Explicit axes."""
-  mesh = ps._mesh(q, k, v, bias, mask, q_len, kv_len)
+  mask = aux.mask
+  others = (aux.mask, aux.q_lengths, aux.kv_lengths, aux.q_segments, aux.kv_segments)
+  mesh = ps._mesh(q, k, v, bias, *others)
   if mesh is None:
     return functools.partial(fn, plan)
   if isinstance(mesh, str):
@@ -59,20 +61,26 @@ def per_device(fn, plan, q, k, v, bias, mask, q_len, kv_len, key_data):
       return None
     return (batch if a.shape[0] > 1 else (), heads if a.shape[1] > 1 else (), (), ())
 
-  def body(q, k, v, bias, mask, q_len, kv_len, key_data):
+  fields = [f.name for f in dataclasses.fields(aux)]
+
+  def body(q, k, v, bias, *aux_arrays):
     if not kv_split:  # every device holds all K heads: take the ones its query heads read
       k, v = _local_kv(k, v, n, parts, heads)
-    return (fn(plan, q, k, v, bias, mask, q_len, kv_len, key_data),)
+    return (fn(plan, q, k, v, bias, type(aux)(*aux_arrays)),)
 
-  in_specs = (q_spec, kv_spec, kv_spec, map_spec(bias), map_spec(mask), (batch,), (batch,), ((),))
-  in_specs = tuple(s if s is None else tuple(s) for s in in_specs)
+  aux_specs = dict(
+    mask=map_spec(mask),
+    q_lengths=(batch,),
+    kv_lengths=(batch,),
+    q_segments=(batch, ()),
+    kv_segments=(batch, ()),
+    key_data=((),),  # replicated
+  )
 
-  def run(q, k, v, bias, mask, q_len, kv_len, key_data):
-    if key_data is not None:
-      key_data = jax.sharding.reshard(key_data, ps.NamedSharding(mesh, ps.P()))
-    args = (q, k, v, bias, mask, q_len, kv_len, key_data)
-    specs = tuple(None if a is None else s for a, s in zip(args, in_specs, strict=True))
-    return ps.per_shard(body, args, specs, (q_spec,), mesh=mesh)[0]
+  def run(q, k, v, bias, aux):
+    arrays = [getattr(aux, f) for f in fields]
+    specs = [q_spec, kv_spec, kv_spec, map_spec(bias), *(aux_specs[f] for f in fields)]
+    return ps.per_shard(body, (q, k, v, bias, *arrays), specs, (q_spec,), mesh=mesh)[0]
 
   return run
 

@@ -27,80 +27,14 @@ and zero gradients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src.dispatch import Decision
-from jaxact._src.dropout import Dropout, keep_from_index
-
-_FLOAT32 = np.dtype(np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPlan:
-  """Everything static about one call.
-
-  Attributes:
-    scale: multiplies ``q . k``.
-    causal: mask ``u > t`` (jax.nn's top-left aligned ``tril``).
-    window: ``(left, right)``: mask ``u < t - left`` and ``u > t + right``; None for no window.
-    soft_cap: ``c`` of ``c tanh(s / c)``, or None.
-    block_q, block_k: query rows and key columns a block.
-    dropout: the dropout of the probabilities, or None; ``broadcast_dropout`` shares one (T, S)
-      mask over batch and heads (Flax's default).
-    precision: of the products, as :func:`jax.lax.dot_general` takes it.
-    acc_dtype: float32, or float64 for float64 inputs.
-    decision: the backends of the two passes.
-  """
-
-  scale: float
-  causal: bool = False
-  window: tuple[int, int] | None = None
-  soft_cap: float | None = None
-  block_q: int = 512
-  block_k: int = 512
-  dropout: Dropout | None = None
-  broadcast_dropout: bool = True
-  precision: Any = None
-  acc_dtype: np.dtype = _FLOAT32
-  decision: Decision = dataclasses.field(default_factory=Decision)
-
-  @property
-  def right(self) -> int | None:
-    """The largest ``u - t`` left unmasked by the causal mask and the window, or None."""
-    bounds = ([0] if self.causal else []) + ([self.window[1]] if self.window else [])
-    return min(bounds) if bounds else None
-
-  @property
-  def left(self) -> int | None:
-    """The largest ``t - u`` left unmasked by the window, or None."""
-    return self.window[0] if self.window else None
-
-
-# Elements of one float32 block of logits the XLA path aims at: on CPU 4 MiB (a few such arrays
-# live at once in the backward; benchmarks/results/attention.md), for a GPU 64 MiB, where larger
-# blocks amortize the loop's launches.
-_CPU_BLOCK_ELEMENTS = 1 << 20
-_GPU_BLOCK_ELEMENTS = 16 << 20
-
-
-def _pow2_floor(n: int) -> int:
-  return 1 << (max(1, n).bit_length() - 1)
-
-
-def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
-  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``: key
-  blocks of up to 512 columns, query blocks filling the element budget, at least 64 rows."""
-  budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
-  block_k = min(kv_len, 512)
-  block_q = max(64, _pow2_floor(budget // max(1, heads * block_k)))
-  return min(q_len, block_q), block_k
-
+from jaxact._src.attention.plan import AttentionPlan, Aux
+from jaxact._src.dropout import keep_from_index
 
 # ----------------------------------------------------------------------------- the blocks
 
@@ -169,7 +103,7 @@ def _slice(a: Array | None, axis_starts: dict[int, Any], sizes: dict[int, int]):
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
   """The operands in the blocks' layouts: q (B, T, K, G, H); k, v (B, S, K, H); bias and mask
-  (B|1, K|1, G|1, T|1, S|1); lengths (B,) or None; the dropout key's data or None."""
+  (B|1, K|1, G|1, T|1, S|1); the rest as :class:`Aux` holds them."""
 
   q: Array
   k: Array
@@ -178,6 +112,8 @@ class _Inputs:
   mask: Array | None
   q_lengths: Array | None
   kv_lengths: Array | None
+  q_segments: Array | None
+  kv_segments: Array | None
   key_data: Array | None
 
 
@@ -223,6 +159,10 @@ def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, 
     valid = valid & (rows < x.q_lengths[:, None, None, None, None])
   if x.kv_lengths is not None:
     valid = valid & (cols < x.kv_lengths[:, None, None, None, None])
+  if x.q_segments is not None:  # packed sequences: a query sees the keys of its own segment
+    seg_q = lax.dynamic_slice_in_dim(x.q_segments, q0, bq, 1)
+    seg_k = lax.dynamic_slice_in_dim(x.kv_segments, k0, bk, 1)
+    valid = valid & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
   if x.mask is not None:
     valid = valid & _slice(x.mask, {3: q0, 4: k0}, {3: bq, 4: bk})
   return jnp.where(valid, z, -jnp.inf), capped
@@ -427,17 +367,29 @@ def _add_block(dbias: Array, ds: Array, q0, k0, plan: AttentionPlan) -> Array:
   return lax.dynamic_update_slice(dbias, old + part, starts)
 
 
-# -------------------------------------------------------------------------- custom_vjp
+# ------------------------------------------------------------ jax.nn's layouts in and out
 
 
-def _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> _Inputs:
+def _grouped_inputs(q, k, v, bias, aux: Aux) -> _Inputs:
   """jax.nn's layouts (q (B, T, N, H), k and v (B, S, K, H), bias and mask (B|1, N|1, T|1,
   S|1)) as the blocks read them: reshapes only, free under jit."""
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   sh = _Shapes(b, t, k.shape[1], kv_heads, n // kv_heads)
   q5 = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  return _Inputs(q5, k, v, _grouped(bias, sh), _grouped(mask, sh), q_lengths, kv_lengths, key_data)
+  a = aux
+  return _Inputs(
+    q5,
+    k,
+    v,
+    _grouped(bias, sh),
+    _grouped(a.mask, sh),
+    a.q_lengths,
+    a.kv_lengths,
+    a.q_segments,
+    a.kv_segments,
+    a.key_data,
+  )
 
 
 def _ungrouped(o: Array) -> Array:
@@ -445,32 +397,16 @@ def _ungrouped(o: Array) -> Array:
   return o.reshape(b, t, kv_heads * g, h)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data) -> Array:
-  """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
-  grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
-  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
-  return _ungrouped(forward(plan, x)[0])
+def xla_forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+  """``(O (B, T, N, Hv), lse (B, N, T))`` of the blocked XLA path."""
+  o, lse = forward(plan, _grouped_inputs(q, k, v, bias, aux))
+  return _ungrouped(o), lse.reshape(lse.shape[0], -1, lse.shape[-1])
 
 
-def _attention_fwd(plan: AttentionPlan, q, k, v, bias, mask, q_lengths, kv_lengths, key_data):
-  x = _grouped_inputs(q, k, v, bias, mask, q_lengths, kv_lengths, key_data)
-  o, lse = forward(plan, x)
-  # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
-  # and XLA cannot recompute it in the backward from what the forward read.
-  o, lse = lax.optimization_barrier((_ungrouped(o), lse))
-  return o, ((q, k, v, bias, mask, q_lengths, kv_lengths, key_data), o, lse)
-
-
-def _attention_bwd(plan: AttentionPlan, res, do):
-  args, o, lse = res
-  (o, lse), do = lax.optimization_barrier(((o, lse), do))
-  x = _grouped_inputs(*args)
-  q, bias = args[0], args[3]
+def xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, lse, do):
+  x = _grouped_inputs(q, k, v, bias, aux)
   shape5 = (*x.q.shape[:-1], do.shape[-1])
+  lse = lse.reshape(x.q.shape[0], x.q.shape[2], x.q.shape[3], -1)  # (B, K, G, T)
   dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
   dbias = None if dbias is None else dbias.reshape(bias.shape)
-  return dq.reshape(q.shape), dk, dv, dbias, None, None, None, None
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
+  return dq.reshape(q.shape), dk, dv, dbias

@@ -1,0 +1,583 @@
+"""`python -m benchmarks.gemma [--sections cpu,h100] [--check] [--out FILE]`: a trimmed Gemma, as
+Flax's ``examples/gemma`` writes it and ported to jaxact.
+
+One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the example's names:
+``embedder.embedding``, ``layers.<i>.attn.q_einsum.kernel``, ``layers.<i>.mlp.gate_proj.kernel``,
+``layers.<i>.pre_attention_norm.scale``, ``final_norm.scale``, ...):
+
+- ``original``: the example's computation, written here from its description: Gemma's RMS norm
+  ``x_hat * (1 + scale)``, attention as einsums with grouped-query heads, a soft cap, a causal
+  mask with a sliding window on every other layer and a padding mask, GeGLU MLP of three
+  ``nnx.Linear``, the tied head ``embedder.attend`` with a final soft cap, and T5X's weighted
+  cross-entropy with label smoothing (``train.py``'s ``compute_weighted_cross_entropy``), the
+  accuracy from the logits;
+- ``jaxact``: the swaps the docs page "Porting a Flax model" shows, nothing else:
+  ``jaxact.nnx.RMSNorm(scale_offset=1.0)``, ``jaxact.dot_product_attention`` (``mask``,
+  ``is_causal``, ``local_window_size``, ``logits_soft_cap``, GQA), ``jaxact.nnx.GatedMLP``
+  (gelu), and ``jaxact.nnx.attend_cross_entropy`` (T5X smoothing, weights, soft cap,
+  ``return_predictions`` for the accuracy).
+
+Each with and without block remat (``nnx.remat`` of every block). ``--sections cpu`` compiles the
+training step (``value_and_grad`` over the parameters) on CPU in float32 at the issue's sizes (4
+layers, embed 512, hidden 2048, vocab 32k, 4 x 512 tokens) and reports its temp; ``h100`` the
+same compiled for an H100 with bfloat16 activations (float32 weights, the example's
+``use_bfloat16``). ``--check`` (8 devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
+builds a small model under the example's 4 x 2 ``("fsdp", "tensor")`` mesh, Explicit axes, with
+its ``fsdp_tp_sharding`` layout, and prints one JSON line: the loss and every gradient against the
+same model on one device and against the original (the same parameters loaded by name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxact
+import jaxact.nnx as jnnx
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  layers: int = 4
+  vocab: int = 32000
+  embed: int = 512
+  hidden: int = 2048
+  heads: int = 8
+  kv_heads: int = 2
+  head_dim: int = 64
+  window: int = 128  # the sliding window of the local layers (every other one)
+  attn_cap: float | None = 50.0
+  final_cap: float | None = 30.0
+  smoothing: float = 0.1  # T5X's label smoothing, as train.py applies it
+  batch: int = 4
+  length: int = 512
+  dtype: jnp.dtype = jnp.float32  # activations; the weights are float32
+  remat: bool = False
+
+  def local(self, i: int) -> bool:
+    return i % 2 == 0
+
+
+# The check's model. Its window of 4 leaves the last padding tokens of a padded row no key at all:
+# there jaxact's attention gives 0 where the example's averages the values (neither counts).
+SMALL = Config(
+  layers=2, vocab=512, embed=64, hidden=256, heads=4, kv_heads=2, head_dim=16, window=4, batch=8,
+  length=32,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The example's fsdp_tp_sharding: weights' model dimension over `fsdp`, heads, hidden and
+  vocabulary over `tensor`; activations (batch, length, features) with the batch over `fsdp` and
+  the features over `tensor` (``act_btd``). None everywhere: unsharded."""
+
+  fsdp: str | None = "fsdp"
+  tensor: str | None = "tensor"
+
+  @property
+  def act_btd(self):
+    return P(self.fsdp, None, self.tensor)
+
+  @property
+  def act_btf(self):
+    return P(self.fsdp, None, self.tensor)
+
+  @property
+  def act_btnh(self):
+    return P(self.fsdp, None, self.tensor, None)
+
+  @property
+  def act_cbtkh(self):
+    return P(None, self.fsdp, None, self.tensor, None)
+
+
+def _meta(layout: Layout | None, *names) -> dict:
+  """`out_sharding` metadata of a parameter: the layout's axes by role (None: no metadata)."""
+  if layout is None:
+    return {}
+  axes = {"fsdp": layout.fsdp, "tensor": layout.tensor, None: None}
+  return {"out_sharding": P(*(axes[n] for n in names))}
+
+
+def _out(layout: Layout | None, name: str):
+  return None if layout is None else getattr(layout, name)
+
+
+# --------------------------------------------------------------------------------- modules
+
+
+class GemmaNorm(nnx.Module):
+  """The example's RMS norm: ``x_hat * (1 + scale)``, the scale initialised to zeros."""
+
+  def __init__(self, dim: int, *, rngs: nnx.Rngs, metadata: dict, dtype):
+    del rngs  # zeros need no key
+    self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32), **metadata)
+    self.dtype = dtype
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return (normed * (1 + self.scale[...])).astype(self.dtype)
+
+
+def norm(config: Config, use_jaxact: bool, layout, rngs):
+  metadata = _meta(layout, "tensor")
+  if use_jaxact:  # Gemma's 1 + scale: scale_offset=1.0, and the zeros the example initialises
+    return jnnx.RMSNorm(
+      config.embed,
+      scale_offset=1.0,
+      scale_init=nnx.initializers.zeros,
+      scale_metadata=metadata,
+      dtype=config.dtype,
+      rngs=rngs,
+    )
+  return GemmaNorm(config.embed, rngs=rngs, metadata=metadata, dtype=config.dtype)
+
+
+def rope(x, positions, max_wavelength: float = 10_000.0):
+  """Rotary embeddings of (B, T, heads, H) by (B, T) positions, half-split."""
+  half = x.shape[-1] // 2
+  fraction = 2 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1]
+  angle = positions[..., None, None].astype(jnp.float32) / max_wavelength**fraction
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, config: Config, local: bool, use_jaxact: bool, layout, rngs):
+    c = config
+    self.config, self.local, self.use_jaxact, self.layout = c, local, use_jaxact, layout
+    einsum = lambda spec, shape, *names: nnx.Einsum(
+      spec,
+      shape,
+      dtype=c.dtype,
+      rngs=rngs,
+      kernel_metadata=_meta(layout, *names),
+    )
+    self.q_einsum = einsum("BTD,NDH->BTNH", (c.heads, c.embed, c.head_dim), "tensor", "fsdp", None)
+    self.kv_einsum = einsum(
+      "BTD,CKDH->CBTKH", (2, c.kv_heads, c.embed, c.head_dim), None, "tensor", "fsdp", None
+    )
+    self.attn_vec_einsum = einsum(
+      "BTNH,NHD->BTD", (c.heads, c.head_dim, c.embed), "tensor", None, "fsdp"
+    )
+
+  def __call__(self, x, positions, input_mask):
+    c, layout = self.config, self.layout
+    q = self.q_einsum(x, out_sharding=_out(layout, "act_btnh"))
+    k, v = self.kv_einsum(x, out_sharding=_out(layout, "act_cbtkh"))
+    q, k = rope(q, positions), rope(k, positions)
+    window = c.window if self.local else None
+    if self.use_jaxact:
+      encoded = jaxact.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=input_mask[:, None, None, :],  # keys that are not padding
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        logits_soft_cap=c.attn_cap,
+        scale=c.head_dim**-0.5,
+        out_sharding=_out(layout, "act_btnh"),
+      )
+    else:
+      encoded = self._attend(q * c.head_dim**-0.5, k, v, input_mask, window)
+    return self.attn_vec_einsum(encoded, out_sharding=_out(layout, "act_btd"))
+
+  def _attend(self, q, k, v, input_mask, window):
+    """The example's attention: grouped-query einsums, soft cap, masks, softmax."""
+    c = self.config
+    b, t = q.shape[:2]
+    groups = c.heads // c.kv_heads
+    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, c.kv_heads, groups, -1), k)
+    if c.attn_cap is not None:
+      logits = jnp.tanh(logits / c.attn_cap) * c.attn_cap
+    mask = input_mask[:, None, :] & jnp.tril(jnp.ones((t, t), jnp.bool_))
+    if window is not None:
+      ones = jnp.ones((t, t), jnp.bool_)
+      mask = mask & jnp.triu(ones, 1 - window) & jnp.tril(ones, window - 1)
+    logits = jnp.where(mask[:, :, None, None, :], logits, -2.3819763e38)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v)
+    return encoded.reshape(b, t, c.heads, c.head_dim)
+
+
+class FeedForward(nnx.Module):
+  """The example's GeGLU MLP: three ``nnx.Linear`` without bias."""
+
+  def __init__(self, config: Config, layout, rngs):
+    c = config
+
+    def linear(n_in, n_out, *names):
+      return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=False,
+        dtype=c.dtype,
+        rngs=rngs,
+        kernel_metadata=_meta(layout, *names),
+      )
+
+    self.gate_proj = linear(c.embed, c.hidden, "fsdp", "tensor")
+    self.up_proj = linear(c.embed, c.hidden, "fsdp", "tensor")
+    self.down_proj = linear(c.hidden, c.embed, "tensor", "fsdp")
+    self.layout = layout
+
+  def __call__(self, x):
+    gate = nnx.gelu(self.gate_proj(x, out_sharding=_out(self.layout, "act_btf")))
+    hidden = gate * self.up_proj(x, out_sharding=_out(self.layout, "act_btf"))
+    return self.down_proj(hidden, out_sharding=_out(self.layout, "act_btd"))
+
+
+def mlp(config: Config, use_jaxact: bool, layout, rngs):
+  if not use_jaxact:
+    return FeedForward(config, layout, rngs)
+  # The same three kernels (gate_proj, up_proj, down_proj), computed as one gated_mlp.
+  return jnnx.GatedMLP(
+    config.embed,
+    config.hidden,
+    activation="gelu",
+    dtype=config.dtype,
+    rngs=rngs,
+    kernel_metadata=_meta(layout, "fsdp", "tensor"),
+    down_kernel_metadata=_meta(layout, "tensor", "fsdp"),
+  )
+
+
+class Block(nnx.Module):
+  def __init__(self, config: Config, i: int, use_jaxact: bool, layout, rngs):
+    self.pre_attention_norm = norm(config, use_jaxact, layout, rngs)
+    self.attn = Attention(config, config.local(i), use_jaxact, layout, rngs)
+    self.post_attention_norm = norm(config, use_jaxact, layout, rngs)
+    self.pre_ffw_norm = norm(config, use_jaxact, layout, rngs)
+    self.mlp = mlp(config, use_jaxact, layout, rngs)
+    self.post_ffw_norm = norm(config, use_jaxact, layout, rngs)
+    self.layout = layout
+
+  def __call__(self, x, positions, input_mask):
+    x = x + self.post_attention_norm(self.attn(self.pre_attention_norm(x), positions, input_mask))
+    h = self.pre_ffw_norm(x)
+    if isinstance(self.mlp, jnnx.GatedMLP):
+      h = self.mlp(h, out_sharding=_out(self.layout, "act_btd"))
+    else:
+      h = self.mlp(h)
+    return x + self.post_ffw_norm(h)
+
+
+class Gemma(nnx.Module):
+  def __init__(self, config: Config, *, use_jaxact: bool, layout=None, rngs: nnx.Rngs):
+    self.config, self.use_jaxact, self.layout = config, use_jaxact, layout
+    self.embedder = nnx.Embed(
+      config.vocab,
+      config.embed,
+      dtype=config.dtype,
+      rngs=rngs,
+      embedding_metadata=_meta(layout, "tensor", "fsdp"),
+    )
+    self.layers = nnx.List(
+      [Block(config, i, use_jaxact, layout, rngs) for i in range(config.layers)]
+    )
+    self.final_norm = norm(config, use_jaxact, layout, rngs)
+
+  def __call__(self, tokens, targets, weights):
+    """``(loss, (correct, counted))``: T5X's weighted loss and the accuracy's counts."""
+    c = self.config
+    input_mask = tokens > 0
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = self.embedder(tokens, out_sharding=_out(self.layout, "act_btd")) * math.sqrt(c.embed)
+    for block in self.layers:
+      if c.remat:
+        x = nnx.remat(lambda block, x: block(x, positions, input_mask))(block, x)
+      else:
+        x = block(x, positions, input_mask)
+    x = self.final_norm(x)
+    if self.use_jaxact:
+      loss, predictions = jnnx.attend_cross_entropy(
+        self.embedder,
+        x,
+        targets,
+        weights=weights,
+        label_smoothing=c.smoothing,
+        label_smoothing_style="t5x",
+        logit_soft_cap=c.final_cap,
+        return_predictions=True,
+      )
+    else:
+      logits = self.embedder.attend(x, out_sharding=_out(self.layout, "act_btd"))
+      if c.final_cap is not None:
+        logits = jnp.tanh(logits / c.final_cap) * c.final_cap
+      loss = t5x_loss(logits.astype(jnp.float32), targets, weights, c.smoothing)
+      predictions = jnp.argmax(logits, -1)
+    correct = jnp.sum(jnp.where(weights > 0, predictions == targets, False))
+    return loss, (correct, jnp.sum(weights > 0))
+
+
+def t5x_loss(logits, targets, weights, smoothing: float):
+  """train.py's weighted cross-entropy with T5X's smoothing, reduced to its mean over weights."""
+  vocab = logits.shape[-1]
+  confidence = 1.0 - smoothing
+  low = smoothing / (vocab - 1)
+  constant = -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low + 1e-20))
+  soft = jax.nn.one_hot(targets, vocab) * (confidence - low) + low
+  loss = -jnp.sum(soft * jax.nn.log_softmax(logits), -1) - constant
+  return jnp.sum(loss * weights) / jnp.sum(weights)
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+def batch(config: Config, seed: int = 0):
+  """Tokens (0 is padding: the last few of every other row), next-token targets, weights."""
+  rng = np.random.default_rng(seed)
+  b, t = config.batch, config.length
+  tokens = rng.integers(1, config.vocab, (b, t + 1))
+  tokens[1::2, -max(1, t // 8) :] = 0
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  weights = (inputs > 0).astype(np.float32)
+  return jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32), jnp.asarray(weights)
+
+
+def loss_and_grads(graphdef, rest):
+  """``step(params, tokens, targets, weights) -> ((loss, metrics), grads)``."""
+
+  def loss(params, *data):
+    return nnx.merge(graphdef, params, rest)(*data)
+
+  return jax.value_and_grad(loss, has_aux=True)
+
+
+def build(config: Config, use_jaxact: bool, layout=None, seed: int = 0, mesh=None) -> Gemma:
+  """The model with parameters drawn on the host, as a checkpoint's values would be loaded: under
+  a mesh each is placed as its ``out_sharding`` metadata says (``nnx.get_named_sharding``). The
+  model is built abstractly (``nnx.eval_shape``): drawn eagerly, every initializer compiles a
+  program of its own, longer than the check itself."""
+  model = nnx.eval_shape(
+    lambda: Gemma(config, use_jaxact=use_jaxact, layout=layout, rngs=nnx.Rngs(0))
+  )
+  state = nnx.state(model, nnx.Param)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = jax.tree_util.keystr(path)
+    scale = 0.1 if name.endswith("['scale']") else config.embed**-0.5
+    return (rng.standard_normal(leaf.shape) * scale).astype(leaf.dtype)
+
+  values = jax.tree_util.tree_map_with_path(draw, state)
+  if mesh is not None:
+    shardings = nnx.get_named_sharding(state, mesh)
+    values = jax.tree.map(jax.device_put, values, shardings)
+  else:
+    values = jax.tree.map(jnp.asarray, values)
+  nnx.update(model, values)
+  return model
+
+
+def split(model):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, params, rest
+
+
+def abstract(config: Config, use_jaxact: bool):
+  """The model's graph, abstract parameters and other state (no arrays created)."""
+  model = nnx.eval_shape(lambda: Gemma(config, use_jaxact=use_jaxact, rngs=nnx.Rngs(0)))
+  return split(model)
+
+
+MODELS = {
+  "original": (False, False),
+  "original + block remat": (False, True),
+  "jaxact": (True, False),
+  "jaxact + block remat": (True, True),
+}
+
+
+def temp(config: Config, name: str, gpu: bool = False) -> int:
+  """Compiled temp of the training step of model `name` (CPU, or an H100)."""
+  use_jaxact, remat = MODELS[name]
+  config = dataclasses.replace(config, remat=remat)
+  graphdef, params, rest = abstract(config, use_jaxact)
+  step = loss_and_grads(graphdef, rest)
+  data = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in batch(config)]
+  if not gpu:
+    return jax.jit(step).lower(params, *data).compile().memory_analysis().temp_size_in_bytes
+  from jaxact._src import test_util
+
+  leaves, tree = jax.tree.flatten((params, *data))
+
+  def flat(*leaves):
+    return step(*jax.tree.unflatten(tree, leaves))
+
+  return test_util.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
+
+
+def section_memory(gpu: bool) -> list[str]:
+  config = Config(dtype=jnp.bfloat16) if gpu else Config()
+  temps = {name: temp(config, name, gpu) for name in MODELS}
+  base, base_remat = temps["original"], temps["original + block remat"]
+  rows = [
+    "| model | compiled temp MiB | / original | / original + block remat |",
+    "|---|---|---|---|",
+  ]
+  for name, t in temps.items():
+    rows.append(f"| {name} | {t / MiB:.1f} | {t / base:.2f} | {t / base_remat:.2f} |")
+  return rows
+
+
+COLLECTIVE = re.compile(
+  r"= (.*?) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\("
+)
+SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def collective_bytes(compiled) -> tuple[int, int]:
+  """``(bytes, in loops)``: the bytes a device's collectives produce in the compiled program,
+  each written once (those inside a loop body, counted apart, run once an iteration)."""
+  total = in_loops = 0
+  for line in compiled.as_text().splitlines():
+    found = COLLECTIVE.search(line)
+    if found is None:
+      continue
+    size = sum(
+      BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+      for dtype, dims in SHAPE.findall(found.group(1))
+    )
+    total += size
+    in_loops += size if "/while/body/" in line else 0
+  return total, in_loops
+
+
+def section_mesh(config: Config = Config()) -> list[str]:
+  """Each model's step under the example's 4 x 2 mesh (8 CPU devices), Explicit axes, its
+  fsdp_tp_sharding layout: per-device temp and collective bytes."""
+  if jax.device_count() < 8:
+    raise SystemExit(
+      "--sections mesh needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+  rows = [
+    "| model | per-device temp MiB | / original | collective MiB a device | in loops |",
+    "|---|---|---|---|---|",
+  ]
+  base = None
+  for name, (use_jaxact, remat) in MODELS.items():
+    c = dataclasses.replace(config, remat=remat)
+    with jax.set_mesh(mesh):
+      model = build(c, use_jaxact, Layout(), mesh=mesh)
+      graphdef, params, rest = split(model)
+      data = [jax.device_put(a, P("fsdp")) for a in batch(c)]
+      compiled = jax.jit(loss_and_grads(graphdef, rest)).lower(params, *data).compile()
+    t = compiled.memory_analysis().temp_size_in_bytes
+    base = base or t
+    moved, looped = collective_bytes(compiled)
+    rows.append(f"| {name} | {t / MiB:.1f} | {t / base:.2f} | {moved / MiB:.1f} | {looped} |")
+  return rows
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def tree_err(a, b) -> float:
+  return max(rel_err(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def check(config: Config = SMALL) -> dict:
+  """The jaxact model under the example's 4 x 2 mesh (Explicit axes, fsdp_tp_sharding), against
+  the same model on one device and the original with the same parameters."""
+  if jax.device_count() < 8:
+    raise SystemExit(
+      "--check needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (CPU)"
+    )
+  data = batch(config, seed=1)
+  graphdef, params, rest = split(build(config, True))
+  (loss1, (correct1, _)), grads1 = jax.jit(loss_and_grads(graphdef, rest))(params, *data)
+  original = build(config, False, seed=1)  # other values; the port's are loaded below
+  names = lambda state: [jax.tree_util.keystr(k) for k, _ in nnx.to_flat_state(state)]
+  same_names = names(nnx.state(original, nnx.Param)) == names(params)
+  nnx.update(original, params)  # the port's parameters into the original, by name
+  o_graph, o_params, o_rest = split(original)
+  (loss0, (correct0, _)), grads0 = jax.jit(loss_and_grads(o_graph, o_rest))(o_params, *data)
+
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+  layout = Layout()
+  with jax.set_mesh(mesh):
+    # As train.py builds it: the model under the mesh, each parameter sharded by its metadata.
+    model = build(config, True, layout, mesh=mesh)
+    s_graph, s_params, s_rest = split(model)
+    sharded = (
+      jax.device_put(data[0], P("fsdp")),
+      jax.device_put(data[1], P("fsdp")),
+      jax.device_put(data[2], P("fsdp")),
+    )
+    step = jax.jit(loss_and_grads(s_graph, s_rest))
+    (loss, (correct, _)), grads = step(s_params, *sharded)
+    specs_equal = jax.tree.map(lambda g, p: g.sharding.spec == p.sharding.spec, grads, s_params)
+  return dict(
+    case="gemma_4x2",
+    devices=jax.device_count(),
+    loss_err=rel_err(loss, loss1),
+    grad_err=tree_err(grads, grads1),
+    correct_equal=int(correct) == int(correct1),
+    grad_specs_equal=all(jax.tree.leaves(specs_equal)),
+    weights_sharded=str(s_params["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.spec),
+    same_names=same_names,
+    original_loss_err=rel_err(loss1, loss0),
+    original_grad_err=tree_err(grads1, grads0),
+    original_correct_equal=int(correct1) == int(correct0),
+  )
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--sections", default="cpu", help="comma-separated: cpu, h100, mesh (8 devices)"
+  )
+  parser.add_argument("--check", action="store_true", help="the 4 x 2 mesh check (8 devices)")
+  parser.add_argument("--out", help="also write the tables to this file")
+  args = parser.parse_args(argv)
+  if "h100" in args.sections:
+    from jaxact._src import test_util
+
+    test_util.use_gpu_compiler()  # before the first computation starts jax's backends
+  if args.check:
+    print(json.dumps(check()), flush=True)
+    return 0
+  lines = []
+  for section in args.sections.split(","):
+    titles = {
+      "cpu": "CPU, float32",
+      "h100": "compiled for an H100, bfloat16 activations",
+      "mesh": "the example's 4 x 2 mesh, 8 CPU devices, float32",
+    }
+    rows = section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
+    lines += [f"### {titles[section]}", "", *rows, ""]
+  text = "\n".join(lines)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

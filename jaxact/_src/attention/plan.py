@@ -1,0 +1,96 @@
+"""The static plan of one attention call, its arrays without gradients, and the XLA path's
+default blocks: what every module of the family reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax import Array
+
+from jaxact._src.dispatch import Decision
+from jaxact._src.dropout import Dropout
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+  """Everything static about one call.
+
+  Attributes:
+    scale: multiplies ``q . k``.
+    causal: mask ``u > t`` (jax.nn's top-left aligned ``tril``).
+    window: ``(left, right)``: mask ``u < t - left`` and ``u > t + right``; None for no window.
+    soft_cap: ``c`` of ``c tanh(s / c)``, or None.
+    block_q, block_k: query rows and key columns a block.
+    dropout: the dropout of the probabilities, or None; ``broadcast_dropout`` shares one (T, S)
+      mask over batch and heads (Flax's default).
+    precision: of the products, as :func:`jax.lax.dot_general` takes it.
+    acc_dtype: float32, or float64 for float64 inputs.
+    decision: the backends of the two passes.
+  """
+
+  scale: float
+  causal: bool = False
+  window: tuple[int, int] | None = None
+  soft_cap: float | None = None
+  block_q: int = 512
+  block_k: int = 512
+  dropout: Dropout | None = None
+  broadcast_dropout: bool = True
+  precision: Any = None
+  acc_dtype: np.dtype = _FLOAT32
+  decision: Decision = dataclasses.field(default_factory=Decision)
+
+  @property
+  def right(self) -> int | None:
+    """The largest ``u - t`` left unmasked by the causal mask and the window, or None."""
+    bounds = ([0] if self.causal else []) + ([self.window[1]] if self.window else [])
+    return min(bounds) if bounds else None
+
+  @property
+  def left(self) -> int | None:
+    """The largest ``t - u`` left unmasked by the window, or None."""
+    return self.window[0] if self.window else None
+
+
+# Elements of one float32 block of logits (batch x heads x block_q x block_k) the XLA path aims at.
+# On CPU 128 Ki (512 KiB): the few such arrays a block holds stay in cache, and small blocks let
+# the causal mask skip more (the sweep: benchmarks/results/attention.md, "CPU step time"). For a
+# GPU 16 Mi (64 MiB), where larger blocks amortize the loop's launches (not measured on one yet).
+_CPU_BLOCK_ELEMENTS = 1 << 17
+_GPU_BLOCK_ELEMENTS = 1 << 24
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << (max(1, n).bit_length() - 1)
+
+
+def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
+  """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
+  square blocks of a power of two filling the element budget, from 32 to 512."""
+  budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
+  side = min(512, max(32, _pow2_floor(int((budget // max(1, heads)) ** 0.5))))
+  return min(q_len, side), min(kv_len, side)
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["mask", "q_lengths", "kv_lengths", "q_segments", "kv_segments", "key_data"],
+  meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Aux:
+  """The call's arrays that get no gradient, each None when not given: a bool mask (B|1, N|1,
+  T|1, S|1), lengths (B,), segment ids (B, T) and (B, S), the dropout key's raw data."""
+
+  mask: Array | None = None
+  q_lengths: Array | None = None
+  kv_lengths: Array | None = None
+  q_segments: Array | None = None
+  kv_segments: Array | None = None
+  key_data: Array | None = None

@@ -1,0 +1,59 @@
+"""The ``custom_vjp`` of :func:`jaxact.dot_product_attention`: one rule for every backend.
+
+It keeps the arrays the caller passed (q, k, v, bias and the :class:`.plan.Aux` arrays), the
+output O and lse (B, N, T), and runs each pass on the backend the decision names: the blocked XLA
+path (:mod:`.xla`) or the Triton kernels (:mod:`.kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import Array, lax
+
+from jaxact._src.attention import kernels
+from jaxact._src.attention.plan import AttentionPlan, Aux
+from jaxact._src.attention.xla import xla_backward, xla_forward
+
+
+def _forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+  if plan.decision.forward == "triton":  # lengths only (kernels.triton_unsupported)
+
+    def xla(q, k, v, q_lengths, kv_lengths):
+      return xla_forward(plan, q, k, v, None, Aux(q_lengths=q_lengths, kv_lengths=kv_lengths))
+
+    return kernels.forward(plan, q, k, v, aux.q_lengths, aux.kv_lengths, xla)
+  return xla_forward(plan, q, k, v, bias, aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: AttentionPlan, q, k, v, bias, aux: Aux) -> Array:
+  """O (B, T, N, Hv) for jax.nn's layouts; the arrays the caller passed are the ones kept (the
+  grouping reshapes happen inside, so an eager ``jax.vjp`` keeps no reshaped copy)."""
+  return _forward(plan, q, k, v, bias, aux)[0]
+
+
+def _attention_fwd(plan: AttentionPlan, q, k, v, bias, aux: Aux):
+  o, lse = _forward(plan, q, k, v, bias, aux)
+  # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
+  # and XLA cannot recompute it in the backward from what the forward read.
+  o, lse = lax.optimization_barrier((o, lse))
+  return o, ((q, k, v, bias, aux), o, lse)
+
+
+def _attention_bwd(plan: AttentionPlan, res, do):
+  (q, k, v, bias, aux), o, lse = res
+  (o, lse), do = lax.optimization_barrier(((o, lse), do))
+  if plan.decision.backward == "triton":
+
+    def xla(q, k, v, o, lse, do, q_lengths, kv_lengths):
+      lengths = Aux(q_lengths=q_lengths, kv_lengths=kv_lengths)
+      return xla_backward(plan, q, k, v, None, lengths, o, lse, do)[:3]
+
+    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, aux.q_lengths, aux.kv_lengths, xla)
+    return dq, dk, dv, None, None
+  return (*xla_backward(plan, q, k, v, bias, aux, o, lse, do), None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
