@@ -18,7 +18,8 @@ from collections.abc import Sequence
 FLAX, JAXACT = "flax", "jaxact"
 # Every point a model may have, by key: Flax, or jaxact, alone or under one remat policy applied to
 # each layer or block (nothing saved; the matmul outputs saved; named arrays saved), or with
-# few-bit derivative codes.
+# few-bit derivative codes; the decoder's jaxact runs jaxact's attention, and jax.nn's in the
+# `jaxact_nn_attn` points.
 LABELS = {
   "flax": "Flax",
   "remat": "Flax + remat",
@@ -28,6 +29,8 @@ LABELS = {
   "jaxact_remat": "jaxact + remat",
   "jaxact_dots": "jaxact + remat(dots)",
   "jaxact_names": "jaxact + remat(names)",
+  "jaxact_nn_attn": "jaxact, jax.nn attn",
+  "jaxact_nn_attn_remat": "jaxact, jax.nn attn + remat",
   "jaxact_8": "jaxact 8 bits",
   "jaxact_4": "jaxact 4 bits",
   "jaxact_2": "jaxact 2 bits",

@@ -331,7 +331,7 @@ BODY_LABELS = {
   "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by name",
 }
 # The main job's frontier: each point (benchmarks.frontier's keys) as (body, head). jaxact's bodies
-# run with jaxact.rms_norm (decoder_norm).
+# run with jaxact.rms_norm (decoder_norm); its `jaxact_nn_attn` points with jax.nn's attention.
 FRONTIER = {
   "flax": ("flax", "plain"),
   "remat": ("flax_remat", "plain"),
@@ -341,6 +341,8 @@ FRONTIER = {
   "jaxact_remat": ("jaxact_attn_remat", "fused"),
   "jaxact_dots": ("jaxact_attn_dots", "fused"),
   "jaxact_names": ("jaxact_attn_names", "fused"),
+  "jaxact_nn_attn": ("jaxact", "fused"),
+  "jaxact_nn_attn_remat": ("jaxact_remat", "fused"),
 }
 HEADS = ("plain", "fused", "none")
 
@@ -404,7 +406,7 @@ def decoder_args(c: Decoder, key=0):
   return jax.tree.unflatten(tree, made), ids, labels
 
 
-def decoder_frontier(c: Decoder, runs: int) -> tuple[float, dict[str, tuple]]:
+def decoder_frontier(c: Decoder, runs: int, warmup: bool = True) -> tuple[float, dict[str, tuple]]:
   """``(Flax's step in seconds, {point: (temp bytes, step time / Flax's, its rounds' ratios)})``
   for every point of :data:`FRONTIER` on CPU: each step compiled once, its memory analysis read
   and the compiled programs timed, alternated, the ratios taken within rounds."""
@@ -415,7 +417,7 @@ def decoder_frontier(c: Decoder, runs: int) -> tuple[float, dict[str, tuple]]:
     compiled = jax.jit(step).lower(*decoder_shapes(c)).compile()
     temps[key] = compiled.memory_analysis().temp_size_in_bytes
     calls.append(functools.partial(compiled, *args))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
   return seconds, timing.with_ratios(temps, by_round)
 
 
