@@ -10,9 +10,10 @@ point's compiled temp memory and step time measured in the same run, one picture
 less and jaxact's least memory at Flax's step time or less.
 
 `--quick` keeps the model sizes and every memory figure the README quotes (they come from XLA's
-compiled buffer assignment and need no long runs) but times fewer rounds and fewer activations,
-measures the fused layers' memory for relu and gelu only, untimed (the frontier times the same
-ops as `jaxact.linen` layers), and leaves out the gated stack's table at 1, 2 and 8 blocks. On a
+compiled buffer assignment and need no long runs) but times fewer rounds (the frontiers two,
+without a warm-up call) and fewer activations, measures the fused layers' memory for relu and
+gelu only, untimed (the frontier times the same ops as `jaxact.linen` layers), and leaves out the
+gated stack's table at 1, 2 and 8 blocks. On a
 GPU the suite also times the fused layers and the activations against their peak bandwidth and
 throughput (benchmarks/gpu.py).
 """
@@ -83,6 +84,7 @@ class Results:
   fused_runs: int
   flax_runs: int  # alternated rounds of the MLP and CNN frontiers
   stack_runs: int  # alternated rounds of the gated stack's and the decoder's frontiers
+  warmup: bool  # a warm-up call of each frontier point before its timed rounds
   memory: list[bench.MemoryRow] = dataclasses.field(default_factory=list)
   step: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
   fused: list[FusedRow] = dataclasses.field(default_factory=list)
@@ -183,8 +185,8 @@ def _points(found: dict[str, tuple], unit: float = 1.0) -> list[fr.Point]:
   ]
 
 
-def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
-  seconds, found = flax_models.frontier(model, act, runs)
+def _flax_frontier(model: str, act: str, runs: int, warmup: bool) -> Frontier:
+  seconds, found = flax_models.frontier(model, act, runs, warmup)
   if model == "MLP":
     title = f"{fused.MLP_LAYERS} layers, {fused.MLP_BATCH} x {fused.MLP_WIDTH} float32"
   else:
@@ -193,17 +195,17 @@ def _flax_frontier(model: str, act: str, runs: int) -> Frontier:
   return Frontier(f"{model}, {act}", title, "buffers", _points(found), seconds, runs)
 
 
-def _gated_frontier(rows: list[gated.MemoryRow], runs: int) -> Frontier:
+def _gated_frontier(rows: list[gated.MemoryRow], runs: int, warmup: bool) -> Frontier:
   known = {r.peer: r.temp8 for r in rows if r.layout == "scan"}  # the full run's table
-  seconds, found = gated.frontier(runs, known=known)
+  seconds, found = gated.frontier(runs, known=known, warmup=warmup)
   t, d, f = gated.CPU_SIZE
   title = f"{gated.BLOCKS} scanned residual blocks, {t} tokens, D = {d}, F = {f}, float32"
   return Frontier("gated MLP stack", title, "MiB", _points(found), seconds, runs)
 
 
-def _decoder_frontier(runs: int) -> Frontier:
+def _decoder_frontier(runs: int, warmup: bool) -> Frontier:
   c = lce.DECODER_MAIN
-  seconds, found = lce.decoder_frontier(c, runs)
+  seconds, found = lce.decoder_frontier(c, runs, warmup)
   title = (
     f"{c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, F = {c.hidden}, "
     f"{c.heads} heads, V = {c.vocab}, float32"
@@ -220,6 +222,7 @@ def measure(quick: bool) -> Results:
     fused_runs=15,
     flax_runs=2 if quick else 11,
     stack_runs=2 if quick else 7,
+    warmup=not quick,
   )
   progress = _Progress(plan.total)
   progress.section("MLP memory per activation")
@@ -255,7 +258,7 @@ def measure(quick: bool) -> Results:
 
   progress.section("frontier: MLP and CNN")
   for label, act in plan.flax:
-    res.frontiers[_model_key(label, act)] = _flax_frontier(label, act, res.flax_runs)
+    res.frontiers[_model_key(label, act)] = _flax_frontier(label, act, res.flax_runs, res.warmup)
     if plan.kept:
       res.kept[label, act] = {
         v: flax_models.kept(label, v, act) for v in ("flax", "remat", "dots", "jaxact")
@@ -266,11 +269,11 @@ def measure(quick: bool) -> Results:
   if plan.gated_table:
     res.gated = gated.section_cpu()
     progress.step("memory")
-  res.frontiers["gated"] = _gated_frontier(res.gated, res.stack_runs)
+  res.frontiers["gated"] = _gated_frontier(res.gated, res.stack_runs, res.warmup)
   progress.step("points")
 
   progress.section("frontier: LM decoder step")
-  res.frontiers["decoder"] = _decoder_frontier(res.stack_runs)
+  res.frontiers["decoder"] = _decoder_frontier(res.stack_runs, res.warmup)
   progress.step("points")
 
   progress.section("NaN counts")
@@ -419,7 +422,8 @@ def _frontier_section(res: Results) -> list[str]:
       "",
       f"### {f.name}",
       "",
-      f"{f.title}; Flax's step {f.flax_seconds * 1e3:.0f} ms; {f.runs} alternated rounds.",
+      f"{f.title}; Flax's step {f.flax_seconds * 1e3:.0f} ms; {f.runs} alternated rounds"
+      + ("." if res.warmup else " (no warm-up call)."),
       "",
       f"**{fr.sentence(v, f.unit)}**",
       "",

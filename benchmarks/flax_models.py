@@ -156,7 +156,9 @@ def _loss(apply):
   return lambda params, x: jnp.sum(apply(params, x))
 
 
-def frontier(model: str, activation: str, runs: int) -> tuple[float, dict[str, tuple]]:
+def frontier(
+  model: str, activation: str, runs: int, warmup: bool = True
+) -> tuple[float, dict[str, tuple]]:
   """``(Flax's step in seconds, {variant: (temp in activation buffers, step time / Flax's, its
   rounds' ratios)})``.
 
@@ -168,7 +170,7 @@ def frontier(model: str, activation: str, runs: int) -> tuple[float, dict[str, t
     compiled = jax.jit(jax.grad(_loss(apply))).lower(params, x).compile()
     found[variant] = compiled.memory_analysis().temp_size_in_bytes / (x.size * x.dtype.itemsize)
     calls.append(functools.partial(compiled, params, x))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
   return seconds, timing.with_ratios(found, by_round)
 
 

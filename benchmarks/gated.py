@@ -386,7 +386,10 @@ def step_times(
 
 
 def frontier(
-  runs: int, timed_blocks: int = 2, known: dict[str, float] | None = None
+  runs: int,
+  timed_blocks: int = 2,
+  known: dict[str, float] | None = None,
+  warmup: bool = True,
 ) -> tuple[float, dict[str, tuple]]:
   """``(Flax's step in seconds, {point: (temp in MiB, step time / Flax's, its rounds' ratios)})``
   for every point of :data:`FRONTIER`, float32 at :data:`CPU_SIZE`.
@@ -406,7 +409,7 @@ def frontier(
     temps[key] = known[peer]
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
     calls.append(functools.partial(compiled, params, x))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs)
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
   return seconds, timing.with_ratios(temps, by_round)
 
 

@@ -10,10 +10,14 @@ from typing import Any
 import jax
 
 
-def _rounds(calls: Sequence[Callable[[], Any]], runs: int) -> list[list[float]]:
-  """Seconds of each call in each of `runs` rounds (rows: rounds), after one warm-up call each."""
-  for call in calls:
-    jax.block_until_ready(call())
+def _rounds(
+  calls: Sequence[Callable[[], Any]], runs: int, warmup: bool = True
+) -> list[list[float]]:
+  """Seconds of each call in each of `runs` rounds (rows: rounds), after one warm-up call each
+  (`warmup`; a compiled program's first call of a second or more costs what the others do)."""
+  if warmup:
+    for call in calls:
+      jax.block_until_ready(call())
   rounds = []
   for r in range(runs):
     row = [0.0] * len(calls)
@@ -38,11 +42,12 @@ def alternated_ratios(calls: Sequence[Callable[[], Any]], runs: int) -> tuple[fl
 
 
 def alternated_round_ratios(
-  calls: Sequence[Callable[[], Any]], runs: int
+  calls: Sequence[Callable[[], Any]], runs: int, warmup: bool = True
 ) -> tuple[float, list[list[float]]]:
   """``(median seconds of calls[0], [[t_i / t_0 in each round] for every later call])``: what
-  :func:`alternated_ratios` takes the median of, for a caller that also shows their spread."""
-  rounds = _rounds(calls, runs)
+  :func:`alternated_ratios` takes the median of, for a caller that also shows their spread.
+  `warmup=False` times the first calls too (compiled programs of long steps: ``--quick``)."""
+  rounds = _rounds(calls, runs, warmup)
   ratios = [[row[i] / row[0] for row in rounds] for i in range(1, len(calls))]
   return statistics.median(row[0] for row in rounds), ratios
 
