@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 COLORS = {
   "jax.nn": "#9e9e9e",
@@ -119,34 +120,56 @@ def step_time(
 def _place_labels(ax, points, labels, avoid=(), fontsize=7) -> None:
   """Each point's label beside it, moved to the first of a few nearby places where it overlaps no
   label already placed, no point, no point of `avoid` (data coordinates: lines sampled) and no
-  text already on the axes (greedy, in display coordinates)."""
+  text already on the axes, inside the axes; where every place overlaps something, the place that
+  overlaps least (labels count most, then the frame, points, `avoid`). Greedy, in display
+  coordinates."""
   renderer = ax.figure.canvas.get_renderer()
-  marks = [ax.transData.transform(xy) for xy in [*points, *avoid]]
+  own = [ax.transData.transform(xy) for xy in points]
+  lines = [ax.transData.transform(xy) for xy in avoid]
   taken = [t.get_window_extent(renderer) for t in ax.texts]
+  frame = ax.get_window_extent(renderer)
   offsets = [(6, -3), (8, 7), (8, -13), (-6, -3), (-8, 7), (-8, -13), (10, 16), (10, -22)]
   offsets += [(-10, 16), (-10, -22), (12, 26), (12, -32), (-12, 26), (-12, -32)]
+  offsets += [(30, 8), (30, -16), (-30, 8), (-30, -16), (16, 38), (16, -44), (-16, 38), (-16, -44)]
   order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+
+  def extent(text):
+    # The label's own box: an annotation's extent (positioned by this call) spans its leader too.
+    text.get_window_extent(renderer)
+    return Text.get_window_extent(text).expanded(1.04, 1.1)
+
+  def place(i, dx, dy):
+    return ax.annotate(
+      labels[i],
+      points[i],
+      xytext=(dx, dy),
+      textcoords="offset points",
+      fontsize=fontsize,
+      ha="left" if dx > 0 else "right",
+      va="bottom",
+      # A leader line, so that a label moved off its point still shows whose it is.
+      arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.45", "shrinkA": 0, "shrinkB": 3},
+    )
+
   for i in order:
+    best = None  # (overlap score, offset)
     for dx, dy in offsets:
-      text = ax.annotate(
-        labels[i],
-        points[i],
-        xytext=(dx, dy),
-        textcoords="offset points",
-        fontsize=fontsize,
-        ha="left" if dx > 0 else "right",
-        va="bottom",
-        # A leader line, so that a label moved off its point still shows whose it is.
-        arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.45", "shrinkA": 0, "shrinkB": 3},
-      )
-      box = text.get_window_extent(renderer).expanded(1.04, 1.1)
-      clear = not any(box.overlaps(t) for t in taken) and not any(
-        box.contains(*m) for j, m in enumerate(marks) if j != i
-      )
-      if clear or (dx, dy) == offsets[-1]:
-        taken.append(box)
-        break
+      text = place(i, dx, dy)
+      box = extent(text)
       text.remove()
+      outside = box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1
+      score = (
+        100 * sum(box.overlaps(t) for t in taken)
+        + 50 * outside
+        + 10 * sum(box.contains(*m) for j, m in enumerate(own) if j != i)
+        + sum(box.contains(*m) for m in lines)
+      )
+      if best is None or score < best[0]:
+        best = (score, (dx, dy))
+      if score == 0:
+        break
+    text = place(i, *best[1])
+    taken.append(extent(text))
 
 
 def _staircase(points) -> list[tuple[float, float]]:
