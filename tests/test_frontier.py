@@ -57,6 +57,8 @@ def _keys(ps):
 def test_point_library_and_label_come_from_the_key():
   assert fr.point("jaxact_4", 9, 0.9) == fr.Point("jaxact_4", "jaxact 4 bits", "jaxact", 9, 0.9)
   assert fr.point("remat", 9, 1.1).library == fr.FLAX
+  # The decoder's jaxact with jax.nn's attention is jaxact's point, not Flax's.
+  assert fr.point("jaxact_nn_attn_remat", 73, 1.0).library == fr.JAXACT
   with pytest.raises(ValueError, match="`key` 'jaxact_3' is not known"):
     fr.point("jaxact_3", 9, 0.9)
 
