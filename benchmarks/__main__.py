@@ -2,12 +2,20 @@
 
 Measures everything in one run on this machine, with a progress bar on stderr; writes
 DIR/results.md (markdown tables, machine and versions) and PNG figures to DIR, and prints the
-summary table. `--quick` keeps the model sizes and every memory figure the README quotes (they
-come from XLA's compiled buffer assignment and need no long runs) but times fewer repetitions and
-fewer activations, measures the Flax models for relu and gelu only, times the fused layers only
-there (as `jaxact.linen` layers against Flax), and skips the gated MLP stack's step times (its
-memory, from compiles, stays). On a GPU the suite also times the fused layers and
-the activations against their peak bandwidth and throughput (benchmarks/gpu.py).
+summary table. Its centre is the memory-time frontier of each model (MLP and CNN, relu and gelu;
+a scanned gated MLP stack; an LM decoder step): every way a user could train it (Flax, Flax under
+each remat policy, jaxact, jaxact with few-bit codes, jaxact under the same remat policies), each
+point's compiled temp memory and step time measured in the same run, one picture per model
+(DIR/frontier_<model>.png) and, per model, jaxact's best step time at Flax + remat's memory or
+less and jaxact's least memory at Flax's step time or less.
+
+`--quick` keeps the model sizes and every memory figure the README quotes (they come from XLA's
+compiled buffer assignment and need no long runs) but times fewer rounds (the frontiers two,
+without a warm-up call) and fewer activations, measures the fused layers' memory for relu and
+gelu only, untimed (the frontier times the same ops as `jaxact.linen` layers), and leaves out the
+gated stack's table at 1, 2 and 8 blocks. On a
+GPU the suite also times the fused layers and the activations against their peak bandwidth and
+throughput (benchmarks/gpu.py).
 """
 
 from __future__ import annotations
@@ -33,27 +41,15 @@ from tqdm import tqdm  # noqa: E402
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
 from benchmarks import flax_models, gated, gpu, lce, plots  # noqa: E402
+from benchmarks import frontier as fr  # noqa: E402
 from benchmarks import fused_memory as fused  # noqa: E402
 
 QUICK_TIMED = ("sigmoid", "tanh", "relu", "elu", "softplus", "gelu", "silu", "softmax")
-# The activations --quick measures the Flax models with: one output-residual and one input-residual
-# activation, the two the README quotes.
-QUICK_MODEL_ACTIVATIONS = ("relu", "gelu")
+# The activations of the MLP and CNN frontiers (and of --quick's fused layers): one output-residual
+# and one input-residual activation, the two the README quotes.
+MODEL_ACTIVATIONS = ("relu", "gelu")
 MODELS = (("MLP", fused._mlp, fused.MLP_LAYERS), ("CNN", fused._cnn, fused.CNN_LAYERS))
-# The decoder steps the summary compares: (body, head) of benchmarks.lce; jaxact's bodies use
-# jaxact's norms as well.
-DECODER_STEPS = (
-  ("flax", "plain"),
-  ("flax_remat", "plain"),
-  ("jaxact", "fused"),
-  ("jaxact_remat", "fused"),
-  ("jaxact_attn", "fused"),
-  ("jaxact_attn_remat", "fused"),
-)
-
-
-def _decoder_norm(body: str):
-  return lce.jaxact_rms_norm if body.startswith("jaxact") else lce.rms_norm
+MiB = 2**20
 
 
 @dataclasses.dataclass
@@ -67,11 +63,18 @@ class FusedRow:
 
 
 @dataclasses.dataclass
-class FlaxRow:
-  model: str
-  activation: str
-  memory: dict[str, tuple[float, float]]  # variant: (temp buffers, arrays kept per layer)
-  times: dict[str, float] | None  # variant: seconds; None when not timed
+class Frontier:
+  """One model's points (benchmarks.frontier) and how they were measured."""
+
+  name: str  # "MLP, relu", ...
+  title: str  # the model's sizes
+  unit: str  # "buffers" or "MiB"
+  points: list[fr.Point]
+  flax_seconds: float  # Flax's step, as timed
+  runs: int  # alternated rounds
+
+  def get(self, key: str) -> fr.Point | None:
+    return next((p for p in self.points if p.key == key), None)
 
 
 @dataclasses.dataclass
@@ -79,23 +82,28 @@ class Results:
   quick: bool
   reps: int
   fused_runs: int
-  flax_runs: int
+  flax_runs: int  # alternated rounds of the MLP and CNN frontiers
+  stack_runs: int  # alternated rounds of the gated stack's and the decoder's frontiers
+  warmup: bool  # a warm-up call of each frontier point before its timed rounds
   memory: list[bench.MemoryRow] = dataclasses.field(default_factory=list)
   step: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
   fused: list[FusedRow] = dataclasses.field(default_factory=list)
-  flax: list[FlaxRow] = dataclasses.field(default_factory=list)
+  # model key ("mlp_relu", ..., "gated", "decoder"): its frontier
+  frontiers: dict[str, Frontier] = dataclasses.field(default_factory=dict)
+  # (model, activation): {variant: arrays kept by jax.vjp per layer}; the full run only
+  kept: dict[tuple[str, str], dict[str, float]] = dataclasses.field(default_factory=dict)
   # activation: {dtype: {library: (NaN values, non-finite gradients) or None}}
   nans: dict[str, dict[str, dict[str, tuple[int, int] | None]]] = dataclasses.field(
     default_factory=dict
   )
   gated: list[gated.MemoryRow] = dataclasses.field(default_factory=list)
-  # (peer, program): (wall, CPU) seconds
-  gated_times: dict[tuple[str, str], tuple[float, float]] | None = None
-  decoder: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # bytes
   gpu_layers: list[gpu.LayerRow] | None = None
   gpu_elementwise: list[gpu.ElementwiseRow] | None = None
   seconds: float = 0.0
-  section_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  cpu_seconds: float = 0.0
+  section_seconds: dict[str, tuple[float, float]] = dataclasses.field(
+    default_factory=dict
+  )  # wall, CPU
 
 
 @dataclasses.dataclass
@@ -106,47 +114,50 @@ class Plan:
   timed: list[str]
   fused: list[tuple[str, str]]  # (model, activation): memory
   fused_timed: set[tuple[str, str]]
-  flax: list[tuple[str, str]]  # (model, activation): memory and time
+  flax: list[tuple[str, str]]  # (model, activation): the frontier
+  kept: bool  # the arrays jax.vjp keeps per layer, for the Flax models
+  gated_table: bool  # the gated stack's memory at 1, 2 and 8 blocks, scanned and unrolled
   nans: list[str]
-  gated_timed: bool
   gpu: bool
 
   @classmethod
   def make(cls, quick: bool) -> Plan:
     names = list(jaxact.ACTIVATIONS)
-    model_acts = QUICK_MODEL_ACTIVATIONS if quick else fused.ACTIVATIONS
+    fused_acts = MODEL_ACTIVATIONS if quick else fused.ACTIVATIONS
     return cls(
       memory=[n for n in names if n != "glu"],
       timed=[n for n in (QUICK_TIMED if quick else names) if bench.reference(n) is not None],
-      fused=[(m, a) for m, _, _ in MODELS for a in fused.ACTIVATIONS],
-      # --quick times the layers once, in the Flax section (jaxact.linen's layers are these ops).
+      fused=[(m, a) for m, _, _ in MODELS for a in fused_acts],
+      # --quick times the layers once, in the frontier (jaxact.linen's layers are these ops).
       fused_timed=set() if quick else {(m, a) for m, _, _ in MODELS for a in fused.ACTIVATIONS},
-      flax=[(m, a) for m in flax_models.MODELS for a in model_acts],
+      flax=[(m, a) for m in flax_models.MODELS for a in MODEL_ACTIVATIONS],
+      kept=not quick,
+      gated_table=not quick,
       nans=names,
-      gated_timed=not quick,
       gpu=jax.default_backend() == "gpu",
     )
 
   @property
   def total(self) -> int:
     n = len(self.memory) + len(self.timed) + len(self.fused) + len(self.fused_timed)
-    n += len(self.flax) + len(self.nans) + 2 + int(self.gated_timed)
+    n += len(self.flax) + len(self.nans) + 2 + int(self.gated_table)  # gated stack, decoder
     return n + (2 if self.gpu else 0)
 
 
 class _Progress:
-  """One tqdm bar (stderr) over every measurement, and the seconds each section took."""
+  """One tqdm bar (stderr) over every measurement, and the seconds each section took: wall and
+  process CPU (all of XLA's threads; on a shared machine the steadier of the two)."""
 
   def __init__(self, total: int):
     self.bar = tqdm(total=total, file=sys.stderr, unit="measurement", dynamic_ncols=True)
-    self.seconds: dict[str, float] = {}
+    self.seconds: dict[str, tuple[float, float]] = {}
     self.current: str | None = None
-    self.start = time.perf_counter()
+    self.start = (time.perf_counter(), time.process_time())
 
   def section(self, name: str | None) -> None:
-    now = time.perf_counter()
+    now = (time.perf_counter(), time.process_time())
     if self.current is not None:
-      self.seconds[self.current] = now - self.start
+      self.seconds[self.current] = (now[0] - self.start[0], now[1] - self.start[1])
     self.current, self.start = name, now
     if name is not None:
       self.bar.set_description(name)
@@ -155,16 +166,64 @@ class _Progress:
     self.bar.set_postfix_str(label, refresh=False)
     self.bar.update()
 
-  def close(self) -> dict[str, float]:
+  def close(self) -> dict[str, tuple[float, float]]:
     self.section(None)
     self.bar.close()
     return self.seconds
 
 
+def _model_key(model: str, activation: str) -> str:
+  return f"{model.lower()}_{activation}"
+
+
+def _points(found: dict[str, tuple], unit: float = 1.0) -> list[fr.Point]:
+  """benchmarks.frontier's points of ``{key: (temp, median ratio, rounds' ratios)}``, the temp
+  divided by `unit`."""
+  return [
+    fr.point(k, temp / unit, ratio, (min(rounds), max(rounds)))
+    for k, (temp, ratio, rounds) in found.items()
+  ]
+
+
+def _flax_frontier(model: str, act: str, runs: int, warmup: bool) -> Frontier:
+  seconds, found = flax_models.frontier(model, act, runs, warmup)
+  if model == "MLP":
+    title = f"{fused.MLP_LAYERS} layers, {fused.MLP_BATCH} x {fused.MLP_WIDTH} float32"
+  else:
+    shape = "x".join(map(str, fused.CNN_SHAPE))
+    title = f"{fused.CNN_LAYERS} conv layers (3x3), NHWC {shape} float32"
+  return Frontier(f"{model}, {act}", title, "buffers", _points(found), seconds, runs)
+
+
+def _gated_frontier(rows: list[gated.MemoryRow], runs: int, warmup: bool) -> Frontier:
+  known = {r.peer: r.temp8 for r in rows if r.layout == "scan"}  # the full run's table
+  seconds, found = gated.frontier(runs, known=known, warmup=warmup)
+  t, d, f = gated.CPU_SIZE
+  title = f"{gated.BLOCKS} scanned residual blocks, {t} tokens, D = {d}, F = {f}, float32"
+  return Frontier("gated MLP stack", title, "MiB", _points(found), seconds, runs)
+
+
+def _decoder_frontier(runs: int, warmup: bool) -> Frontier:
+  c = lce.DECODER_MAIN
+  seconds, found = lce.decoder_frontier(c, runs, warmup)
+  title = (
+    f"{c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, F = {c.hidden}, "
+    f"{c.heads} heads, V = {c.vocab}, float32"
+  )
+  return Frontier("LM decoder step", title, "MiB", _points(found, MiB), seconds, runs)
+
+
 def measure(quick: bool) -> Results:
-  started = time.perf_counter()
+  started, cpu_started = time.perf_counter(), time.process_time()
   plan = Plan.make(quick)
-  res = Results(quick, reps=10 if quick else 40, fused_runs=15, flax_runs=3 if quick else 11)
+  res = Results(
+    quick,
+    reps=10 if quick else 40,
+    fused_runs=15,
+    flax_runs=2 if quick else 11,
+    stack_runs=2 if quick else 7,
+    warmup=not quick,
+  )
   progress = _Progress(plan.total)
   progress.section("MLP memory per activation")
   for name in plan.memory:
@@ -197,26 +256,25 @@ def measure(quick: bool) -> Results:
         row.times = (t_f, t_c)
         progress.step(f"{label} {act} time")
 
-  progress.section("Flax models")
+  progress.section("frontier: MLP and CNN")
   for label, act in plan.flax:
-    memory = {v: flax_models.memory(label, v, act) for v in flax_models.VARIANTS}
-    times = flax_models.step_times(label, act, res.flax_runs)
-    res.flax.append(FlaxRow(label, act, memory, times))
+    res.frontiers[_model_key(label, act)] = _flax_frontier(label, act, res.flax_runs, res.warmup)
+    if plan.kept:
+      res.kept[label, act] = {
+        v: flax_models.kept(label, v, act) for v in ("flax", "remat", "dots", "jaxact")
+      }
     progress.step(f"{label} {act}")
 
-  progress.section("gated MLP stack")
-  res.gated = gated.section_cpu(with_kept=not quick)
-  progress.step("memory")
-  if plan.gated_timed:
-    res.gated_times = gated.step_times(repeats=3, unrolled=False)
-    progress.step("step time")
+  progress.section("frontier: gated MLP stack")
+  if plan.gated_table:
+    res.gated = gated.section_cpu()
+    progress.step("memory")
+  res.frontiers["gated"] = _gated_frontier(res.gated, res.stack_runs, res.warmup)
+  progress.step("points")
 
-  progress.section("LM decoder step")
-  res.decoder = {
-    k: lce.decoder_temp(lce.DECODER_CPU, *k, gpu=False, norm=_decoder_norm(k[0]))
-    for k in DECODER_STEPS
-  }
-  progress.step("memory")
+  progress.section("frontier: LM decoder step")
+  res.frontiers["decoder"] = _decoder_frontier(res.stack_runs, res.warmup)
+  progress.step("points")
 
   progress.section("NaN counts")
   for name in plan.nans:
@@ -231,6 +289,7 @@ def measure(quick: bool) -> Results:
     progress.step("elementwise")
   res.section_seconds = progress.close()
   res.seconds = time.perf_counter() - started
+  res.cpu_seconds = time.process_time() - cpu_started
   return res
 
 
@@ -258,10 +317,6 @@ def _machine() -> str:
   )
 
 
-def _flax(res: Results, model: str, act: str) -> FlaxRow | None:
-  return next((r for r in res.flax if r.model == model and r.activation == act), None)
-
-
 def _fused(res: Results, model: str, act: str) -> FusedRow | None:
   return next((r for r in res.fused if r.model == model and r.activation == act), None)
 
@@ -277,116 +332,149 @@ def _nan_totals(res: Results) -> dict[str, list[int]]:
   return totals
 
 
-def summary(res: Results) -> str:
-  """The headline table: each model figure for relu / gelu."""
-  acts = QUICK_MODEL_ACTIVATIONS
+def _cell(p: fr.Point | None, unit: str, seconds: float | None = None) -> str:
+  if p is None:
+    return "—"
+  time_s = f"{seconds * 1e3:.0f} ms" if seconds is not None else fr.fmt_time(p.time)
+  return f"{fr.fmt_memory(p.memory, unit)}, {time_s}"
 
-  def cells(model: str, get) -> list[str]:
-    out = []
-    for column in ("jax.nn", "flax", "remat", "jaxact"):
-      values = [get(model, a, column) for a in acts]
-      out.append("—" if all(v is None for v in values) else " / ".join(map(_fmt_cell, values)))
-    return out
 
-  def temp(model, act, column):
-    if column == "jax.nn":
-      row = _fused(res, model, act)
-      return None if row is None else row.temp_composition
-    row = _flax(res, model, act)
-    return None if row is None else row.memory[column][0]
-
-  def kept(model, act, column):
-    row = _flax(res, model, act)
-    return None if row is None or column == "jax.nn" else row.memory[column][1]
-
-  def speed(model, act, column):
-    row = _flax(res, model, act)
-    if row is None or row.times is None or column == "jax.nn":
-      return None
-    return row.times[column] / row.times["flax"]
-
+def frontier_summary(res: Results) -> list[str]:
+  """The headline table: per model, Flax, Flax + remat and jaxact (temp, step time), and the two
+  numbers of its frontier."""
   lines = [
-    f"| {' / '.join(acts)} | jax.nn | Flax | Flax + remat | jaxact |",
-    "|---|---:|---:|---:|---:|",
+    "| model (temp in) | Flax: temp, step | Flax + remat | jaxact | jaxact's best step time at "
+    "Flax + remat's temp or less | jaxact's least temp at Flax's step time or less | Flax's "
+    "points on the front (no jaxact point beats them) |",
+    "|---|---|---|---|---|---|---|",
   ]
-  for model, layers in (("MLP", fused.MLP_LAYERS), ("CNN", fused.CNN_LAYERS)):
+  for f in res.frontiers.values():
+    v = fr.verdict(f.points)
+    remat = _cell(v.remat, f.unit)
+    if v.remat.key != "remat":
+      remat += f" ({v.remat.label})"
+    fastest, smallest, flax_front = fr.cells(v, f.unit)
     lines.append(
-      f"| {model} ({layers} layers) training temp memory, buffers | "
-      + " | ".join(cells(model, temp))
-      + " |"
+      f"| {f.name} ({f.unit}) | {_cell(v.flax, f.unit, f.flax_seconds)} "
+      f"| {remat} | {_cell(f.get('jaxact'), f.unit)} | {fastest} | {smallest} | {flax_front} |"
     )
-    lines.append(
-      f"| {model} arrays kept by `jax.vjp` per layer | " + " | ".join(cells(model, kept)) + " |"
-    )
-    lines.append(
-      f"| {model} step time relative to Flax | " + " | ".join(cells(model, speed)) + " |"
-    )
-  stack = {r.peer: r for r in res.gated if r.layout == "scan"}
-  if stack:
-    ref = stack["flax"].temp8
-    lines.append(
-      f"| gated MLP, {gated.BLOCKS} scanned blocks: training temp relative to Flax | — | 1 | "
-      f"{stack['remat'].temp8 / ref:.2f} | {stack['jaxact'].temp8 / ref:.2f} |"
-    )
-  if res.decoder:
-    dec, c = res.decoder, lce.DECODER_CPU
-    lines.append(
-      f"| LM decoder step ({c.blocks} scanned blocks, V = {c.vocab}; jaxact: `rms_norm`, "
-      "`gated_mlp`, `linear_cross_entropy`, `dot_product_attention`), training temp relative to "
-      f"Flax | — | 1 | {dec['flax_remat', 'plain'] / dec['flax', 'plain']:.2f} | "
-      f"{dec['jaxact_attn', 'fused'] / dec['flax', 'plain']:.2f} |"
-    )
-    lines.append(
-      "| the same, every block under remat: relative to Flax + remat | — | — | 1 | "
-      f"{dec['jaxact_attn_remat', 'fused'] / dec['flax_remat', 'plain']:.2f} |"
-    )
+  return lines
+
+
+def activation_summary(res: Results) -> list[str]:
+  """Each activation alone: memory, step time and NaN counts against jax.nn."""
   ratios = [r.temp_jaxact / r.temp_jaxnn for r in res.memory if r.temp_jaxnn]
-  lines.append(
-    f"| MLP temp per activation ({len(ratios)} activations), geometric mean relative to jax.nn | "
-    f"1 | — | — | {_geomean(ratios):.2f} |"
-  )
+  lines = [
+    "| each activation alone | jax.nn | jaxact |",
+    "|---|---:|---:|",
+    f"| 8-layer MLP temp ({len(ratios)} activations), geometric mean relative to jax.nn | 1 | "
+    f"{_geomean(ratios):.2f} |",
+  ]
   if res.step:
     step = _geomean(ours / ref for ref, ours in res.step.values())
     lines.append(
-      f"| activation step time ({len(res.step)} activations), geometric mean relative to jax.nn "
-      f"| 1 | — | — | {step:.2f} |"
+      f"| step time ({len(res.step)} activations), geometric mean relative to jax.nn | 1 | "
+      f"{step:.2f} |"
     )
   totals = _nan_totals(res)
   lines.append(
     "| non-finite gradients, extreme-input grid, 4 dtypes (Flax uses jax.nn's activations) | "
-    f"{totals['jax.nn'][1]} | — | — | {totals['jaxact'][1]} |"
+    f"{totals['jax.nn'][1]} | {totals['jaxact'][1]} |"
   )
-  return "\n".join(lines)
+  return lines
 
 
-def _fmt_cell(v) -> str:
-  if v is None:
-    return "—"
-  return f"{v:.0f}" if float(v).is_integer() else f"{v:.2f}"
+def summary(res: Results) -> str:
+  return "\n".join([*frontier_summary(res), "", *activation_summary(res)])
+
+
+POINTS_TEXT = [
+  "Each point is one way to train the model. Flax: `nn.Dense` / `nn.Conv` then the jax.nn",
+  "activation; the gated MLP as three `nn.Dense` and `jax.nn.silu`; the decoder's blocks as",
+  "`jnp.dot`s, `jax.nn.dot_product_attention`, Flax's RMS norm and optax's loss over the logits.",
+  "jaxact: `jaxact.linen.DenseAct` / `ConvAct` (Flax's parameters); `jaxact.gated_mlp`; the",
+  "decoder with `jaxact.rms_norm`, `gated_mlp`, `dot_product_attention` and",
+  "`linear_cross_entropy` (`jax.nn attn`: the same with `jax.nn.dot_product_attention`).",
+  "`+ remat`: every layer or block under `nn.remat` / `jax.checkpoint` with `nothing_saveable`",
+  "(it keeps its input only); `remat(dots)`: `dots_saveable`, which also keeps the matmul and",
+  "convolution outputs (`dots_with_no_batch_dims_saveable` in the decoder, so that attention's",
+  "logits are not kept); `remat(names)`: `save_only_these_names` of the gated MLP's two",
+  "projections (`jaxact.GATED_CHECKPOINT_NAMES`; in Flax the same two arrays named with",
+  "`checkpoint_name`). `8 / 4 / 2 bits`: `residual_bits`, the derivative of gelu kept in that",
+  "many bits (relu keeps its output: no code applies; the gated MLP refuses codes, which would",
+  "save nothing there).",
+  "",
+  "Memory: XLA's compiled temp of the training step. Step time: the same compiled programs,",
+  "relative to Flax's, the median of the ratios within rounds of alternated runs (MLP, CNN:",
+  "`jit(grad(loss))`; decoder: `jit(value_and_grad(loss))`; gated stack: the temp of the",
+  f"{gated.BLOCKS}-block stack, the step time of a 2-block scan of the same blocks, its per-block",
+  "work at a quarter of the time). A point is on the Pareto front when no other point is as",
+  "small and as fast and strictly better in one of the two. On a shared 2-core machine step",
+  "times move by a few percent from run to run: points a few percent apart in time are level.",
+]
+
+
+def _frontier_section(res: Results) -> list[str]:
+  lines = ["## The memory-time frontier: every way to train each model", "", *POINTS_TEXT]
+  for key, f in res.frontiers.items():
+    v = fr.verdict(f.points)
+    lines += [
+      "",
+      f"### {f.name}",
+      "",
+      f"{f.title}; Flax's step {f.flax_seconds * 1e3:.0f} ms; {f.runs} alternated rounds"
+      + ("." if res.warmup else " (no warm-up call)."),
+      "",
+      f"**{fr.sentence(v, f.unit)}**",
+      "",
+      *fr.table(f.points, f.unit),
+      "",
+      f"![frontier_{key}.png](frontier_{key}.png)",
+    ]
+  if res.kept:
+    lines += [
+      "",
+      "Activation-sized arrays held by `jax.vjp`'s pullback per layer (eager, parameters and",
+      "input excluded; outside jit, Flax's `promote_dtype` copies each layer's input and the",
+      "pullback holds the copy: one more array a layer on both sides of the Flax rows).",
+      "",
+      "| model | activation | Flax | Flax + remat | Flax + remat(dots) | jaxact |",
+      "|---|---|---:|---:|---:|---:|",
+    ]
+    for (model, act), kept in res.kept.items():
+      cells = " | ".join(f"{kept[v]:.2f}" for v in ("flax", "remat", "dots", "jaxact"))
+      lines.append(f"| {model} | {act} | {cells} |")
+  return lines
 
 
 def render(res: Results, figures: list[str]) -> str:
+  sections = ", ".join(
+    f"{k} {w:.0f} s ({c:.0f} s CPU)" for k, (w, c) in res.section_seconds.items()
+  )
   lines = [
     "# jaxact benchmark results",
     "",
     f"- date: {datetime.date.today().isoformat()}",
     f"- machine: {_machine()}",
     f"- command: `python -m benchmarks{' --quick' if res.quick else ''}`",
-    f"- run time: {res.seconds:.0f} s ("
-    + ", ".join(f"{k} {v:.0f} s" for k, v in res.section_seconds.items())
-    + ")",
+    f"- run time: {res.seconds:.0f} s, {res.cpu_seconds:.0f} s of CPU ({sections})",
     "",
     "## Summary",
     "",
-    "Relu / gelu in each cell. jax.nn: `act(x @ w + b)` / `act(lax.conv(x, w) + b)`; Flax:",
-    "`nn.Dense` / `nn.Conv` then the jax.nn activation; Flax + remat: the same, each layer under",
-    "`nn.remat(policy=jax.checkpoint_policies.nothing_saveable)`; jaxact: `jaxact.linen.DenseAct`",
-    "/ `ConvAct` (Flax's parameters, computed as `jaxact.dense_bias_act` / `conv_bias_act`).",
-    "Memory is XLA's compiled temp of `jit(grad(loss))` in activation-sized buffers.",
+    "Per model, the compiled temp of its training step (activation-sized buffers for the MLP and",
+    "CNN, MiB for the gated stack and the decoder) and its step time, Flax's in milliseconds and",
+    "the others relative to it; then the two numbers of the model's frontier (below, with its",
+    "picture and every point): among jaxact's points with no more temp than Flax + remat, the",
+    "fastest; among jaxact's points no slower than Flax, the one with least temp. Last, the",
+    "Flax points on the Pareto front: those no jaxact point beats.",
     "",
-    summary(res),
+    *frontier_summary(res),
     "",
-    *(f"![{f}]({f})" for f in figures),
+    *activation_summary(res),
+    "",
+    *(f"![{f}]({f})" for f in figures if not f.startswith("frontier_")),
+    "",
+    *_frontier_section(res),
     "",
     "## Training memory: 8-layer MLP, 8192 x 512 float32 activations, `jit(grad(loss))`",
     "",
@@ -434,8 +522,8 @@ def render(res: Results, figures: list[str]) -> str:
     "composition). Targets: L+1 buffers for output-residual activations, 2L+1 for gelu;",
     "ratio <= 1."
     + (
-      " `--quick` does not time them here: the Flax section times the same ops as"
-      " `jaxact.linen` layers."
+      " `--quick` measures relu and gelu and does not time them here: the frontier times the"
+      " same ops as `jaxact.linen` layers."
       if res.quick
       else ""
     ),
@@ -454,91 +542,28 @@ def render(res: Results, figures: list[str]) -> str:
       f"{r.target} | {timing} |"
     )
 
-  names = flax_models.VARIANTS
-  lines += [
-    "",
-    "## Against Flax and Flax + remat: the same MLP and CNN as Flax modules",
-    "",
-    f"{names['flax']}: `nn.Dense` / `nn.Conv` (3x3, SAME), then the jax.nn activation.",
-    f"{names['remat']}: each layer under `nn.remat(policy=jax.checkpoint_policies."
-    "nothing_saveable)`, the",
-    "memory-saving alternative Flax users have: a layer keeps only its input and recomputes its",
-    "matmul/convolution, bias and activation in the backward pass. The policies that save the",
-    "matmul/conv outputs keep that output next to the input and save nothing here",
-    f"({names['remat_dots']}, memory only); one `jax.checkpoint` around the whole loss saves",
-    "nothing either (the backward recomputes the whole forward, then needs all of it).",
-    f"{names['jaxact']}: `jaxact.linen.DenseAct` / `ConvAct`, the same parameters.",
-    "",
-    "Memory: compiled temp of `jit(grad(loss))` in activation buffers, and activation-sized",
-    "arrays held by `jax.vjp`'s pullback per layer (eager, parameters and input excluded).",
-    "",
-    "| model | activation | "
-    + " | ".join(f"temp {v}" for v in names.values())
-    + " | "
-    + " | ".join(f"kept {v}" for v in names.values())
-    + " |",
-    "|---|---|" + "---:|" * (2 * len(names)),
-  ]
-  for r in res.flax:
-    temps = " | ".join(f"{r.memory[v][0]:.1f}" for v in names)
-    kept = " | ".join(f"{r.memory[v][1]:.2f}" for v in names)
-    lines.append(f"| {r.model} | {r.activation} | {temps} | {kept} |")
-  timed = flax_models.TIMED
-  lines += [
-    "",
-    f"Step time of `jit(value_and_grad(loss))` (gradients of the parameters), median of "
-    f"{res.flax_runs} runs, the three alternated; ratios against Flax (below 1 is faster).",
-    "",
-    "| model | activation | "
-    + " | ".join(f"{names[v]} ms" for v in timed)
-    + " | "
-    + " | ".join(f"{names[v]} / Flax" for v in timed if v != "flax")
-    + " |",
-    "|---|---|" + "---:|" * (2 * len(timed) - 1),
-  ]
-  for r in res.flax:
-    if r.times is None:
-      continue
-    ms = " | ".join(f"{r.times[v] * 1e3:.1f}" for v in timed)
-    ratio = " | ".join(f"{r.times[v] / r.times['flax']:.2f}" for v in timed if v != "flax")
-    lines.append(f"| {r.model} | {r.activation} | {ms} | {ratio} |")
-
   t, d, f = gated.CPU_SIZE
   lines += [
     "",
     f"## Gated MLP stack: {gated.BLOCKS} residual blocks `x + mlp(rms_norm(x))`, {t} tokens, "
     f"D = {d}, F = {f}, float32",
     "",
-    "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
-    "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
-    "`jit(value_and_grad(loss))` in MiB, unrolled and as `lax.scan` over stacked parameters;",
-    "ratios against Flax (`python -m benchmarks.gated` for the H100 figures and tokamax).",
-    "",
-    *gated.render_memory(res.gated, None if res.quick else "kept"),
   ]
-  if res.gated_times is not None:
-    lines += ["", "CPU step time (wall, process CPU), the minimum of 3 interleaved runs:", ""]
-    lines += gated.render_times(res.gated_times)
-  if res.decoder:
-    c = lce.DECODER_CPU
+  if res.gated:
     lines += [
+      "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
+      "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
+      "`jit(value_and_grad(loss))` in MiB, unrolled and as `lax.scan` over stacked parameters;",
+      "ratios against Flax (`python -m benchmarks.gated` for the H100 figures and tokamax; the",
+      "stack's frontier, with every remat policy, is above).",
       "",
-      f"## LM decoder step: {c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, "
-      f"F = {c.hidden}, V = {c.vocab}, float32",
-      "",
-      "Embedding, blocks of RMS norm, causal attention (`jax.nn.dot_product_attention`, or",
-      "`jaxact.dot_product_attention` where named) and a gated MLP, final norm, head and loss.",
-      "Plain head: `h @ w` and optax's cross-entropy; fused: `jaxact.linear_cross_entropy`;",
-      "jaxact's bodies with `jaxact.rms_norm`. Compiled temp of `jit(value_and_grad(loss))`",
-      "(`python -m benchmarks.lce` for every body and head, the H100 and tokamax;",
-      "`python -m benchmarks.attention` for attention at longer sequences).",
-      "",
-      "| body | head | temp (MiB) | relative to Flax |",
-      "|---|---|---:|---:|",
+      *gated.render_memory(res.gated, "kept"),
     ]
-    for (body, head), temp in res.decoder.items():
-      ratio = temp / res.decoder["flax", "plain"]
-      lines.append(f"| {lce.BODY_LABELS[body]} | {head} | {temp / 2**20:.1f} | {ratio:.2f} |")
+  else:
+    lines.append(
+      "`--quick` measures the stack's frontier only (above); the full run adds its temp at 1, 2"
+      " and 8 blocks, scanned and unrolled, and the arrays each block keeps."
+    )
   lines += [
     "",
     "## Numerics: NaN values / non-finite gradients on the finite extreme-input grid",
@@ -616,27 +641,32 @@ def _render_gpu(res: Results) -> list[str]:
 
 def write_figures(res: Results, out: pathlib.Path) -> list[str]:
   """The PNG figures; returns their file names (relative to `out`)."""
+  names = []
+  for key, f in res.frontiers.items():
+    plots.frontier(f.points, f"{f.name}: {f.title}", f.unit, out / f"frontier_{key}.png")
+    names.append(f"frontier_{key}.png")
   series = {"jax.nn": None, "Flax": "flax", "Flax + remat": "remat", "jaxact": "jaxact"}
   models: dict[str, dict[str, dict[str, float | None]]] = {}
-  for r in res.flax:
-    comp = _fused(res, r.model, r.activation)
-    models.setdefault(r.model, {})[r.activation] = {
-      label: (comp.temp_composition if comp else None) if v is None else r.memory[v][0]
-      for label, v in series.items()
-    }
-  names = []
+  step_models: dict[str, dict[str, float]] = {}
+  for model, _, _ in MODELS:
+    for act in MODEL_ACTIVATIONS:
+      f = res.frontiers.get(_model_key(model, act))
+      if f is None:
+        continue
+      comp = _fused(res, model, act)
+      models.setdefault(model, {})[act] = {
+        label: (comp.temp_composition if comp else None) if k is None else f.get(k).memory
+        for label, k in series.items()
+      }
+      step_models[f"{model}\n{act}"] = {
+        "Flax + remat": f.get("remat").time,
+        "jaxact": f.get("jaxact").time,
+      }
   if models:
     plots.memory_models(models, out / "memory_models.png")
     names.append("memory_models.png")
   plots.memory_activations(res.memory, fused.MLP_LAYERS, out / "memory_activations.png")
   names.append("memory_activations.png")
-  step_models: dict[str, dict[str, float]] = {}
-  for r in res.flax:
-    if r.times is not None:
-      step_models[f"{r.model}\n{r.activation}"] = {
-        "Flax + remat": r.times["remat"] / r.times["flax"],
-        "jaxact": r.times["jaxact"] / r.times["flax"],
-      }
   plots.step_time(
     {name: ours / ref for name, (ref, ours) in res.step.items()},
     step_models,
@@ -668,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--quick",
     action="store_true",
-    help="fewer timing repetitions and activations, same memory figures (under 3 min on 2 cores)",
+    help="fewer timing rounds and activations, same memory figures (about 3 min on 2 cores)",
   )
   parser.add_argument(
     "--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder"
@@ -678,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
   print(summary(res))
   print(
     f"\nfull tables in {args.out / 'results.md'}, figures in {args.out}/*.png "
-    f"({res.seconds:.0f} s)",
+    f"({res.seconds:.0f} s, {res.cpu_seconds:.0f} s of CPU)",
     file=sys.stderr,
   )
   return 0

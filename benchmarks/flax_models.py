@@ -1,31 +1,31 @@
-"""Flax models: `nn.Dense` / `nn.Conv` + jax.nn, the same under remat, and jaxact layers.
+"""Flax models: `nn.Dense` / `nn.Conv` + jax.nn, under remat, and jaxact layers, under remat too.
 
 The MLP and CNN of :mod:`benchmarks.fused_memory` (same sizes), written as a Flax user writes them,
-in four variants:
+in every variant a user could pick (:data:`VARIANTS`):
 
 * ``flax``: each layer ``nn.Dense`` or ``nn.Conv`` (3x3, SAME), then the jax.nn activation;
-* ``remat``: the same layers, each wrapped in ``nn.remat(..., policy=nothing_saveable)``. This is
-  the memory-saving alternative Flax users already have, and the policy chosen is the one that
-  saves activation memory: each layer keeps only its input and recomputes its matmul or convolution,
-  bias and activation in the backward pass. Under the policies that keep the matmul/conv output
-  (``dots_saveable``; ``dots_with_no_batch_dims_saveable`` also saves nothing for convolutions), a
-  layer keeps its input *and* that output, and on these models the compiled memory is that of the
-  plain model for relu (measured: the ``remat_dots`` variant). Wrapping the whole loss in one
-  ``jax.checkpoint`` saves nothing either: the backward pass recomputes the whole forward and then
-  needs all of it at once;
-* ``remat_dots``: each layer under ``nn.remat(..., policy=dots_saveable)`` (memory only, to show
-  the above);
+* ``remat``: the same layers, each wrapped in ``nn.remat(..., policy=nothing_saveable)``: a layer
+  keeps only its input and recomputes its matmul or convolution, bias and activation in the
+  backward pass (one ``jax.checkpoint`` around the whole loss saves nothing: the backward pass
+  recomputes the whole forward and then needs all of it at once);
+* ``dots``: each layer under ``nn.remat(..., policy=dots_saveable)``, which keeps the
+  matmul/conv output next to the input;
 * ``jaxact``: ``jaxact.linen.DenseAct`` / ``ConvAct`` (the same parameters and initializers,
-  computed as :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`).
+  computed as :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`);
+* ``jaxact_remat``, ``jaxact_dots``: those layers under the same two remat policies;
+* ``jaxact_8``, ``jaxact_4``, ``jaxact_2``: those layers with ``residual_bits`` 8, 4, 2, for the
+  activations that take derivative codes (gelu-like ones: :func:`variants`).
 
-Measured per model and activation: XLA's compiled ``temp_size_in_bytes`` of ``jit(grad(loss))``
-in activation buffers, the activation-sized arrays held by ``jax.vjp``'s pullback per layer, and
-the median step time of ``jit(value_and_grad(loss))`` (gradients with respect to the parameters),
-the timed variants alternated in one process.
+Measured per model and activation (:func:`frontier`): XLA's compiled ``temp_size_in_bytes`` of
+``jit(grad(loss))`` in activation buffers and the step time of that same compiled program,
+relative to Flax's, from alternated runs; and (:func:`kept`) the activation-sized arrays held by
+``jax.vjp``'s pullback per layer.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -36,15 +36,28 @@ import jaxact.linen
 from benchmarks import activations as bench
 from benchmarks import fused_memory as fused
 from benchmarks import timing
+from jaxact._src import codes
 
-VARIANTS = {
-  "flax": "Flax",
-  "remat": "Flax + remat",
-  "remat_dots": "Flax + remat(dots_saveable)",
-  "jaxact": "jaxact layers",
-}
-TIMED = ("flax", "remat", "jaxact")
+VARIANTS = (
+  "flax",
+  "remat",
+  "dots",
+  "jaxact",
+  "jaxact_remat",
+  "jaxact_dots",
+  *(f"jaxact_{bits}" for bits in codes.BITS),
+)
 MODELS = ("MLP", "CNN")
+_POLICIES = {
+  "remat": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def variants(activation: str) -> tuple[str, ...]:
+  """The variants that apply to `activation`: the codes only where it takes them."""
+  coded = {f"jaxact_{bits}" for bits in codes.BITS}
+  return tuple(v for v in VARIANTS if activation in codes.CODED or v not in coded)
 
 
 class FlaxLayer(nn.Module):
@@ -69,12 +82,17 @@ class JaxactLayer(nn.Module):
   features: int
   activation: str
   conv: bool = False
+  residual_bits: int | None = None
 
   @nn.compact
   def __call__(self, x):
     if self.conv:
-      return jaxact.linen.ConvAct(self.features, (3, 3), activation=self.activation)(x)
-    return jaxact.linen.DenseAct(self.features, activation=self.activation)(x)
+      return jaxact.linen.ConvAct(
+        self.features, (3, 3), activation=self.activation, residual_bits=self.residual_bits
+      )(x)
+    return jaxact.linen.DenseAct(
+      self.features, activation=self.activation, residual_bits=self.residual_bits
+    )(x)
 
 
 class Stack(nn.Module):
@@ -92,15 +110,15 @@ class Stack(nn.Module):
 
 
 def _layer(variant: str):
-  if variant == "flax":
-    return FlaxLayer
-  if variant == "remat":
-    return nn.remat(FlaxLayer, policy=jax.checkpoint_policies.nothing_saveable)
-  if variant == "remat_dots":
-    return nn.remat(FlaxLayer, policy=jax.checkpoint_policies.dots_saveable)
-  if variant == "jaxact":
-    return JaxactLayer
-  raise ValueError(f"`variant` {variant!r} is not known; choose one of: {', '.join(VARIANTS)}")
+  if variant not in VARIANTS:
+    raise ValueError(f"`variant` {variant!r} is not known; choose one of: {', '.join(VARIANTS)}")
+  if variant.startswith("jaxact"):
+    layer, option = JaxactLayer, variant.removeprefix("jaxact").removeprefix("_")
+  else:
+    layer, option = FlaxLayer, variant.removeprefix("flax")
+  if option.isdigit():
+    return functools.partial(layer, residual_bits=int(option))
+  return nn.remat(layer, policy=_POLICIES[option]) if option else layer
 
 
 def build(model: str, variant: str, activation: str):
@@ -115,30 +133,50 @@ def build(model: str, variant: str, activation: str):
     raise ValueError(f"`model` {model!r} is not known; choose one of: {', '.join(MODELS)}")
   module = Stack(_layer(variant), layers, features, activation, conv)
   x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-  params = module.init(jax.random.key(0), x)
-  return module.apply, params, x, layers
+  return module.apply, _init(module, x), x, layers
+
+
+def _init(module: nn.Module, x):
+  """Parameters at the scale of Flax's defaults (kernels normal with variance 1 / fan in, biases
+  zero), drawn without `module.init`, which would run the forward pass eagerly."""
+  shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  made = []
+  for k, leaf in zip(keys, leaves, strict=True):
+    if leaf.ndim == 1:  # bias
+      made.append(jnp.zeros(leaf.shape, leaf.dtype))
+    else:  # kernel (in, out) or (h, w, in, out): fan in = all but the last axis
+      fan_in = math.prod(leaf.shape[:-1])
+      made.append(jax.random.normal(k, leaf.shape, leaf.dtype) * fan_in**-0.5)
+  return jax.tree.unflatten(tree, made)
 
 
 def _loss(apply):
   return lambda params, x: jnp.sum(apply(params, x))
 
 
-def memory(model: str, variant: str, activation: str) -> tuple[float, float]:
-  """(compiled temp of `jit(grad(loss))` in activation buffers, arrays kept per layer)."""
-  apply, params, x, layers = build(model, variant, activation)
-  buffer = x.size * x.dtype.itemsize
-  compiled = jax.jit(jax.grad(_loss(apply))).lower(params, x).compile()
-  temp = compiled.memory_analysis().temp_size_in_bytes / buffer
-  _, pullback = jax.vjp(lambda p: apply(p, x), params)
-  kept = bench.kept_arrays(pullback, x.size, exclude=[x, *jax.tree.leaves(params)])
-  return temp, kept / layers
+def frontier(
+  model: str, activation: str, runs: int, warmup: bool = True
+) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {variant: (temp in activation buffers, step time / Flax's, its
+  rounds' ratios)})``.
 
-
-def step_times(model: str, activation: str, runs: int) -> dict[str, float]:
-  """Median seconds of a `jit(value_and_grad(loss))` step per timed variant, alternated."""
-  calls = []
-  for variant in TIMED:
+  Each variant's ``jit(grad(loss))`` is compiled once; its memory analysis gives the temp, and the
+  compiled programs themselves are timed, alternated, the ratios taken within rounds."""
+  found, calls = {}, []
+  for variant in variants(activation):
     apply, params, x, _ = build(model, variant, activation)
-    step = jax.jit(jax.value_and_grad(_loss(apply)))
-    calls.append(lambda step=step, params=params, x=x: step(params, x))
-  return dict(zip(TIMED, timing.alternated_medians(calls, runs), strict=True))
+    compiled = jax.jit(jax.grad(_loss(apply))).lower(params, x).compile()
+    found[variant] = compiled.memory_analysis().temp_size_in_bytes / (x.size * x.dtype.itemsize)
+    calls.append(functools.partial(compiled, params, x))
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
+  return seconds, timing.with_ratios(found, by_round)
+
+
+def kept(model: str, variant: str, activation: str) -> float:
+  """Activation-sized arrays `jax.vjp`'s pullback holds per layer (eager; parameters and input
+  excluded)."""
+  apply, params, x, layers = build(model, variant, activation)
+  _, pullback = jax.vjp(lambda p: apply(p, x), params)
+  return bench.kept_arrays(pullback, x.size, exclude=[x, *jax.tree.leaves(params)]) / layers

@@ -47,9 +47,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 import jaxact.linen
+from benchmarks import timing
 from jaxact._src import test_util
 
 try:
@@ -71,22 +73,32 @@ def rms_norm(x):
   return (x32 * lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS)).astype(x.dtype)
 
 
+# The names a Flax user gives the gate and up projections (jax.ad_checkpoint.checkpoint_name) to
+# save them under remat, as jaxact.GATED_CHECKPOINT_NAMES name gated_mlp's a and b.
+FLAX_CHECKPOINT_NAMES = ("flax.gate", "flax.up")
+
+
 class FlaxGatedMLP(nn.Module):
-  """The Llama MLP as a Flax user writes it."""
+  """The Llama MLP as a Flax user writes it; `named` names the two projections
+  (:data:`FLAX_CHECKPOINT_NAMES`), which changes nothing outside a remat policy that saves them."""
 
   hidden: int
   features: int
+  named: bool = False
 
   @nn.compact
   def __call__(self, x):
     gate = nn.Dense(self.hidden, use_bias=False, name="gate")(x)
     up = nn.Dense(self.hidden, use_bias=False, name="up")(x)
+    if self.named:
+      gate = checkpoint_name(gate, FLAX_CHECKPOINT_NAMES[0])
+      up = checkpoint_name(up, FLAX_CHECKPOINT_NAMES[1])
     return nn.Dense(self.features, use_bias=False, name="down")(jax.nn.silu(gate) * up)
 
 
-def _flax_mlp(h, w_gate, w_up, w_down):
+def _flax_mlp(h, w_gate, w_up, w_down, named=False):
   params = {"gate": {"kernel": w_gate}, "up": {"kernel": w_up}, "down": {"kernel": w_down}}
-  return FlaxGatedMLP(w_gate.shape[1], w_down.shape[1]).apply({"params": params}, h)
+  return FlaxGatedMLP(w_gate.shape[1], w_down.shape[1], named).apply({"params": params}, h)
 
 
 def _jaxact_mlp(h, w_gate, w_up, w_down):
@@ -129,10 +141,42 @@ def peers(tokamax_implementation=None) -> dict[str, Callable]:
 LABELS = {
   "flax": "Flax",
   "remat": "Flax + remat",
+  "flax_dots": "Flax + remat(dots)",
+  "flax_names": "Flax + remat(names)",
   "jaxact": "jaxact.gated_mlp",
+  "jaxact_remat": "jaxact + remat",
+  "jaxact_dots": "jaxact + remat(dots)",
   "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
   "tokamax": "tokamax GLU + Dense",
 }
+# The frontier's points (benchmarks.frontier's keys) and the peer each is: every block under one
+# remat policy, or none.
+FRONTIER = {
+  "flax": "flax",
+  "remat": "remat",
+  "dots": "flax_dots",
+  "names": "flax_names",
+  "jaxact": "jaxact",
+  "jaxact_remat": "jaxact_remat",
+  "jaxact_dots": "jaxact_dots",
+  "jaxact_names": "jaxact_saved",
+}
+
+
+def frontier_peers() -> dict[str, Callable]:
+  """point: block, for every point of :data:`FRONTIER`."""
+  saveable = jax.checkpoint_policies
+  extra = {
+    "flax_dots": jax.checkpoint(_block(_flax_mlp), policy=saveable.dots_saveable),
+    "flax_names": jax.checkpoint(
+      _block(functools.partial(_flax_mlp, named=True)),
+      policy=saveable.save_only_these_names(*FLAX_CHECKPOINT_NAMES),
+    ),
+    "jaxact_remat": jax.checkpoint(_block(_jaxact_mlp), policy=saveable.nothing_saveable),
+    "jaxact_dots": jax.checkpoint(_block(_jaxact_mlp), policy=saveable.dots_saveable),
+  }
+  both = {**peers(), **extra}
+  return {key: both[peer] for key, peer in FRONTIER.items()}
 
 
 def stack(block, scan: bool):
@@ -339,6 +383,34 @@ def step_times(
         now = (time.perf_counter() - start, time.process_time() - cpu)
         best[key] = tuple(map(min, best.get(key, now), now))
   return best
+
+
+def frontier(
+  runs: int,
+  timed_blocks: int = 2,
+  known: dict[str, float] | None = None,
+  warmup: bool = True,
+) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {point: (temp in MiB, step time / Flax's, its rounds' ratios)})``
+  for every point of :data:`FRONTIER`, float32 at :data:`CPU_SIZE`.
+
+  The temp is the compiled ``jit(value_and_grad)`` of the :data:`BLOCKS`-block scanned stack
+  (`known`: those :func:`section_cpu` measured, in MiB, by peer); the step time, alternated runs
+  of a `timed_blocks`-block scan of the same blocks (the stack's per-block work, at a fraction of
+  its time), the ratios taken within rounds."""
+  known = known or {}
+  temps, calls = {}, []
+  params, x = make(timed_blocks, CPU_SIZE, jnp.float32)
+  for key, block in frontier_peers().items():
+    _, loss = stack(block, scan=True)
+    peer = FRONTIER[key]
+    if peer not in known:
+      known[peer] = cpu_memory(loss, *shapes(BLOCKS, CPU_SIZE, jnp.float32)) / MiB
+    temps[key] = known[peer]
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+    calls.append(functools.partial(compiled, params, x))
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
+  return seconds, timing.with_ratios(temps, by_round)
 
 
 # ----------------------------------------------------- the MLP and CNN of fused_memory, scanned

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 from benchmarks import gated, timing
@@ -212,6 +213,9 @@ class Decoder:
 
 
 DECODER_CPU = Decoder(batch=4, seq=512, dim=512, hidden=1408, heads=8, vocab=32000)
+# The main job's decoder (python -m benchmarks): one sequence, so that each point's step is compiled
+# once for its memory and timed in the same run in seconds.
+DECODER_MAIN = Decoder(batch=1, seq=512, dim=512, hidden=1408, heads=8, vocab=32000)
 DECODER_GPU = Decoder(
   batch=16, seq=1024, dim=4096, hidden=14336, heads=32, vocab=128256, dtype="bfloat16"
 )
@@ -278,6 +282,13 @@ def _flax_mlp(h, p):
   return jnp.dot(jax.nn.silu(jnp.dot(h, p["w_gate"])) * jnp.dot(h, p["w_up"]), p["w_down"])
 
 
+def _flax_mlp_named(h, p):
+  """:func:`_flax_mlp` with its gate and up projections named, for a remat that saves them."""
+  gate = checkpoint_name(jnp.dot(h, p["w_gate"]), gated.FLAX_CHECKPOINT_NAMES[0])
+  up = checkpoint_name(jnp.dot(h, p["w_up"]), gated.FLAX_CHECKPOINT_NAMES[1])
+  return jnp.dot(jax.nn.silu(gate) * up, p["w_down"])
+
+
 def _jaxact_mlp(h, p):
   return jaxact.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
 
@@ -291,15 +302,21 @@ def make_block(mlp, heads: int, norm=rms_norm, attention=nn_attention):
 
 
 _REMAT = jax.checkpoint_policies.nothing_saveable
+# The projections' outputs, not attention's batched logits (which dots_saveable would keep too).
+_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_SAVE = jax.checkpoint_policies.save_only_these_names
 BODIES = {
   # label: (mlp, checkpoint policy or None, attention)
   "flax": (_flax_mlp, None, nn_attention),
   "flax_remat": (_flax_mlp, _REMAT, nn_attention),
-  "flax_dots": (_flax_mlp, jax.checkpoint_policies.dots_with_no_batch_dims_saveable, nn_attention),
+  "flax_dots": (_flax_mlp, _DOTS, nn_attention),
   "jaxact": (_jaxact_mlp, None, nn_attention),
   "jaxact_remat": (_jaxact_mlp, _REMAT, nn_attention),
   "jaxact_attn": (_jaxact_mlp, None, jaxact_attention),
   "jaxact_attn_remat": (_jaxact_mlp, _REMAT, jaxact_attention),
+  "flax_names": (_flax_mlp_named, _SAVE(*gated.FLAX_CHECKPOINT_NAMES), nn_attention),
+  "jaxact_attn_dots": (_jaxact_mlp, _DOTS, jaxact_attention),
+  "jaxact_attn_names": (_jaxact_mlp, _SAVE(*jaxact.GATED_CHECKPOINT_NAMES), jaxact_attention),
 }
 BODY_LABELS = {
   "flax": "Flax",
@@ -309,6 +326,23 @@ BODY_LABELS = {
   "jaxact_remat": "jaxact.gated_mlp + block remat",
   "jaxact_attn": "jaxact.gated_mlp + jaxact attention",
   "jaxact_attn_remat": "jaxact.gated_mlp + jaxact attention + block remat",
+  "flax_names": "Flax + block remat saving the gate and up projections by name",
+  "jaxact_attn_dots": "jaxact.gated_mlp + jaxact attention + remat, dots_saveable",
+  "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by name",
+}
+# The main job's frontier: each point (benchmarks.frontier's keys) as (body, head). jaxact's bodies
+# run with jaxact.rms_norm (decoder_norm); its `jaxact_nn_attn` points with jax.nn's attention.
+FRONTIER = {
+  "flax": ("flax", "plain"),
+  "remat": ("flax_remat", "plain"),
+  "dots": ("flax_dots", "plain"),
+  "names": ("flax_names", "plain"),
+  "jaxact": ("jaxact_attn", "fused"),
+  "jaxact_remat": ("jaxact_attn_remat", "fused"),
+  "jaxact_dots": ("jaxact_attn_dots", "fused"),
+  "jaxact_names": ("jaxact_attn_names", "fused"),
+  "jaxact_nn_attn": ("jaxact", "fused"),
+  "jaxact_nn_attn_remat": ("jaxact_remat", "fused"),
 }
 HEADS = ("plain", "fused", "none")
 
@@ -346,6 +380,45 @@ def decoder_temp(c: Decoder, body: str, head: str, gpu: bool, norm=rms_norm) -> 
 
     return test_util.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
   return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def decoder_norm(body: str):
+  """The norm a body runs with: jaxact's for jaxact's bodies."""
+  return jaxact_rms_norm if body.startswith("jaxact") else rms_norm
+
+
+def decoder_args(c: Decoder, key=0):
+  """Concrete ``(params, tokens, labels)`` of :func:`decoder_shapes`: norm scales of one, the
+  embedding standard normal, every other weight scaled by its fan in."""
+  shapes, tokens, _ = decoder_shapes(c)
+  paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  keys = jax.random.split(jax.random.key(key), len(paths) + 2)
+  made = []
+  for k, (path, leaf) in zip(keys, paths, strict=False):
+    name = path[-1].key
+    if "norm" in name:
+      made.append(jnp.ones(leaf.shape, leaf.dtype))
+    else:
+      scale = 1.0 if name == "embed" else leaf.shape[-2] ** -0.5
+      made.append((jax.random.normal(k, leaf.shape, jnp.float32) * scale).astype(leaf.dtype))
+  ids = jax.random.randint(keys[-2], tokens.shape, 0, c.vocab, tokens.dtype)
+  labels = jax.random.randint(keys[-1], tokens.shape, 0, c.vocab, tokens.dtype)
+  return jax.tree.unflatten(tree, made), ids, labels
+
+
+def decoder_frontier(c: Decoder, runs: int, warmup: bool = True) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {point: (temp bytes, step time / Flax's, its rounds' ratios)})``
+  for every point of :data:`FRONTIER` on CPU: each step compiled once, its memory analysis read
+  and the compiled programs timed, alternated, the ratios taken within rounds."""
+  args = decoder_args(c)
+  temps, calls = {}, []
+  for key, (body, head) in FRONTIER.items():
+    step = jax.value_and_grad(decoder_loss(c, body, head, decoder_norm(body)))
+    compiled = jax.jit(step).lower(*decoder_shapes(c)).compile()
+    temps[key] = compiled.memory_analysis().temp_size_in_bytes
+    calls.append(functools.partial(compiled, *args))
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
+  return seconds, timing.with_ratios(temps, by_round)
 
 
 def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[str, str], int]:

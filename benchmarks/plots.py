@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 import matplotlib
@@ -10,7 +11,9 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 COLORS = {
   "jax.nn": "#9e9e9e",
@@ -110,6 +113,145 @@ def step_time(
   ax.margins(y=0.15)
   ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _place_labels(ax, points, labels, avoid=(), fontsize=7) -> None:
+  """Each point's label beside it, moved to the first of a few nearby places where it overlaps no
+  label already placed, no point, no point of `avoid` (data coordinates: lines sampled) and no
+  text already on the axes, inside the axes; where every place overlaps something, the place that
+  overlaps least (labels count most, then the frame, points, `avoid`). Greedy, in display
+  coordinates."""
+  renderer = ax.figure.canvas.get_renderer()
+  own = [ax.transData.transform(xy) for xy in points]
+  lines = [ax.transData.transform(xy) for xy in avoid]
+  taken = [t.get_window_extent(renderer) for t in ax.texts]
+  frame = ax.get_window_extent(renderer)
+  offsets = [(6, -3), (8, 7), (8, -13), (-6, -3), (-8, 7), (-8, -13), (10, 16), (10, -22)]
+  offsets += [(-10, 16), (-10, -22), (12, 26), (12, -32), (-12, 26), (-12, -32)]
+  offsets += [(30, 8), (30, -16), (-30, 8), (-30, -16), (16, 38), (16, -44), (-16, 38), (-16, -44)]
+  order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+
+  def extent(text):
+    # The label's own box: an annotation's extent (positioned by this call) spans its leader too.
+    text.get_window_extent(renderer)
+    return Text.get_window_extent(text).expanded(1.04, 1.1)
+
+  def place(i, dx, dy):
+    return ax.annotate(
+      labels[i],
+      points[i],
+      xytext=(dx, dy),
+      textcoords="offset points",
+      fontsize=fontsize,
+      ha="left" if dx > 0 else "right",
+      va="bottom",
+      # A leader line, so that a label moved off its point still shows whose it is.
+      arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.45", "shrinkA": 0, "shrinkB": 3},
+    )
+
+  for i in order:
+    best = None  # (overlap score, offset)
+    for dx, dy in offsets:
+      text = place(i, dx, dy)
+      box = extent(text)
+      text.remove()
+      outside = box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1
+      score = (
+        100 * sum(box.overlaps(t) for t in taken)
+        + 50 * outside
+        + 10 * sum(box.contains(*m) for j, m in enumerate(own) if j != i)
+        + sum(box.contains(*m) for m in lines)
+      )
+      if best is None or score < best[0]:
+        best = (score, (dx, dy))
+      if score == 0:
+        break
+    text = place(i, *best[1])
+    taken.append(extent(text))
+
+
+def _staircase(points) -> list[tuple[float, float]]:
+  """The front's step line as points: each point, then the corner before the next."""
+  out = []
+  for a, b in itertools.pairwise(points):
+    out += [(a.memory, a.time), (b.memory, a.time)]
+  return out + [(p.memory, p.time) for p in points[-1:]]
+
+
+def _sampled(line, n=24) -> list[tuple[float, float]]:
+  """Points along a polyline (n per segment), for labels to keep off it."""
+  out = []
+  for (x0, y0), (x1, y1) in itertools.pairwise(line):
+    out += [(x0 + (x1 - x0) * k / n, y0 + (y1 - y0) * k / n) for k in range(n + 1)]
+  return out
+
+
+def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
+  """A model's memory-time trade-off: compiled temp (x) against step time relative to Flax (y),
+  every point labelled, Flax's and jaxact's in their colours, each with a bar over its timed
+  rounds' ratios, the Pareto front as a staircase, and the two reference lines of the summary
+  (Flax + remat's memory, Flax's step time).
+
+  points: benchmarks.frontier.Point list."""
+  from benchmarks import frontier as fr
+
+  v = fr.verdict(points)
+  on_front = fr.front(points)
+  line = _staircase(on_front)
+  fig, ax = plt.subplots(figsize=(7.5, 4.6))
+  ax.plot(*zip(*line, strict=True), color="k", lw=1, ls="--", alpha=0.6)
+  bars = []  # each point's spread over the timed rounds, as a vertical bar
+  for p in points:
+    if p.spread is not None:
+      color = COLORS["jaxact" if p.library == fr.JAXACT else "Flax"]
+      ax.plot([p.memory, p.memory], p.spread, color=color, lw=1.2, alpha=0.45, zorder=2)
+      bars += _sampled([(p.memory, p.spread[0]), (p.memory, p.spread[1])], 8)
+  for library, label in ((fr.FLAX, "Flax"), (fr.JAXACT, "jaxact")):
+    mine = [p for p in points if p.library == library]
+    ax.scatter(
+      [p.memory for p in mine],
+      [p.time for p in mine],
+      s=[46 if p in on_front else 26 for p in mine],
+      color=COLORS[label],
+      edgecolors=["k" if p in on_front else "none" for p in mine],
+      linewidths=0.8,
+      zorder=3,
+    )
+  right = max(p.memory for p in points) * 1.25
+  times = [t for p in points for t in (p.time, *(p.spread or ()))]
+  pad = max(0.05, 0.12 * (max(times) - min(times)))
+  ax.set_xlim(0, right)
+  ax.set_ylim(min(times) - pad, max(times) + pad)
+  ax.axhline(v.flax.time, color=COLORS["Flax"], lw=0.7, ls=":", zorder=0)
+  ax.axvline(v.remat.memory, color=COLORS["Flax + remat"], lw=0.7, ls=":", zorder=0)
+  ax.text(right, v.flax.time, "Flax's step time ", fontsize=6, ha="right", va="bottom")
+  ax.text(
+    v.remat.memory,
+    min(times) - pad,
+    f" {v.remat.label}'s temp",
+    fontsize=6,
+    rotation=90,
+    ha="left",
+    va="bottom",
+  )
+  ax.set_xlabel(f"compiled temp of the training step ({unit})")
+  ax.set_ylabel("step time / Flax's")
+  name, _, sizes = title.partition(": ")
+  ax.set_title(f"{name} (black edge: on the Pareto front)\n{sizes}", fontsize=9)
+  dot = {"marker": "o", "ls": "none", "ms": 5}
+  handles = [
+    Line2D([], [], color="k", lw=1, ls="--", alpha=0.6, label="Pareto front"),
+    Line2D([], [], color=COLORS["Flax"], label="Flax", **dot),
+    Line2D([], [], color=COLORS["jaxact"], label="jaxact", **dot),
+  ]
+  if bars:
+    handles.append(Line2D([], [], color="0.5", lw=1.2, alpha=0.45, label="rounds' least-most"))
+  ax.legend(handles=handles, fontsize=7, loc="best")
+  fig.tight_layout()
+  xy = [(p.memory, p.time) for p in points]
+  _place_labels(ax, xy, [p.label for p in points], _sampled(line) + bars)
   fig.savefig(path, dpi=120)
   plt.close(fig)
 

@@ -10,10 +10,14 @@ from typing import Any
 import jax
 
 
-def _rounds(calls: Sequence[Callable[[], Any]], runs: int) -> list[list[float]]:
-  """Seconds of each call in each of `runs` rounds (rows: rounds), after one warm-up call each."""
-  for call in calls:
-    jax.block_until_ready(call())
+def _rounds(
+  calls: Sequence[Callable[[], Any]], runs: int, warmup: bool = True
+) -> list[list[float]]:
+  """Seconds of each call in each of `runs` rounds (rows: rounds), after one warm-up call each
+  (`warmup`; a compiled program's first call of a second or more costs what the others do)."""
+  if warmup:
+    for call in calls:
+      jax.block_until_ready(call())
   rounds = []
   for r in range(runs):
     row = [0.0] * len(calls)
@@ -33,9 +37,31 @@ def alternated_ratios(calls: Sequence[Callable[[], Any]], runs: int) -> tuple[fl
   round, and a round's calls see nearly the same load, so the paired ratio varies less than the
   ratio of two medians.
   """
-  rounds = _rounds(calls, runs)
-  ratios = [statistics.median(row[i] / row[0] for row in rounds) for i in range(1, len(calls))]
+  seconds, by_round = alternated_round_ratios(calls, runs)
+  return seconds, [statistics.median(ratios) for ratios in by_round]
+
+
+def alternated_round_ratios(
+  calls: Sequence[Callable[[], Any]], runs: int, warmup: bool = True
+) -> tuple[float, list[list[float]]]:
+  """``(median seconds of calls[0], [[t_i / t_0 in each round] for every later call])``: what
+  :func:`alternated_ratios` takes the median of, for a caller that also shows their spread.
+  `warmup=False` times the first calls too (compiled programs of long steps: ``--quick``)."""
+  rounds = _rounds(calls, runs, warmup)
+  ratios = [[row[i] / row[0] for row in rounds] for i in range(1, len(calls))]
   return statistics.median(row[0] for row in rounds), ratios
+
+
+def with_ratios(values: dict, by_round: list[list[float]]) -> dict:
+  """``{key: (value, median ratio, rounds' ratios)}`` for keys in the order the calls were timed:
+  the first is the reference (ratio 1 in every round), each later key takes its row of
+  `by_round` (:func:`alternated_round_ratios`)."""
+  runs = len(by_round[0]) if by_round else 1
+  rows = [[1.0] * runs, *by_round]
+  return {
+    k: (v, statistics.median(row), tuple(row))
+    for (k, v), row in zip(values.items(), rows, strict=True)
+  }
 
 
 def alternated_medians(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:
