@@ -21,7 +21,7 @@ This module imports Flax;
       return jnn.DenseAct(10)(x)
 """
 
-from jaxact._src.validation import require_flax
+from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.linen")
 

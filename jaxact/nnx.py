@@ -18,7 +18,7 @@ alone does not::
   layer = jnnx.LinearAct(784, 512, activation="relu", rngs=nnx.Rngs(0))
 """
 
-from jaxact._src.validation import require_flax
+from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.nnx")
 

@@ -12,7 +12,7 @@ import pytest
 
 import jaxact
 from jaxact._src import codes
-from jaxact._src.spec import SPEC_BY_NAME
+from jaxact._src.core.spec import SPEC_BY_NAME
 
 from cases import representatives
 

@@ -1,8 +1,9 @@
 """The one dispatch point: which backend each fused call gets, for each target, and why.
 
-Decisions are read from :func:`jaxact._src.dispatch.decide` directly (what the fused ops ask), under
-abstract meshes of an H100, an A100 and a pre-Ampere GPU, with no GPU here. The lowered programs
-that these decisions produce are checked in tests/test_pallas.py and tests/test_pallas_hopper.py.
+Decisions are read from :func:`jaxact._src.core.dispatch.decide` directly (what the fused ops
+ask), under abstract meshes of an H100, an A100 and a pre-Ampere GPU, with no GPU here. The lowered
+programs that these decisions produce are checked in tests/test_pallas.py and
+tests/test_pallas_hopper.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxact._src import activations, dispatch
+from jaxact._src import activations
+from jaxact._src.core import dispatch
 from jaxact._src.fused_vjp import Act, Conv, Dense, Plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -30,10 +30,10 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jaxact._src import codes, validation
-from jaxact._src.barriers import after_cotangent, barrier_residual
-from jaxact._src.softmax import apply_glu, apply_softmax
-from jaxact._src.spec import (
+from jaxact._src import codes
+from jaxact._src.core import validation
+from jaxact._src.core.barriers import after_cotangent, barrier_residual
+from jaxact._src.core.spec import (
   ALIASES,
   JAX_NN,
   SPEC_BY_NAME,
@@ -42,6 +42,7 @@ from jaxact._src.spec import (
   Param,
   Residual,
 )
+from jaxact._src.softmax import apply_glu, apply_softmax
 
 # ------------------------------------------------------------------ the elementwise custom_vjp rule
 

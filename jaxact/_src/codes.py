@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jaxact._src.spec import SPEC_BY_NAME, SPECS, ActivationSpec
+from jaxact._src.core.spec import SPEC_BY_NAME, SPECS, ActivationSpec
 
 BITS = (8, 4, 2)
 # The activations a code serves: the elementwise ones that keep their input.

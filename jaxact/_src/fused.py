@@ -5,7 +5,7 @@ pre-activation and, depending on what XLA fuses, more. The ops here are one ``cu
 (:mod:`jaxact._src.fused_vjp`), keeping the output where the activation's derivative can be
 written from it. This module holds the public functions: they check their arguments
 (:mod:`jaxact._src.fused_args`), build the call's static plan and ask
-:mod:`jaxact._src.dispatch` which backend runs it.
+:mod:`jaxact._src.core.dispatch` which backend runs it.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch, dropout, shardings
-from jaxact._src import fused_args as args
-from jaxact._src.dispatch import Implementation
+from jaxact._src.core import args, dispatch, dropout, shardings
+from jaxact._src.core.dispatch import Implementation
+from jaxact._src.fused_args import resolve_activation
 from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
 
 
 def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation, drop=None):
   z = shardings.product_shape(fn_name, functools.partial(linear, acc_dtype=acc_dtype), x, w)
-  act, dynamic = args.resolve_activation(fn_name, activation, z, out_dtype)
+  act, dynamic = resolve_activation(fn_name, activation, z, out_dtype)
   drop, key = drop if drop is not None else (None, None)
   plan = Plan(linear, act, acc_dtype, out_dtype, b is not None, dropout=drop)
   x_dim, w_dim = linear.contraction_dims(x.ndim)

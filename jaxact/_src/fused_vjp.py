@@ -16,12 +16,12 @@ matmul or convolution. What is kept for the backward pass:
 * any other callable: ``z``, ``x``, ``w`` and the arrays the callable closes over; its derivative
   comes from JAX's autodiff of the callable, re-run from ``z`` in the backward pass.
 
-With a dropout after the activation (:mod:`jaxact._src.dropout`) the op returns, and for output
+With a dropout after the activation (:mod:`jaxact._src.core.dropout`) the op returns, and for output
 activations keeps, the dropped output, plus the key: the backward draws the mask again.
 
 Half precision (float16/bfloat16) accumulates and evaluates the activation in float32 and returns,
-and keeps, its own dtype. The plan's :class:`~jaxact._src.dispatch.Decision` says which passes run
-kernels (:mod:`jaxact._src.kernel_calls`); everything else here is the XLA path.
+and keeps, its own dtype. The plan's :class:`~jaxact._src.core.dispatch.Decision` says which
+passes run kernels (:mod:`jaxact._src.kernel_calls`); everything else here is the XLA path.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import activations, barriers, kernel_calls, pallas_sharding, shardings
-from jaxact._src.dispatch import Decision
-from jaxact._src.dropout import Dropout
+from jaxact._src import activations, kernel_calls
+from jaxact._src.core import barriers, pallas_sharding, shardings
+from jaxact._src.core.dispatch import Decision
+from jaxact._src.core.dropout import Dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Plan:
   acc_dtype: np.dtype  # accumulation and activation dtype
   out_dtype: np.dtype
   has_bias: bool
-  decision: Decision = dataclasses.field(default_factory=Decision)  # jaxact._src.dispatch
+  decision: Decision = dataclasses.field(default_factory=Decision)  # jaxact._src.core.dispatch
   # The specs of x, w and b when their types carry Explicit-axes shardings: each cotangent is
   # resharded to its primal's (db, summed from dz, is split like the output's features, where b
   # may be replicated).

@@ -16,9 +16,9 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxact._src import dispatch, dropout, shardings
-from jaxact._src import fused_args as args
-from jaxact._src.dispatch import Implementation
+from jaxact._src.core import args, dispatch, dropout, shardings
+from jaxact._src.core.dispatch import Implementation
+from jaxact._src.fused_args import resolve_activation
 from jaxact._src.gated_vjp import GatedPlan, gated
 
 
@@ -115,7 +115,7 @@ def _run(
   out_sharding = shardings.check(fn_name, out_sharding, x.ndim)
   drop, key = dropout.check(fn_name, *drop, max(x.ndim, 1))
   a_shape = jax.ShapeDtypeStruct((*x.shape[:-1], w_gate.shape[1]), acc)
-  act, dynamic = args.resolve_activation(fn_name, activation, a_shape, out)
+  act, dynamic = resolve_activation(fn_name, activation, a_shape, out)
   if act.rule is not None and act.rule.code is not None:
     raise ValueError(
       f"jaxact.{fn_name}: `activation` asks for residual_bits={act.rule.code.bits}, but the gated "

@@ -14,13 +14,13 @@ With a dropout of the hidden (``gated_mlp``'s ``dropout_rate``: between the gate
 down projection, T5 v1.1's and Gemma's place) the op keeps the key, not the mask: the forward
 drops ``h`` before the down projection, and the backward draws the same mask again, twice (for the
 down projection's weight gradient, which reads the dropped ``h``, and for ``gh``), in blocks of
-rows (:meth:`jaxact._src.dropout.Dropout.by_blocks`). The kernels draw no masks: with dropout the
-call takes XLA's path.
+rows (:meth:`jaxact._src.core.dropout.Dropout.by_blocks`). The kernels draw no masks: with dropout
+the call takes XLA's path.
 
-The plan's :class:`~jaxact._src.dispatch.Decision` says whether the gated projection (forward) and
-the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton kernels
-(:mod:`jaxact._src.kernel_calls`, :mod:`pallas_kernels.gated`); the matmuls of the backward pass
-and the down projection are XLA's either way.
+The plan's :class:`~jaxact._src.core.dispatch.Decision` says whether the gated projection (forward)
+and the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton
+kernels (:mod:`jaxact._src.kernel_calls`, :mod:`pallas_kernels.gated`); the matmuls of the backward
+pass and the down projection are XLA's either way.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import numpy as np
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxact._src import barriers, kernel_calls, shardings
-from jaxact._src.dispatch import Decision
-from jaxact._src.dropout import Dropout
+from jaxact._src import kernel_calls
+from jaxact._src.core import barriers, shardings
+from jaxact._src.core.dispatch import Decision
+from jaxact._src.core.dropout import Dropout
 from jaxact._src.fused_vjp import Act
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name): under

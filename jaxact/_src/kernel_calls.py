@@ -1,18 +1,10 @@
-"""The fused and gated ops' kernel calls: epilogues from the spec table, the platform switch,
-per-shard runs.
+"""The fused and gated ops' kernel calls: epilogues from the spec table, per-shard runs.
 
 The kernels (``pallas_kernels``) know nothing of jaxact: they take the activation as a
 :class:`pallas_kernels.Epilogue` and their tiles as arguments. This module builds the epilogue from
-a spec row, picks the tiles for the target that :mod:`jaxact._src.dispatch` looked up, wraps the
-kernels to run per shard (:mod:`jaxact._src.pallas_sharding`) and runs them behind
-``jax.lax.platform_dependent``, so that the choice follows the platform a program is lowered for:
-
-========================  ==========================  ==========================================
-decision                  lowered for CUDA            lowered for any other platform (CPU, ...)
-========================  ==========================  ==========================================
-kernels, not forced       the kernels                 XLA
-kernels, forced           the kernels                 the kernels in interpret mode
-========================  ==========================  ==========================================
+a spec row, picks the tiles for the target that :mod:`jaxact._src.core.dispatch` looked up, wraps
+the kernels to run per shard (:mod:`jaxact._src.core.pallas_sharding`) and runs them behind the
+platform switch (:func:`jaxact._src.core.platform.switch`).
 
 ``pallas_kernels`` is imported on first use, so ``import jaxact`` does not load Pallas.
 """
@@ -23,14 +15,12 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import jax
-from jax import Array, lax
+from jax import Array
 
-from jaxact._src import pallas_sharding
+from jaxact._src.core import pallas_sharding, platform
 
 if TYPE_CHECKING:
   from jaxact._src.activations import _Rule
-  from jaxact._src.dispatch import Decision
   from jaxact._src.fused_vjp import Plan
   from jaxact._src.gated_vjp import GatedPlan
 
@@ -64,41 +54,6 @@ def epilogue(rule: _Rule):
   if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes
     code = DerivativeCode(rule.code.bits, rule.code.boundaries, rule.code.levels)
   return Epilogue(fn=fn, derivative=derivative, residual=rule.residual, code=code)
-
-
-def _with_xla_derivatives(kernels: Callable[..., Any], xla: Callable[..., Any], interpret: bool):
-  """`kernels`, differentiated as `xla` (the same function): Pallas calls have no JVP rule.
-
-  Needed for forward-over-reverse (``jax.hessian``) of the fused ops, whose backward runs the
-  kernels, and because ``platform_dependent`` differentiates every branch, the CUDA one included,
-  whatever the platform.
-  """
-
-  @jax.custom_jvp
-  def f(*args):
-    return kernels(*args, interpret=interpret)
-
-  @f.defjvp
-  def f_jvp(primals, tangents):
-    return f(*primals), jax.jvp(xla, primals, tangents)[1]
-
-  return f
-
-
-def _switch(args, kernels: Callable[..., Any], xla: Callable[..., Any], d: Decision, mosaic: bool):
-  """`kernels` (with an `interpret` flag) or `xla`, by lowering platform.
-
-  Forced kernels run in interpret mode off CUDA. Mosaic GPU's interpreter is effectful (ordered
-  host callbacks), and a ``platform_dependent`` whose other branch has effects does not lower for
-  CUDA: when the trace is known to be for a CUDA GPU, forced Mosaic kernels are staged alone.
-  """
-  gpu = _with_xla_derivatives(kernels, xla, interpret=False)
-  if d.forced and mosaic and d.target.cuda:
-    return gpu(*args)
-  if d.forced:
-    cpu = _with_xla_derivatives(kernels, xla, interpret=True)
-    return lax.platform_dependent(*args, cuda=gpu, default=cpu)
-  return lax.platform_dependent(*args, cuda=gpu, default=xla)
 
 
 def _dense_shape(x: Array, w: Array) -> tuple[int, int, int]:
@@ -144,8 +99,8 @@ def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., 
   mosaic = d.forward == "mosaic"
   if plan.linear.kind == "dense":
     kernels = pallas_sharding.dense_forward(mosaic_dense if mosaic else triton_dense)
-    return _switch((x, w, b), kernels, xla, d, mosaic)
-  return _switch((x, w, b), triton_conv, xla, d, mosaic)
+    return platform.switch((x, w, b), kernels, xla, d, mosaic)
+  return platform.switch((x, w, b), triton_conv, xla, d, mosaic)
 
 
 def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_dtype):
@@ -188,8 +143,8 @@ def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_
   mosaic = d.backward == "mosaic"
   if plan.linear.kind == "dense":
     kernels = pallas_sharding.dense_backward(mosaic_dense if mosaic else triton_dense)
-    return _switch((x, w, kept, g), kernels, xla, d, mosaic)
-  return _switch((x, w, kept, g), triton_conv, xla, d, mosaic)
+    return platform.switch((x, w, kept, g), kernels, xla, d, mosaic)
+  return platform.switch((x, w, kept, g), triton_conv, xla, d, mosaic)
 
 
 def gated_forward(
@@ -232,10 +187,12 @@ def gated_forward(
     )
     return h, a, b
 
-  # _switch stages forced Mosaic kernels alone when the trace is for CUDA.
+  # switch stages forced Mosaic kernels alone when the trace is for CUDA.
   kernels = {"triton": triton, "mosaic": mosaic}[d.forward]
   args = (x, w_gate, w_up, b_gate, b_up)
-  return _switch(args, pallas_sharding.gated_forward(kernels), xla, d, d.forward == "mosaic")
+  return platform.switch(
+    args, pallas_sharding.gated_forward(kernels), xla, d, d.forward == "mosaic"
+  )
 
 
 def gated_backward(plan: GatedPlan, gh, a, b, xla: Callable[..., Any], *, with_h: bool, grad_dtype):
@@ -250,7 +207,7 @@ def gated_backward(plan: GatedPlan, gh, a, b, xla: Callable[..., Any], *, with_h
       gh, a, b, epilogue=ep, with_h=with_h, grad_dtype=grad_dtype, interpret=interpret
     )
 
-  return _switch((gh, a, b), pallas_sharding.pointwise(triton), xla, plan.decision, False)
+  return platform.switch((gh, a, b), pallas_sharding.pointwise(triton), xla, plan.decision, False)
 
 
 def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
@@ -272,7 +229,7 @@ def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
       interpret=interpret,
     )
 
-  return _switch((x, w, b, labels), kernels, xla, d, mosaic=True)
+  return platform.switch((x, w, b, labels), kernels, xla, d, mosaic=True)
 
 
 def lce_backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
@@ -298,4 +255,4 @@ def lce_backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
     )
     return g, None if db is None else db.sum(0)
 
-  return _switch((x, w, b, labels, rows), kernels, xla, d, mosaic=True)
+  return platform.switch((x, w, b, labels, rows), kernels, xla, d, mosaic=True)

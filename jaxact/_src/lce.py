@@ -4,7 +4,7 @@
 logits, their softmax and builds their gradient: with a 32k-256k vocabulary the largest arrays of a
 language model's training step. The op here keeps ``x``, ``w``, ``b``, the labels and one float32
 log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce_vjp`). This
-module checks the arguments, builds the static plan, asks :mod:`jaxact._src.dispatch` for the
+module checks the arguments, builds the static plan, asks :mod:`jaxact._src.core.dispatch` for the
 backend, and reduces the per-token losses (``where``, ``reduction``) in plain JAX, whose autodiff
 gives the rule its per-token cotangent.
 """
@@ -22,9 +22,8 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, shardings, validation
-from jaxact._src import fused_args as args
-from jaxact._src.dispatch import Implementation
+from jaxact._src.core import args, dispatch, shardings, validation
+from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce_vjp import LcePlan, default_block, kernel_block, per_token_loss, t5x_smoothing
 
 REDUCTIONS = ("mean", "sum", "none")

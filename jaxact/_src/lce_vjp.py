@@ -34,7 +34,7 @@ block by block into their output buffers, each block from one matmul over all to
 weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one. Blocking over
 tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks)
 needs a weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop
-on its shards (:mod:`jaxact._src.pallas_sharding`'s dense pattern: tokens over data axes, the
+on its shards (:mod:`jaxact._src.core.pallas_sharding`'s dense pattern: tokens over data axes, the
 vocabulary over model axes, as Megatron's vocab-parallel loss) and only per-token statistics,
 ``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices. A sharded contraction
 dimension (an FSDP table, feature-sharded ``x``) is gathered on each device, ``x`` once in the
@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import pallas_sharding, shardings
-from jaxact._src.dispatch import Decision
+from jaxact._src.core import pallas_sharding, shardings
+from jaxact._src.core.dispatch import Decision
 
 _FLOAT32 = np.dtype(np.float32)
 

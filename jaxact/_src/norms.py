@@ -33,7 +33,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src import barriers, shardings, validation
+from jaxact._src.core import barriers, shardings, validation
 
 Residual = Literal["output", "input"]
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-from jaxact._src import validation
-from jaxact._src.barriers import after_cotangent
-from jaxact._src.spec import JAX_NN, _sigmoid, _sigmoid_pair
+from jaxact._src.core import validation
+from jaxact._src.core.barriers import after_cotangent
+from jaxact._src.core.spec import JAX_NN, _sigmoid, _sigmoid_pair
 
 # The custom_vjp functions below call plain `_impl` functions from their fwd rules, never
 # themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp,

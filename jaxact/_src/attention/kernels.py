@@ -16,7 +16,7 @@ from typing import Any
 
 from jax import lax
 
-from jaxact._src.dispatch import Decision
+from jaxact._src.core.dispatch import Decision
 
 
 def _switch(args, kernel: Callable[..., Any], xla: Callable[..., Any], d: Decision):

@@ -20,7 +20,7 @@ import math
 
 from jax import lax
 
-from jaxact._src import pallas_sharding as ps
+from jaxact._src.core import pallas_sharding as ps
 
 
 def _fail(msg: str):

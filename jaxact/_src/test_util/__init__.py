@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from jaxact._src import activations, dispatch, kernel_calls
+from jaxact._src import activations, kernel_calls
+from jaxact._src.core import dispatch
 from pallas_kernels import Epilogue, default_block_config
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -23,7 +23,7 @@ from jax._src.core import ShardingTypeError  # jax raises it, and exports it now
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxact._src import dispatch, pallas_sharding
+from jaxact._src.core import dispatch, pallas_sharding
 
 Spec = tuple[tuple[str, ...], ...]  # one tuple of mesh axes per dimension, as spec_of gives it
 

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import kernel_calls, pallas_sharding
+from jaxact._src import kernel_calls
+from jaxact._src.core import pallas_sharding
 
 if TYPE_CHECKING:
   from jaxact._src.fused_vjp import Plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax import Array
 
-from jaxact._src.spec import Residual
+from jaxact._src.core.spec import Residual
 
 
 def barrier_residual(residual: Residual, y: Array, x: Array) -> tuple[Array, Array | None]:
