@@ -11,7 +11,7 @@ Residual policy (decided at trace time, per call):
   parameters are traced (their gradient is then also computed) or make ``d_output`` invalid.
 * ``"none"``: identity keeps nothing.
 * ``"code"``: asked for with ``residual_bits`` (gelu, gelu_quick, silu, mish, hard_silu): ``f'(x)``
-  in 8, 4 or 2 bits an element (:mod:`jaxact._src.codes`) instead of ``x``.
+  in 8, 4 or 2 bits an element (:mod:`jaxact._src.codes.code`) instead of ``x``.
 
 Half precision (float16/bfloat16) is computed in float32 and returned, and kept, in its own dtype.
 """
@@ -30,7 +30,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-from jaxact._src import codes
+from jaxact._src.codes import code as codes
 from jaxact._src.core import validation
 from jaxact._src.core.barriers import after_cotangent, barrier_residual
 from jaxact._src.core.spec import (

@@ -61,7 +61,8 @@ CODES_END = "<!-- codes-table:end -->"
 
 
 def codes_table() -> str:
-  from jaxact._src import codes
+  from jaxact._src.codes import code as codes
+  from jaxact._src.codes import derive
 
   rows = [
     "| activation | `residual_bits` | max \\|f' - q\\| | mean \\|f' - q\\|, x ~ N(0, 1) |",
@@ -71,7 +72,7 @@ def codes_table() -> str:
     for params in codes.param_combinations(SPEC_BY_NAME[name]):
       label = f"`{name}`" + "".join(f" ({k}={v})" for k, v in params)
       for bits in codes.BITS:
-        worst, mean = codes.error_stats(name, params, bits)
+        worst, mean = derive.error_stats(name, params, bits)
         rows.append(f"| {label} | {bits} | {worst:.4f} | {mean:.4f} |")
   return "\n".join([CODES_BEGIN, *rows, CODES_END])
 

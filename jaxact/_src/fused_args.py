@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax import Array
 
-from jaxact._src import activations, codes
+from jaxact._src import activations
+from jaxact._src.codes import code as codes
 from jaxact._src.core import validation
 from jaxact._src.core.spec import ALIASES, ActivationSpec
 from jaxact._src.fused_vjp import Act

@@ -42,7 +42,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_CUBIC = 0.044715
 _GELU_QUICK_SCALE = 1.702
 
-Residual = Literal["output", "input", "none", "code"]  # code: few-bit f' (jaxact._src.codes)
+Residual = Literal["output", "input", "none", "code"]  # code: few-bit f' (jaxact._src.codes.code)
 
 
 def _sigmoid(x: Array) -> Array:
@@ -103,7 +103,7 @@ class ActivationSpec:
     d_input: ``f'(x)`` written from ``x``: ``d_input(x, **params)``. Used for input-residual
       activations and as the fallback when the parameters make ``d_output`` invalid (or are traced).
       When omitted it is ``d_output(fn(x))``, valid whenever ``d_output`` is.
-    d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes``): within
+    d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes.code``): within
       2e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
       on relative accuracy in the tails, which a code of 255 steps cannot see). None:
       ``d_input``.
