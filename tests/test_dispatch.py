@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxact._src import activations
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
 from jaxact._src.core import dispatch
-from jaxact._src.fused_vjp import Act, Conv, Dense, Plan
+from jaxact._src.fused_vjp import Conv, Dense, Plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H100, A100, V100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-16GB"

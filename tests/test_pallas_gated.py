@@ -23,9 +23,10 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxact
-from jaxact._src import activations, test_util
+from jaxact._src import test_util
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
 from jaxact._src.core import dispatch, pallas_sharding
-from jaxact._src.fused_vjp import Act
 from jaxact._src.gated_vjp import GatedPlan, gate_cotangents, hidden
 from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
 from pallas_kernels import gated as kernels

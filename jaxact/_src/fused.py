@@ -4,7 +4,7 @@ A layer written as ``jax.nn.relu(x @ w + b)`` leaves the backward pass to autodi
 pre-activation and, depending on what XLA fuses, more. The ops here are one ``custom_vjp`` each
 (:mod:`jaxact._src.fused_vjp`), keeping the output where the activation's derivative can be
 written from it. This module holds the public functions: they check their arguments
-(:mod:`jaxact._src.fused_args`), build the call's static plan and ask
+(:mod:`jaxact._src.activations.resolve`), build the call's static plan and ask
 :mod:`jaxact._src.core.dispatch` which backend runs it.
 """
 
@@ -20,9 +20,9 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxact._src.activations.resolve import resolve_activation
 from jaxact._src.core import args, dispatch, dropout, shardings
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.fused_args import resolve_activation
 from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
 
 

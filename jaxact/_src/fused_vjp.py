@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -36,32 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import activations, kernel_calls
+from jaxact._src import kernel_calls
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
 from jaxact._src.core import barriers, pallas_sharding, shardings
 from jaxact._src.core.dispatch import Decision
 from jaxact._src.core.dropout import Dropout
-
-
-@dataclasses.dataclass(frozen=True)
-class Act:
-  """Static (hashable) description of the activation of one fused call.
-
-  Either ``rule`` (a spec-table activation; its array parameters travel as primal arguments) or
-  ``fn``, a closure-converted callable whose hoisted arrays travel as primal arguments.
-  """
-
-  rule: activations._Rule | None = None
-  fn: Callable[..., Any] | None = None
-
-  @property
-  def residual(self) -> str:
-    return self.rule.residual if self.rule is not None else "input"
-
-  @property
-  def kept_z(self) -> bool:
-    """Whether the backward reads the pre-activation (as itself or its code)."""
-    return self.residual in ("input", "code")
-
 
 # ---------------------------------------------------------------------------- the linear ops
 

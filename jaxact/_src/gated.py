@@ -16,9 +16,9 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxact._src.activations.resolve import resolve_activation
 from jaxact._src.core import args, dispatch, dropout, shardings
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.fused_args import resolve_activation
 from jaxact._src.gated_vjp import GatedPlan, gated
 
 

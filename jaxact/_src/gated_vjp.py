@@ -36,10 +36,10 @@ from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src import kernel_calls
+from jaxact._src.activations.resolve import Act
 from jaxact._src.core import barriers, shardings
 from jaxact._src.core.dispatch import Decision
 from jaxact._src.core.dropout import Dropout
-from jaxact._src.fused_vjp import Act
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name): under
 # jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps a and b and its

@@ -17,43 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from jax import Array
 
+from jaxact._src.activations.resolve import epilogue
 from jaxact._src.core import pallas_sharding, platform
 
 if TYPE_CHECKING:
-  from jaxact._src.activations import _Rule
   from jaxact._src.fused_vjp import Plan
   from jaxact._src.gated_vjp import GatedPlan
-
-
-def epilogue(rule: _Rule):
-  """The kernels' :class:`pallas_kernels.Epilogue` of a spec-table activation with static
-  parameters."""
-  from pallas_kernels import DerivativeCode, Epilogue
-
-  spec, params = rule.spec, dict(rule.static_params)
-
-  def fn(z):
-    return spec.fn(z, **params)
-
-  derivative: Callable[[Array], Array] | None = None
-  if rule.residual == "output":
-
-    def derivative(y):
-      return spec.d_output(y, **params)
-
-  elif rule.residual == "input":
-
-    def derivative(z):
-      return spec.derivative_from_input(z, **params)
-  elif rule.residual == "code":  # what the code quantizes, as the XLA path's encoding
-
-    def derivative(z):
-      return spec.derivative_for_code(z, **params)
-
-  code = None
-  if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes
-    code = DerivativeCode(rule.code.bits, rule.code.boundaries, rule.code.levels)
-  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual, code=code)
 
 
 def _dense_shape(x: Array, w: Array) -> tuple[int, int, int]:

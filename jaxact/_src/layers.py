@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from jaxact._src import activations, gated
+from jaxact._src import gated
+from jaxact._src.activations import api as activations
 from jaxact._src.codes import code as codes
 from jaxact._src.core import dropout
 

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src import kernel_calls
+from jaxact._src.activations import resolve
 from jaxact._src.core import pallas_sharding
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
       features = pallas_sharding.dense_shard_shape(x, w)[2]
     else:
       features = w.shape[plan.linear.dimension_numbers.rhs_spec[0]]
-    why = kernel_calls.epilogue(rule).code.unsupported(features)
+    why = resolve.epilogue(rule).code.unsupported(features)
     if why is not None:
       return f"residual_bits={rule.code.bits}: {why}"
   if dense:
@@ -188,7 +188,7 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
   from pallas_kernels import hopper, hopper_bwd
 
   shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
-  epilogue = kernel_calls.epilogue(plan.act.rule)
+  epilogue = resolve.epilogue(plan.act.rule)
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
   if why is None and backward:
     why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
@@ -215,7 +215,7 @@ def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Arr
   except NotImplementedError as e:
     return str(e)
   rule = plan.act.rule
-  epilogue = kernel_calls.epilogue(rule)
+  epilogue = resolve.epilogue(rule)
   z = jax.ShapeDtypeStruct((), np.float32)
   parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
   missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
@@ -239,7 +239,7 @@ def gated_mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | 
   if plan.precision is not None:
     return f"precision={plan.precision!r} (the kernel's wgmma takes the default precision only)"
   shape = (math.prod(x.shape[:-1]), *w_gate.shape)
-  return gated_hopper.gated_unsupported(shape, x.dtype, kernel_calls.epilogue(plan.act.rule))
+  return gated_hopper.gated_unsupported(shape, x.dtype, resolve.epilogue(plan.act.rule))
 
 
 # -------------------------------------------------------------------------------- decisions

@@ -30,6 +30,7 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
+from jaxact._src.activations.softmax import apply_glu, apply_softmax
 from jaxact._src.codes import code as codes
 from jaxact._src.core import validation
 from jaxact._src.core.barriers import after_cotangent, barrier_residual
@@ -42,7 +43,6 @@ from jaxact._src.core.spec import (
   Param,
   Residual,
 )
-from jaxact._src.softmax import apply_glu, apply_softmax
 
 # ------------------------------------------------------------------ the elementwise custom_vjp rule
 

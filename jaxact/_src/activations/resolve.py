@@ -1,4 +1,5 @@
-"""The fused ops' `activation` argument, resolved: a spec row with its parameters, or a callable.
+"""What the fused ops make of their `activation` argument: a spec row with its parameters (or a
+callable), the static :class:`Act` their plans hold, and the kernels' epilogue of a spec row.
 
 Every check raises at trace time with the argument named, the value received and what is accepted.
 """
@@ -6,6 +7,7 @@ Every check raises at trace time with the argument named, the value received and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -15,11 +17,34 @@ import jax
 import numpy as np
 from jax import Array
 
-from jaxact._src import activations
+from jaxact._src.activations import api as activations
 from jaxact._src.codes import code as codes
 from jaxact._src.core import validation
 from jaxact._src.core.spec import ALIASES, ActivationSpec
-from jaxact._src.fused_vjp import Act
+
+# ------------------------------------------------------------------------- the static activation
+
+
+@dataclasses.dataclass(frozen=True)
+class Act:
+  """Static (hashable) description of the activation of one fused call.
+
+  Either ``rule`` (a spec-table activation; its array parameters travel as primal arguments) or
+  ``fn``, a closure-converted callable whose hoisted arrays travel as primal arguments.
+  """
+
+  rule: activations._Rule | None = None
+  fn: Callable[..., Any] | None = None
+
+  @property
+  def residual(self) -> str:
+    return self.rule.residual if self.rule is not None else "input"
+
+  @property
+  def kept_z(self) -> bool:
+    """Whether the backward reads the pre-activation (as itself or its code)."""
+    return self.residual in ("input", "code")
+
 
 # ------------------------------------------------------------------------ activation resolution
 
@@ -151,3 +176,37 @@ def resolve_activation(fn_name: str, activation, z: jax.ShapeDtypeStruct, arg_dt
         )
   rule, dynamic = activations._split_params(spec, z, values)
   return Act(rule=activations.with_code(rule, bits)), dynamic
+
+
+# ------------------------------------------------------------------------ kernel epilogues
+
+
+def epilogue(rule: activations._Rule):
+  """The kernels' :class:`pallas_kernels.Epilogue` of a spec-table activation with static
+  parameters."""
+  from pallas_kernels import DerivativeCode, Epilogue
+
+  spec, params = rule.spec, dict(rule.static_params)
+
+  def fn(z):
+    return spec.fn(z, **params)
+
+  derivative: Callable[[Array], Array] | None = None
+  if rule.residual == "output":
+
+    def derivative(y):
+      return spec.d_output(y, **params)
+
+  elif rule.residual == "input":
+
+    def derivative(z):
+      return spec.derivative_from_input(z, **params)
+  elif rule.residual == "code":  # what the code quantizes, as the XLA path's encoding
+
+    def derivative(z):
+      return spec.derivative_for_code(z, **params)
+
+  code = None
+  if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes
+    code = DerivativeCode(rule.code.bits, rule.code.boundaries, rule.code.levels)
+  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual, code=code)
