@@ -77,11 +77,25 @@ def codes_table() -> str:
   return "\n".join([CODES_BEGIN, *rows, CODES_END])
 
 
+def rule_tables() -> tuple:
+  """Every family's ``implementation=None`` rules (its ``rules.py``), in the order the dispatch
+  page lists them: the one decision point, whatever folder each family lives in."""
+  from jaxact._src.attention import rules as attention
+  from jaxact._src.core import dispatch
+  from jaxact._src.fused import rules as fused
+
+  return (
+    fused.AUTO_RULES,
+    dispatch.GATED_AUTO_RULES,
+    dispatch.LCE_AUTO_RULES,
+    attention.ATTENTION_AUTO_RULES,
+  )
+
+
 def dispatch_table() -> str:
-  from jaxact._src.attention import rules as attention_rules
   from jaxact._src.core import dispatch
 
-  table = dispatch.rules_table(attention_rules.ATTENTION_AUTO_RULES)
+  table = dispatch.rules_table(*rule_tables())
   return "\n".join([DISPATCH_BEGIN, table.rstrip(), DISPATCH_END])
 
 

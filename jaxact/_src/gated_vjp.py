@@ -84,7 +84,7 @@ def safe_mul(p: Array, q: Array) -> Array:
 
 def _matmul_dtype(plan: GatedPlan, operands) -> np.dtype:
   """The matmuls' result dtype: 16-bit operands give a 16-bit result (as XLA's GPU GEMMs write it,
-  and as :mod:`jaxact._src.fused_vjp` does), float32 and float64 the accumulation dtype."""
+  and as :mod:`jaxact._src.fused.vjp` does), float32 and float64 the accumulation dtype."""
   return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
 
 

@@ -16,9 +16,9 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxact._src import layers
-from jaxact._src.layers import Activation
-from jaxact._src.nnx import dropout_key
+from jaxact._src.fused import layers
+from jaxact._src.fused.layers import Activation
+from jaxact._src.fused.nnx import dropout_key
 
 Array = jax.Array
 

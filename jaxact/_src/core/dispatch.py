@@ -1,29 +1,20 @@
-"""Which backend runs each fused call: the one place jaxact decides.
+"""The decision machinery every op family shares: the target GPU, a call's :class:`Decision`, the
+:class:`Rule` rows of ``implementation=None``, and the docs' table of them.
 
-:func:`decide` takes a fused call's static plan, its operands and the lowering target and returns a
-:class:`Decision`: the backend of the forward and of the backward (``"xla"``, ``"triton"``,
-``"mosaic"``), whether the kernels were asked for by name, and, when ``implementation=None``
-declined a kernel, why. The rules, in the order they are tried:
-
-1. ``implementation="xla"``: XLA.
-2. ``implementation="pallas"`` / ``"mosaic"``: the Triton / Mosaic GPU kernels, forward and
-   backward, on every platform (interpret mode off CUDA); a call they cannot run raises
-   ``NotImplementedError`` with the reason (:func:`triton_unsupported`, :func:`mosaic_unsupported`,
-   :func:`gated_triton_unsupported`; the gated ops have no Mosaic GPU kernel yet).
-3. ``implementation=None``: the first row of :data:`AUTO_RULES` that holds (for the gated ops,
-   :func:`decide_gated`, of :data:`GATED_AUTO_RULES`). Kernels chosen there
-   run only where the program is lowered for CUDA; lowered for anything else the call is XLA's.
-   A call the kernels cannot run is XLA's, silently.
+Each family decides its own calls in its ``rules.py`` (``jaxact/_src/<family>/rules.py``): the
+support checks of its kernels, its table of ``implementation=None`` rules and its ``decide``, which
+returns a :class:`Decision` built here. Every family's table is generated into the one dispatch
+table of the docs (:func:`rules_table`, :mod:`jaxact._src.docs`), so the rules stay one decision
+point whatever folder they live in.
 
 The kernels (``pallas_kernels``) take tiles and an epilogue and know nothing of devices: the target
-GPU is looked up here, once (:func:`target`). Rows of :data:`AUTO_RULES` that rest on a measurement
-cite the page of ``benchmarks/results/`` and the section that decided them.
+GPU is looked up here, once (:func:`target`). Rules that rest on a measurement cite the page of
+``benchmarks/results/`` and the section that decided them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Callable
@@ -37,7 +28,6 @@ from jaxact._src.activations import resolve
 from jaxact._src.core import pallas_sharding
 
 if TYPE_CHECKING:
-  from jaxact._src.fused_vjp import Plan
   from jaxact._src.gated_vjp import GatedPlan
   from jaxact._src.lce_vjp import LcePlan
 
@@ -112,8 +102,9 @@ def target() -> Target:
 # ---------------------------------------------------------------------------------- support
 
 
-def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
-  """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call."""
+def kernels_unsupported(plan, x: Array, w: Array) -> str | None:
+  """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call (its
+  plan's ``act``, ``dropout`` and dtypes, its operands `x` and `w`)."""
   if getattr(plan, "dropout", None) is not None:
     return "dropout inside the op (the kernels draw no masks; XLA's path applies it)"
   rule = plan.act.rule
@@ -131,76 +122,9 @@ def _call_unsupported(plan: Plan | GatedPlan, x: Array, w: Array) -> str | None:
   return None
 
 
-def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
-  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
-  dense = plan.linear.kind == "dense"
-  if not dense:
-    out_spec = plan.linear.dimension_numbers.out_spec
-    if out_spec[1] != len(out_spec) - 1:
-      return f"the convolution's output is not channels-last (out_spec={tuple(out_spec)})"
-  why = _call_unsupported(plan, x, w)
-  if why is not None:
-    return why
-  out = plan.linear.out_sharding  # the caller's out_sharding (Explicit axes), or None
-  out = None if out is None else pallas_sharding.sharding_spec(out, x.ndim)
-  if dense:
-    # kernels under shard_map for known patterns
-    sharded = pallas_sharding.dense_reason(x, w, out)
-  else:
-    # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
-    sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
-    if sharded is None and any(pallas_sharding.spec_of(w)):
-      sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
-    if sharded is None and out is not None and out[plan.linear.dimension_numbers.out_spec[1]]:
-      sharded = (
-        f"out_sharding={pallas_sharding._pspec(out)} splits the output's features (the "
-        "epilogue kernels split the batch only)"
-      )
-  if sharded is not None:
-    return f"inputs sharded over a mesh: {sharded}"
-  rule = plan.act.rule
-  if rule.code is not None:  # packed along the features, which each device must fill bytes of
-    if dense:
-      features = pallas_sharding.dense_shard_shape(x, w)[2]
-    else:
-      features = w.shape[plan.linear.dimension_numbers.rhs_spec[0]]
-    why = resolve.epilogue(rule).code.unsupported(features)
-    if why is not None:
-      return f"residual_bits={rule.code.bits}: {why}"
-  if dense:
-    from pallas_kernels import allow_tf32
-
-    try:
-      allow_tf32(plan.linear.precision)
-    except NotImplementedError as e:
-      return str(e)
-  return None
-
-
-def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -> str | None:
-  """Why the Mosaic GPU forward kernel (with `backward`, the backward kernels too) cannot run this
-  call, or None."""
-  if plan.linear.kind != "dense":
-    return "the Hopper kernel is a dense layer (convolutions other than 1x1 are not)"
-  why = triton_unsupported(plan, x, w)
-  if why is not None:
-    return why
-  from pallas_kernels import hopper, hopper_bwd
-
-  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
-  epilogue = resolve.epilogue(plan.act.rule)
-  why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
-  if why is None and backward:
-    why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
-  whole = (math.prod(x.shape[:-1]), *w.shape)
-  if why is not None and shape != whole:
-    why = f"{why}, in each device's block of the sharded layer ((M, K, N) = {shape})"
-  return why
-
-
 def gated_triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Array) -> str | None:
   """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call, or None."""
-  why = _call_unsupported(plan, x, w_gate)
+  why = kernels_unsupported(plan, x, w_gate)
   if why is not None:
     return why
   hidden = plan.hidden_sharding
@@ -266,80 +190,16 @@ class Decision:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """One row of :data:`AUTO_RULES`: where it applies, what it picks, and on what evidence."""
+  """One row of a family's ``implementation=None`` table: where it applies, what it picks, and on
+  what evidence."""
 
   where: str
-  applies: Callable[[_Facts], bool] | Callable[[_GatedFacts], bool]
+  applies: Callable[[Any], bool]  # of the facts its family's decide gathers about one call
   forward: Backend
   backward: Backend
   why: str
   # What decided a measured rule: "results/<page>.md: <section heading>" under benchmarks/.
   evidence: str | None = None
-
-
-class _Facts:
-  """What the rules ask of one call, each fact computed on first use."""
-
-  def __init__(self, plan: Plan, x: Array, w: Array, target: Target):
-    self.plan, self.x, self.w, self.target = plan, x, w, target
-    self.dense = plan.linear.kind == "dense"
-
-  @functools.cached_property
-  def mosaic_forward(self) -> bool:
-    return self.target.hopper and mosaic_unsupported(self.plan, self.x, self.w) is None
-
-
-AUTO_RULES: tuple[Rule, ...] = (
-  Rule(
-    "Hopper target, a dense layer keeping a 4- or 2-bit derivative code",
-    lambda f: (
-      f.target.hopper
-      and f.dense
-      and f.plan.act.rule.code is not None
-      and f.plan.act.rule.code.bits < 8
-    ),
-    "xla",
-    "xla",
-    "the Mosaic GPU forward packs 4- and 2-bit codes with a second wgmma in its epilogue, which "
-    "spills 132-212 bytes a thread compiled for the H100 (the z-writing forward: 44-56) and has "
-    "not been timed on a GPU",
-  ),
-  Rule(
-    "Hopper target, a dense layer the Mosaic GPU forward kernel takes",
-    lambda f: f.mosaic_forward,
-    "mosaic",
-    "xla",
-    "the Mosaic GPU forward runs at or above jnp.dot's rate and writes z beside y in its epilogue; "
-    "XLA's backward (one dz fusion, cuBLAS dx and dw) ran 1.8x (relu) to 4.7x (gelu) faster than "
-    "the Mosaic GPU backward kernels, which also keep one activation more in a deep network",
-    "results/gpu.md: The backward alone: Mosaic GPU kernels against XLA's, bf16",
-  ),
-  Rule(
-    "Hopper target, other dense layers",
-    lambda f: f.target.hopper and f.dense,
-    "xla",
-    "xla",
-    "the Triton matmul kernels are 1.7-3.4x slower than XLA's cuBLAS matmuls on Hopper",
-    "results/gpu.md: One dense layer, bf16",
-  ),
-  Rule(
-    "CUDA GPU older than Ampere (compute capability < 8.0)",
-    lambda f: not f.target.ampere_or_newer,
-    "xla",
-    "xla",
-    "the Triton kernels need compute capability 8.0 or newer",
-  ),
-  Rule(
-    "CUDA (Ampere or newer; convolution epilogues on Hopper too)",
-    lambda f: True,
-    "triton",
-    "triton",
-    "the Triton kernels keep only what the backward needs (no dz array between the passes); "
-    "convolution epilogues measured at 86-91% (forward) and 72-86% (backward) of the H100's copy "
-    "bandwidth; dense layers on Ampere/Ada are unmeasured",
-    "results/gpu.md: Conv layer and its epilogue kernels, bf16",
-  ),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,31 +325,6 @@ def auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
   return Decision(rule.forward, rule.backward, target=found.target)
 
 
-def decide(fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array) -> Decision:
-  """The backends for one fused call (see the module docstring); `implementation` is checked
-  (:func:`check_implementation`). Raises ``NotImplementedError`` when kernels asked for by name
-  cannot run the call."""
-  check_implementation(fn_name, implementation)
-  match implementation:
-    case "xla":
-      return Decision()
-    case "pallas" | "mosaic":
-      backend: Backend = "triton" if implementation == "pallas" else "mosaic"
-      if backend == "triton":
-        why = triton_unsupported(plan, x, w)
-      else:
-        why = mosaic_unsupported(plan, x, w, backward=True)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
-          f"{why}; use implementation='xla' or None"
-        )
-      return Decision(backend, backend, forced=True, target=target())
-    case _:  # None
-      why = triton_unsupported(plan, x, w)
-      return auto(why, AUTO_RULES, lambda: _Facts(plan, x, w, target()))
-
-
 def decide_gated(
   fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
 ) -> Decision:
@@ -527,16 +362,15 @@ def decide_gated(
       return auto(why, GATED_AUTO_RULES, lambda: _GatedFacts(plan, x, w_gate, target()))
 
 
-def rules_table(*more: tuple[Rule, ...]) -> str:
-  """:data:`AUTO_RULES`, :data:`GATED_AUTO_RULES`, :data:`LCE_AUTO_RULES` and the tables in
-  `more` (the op families' own, e.g. attention's) as a Markdown table (the docs' dispatch page),
-  each rule's evidence a link to its section (the heading's anchor, as mkdocs and GitHub spell
-  it)."""
+def rules_table(*tables: tuple[Rule, ...]) -> str:
+  """The `tables` (each family's ``implementation=None`` rules, in order) as one Markdown table (the
+  docs' dispatch page), each rule's evidence a link to its section (the heading's anchor, as
+  mkdocs and GitHub spell it)."""
   rows = [
     "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
-  for r in (*AUTO_RULES, *GATED_AUTO_RULES, *LCE_AUTO_RULES, *(r for t in more for r in t)):
+  for r in (r for t in tables for r in t):
     evidence = ""
     if r.evidence:
       page, section = r.evidence.split(": ", 1)

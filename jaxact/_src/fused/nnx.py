@@ -28,8 +28,9 @@ from flax.typing import (
 )
 from jax import lax
 
-from jaxact._src import fused, layers
-from jaxact._src.layers import Activation
+from jaxact._src.fused import api as fused
+from jaxact._src.fused import layers
+from jaxact._src.fused.layers import Activation
 
 Array = jax.Array
 

@@ -29,8 +29,9 @@ from flax.typing import (
 )
 from jax import lax
 
-from jaxact._src import fused, layers
-from jaxact._src.layers import Activation
+from jaxact._src.fused import api as fused
+from jaxact._src.fused import layers
+from jaxact._src.fused.layers import Activation
 
 
 def check_params_found(module: nn.Module, layer: str, flax_layer: str, kernel_shape) -> None:

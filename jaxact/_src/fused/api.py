@@ -2,10 +2,11 @@
 
 A layer written as ``jax.nn.relu(x @ w + b)`` leaves the backward pass to autodiff, which keeps the
 pre-activation and, depending on what XLA fuses, more. The ops here are one ``custom_vjp`` each
-(:mod:`jaxact._src.fused_vjp`), keeping the output where the activation's derivative can be
+(:mod:`jaxact._src.fused.vjp`), keeping the output where the activation's derivative can be
 written from it. This module holds the public functions: they check their arguments
-(:mod:`jaxact._src.activations.resolve`), build the call's static plan and ask
-:mod:`jaxact._src.core.dispatch` which backend runs it.
+(:mod:`jaxact._src.core.args`, :mod:`jaxact._src.activations.resolve`), build the call's static
+plan (:mod:`jaxact._src.fused.plan`) and ask :mod:`jaxact._src.fused.rules` which backend runs
+it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxact._src.activations.resolve import resolve_activation
 from jaxact._src.core import args, dispatch, dropout, shardings
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.fused_vjp import Conv, Dense, Plan, fused
+from jaxact._src.fused import rules
+from jaxact._src.fused.plan import Conv, Dense, Plan
+from jaxact._src.fused.vjp import fused
 
 
 def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementation, drop=None):
@@ -38,7 +41,7 @@ def _run(fn_name, linear, x, w, b, activation, acc_dtype, out_dtype, implementat
     plan, shardings=specs, x_gather=x_gather, sharded=shardings.spread(specs)
   )
   if implementation != "xla":
-    decision = dispatch.decide(fn_name, implementation, plan, x, w)
+    decision = rules.decide(fn_name, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
   return fused(plan, x, w, b, key, *dynamic)
 
