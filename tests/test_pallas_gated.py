@@ -27,7 +27,9 @@ from jaxact._src import test_util
 from jaxact._src.activations import api as activations
 from jaxact._src.activations.resolve import Act
 from jaxact._src.core import dispatch, pallas_sharding
-from jaxact._src.gated_vjp import GatedPlan, gate_cotangents, hidden
+from jaxact._src.gated import rules
+from jaxact._src.gated.plan import GatedPlan
+from jaxact._src.gated.vjp import gate_cotangents, hidden
 from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
 from pallas_kernels import gated as kernels
 
@@ -248,13 +250,13 @@ def test_none_keeps_xla_on_every_target_until_a_gpu_measurement_says_otherwise()
   w = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
   for kind in ("H100", "A100"):
     with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
-      auto = dispatch.decide_gated("gated_mlp", None, plan, x, w, w)
-      named = dispatch.decide_gated("gated_mlp", "pallas", plan, x, w, w)
+      auto = rules.decide("gated_mlp", None, plan, x, w, w)
+      named = rules.decide("gated_mlp", "pallas", plan, x, w, w)
     assert (auto.forward, auto.backward, auto.forced) == ("xla", "xla", False)
     assert "no GPU measurement" in auto.declined
     assert (named.forward, named.backward, named.forced) == ("triton", "triton", True)
-  assert dispatch.decide_gated("gated_mlp", "xla", plan, x, w, w) == dispatch.Decision()
-  for rule in dispatch.GATED_AUTO_RULES:
+  assert rules.decide("gated_mlp", "xla", plan, x, w, w) == dispatch.Decision()
+  for rule in rules.GATED_AUTO_RULES:
     assert rule.where in dispatch.rules_table()
 
 

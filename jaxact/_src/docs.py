@@ -83,10 +83,11 @@ def rule_tables() -> tuple:
   from jaxact._src.attention import rules as attention
   from jaxact._src.core import dispatch
   from jaxact._src.fused import rules as fused
+  from jaxact._src.gated import rules as gated
 
   return (
     fused.AUTO_RULES,
-    dispatch.GATED_AUTO_RULES,
+    gated.GATED_AUTO_RULES,
     dispatch.LCE_AUTO_RULES,
     attention.ATTENTION_AUTO_RULES,
   )

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from jaxact._src import gated
 from jaxact._src.activations import api as activations
 from jaxact._src.codes import code as codes
 from jaxact._src.core import dropout
@@ -125,44 +124,6 @@ def fused_out_dtype(preferred_element_type, bias: jax.Array | None):
   if bias is None:
     return preferred_element_type
   return jnp.promote_types(preferred_element_type, bias.dtype)
-
-
-def _dense(
-  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision, out_sharding=None
-) -> jax.Array:
-  """Flax ``Dense``'s computation on promoted arrays."""
-  dims = (((x.ndim - 1,), (0,)), ((), ()))
-  y = jax.lax.dot_general(x, kernel, dims, precision=precision, out_sharding=out_sharding)
-  if bias is not None:
-    y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-  return y
-
-
-def gated_mlp(
-  activation,
-  precision,
-  x,
-  w_gate,
-  w_up,
-  w_down,
-  b_gate,
-  b_up,
-  b_down,
-  dropped=None,
-  layer="",
-  out_sharding=None,
-) -> jax.Array:
-  """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
-  :func:`dropout_kwargs` (None or {}: none): one :func:`jaxact.gated_mlp`, or, for dtypes it does
-  not take (complex), Flax's three ``Dense`` computations, the activation and Flax's dropout."""
-  arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-  dropped = dropped or {}
-  if fusable(*arrays):
-    return gated.gated_mlp(
-      *arrays, activation=activation, precision=precision, out_sharding=out_sharding, **dropped
-    )
-  h = activate(activation, _dense(x, w_gate, b_gate, precision)) * _dense(x, w_up, b_up, precision)
-  return _dense(drop(layer, h, dropped), w_down, b_down, precision, out_sharding)
 
 
 def _broadcast(x: int | Sequence[int] | None, n: int) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ Each is ``flax.nnx.Linear`` / ``flax.nnx.Conv`` with one more keyword argument,
 ``activation``: the same arguments, attributes and ``kernel`` / ``bias`` parameters (shapes,
 initializers, RNG streams, ``kernel_metadata`` / ``bias_metadata`` such as ``out_sharding``), and
 ``activation(nnx.Linear(...)(x))`` computed as one :func:`jaxact.dense_bias_act` /
-:func:`jaxact.conv_bias_act`. The gated MLP, ``jaxact.nnx.GatedMLP``, is in ``nnx_gated.py``.
+:func:`jaxact.conv_bias_act`. The gated MLP, ``jaxact.nnx.GatedMLP``, is in ``gated/nnx.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``gated_dense`` is ``act(x @ w_gate + b_gate) * (x @ w_up + b_up)`` (SwiGLU with silu, GeGLU with
 gelu, ReGLU with relu, GLU with sigmoid); ``gated_mlp`` adds the down projection, the whole MLP
-block of Llama, Gemma, Mistral or PaLM. Each is one ``custom_vjp`` (:mod:`jaxact._src.gated_vjp`).
+block of Llama, Gemma, Mistral or PaLM. Each is one ``custom_vjp`` (:mod:`jaxact._src.gated.vjp`).
 This module checks the arguments and builds the call's static plan.
 """
 
@@ -19,7 +19,9 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxact._src.activations.resolve import resolve_activation
 from jaxact._src.core import args, dispatch, dropout, shardings
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.gated_vjp import GatedPlan, gated
+from jaxact._src.gated import rules
+from jaxact._src.gated.plan import GatedPlan
+from jaxact._src.gated.vjp import gated
 
 
 def _check_shapes(fn_name, x, w_gate, w_up, w_down, b_gate, b_up, b_down) -> None:
@@ -141,7 +143,7 @@ def _run(
     dropout=drop,
   )
   plan = _sharded_plan(fn_name, plan, x, w_gate, w_up, w_down, out_sharding, prepared.values())
-  decision = dispatch.decide_gated(fn_name, implementation, plan, x, w_gate, w_up)
+  decision = rules.decide(fn_name, implementation, plan, x, w_gate, w_up)
   plan = dataclasses.replace(plan, decision=decision)
   y = gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
   return shardings.constrain(y, out_sharding)

@@ -19,6 +19,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 from jaxact._src.fused import layers
 from jaxact._src.fused.layers import Activation
 from jaxact._src.fused.nnx import dropout_key
+from jaxact._src.gated.linen import gated_mlp
 
 Array = jax.Array
 
@@ -177,4 +178,4 @@ class GatedMLP(nnx.Module):
     kernels = [p.kernel[...] for p in projections]
     biases = [None if p.bias is None else p.bias[...] for p in projections]
     arrays = dtypes.promote_dtype((inputs, *kernels, *biases), dtype=self.dtype)
-    return layers.gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)
+    return gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)

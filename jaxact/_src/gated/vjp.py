@@ -19,15 +19,13 @@ the call takes XLA's path.
 
 The plan's :class:`~jaxact._src.core.dispatch.Decision` says whether the gated projection (forward)
 and the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton
-kernels (:mod:`jaxact._src.kernel_calls`, :mod:`pallas_kernels.gated`); the matmuls of the backward
+kernels (:mod:`jaxact._src.gated.kernels`, :mod:`pallas_kernels.gated`); the matmuls of the backward
 pass and the down projection are XLA's either way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,41 +33,14 @@ import numpy as np
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxact._src import kernel_calls
-from jaxact._src.activations.resolve import Act
 from jaxact._src.core import barriers, shardings
-from jaxact._src.core.dispatch import Decision
-from jaxact._src.core.dropout import Dropout
+from jaxact._src.gated import kernels
+from jaxact._src.gated.plan import GatedPlan
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name): under
 # jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps a and b and its
 # input, and recomputes the rest (its norm) in the backward pass.
 CHECKPOINT_NAMES = ("jaxact.gated.a", "jaxact.gated.b")
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedPlan:
-  """Everything static about one gated call."""
-
-  act: Act
-  precision: Any
-  acc_dtype: np.dtype  # accumulation and activation dtype
-  out_dtype: np.dtype  # of a, b, h and y
-  has_gate_bias: bool
-  has_up_bias: bool
-  has_down: bool  # gated_mlp (a down projection) or gated_dense
-  has_down_bias: bool = False
-  dropout: Dropout | None = None  # of h, before the down projection (gated_mlp only)
-  decision: Decision = dataclasses.field(default_factory=Decision)
-  # Explicit mesh axes: the output shardings of the two projections (a, b and h) and of the down
-  # projection (jnp.dot's `out_sharding`, None where jax infers one); the specs x and h are
-  # resharded to before their products (shardings.product_input; None: as they are); the specs
-  # of the primal arguments, which their cotangents take.
-  hidden_sharding: Any = None
-  out_sharding: Any = None
-  x_gather: Any = None
-  h_gather: Any = None
-  shardings: tuple = (None,) * 7
 
 
 def safe_mul(p: Array, q: Array) -> Array:
@@ -177,7 +148,7 @@ def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_do
     return (hidden(plan, a, b, ()), a, b) if keep else (hidden(plan, a, b, ()), None, None)
 
   args = (x, w_gate, w_up, b_gate, b_up)
-  out, a, b = kernel_calls.gated_forward(plan, *args, xla, keep=keep)
+  out, a, b = kernels.forward(plan, *args, xla, keep=keep)
   if plan.has_down:
     out = _down(plan, out, w_down, b_down)
   return out, a, b
@@ -299,13 +270,13 @@ def _kernel_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
   if plan.has_down:
     gy = g.astype(mm)
     gh = _down_input_grad(plan, gy, w_down, a)  # a: of h's shape and dtype (h comes after)
-    da, db, h = kernel_calls.gated_backward(plan, gh, a, b, xla, with_h=True, grad_dtype=mm)
+    da, db, h = kernels.backward(plan, gh, a, b, xla, with_h=True, grad_dtype=mm)
     d_down = (
       _down_weight_grad(plan, h, w_down, gy),
       _bias_grad(plan, plan.has_down_bias, gy, x.dtype),
     )
   else:
-    da, db, _ = kernel_calls.gated_backward(plan, g, a, b, xla, with_h=False, grad_dtype=mm)
+    da, db, _ = kernels.backward(plan, g, a, b, xla, with_h=False, grad_dtype=mm)
   return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, [])
 
 
