@@ -50,7 +50,8 @@ from jax import lax
 
 import jaxact
 from benchmarks import gated, timing
-from jaxact._src import lce_vjp, test_util
+from jaxact._src import test_util
+from jaxact._src.lce import xla as lce_vjp
 
 try:
   import tokamax

@@ -40,7 +40,7 @@ from jaxact._src.fused.api import dense_bias_act as dense_bias_act
 from jaxact._src.gated.api import gated_dense as gated_dense
 from jaxact._src.gated.api import gated_mlp as gated_mlp
 from jaxact._src.gated.vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
-from jaxact._src.lce import linear_cross_entropy as linear_cross_entropy
+from jaxact._src.lce.api import linear_cross_entropy as linear_cross_entropy
 from jaxact._src.norms import layer_norm as layer_norm
 from jaxact._src.norms import rms_norm as rms_norm
 

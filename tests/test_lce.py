@@ -17,7 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxact
-from jaxact._src import lce_vjp
+from jaxact._src.lce import xla as lce_vjp
 
 from lce_cases import BLOCK, D, T, V, inputs, reference, rel_err
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import lce_vjp, test_util
+from jaxact._src import test_util
+from jaxact._src.lce import xla as lce_vjp
 from kernel_cases import lowered_text
 from pallas_kernels import lce_hopper, lce_hopper_bwd
 

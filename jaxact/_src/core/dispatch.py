@@ -27,7 +27,7 @@ from jax import Array, lax
 from jaxact._src.core import pallas_sharding
 
 if TYPE_CHECKING:
-  from jaxact._src.lce_vjp import LcePlan
+  from jaxact._src.lce.xla import LcePlan
 
 Backend = Literal["xla", "triton", "mosaic", "cudnn"]
 Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`

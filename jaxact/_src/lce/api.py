@@ -3,7 +3,7 @@
 ``softmax_cross_entropy(x @ w + b, labels)`` differentiated by JAX keeps the (tokens, vocabulary)
 logits, their softmax and builds their gradient: with a 32k-256k vocabulary the largest arrays of a
 language model's training step. The op here keeps ``x``, ``w``, ``b``, the labels and one float32
-log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce_vjp`). This
+log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce.xla`). This
 module checks the arguments, builds the static plan, asks :mod:`jaxact._src.core.dispatch` for the
 backend, and reduces the per-token losses (``where``, ``reduction``) in plain JAX, whose autodiff
 gives the rule its per-token cotangent.
@@ -24,7 +24,7 @@ from jax.typing import ArrayLike
 
 from jaxact._src.core import args, dispatch, shardings, validation
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.lce_vjp import LcePlan, default_block, kernel_block, per_token_loss, t5x_smoothing
+from jaxact._src.lce.xla import LcePlan, default_block, kernel_block, per_token_loss, t5x_smoothing
 
 REDUCTIONS = ("mean", "sum", "none")
 SMOOTHING_STYLES = ("optax", "t5x")

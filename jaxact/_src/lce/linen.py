@@ -10,7 +10,7 @@ from flax import linen as nn
 from flax.typing import Array
 from jax import lax
 
-from jaxact._src import lce
+from jaxact._src.lce import api as lce
 
 
 class LMHead(nn.Dense):

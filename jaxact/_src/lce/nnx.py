@@ -9,8 +9,8 @@ import jax
 from flax import nnx
 from jax import lax
 
-from jaxact._src import lce
-from jaxact._src.linen_head import check_tied_options
+from jaxact._src.lce import api as lce
+from jaxact._src.lce.linen import check_tied_options
 
 
 class LMHead(nnx.Linear):
