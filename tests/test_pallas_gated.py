@@ -291,9 +291,9 @@ def test_the_lowered_step_runs_the_two_kernels_only_when_asked():
 
 
 def test_per_shard_kernels_lower_for_cuda_without_collectives():
-  """kernel_calls' wrappers on a 2x4 ("data", "model") mesh of A100s: x's rows and the weights'
-  columns split (the forward), any split of gh, a and b (the backward pass); each kernel runs once
-  in a shard_map region on its block, and nothing is gathered or summed."""
+  """The gated kernel calls' wrappers on a 2x4 ("data", "model") mesh of A100s: x's rows and the
+  weights' columns split (the forward), any split of gh, a and b (the backward pass); each kernel
+  runs once in a shard_map region on its block, and nothing is gathered or summed."""
   device = AbstractDevice(device_kind=test_util.A100, num_cores=None, platform="cuda")
   mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Explicit,) * 2, abstract_device=device)
   ep = _epilogue("silu")

@@ -81,14 +81,14 @@ def rule_tables() -> tuple:
   """Every family's ``implementation=None`` rules (its ``rules.py``), in the order the dispatch
   page lists them: the one decision point, whatever folder each family lives in."""
   from jaxact._src.attention import rules as attention
-  from jaxact._src.core import dispatch
   from jaxact._src.fused import rules as fused
   from jaxact._src.gated import rules as gated
+  from jaxact._src.lce import rules as lce
 
   return (
     fused.AUTO_RULES,
     gated.GATED_AUTO_RULES,
-    dispatch.LCE_AUTO_RULES,
+    lce.LCE_AUTO_RULES,
     attention.ATTENTION_AUTO_RULES,
   )
 

@@ -3,10 +3,10 @@
 ``softmax_cross_entropy(x @ w + b, labels)`` differentiated by JAX keeps the (tokens, vocabulary)
 logits, their softmax and builds their gradient: with a 32k-256k vocabulary the largest arrays of a
 language model's training step. The op here keeps ``x``, ``w``, ``b``, the labels and one float32
-log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce.xla`). This
-module checks the arguments, builds the static plan, asks :mod:`jaxact._src.core.dispatch` for the
-backend, and reduces the per-token losses (``where``, ``reduction``) in plain JAX, whose autodiff
-gives the rule its per-token cotangent.
+log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce.vjp`). This
+module checks the arguments, builds the static plan (:mod:`jaxact._src.lce.plan`), asks
+:mod:`jaxact._src.lce.rules` for the backend, and reduces the per-token losses (``where``,
+``reduction``) in plain JAX, whose autodiff gives the rule its per-token cotangent.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from jax.typing import ArrayLike
 
 from jaxact._src.core import args, dispatch, shardings, validation
 from jaxact._src.core.dispatch import Implementation
-from jaxact._src.lce.xla import LcePlan, default_block, kernel_block, per_token_loss, t5x_smoothing
+from jaxact._src.lce import rules
+from jaxact._src.lce.plan import LcePlan, default_block, kernel_block, t5x_smoothing
+from jaxact._src.lce.vjp import per_token_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 SMOOTHING_STYLES = ("optax", "t5x")
@@ -369,7 +371,7 @@ def linear_cross_entropy(
       acc_dtype=out_dtype,
       shardings=shardings.specs(x, w, b),
     )
-    decision = dispatch.decide_lce(_FN, implementation, plan, x, w)
+    decision = rules.decide(_FN, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
     labels32 = _labels_int32(labels, vocab)
     loss = per_token_loss(plan, x, w, b, labels32, where)

@@ -1,147 +1,25 @@
-"""The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy` and its XLA path.
+"""The XLA path of :func:`jaxact.linear_cross_entropy`: the loss's statistics and gradients on one
+device's tokens and columns, blocked so that no (tokens, vocabulary) array exists.
 
-Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64 for float64
-inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``a`` and z-loss
-``k``, the op returns the per-token loss
-
-    loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2
-
-and keeps ``x``, ``w``, ``b``, ``labels`` and ``lse_t`` (one number a token) for the backward
-pass, which recomputes the logits block by block and forms
-
-    G[t, v] = g_t ((1 + 2 k lse_t) p[t, v] - (1 - a) [v = y_t] - a / V) ds/dz,   p = softmax(s),
-
-from the per-token cotangent ``g_t`` (whatever it is: the caller's reduction over tokens is JAX
-code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``. No array of shape
-(tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
-its ``G``.
-
-T5X's label smoothing is optax's with ``a V / (V - 1)`` and a constant subtracted from every loss
-(``loss_offset``: :func:`t5x_smoothing`); per-token weights multiply ``g_t`` outside this rule. With
-``predictions`` the forward also returns each token's argmax column of ``s``, tracked in the same
-loop (a running max and its column; across vocabulary shards a ``pmax`` and a ``pmin``). ``w`` is
-(D, V), or (V, D) for ``w_layout="vd"`` (an embedding table, sliced by rows, its gradient written
-by rows: no transposed copy).
-
-Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
-neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
-``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
-label is outside ``[0, V)``; their gradients stay finite, and zero where their cotangent is zero.
-
-The XLA path blocks over the vocabulary (:func:`stats_by_vocab`, :func:`grads_by_vocab`): a
+It blocks over the vocabulary (:func:`stats_by_vocab`, :func:`grads_by_vocab`): a
 ``fori_loop`` over column blocks of ``w`` with an online log-sum-exp; ``dw`` and ``db`` are written
 block by block into their output buffers, each block from one matmul over all tokens, so no
 weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one. Blocking over
 tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks)
-needs a weight-sized accumulator for ``dw``. Under Explicit mesh axes each device runs the loop
-on its shards (:mod:`jaxact._src.core.pallas_sharding`'s dense pattern: tokens over data axes, the
-vocabulary over model axes, as Megatron's vocab-parallel loss) and only per-token statistics,
-``dx``, and for data-parallel ``dw`` and ``db`` are reduced across devices. A sharded contraction
-dimension (an FSDP table, feature-sharded ``x``) is gathered on each device, ``x`` once in the
-forward and kept so; ``dx`` and ``dw`` are reduce-scattered back to their primals' shardings.
+needs a weight-sized accumulator for ``dw``.
+
+With ``decision.backward == "mosaic"`` the Hopper kernel forms each block's ``G``
+(:mod:`jaxact._src.lce.kernels`) for the same loop's products.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from typing import Any, Literal
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array, lax
 
-from jaxact._src.core import pallas_sharding, shardings
-from jaxact._src.core.dispatch import Decision
-
-_FLOAT32 = np.dtype(np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class LcePlan:
-  """Everything static about one call.
-
-  Attributes:
-    block: logits columns a block (``by="vocab"``) or tokens a block (``by="tokens"``).
-    by: the axis the XLA path blocks over.
-    label_smoothing, z_loss, soft_cap: the loss's options (``soft_cap`` None: no cap);
-      ``label_smoothing`` is optax's ``a`` (T5X's ``a V / (V - 1)``: :func:`t5x_smoothing`), and
-      may exceed 1 for T5X's.
-    loss_offset: subtracted from every token's loss (T5X's normalizing constant).
-    predictions: whether the forward pass also returns each token's argmax column.
-    w_layout: ``"dv"`` for ``w`` of shape (D, V), ``"vd"`` for (V, D) (an embedding table, sliced
-      by rows: no transposed copy).
-    precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
-    acc_dtype: the logits', statistics' and loss's dtype: float32, or float64 for float64 inputs.
-    decision: the backends of the forward and backward passes.
-  """
-
-  block: int
-  by: Literal["vocab", "tokens"] = "vocab"
-  label_smoothing: float = 0.0
-  z_loss: float = 0.0
-  soft_cap: float | None = None
-  loss_offset: float = 0.0
-  predictions: bool = False
-  w_layout: Literal["dv", "vd"] = "dv"
-  precision: Any = None
-  acc_dtype: np.dtype = _FLOAT32
-  decision: Decision = dataclasses.field(default_factory=Decision)
-  shardings: tuple = (None, None, None)  # the specs of x, w, bias: their gradients' types
-
-  @property
-  def vocab_axis(self) -> int:
-    """The axis of ``w`` that indexes the vocabulary."""
-    return 1 if self.w_layout == "dv" else 0
-
-
-def t5x_smoothing(alpha: float, vocab: int) -> tuple[float, float]:
-  """``(optax's smoothing, T5X's normalizing constant)`` for T5X's label smoothing `alpha`.
-
-  T5X's soft targets put ``1 - alpha`` on the label and ``alpha / (V - 1)`` on every other class;
-  optax's put ``alpha / V`` everywhere on top of ``1 - alpha``. The two cross-entropies agree when
-  optax's smoothing is ``alpha V / (V - 1)``; T5X then subtracts the targets' entropy (computed as
-  T5X computes it, with its ``1e-20`` inside the second log), so that a prediction equal to the
-  targets has loss 0."""
-  if alpha == 0:
-    return 0.0, 0.0
-  confidence, low = 1.0 - alpha, alpha / (vocab - 1)
-  entropy = -(vocab - 1) * low * math.log(low + 1e-20)
-  if confidence > 0:
-    entropy -= confidence * math.log(confidence)
-  return alpha * vocab / (vocab - 1), entropy
-
-
-# Bytes of one float32 block of logits the XLA path aims at. On CPU, 4096 tokens: blocks of 512
-# columns (8 MiB) run as fast as 2048 (32 MiB) at V = 32768 and within 9% at 131072, for a
-# quarter of the temp (benchmarks/results/lce.md); below 256 columns the matmuls slow down. On
-# GPUs larger blocks amortize the loop's launches (not yet measured on one). Either way a block
-# stays under an eighth of the logits.
-_CPU_BLOCK_BYTES = 8 << 20
-_GPU_BLOCK_BYTES = 256 << 20
-
-
-def default_block(tokens: int, vocab: int, gpu: bool = False) -> int:
-  """Columns a block for the vocabulary-blocked XLA path: a multiple of 128 near
-  ``_*_BLOCK_BYTES / (4 * tokens)`` and at least 256, at most an eighth of the vocabulary
-  (rounded up to 128), and the whole vocabulary when it is small."""
-  budget = (_GPU_BLOCK_BYTES if gpu else _CPU_BLOCK_BYTES) // (4 * max(tokens, 1))
-  block = max(256, budget // 128 * 128)
-  block = min(block, max(128, -(-vocab // 8 // 128) * 128))
-  return min(block, vocab)
-
-
-def kernel_block(block: int, vocab: int, step: int = 256) -> int:
-  """The Hopper backward kernel's block: the largest multiple of `step` (its CTA tile's columns)
-  that divides `vocab` and is at most `block` (`step` when `block` is smaller)."""
-  best = step
-  for cols in range(step, min(block, vocab) + 1, step):
-    if vocab % cols == 0:
-      best = cols
-  return best
-
+from jaxact._src.lce import kernels
+from jaxact._src.lce.plan import LcePlan
 
 # ------------------------------------------------------------------------------ tile math
 
@@ -348,9 +226,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
     g_dx = g if fresh is None else jnp.where(fresh, g, 0)
     return g, g_dx, None if bj is None else jnp.sum(g, 0)
 
-  if plan.decision.backward == "mosaic":  # every block whole (dispatch.lce_mosaic_unsupported)
-    from jaxact._src import kernel_calls
-
+  if plan.decision.backward == "mosaic":  # every block whole (rules.mosaic_unsupported)
     zero = jnp.zeros_like(lse_inf)
     kernel_rows = jnp.stack([lse_inf] + [zero if r is None else r for r in row_scales])
 
@@ -361,7 +237,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
         g, _, db = xla_block(x, wj, bj, labels_j, cols_j, None, rows[0], scales_j)
         return g.astype(ops), db
 
-      g, db = kernel_calls.lce_backward(plan, x, wj, bj, labels - cols[0], kernel_rows, xla)
+      g, db = kernels.backward(plan, x, wj, bj, labels - cols[0], kernel_rows, xla)
       return g, g, db
   else:
     block_grads = xla_block
@@ -460,195 +336,3 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
   )
   dx, dw, db = _loop(n, body, init)
   return dx, dw.astype(w.dtype), None if db is None else db.astype(b.dtype)
-
-
-# ------------------------------------------------------------------------ per device (shards)
-
-
-def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
-  """``x`` as (tokens, D) and the labels as (tokens,) (D may be 0)."""
-  tokens = math.prod(labels.shape)
-  return x.reshape(tokens, x.shape[-1]), labels.reshape(tokens)
-
-
-def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
-  """``(lse, label logit, mean, argmax column)`` for one device's tokens ``x`` (..., D) and
-  columns `w`; over `model` axes (the vocabulary split across devices) the statistics are
-  combined by ``pmax``/``psum``/``pmin`` of per-token numbers."""
-  shape = x.shape[:-1]
-  x2, labels2 = _flat(x, labels)
-  first = 0  # the global index of this device's first column
-  if model:
-    first = lax.axis_index(model) * w.shape[plan.vocab_axis]
-    labels2 = labels2 - first
-  if plan.decision.forward == "mosaic":
-    from jaxact._src import kernel_calls
-
-    def xla(x, w, b, labels):
-      m, se, sy, mean = stats_by_vocab(plan, x, w, b, labels, vocab)
-      return lse_of(m, se), sy, mean
-
-    # Never with the vocabulary split over `model` axes, nor with predictions
-    # (dispatch.lce_mosaic_unsupported).
-    lse, sy, mean = kernel_calls.lce_forward(plan, x2, w, b, labels2, xla)
-    pred = None
-  else:
-    by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
-    m, se, sy, mean, best = by(plan, x2, w, b, labels2, vocab)
-    if model:
-      m_all = lax.pmax(m, model)
-      se = lax.psum(se * jnp.exp(m - m_all), model)
-      m = m_all
-    lse = lse_of(m, se)
-    pred = None
-    if best is not None:
-      value, pred = best
-      pred = pred + first
-      if model:  # the first column of the largest value over the devices (NaN: as jnp.argmax)
-        top = lax.pmax(jnp.where(jnp.isnan(value), jnp.inf, value), model)
-        mine = (value == top) | (jnp.isnan(value) & (top == jnp.inf))
-        pred = lax.pmin(jnp.where(mine, pred, vocab), model)
-  if model:
-    sy = lax.psum(sy, model)
-    mean = None if mean is None else lax.psum(mean, model)
-  return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean, pred))
-
-
-def _local_grads(
-  plan: LcePlan,
-  x,
-  w,
-  b,
-  labels,
-  lse,
-  p_scale,
-  label_scale,
-  uniform_scale,
-  *,
-  model: tuple[str, ...] = (),
-):
-  """``(dx, dw, db)`` of one device's shards (dx still to be summed over `model`, dw and db over
-  the data axes: :func:`pallas_sharding.per_shard` does it)."""
-  x2, labels2 = _flat(x, labels)
-  if model:
-    labels2 = labels2 - lax.axis_index(model) * w.shape[plan.vocab_axis]
-
-  def flat(v):
-    return None if v is None else v.reshape(labels2.shape)
-
-  row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
-  # The Hopper kernel forms G block by block inside grads_by_vocab (plan.decision.backward).
-  by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
-  dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
-  return dx.reshape(x.shape), dw, db
-
-
-def _sharding(plan: LcePlan, x: Array, w: Array):
-  """The dense sharding pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``; None unsharded), the
-  contraction dimension whole on each device; raises for the patterns the loop cannot run per
-  device."""
-  found = pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd", gather=True)
-  if isinstance(found, str):
-    raise NotImplementedError(
-      f"jaxact.linear_cross_entropy: {found}; shard the tokens of `x` and the vocabulary of `w` "
-      "over different mesh axes"
-    )
-  if found is None or not (found.data or found.model):
-    return None
-  return found
-
-
-def _w_spec(plan: LcePlan, spec):
-  """A (D, V) spec in `w`'s own layout."""
-  return spec if plan.w_layout == "dv" else spec[::-1]
-
-
-def _split(pattern, axes: tuple[str, ...]) -> tuple[str, ...]:
-  """The `axes` of more than one device (over one, the reductions would be collectives that do
-  nothing)."""
-  return tuple(a for a in axes if pattern.mesh.shape[a] > 1)
-
-
-def gathered(plan: LcePlan, x, w):
-  """`x` with its features whole on each device (gathered where they are split, as the product
-  needs them): the array the forward multiplies and the backward keeps."""
-  pattern = _sharding(plan, x, w)
-  return x if pattern is None else shardings.to_spec(x, pattern.x)
-
-
-def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(lse, label logit, mean, argmax column)`` per token, on each device's shards when
-  sharded."""
-  pattern = _sharding(plan, x, w)
-  if pattern is None:
-    return _local_stats(plan, x, w, b, labels, vocab=vocab)
-  rows = pattern.x[:-1]
-  return pallas_sharding.per_shard(
-    functools.partial(_local_stats, plan, vocab=vocab, model=_split(pattern, pattern.model)),
-    (x, w, b, labels),
-    (pattern.x, _w_spec(plan, pattern.w), (pattern.model,), rows),
-    (rows, rows, rows, rows),
-    mesh=pattern.mesh,
-  )
-
-
-def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
-  """``(dx, dw, db)``, on each device's shards when sharded: dx summed over the vocabulary's axes
-  and dw, db over the tokens', each then split as its primal is (``plan.shardings``; a
-  reduce-scatter where a summed axis splits it: an FSDP table's gradient)."""
-  pattern = _sharding(plan, x, w)
-  if pattern is None:
-    return _local_grads(plan, x, w, b, labels, lse, *row_scales)
-  rows = pattern.x[:-1]
-  w_local = _w_spec(plan, pattern.w)
-  x_spec, w_spec, _ = plan.shardings
-  x_final = pattern.x if x_spec is None else x_spec
-  w_final = w_local if w_spec is None else w_spec
-  return pallas_sharding.per_shard(
-    functools.partial(_local_grads, plan, model=_split(pattern, pattern.model)),
-    (x, w, b, labels, lse, *row_scales),
-    (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows),
-    (x_final, w_final, (pattern.model,)),
-    mesh=pattern.mesh,
-    sum_over=(pattern.model, pattern.data, pattern.data),
-    local_specs=(pattern.x, w_local, (pattern.model,)),
-  )
-
-
-# ------------------------------------------------------------------------- the custom_vjp
-
-
-def _fwd(plan: LcePlan, x, w, b, labels, where):
-  vocab = w.shape[plan.vocab_axis]
-  x = gathered(plan, x, w)  # kept so: the backward needs the features whole again
-  lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
-  loss = loss_of(plan, lse, sy, mean, labels, vocab)
-  if where is not None:
-    loss = jnp.where(where, loss, 0)
-  out = (loss, pred) if plan.predictions else loss
-  return out, (x, w, b, labels, where, lse)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def per_token_loss(
-  plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array, where: Array | None = None
-) -> Array | tuple[Array, Array]:
-  """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
-  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring. With
-  ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of every token)."""
-  return _fwd(plan, x, w, b, labels, where)[0]
-
-
-def _bwd(plan: LcePlan, res, g):
-  x, w, b, labels, where, lse = res
-  if plan.predictions:
-    g = g[0]  # the predictions' cotangent is float0
-  if where is not None:
-    g = jnp.where(where, g, 0)
-  row_scales = scales(plan, g, lse, labels, w.shape[plan.vocab_axis])
-  dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
-  dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
-  return dx, dw, db, None, None
-
-
-per_token_loss.defvjp(_fwd, _bwd)

@@ -1,12 +1,7 @@
-"""The LM head's kernel calls: per-shard runs behind the platform switch.
-
-The kernels (``pallas_kernels``) know nothing of jaxact: they take the activation as a
-:class:`pallas_kernels.Epilogue` and their tiles as arguments. This module picks the tiles for
-the target that :mod:`jaxact._src.core.dispatch` looked up, wraps the kernels to run per shard
-(:mod:`jaxact._src.core.pallas_sharding`) and runs them behind the platform switch
-(:func:`jaxact._src.core.platform.switch`).
-
-``pallas_kernels`` is imported on first use, so ``import jaxact`` does not load Pallas.
+"""The LM head's kernel calls: the Hopper forward (:mod:`pallas_kernels.lce_hopper`) and the
+backward kernel forming ``G`` a block of vocabulary columns at a time
+(:mod:`pallas_kernels.lce_hopper_bwd`), behind the platform switch. ``pallas_kernels`` is imported
+on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ from typing import Any
 from jaxact._src.core import platform
 
 
-def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
+def forward(plan, x, w, b, labels, xla: Callable[..., Any]):
   """``(lse, label logit, mean logit or None)`` of one device's tokens (all the vocabulary) by
   the Hopper forward kernel (:mod:`pallas_kernels.lce_hopper`); `xla` computes the same."""
   from pallas_kernels.lce_hopper import lce_fwd
@@ -39,7 +34,7 @@ def lce_forward(plan, x, w, b, labels, xla: Callable[..., Any]):
   return platform.switch((x, w, b, labels), kernels, xla, d, mosaic=True)
 
 
-def lce_backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
+def backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
   """``(G, db or None)`` of one block of vocabulary columns by the Hopper backward kernel
   (:mod:`pallas_kernels.lce_hopper_bwd`): G in x's dtype, db float32 ``(Vb,)``; `xla` computes
   the same from ``(x, w, b, labels, rows)``."""
