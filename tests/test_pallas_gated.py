@@ -23,7 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxact
-from jaxact._src import test_util
+from jaxact._src import docs, test_util
 from jaxact._src.activations import api as activations
 from jaxact._src.activations.resolve import Act
 from jaxact._src.core import dispatch, pallas_sharding
@@ -257,7 +257,7 @@ def test_none_keeps_xla_on_every_target_until_a_gpu_measurement_says_otherwise()
     assert (named.forward, named.backward, named.forced) == ("triton", "triton", True)
   assert rules.decide("gated_mlp", "xla", plan, x, w, w) == dispatch.Decision()
   for rule in rules.GATED_AUTO_RULES:
-    assert rule.where in dispatch.rules_table()
+    assert rule.where in docs.dispatch_table()
 
 
 def _mlp_step(implementation, activation="gelu"):
