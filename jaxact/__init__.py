@@ -41,8 +41,8 @@ from jaxact._src.gated.api import gated_dense as gated_dense
 from jaxact._src.gated.api import gated_mlp as gated_mlp
 from jaxact._src.gated.vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
 from jaxact._src.lce.api import linear_cross_entropy as linear_cross_entropy
-from jaxact._src.norms import layer_norm as layer_norm
-from jaxact._src.norms import rms_norm as rms_norm
+from jaxact._src.norms.api import layer_norm as layer_norm
+from jaxact._src.norms.api import rms_norm as rms_norm
 
 __version__ = "0.1.0.dev0"
 

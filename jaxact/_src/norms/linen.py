@@ -18,7 +18,7 @@ from flax import linen as nn
 from flax.linen import dtypes, initializers
 from flax.typing import Array, Dtype, Initializer
 
-from jaxact._src import norms
+from jaxact._src.norms import api as norms
 
 
 def canonical_axes(ndim: int, axes) -> tuple[int, ...]:

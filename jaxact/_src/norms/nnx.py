@@ -18,8 +18,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Array, Axes, Dtype, Initializer, PromoteDtypeFn
 
-from jaxact._src import norms
-from jaxact._src.linen_norm import check_supported
+from jaxact._src.norms import api as norms
+from jaxact._src.norms.linen import check_supported
 
 
 def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
