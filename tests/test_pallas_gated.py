@@ -299,7 +299,10 @@ def test_per_shard_kernels_lower_for_cuda_without_collectives():
   ep = _epilogue("silu")
 
   def f(x, wg, wu, bg, bu, gh):
-    h, a, b = pallas_sharding.gated_forward(kernels.gated_fwd)(x, wg, wu, bg, bu, epilogue=ep)
+    pattern = pallas_sharding.gated_pattern(x, wg, wu)
+    h, a, b = pallas_sharding.gated_forward(kernels.gated_fwd, pattern)(
+      x, wg, wu, bg, bu, epilogue=ep
+    )
     return h, pallas_sharding.pointwise(kernels.gated_bwd)(gh, a, b, epilogue=ep, with_h=True)
 
   specs = [P("data", None), P(None, "model"), P(None, "model"), P("model"), P(), P("data", "model")]

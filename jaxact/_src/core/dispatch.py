@@ -119,7 +119,7 @@ def kernels_unsupported(plan, x: Array, w: Array) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """The backends of one fused call.
+  """The backends of one call, and the sharding plan they run in.
 
   Attributes:
     forward, backward: what runs when the program is lowered for CUDA.
@@ -127,6 +127,10 @@ class Decision:
       CUDA). Otherwise kernels run only when lowered for CUDA and XLA runs elsewhere.
     declined: why ``implementation=None`` took XLA where it could have taken a kernel, or None.
     target: the lowering target the kernels are tiled for.
+    sharding: the call's sharding plan, derived once from the operands' types where the backend
+      is decided and handed down with it: the per-shard pattern its kernels (the LM head's XLA
+      loop too) run in (a :class:`~jaxact._src.core.pallas_sharding.DensePattern`), None where
+      they run on the arrays as they are.
   """
 
   forward: Backend = "xla"
@@ -134,6 +138,7 @@ class Decision:
   forced: bool = False
   declined: str | None = None
   target: Target = Target()  # for the kernels' tiles and grid
+  sharding: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +166,17 @@ def check_implementation(fn_name: str, implementation) -> None:
     )
 
 
-def auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
+def auto(why: str | None, rules, facts: Callable[[], Any], sharding: Any = None) -> Decision:
   """``implementation=None``: XLA with the reason when the kernels cannot run the call (`why`),
-  else the first of `rules` that holds for the call's facts (built only then)."""
+  else the first of `rules` that holds for the call's facts (built only then); kernels chosen run
+  in the call's `sharding` plan."""
   if why is not None:
     return Decision(declined=why)
   found = facts()
   rule = next(r for r in rules if r.applies(found))
   if rule.forward == rule.backward == "xla":
     return Decision(declined=rule.why)
-  return Decision(rule.forward, rule.backward, target=found.target)
+  return Decision(rule.forward, rule.backward, target=found.target, sharding=sharding)
 
 
 def rules_table(*tables: tuple[Rule, ...]) -> str:

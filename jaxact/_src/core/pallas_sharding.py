@@ -14,13 +14,16 @@ Explicit axes run the kernel as it is. For a sharded call that the pattern does 
 the matching ``*_reason`` gives a string (the wrapped function raises ``NotImplementedError``):
 callers check it first and use another implementation.
 
-Dense, ``y = act(x @ w + b)`` with ``x`` ``(..., K)``, ``w`` ``(K, N)``, ``b`` ``(N,)`` or None:
+Dense, ``y = act(x @ w + b)`` with ``x`` ``(..., K)``, ``w`` ``(K, N)``, ``b`` ``(N,)`` or None.
+The pattern is derived once, where a call's backend is decided, and handed down with the decision
+(``Decision.sharding``) to the wrappers:
 
-* ``dense_reason(x, w) -> str | None``;
-* ``dense_forward(kernel)``: ``kernel(x, w, b, **static) -> (y, z)``, ``y`` and ``z`` (None or an
-  array) shaped ``(..., N)``;
-* ``dense_backward(kernel)``: ``kernel(x, w, kept, g, **static) -> (dx, dw, db)``, ``kept`` None or
-  shaped like ``g``, ``db`` None or ``(N,)``.
+* ``dense_pattern(x, w) -> DensePattern | str | None``, ``pattern_reason(pattern, x.ndim, out)``
+  and ``dense_reason(x, w) -> str | None``;
+* ``dense_forward(kernel, pattern)``: ``kernel(x, w, b, **static) -> (y, z)``, ``y`` and ``z``
+  (None or an array) shaped ``(..., N)``;
+* ``dense_backward(kernel, pattern)``: ``kernel(x, w, kept, g, **static) -> (dx, dw, db)``,
+  ``kept`` None or shaped like ``g``, ``db`` None or ``(N,)``.
 
 Two patterns, alone or together (a 2-D ``("data", "model")`` mesh): *data-parallel*, ``x`` sharded
 over its leading (row) dimensions: each device multiplies its rows, and ``dw``, ``db`` are the
@@ -42,8 +45,8 @@ Data-parallel only: ``z`` may be sharded over any axis but the feature axis; ``b
 
 Both are built on ``per_shard(kernel, args, in_specs, out_specs, *, mesh, sum_over=None,
 **static)``, which runs any kernel per shard given the specs of its inputs and outputs (as
-:func:`spec_of` gives them: a tuple of mesh axes per dimension) and the mesh axes to sum each output
-over.
+:func:`jaxact._src.core.shardings.spec_of` gives them: a tuple of mesh axes per dimension) and the
+mesh axes to sum each output over.
 
 The mesh is the one in the arrays' types (an ``AbstractMesh`` under ``jit``). On it, replicated
 operands go under ``shard_map`` too (each device runs the whole kernel). The kernel is manual over
@@ -61,73 +64,8 @@ from typing import Any
 import jax
 from jax import Array
 from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-Axes = tuple[str, ...]
-
-
-# ------------------------------------------------------------------------------------- types
-
-
-def _axes(entry: Any) -> Axes:
-  """The mesh axes of one partition-spec entry (None, a name, or a tuple of names)."""
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _sharding(a: Array | None) -> NamedSharding | None:
-  """`a`'s sharding, when its type has one over a mesh with at least one Explicit axis."""
-  if a is None:
-    return None
-  typed = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
-  sharding = getattr(typed, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
-    return None
-  return sharding
-
-
-def typed_sharding(a: Array | None) -> NamedSharding | None:
-  """`a`'s sharding when its type holds one over a mesh with Explicit axes, else None."""
-  return _sharding(a)
-
-
-def spec_of(a: Array) -> tuple[Axes, ...]:
-  """`a`'s partition spec from its type, one tuple of mesh axes per dimension (empty: unsharded)."""
-  sharding = _sharding(a)
-  spec = () if sharding is None else tuple(sharding.spec)
-  return tuple(_axes(e) for e in spec) + ((),) * (a.ndim - len(spec))
-
-
-def _mesh(*arrays: Array | None):
-  """The one mesh with Explicit axes in the arrays' types, None if there is none, or a reason.
-
-  Replicated arrays count: in interpret mode a pallas_call fails on operands typed over Explicit
-  axes (its buffers are not), so on such a mesh the kernels go under shard_map all the same.
-  """
-  meshes = []
-  for a in arrays:
-    sharding = _sharding(a)
-    if sharding is not None:
-      meshes.append(sharding.mesh)
-  if not meshes:
-    return None
-  if any(m != meshes[0] for m in meshes[1:]):
-    return "inputs sharded over different meshes"
-  return meshes[0]
-
-
-def _pspec(spec: Sequence[Axes]) -> P:
-  return P(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
-
-
-def sharding_spec(sharding: NamedSharding | P, ndim: int) -> tuple[Axes, ...]:
-  """A ``NamedSharding``'s or ``PartitionSpec``'s spec as :func:`spec_of` writes one, padded to
-  `ndim` dimensions."""
-  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-  return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
-
+from jaxact._src.core.shardings import Axes, explicit_mesh, pspec, spec_of
 
 # ---------------------------------------------------------------------------------- per_shard
 
@@ -172,7 +110,7 @@ def per_shard(
   for i in present:
     a, want = args[i], tuple(in_specs[i])
     if spec_of(a) != want:
-      a = jax.sharding.reshard(a, NamedSharding(mesh, _pspec(want)))
+      a = jax.sharding.reshard(a, NamedSharding(mesh, pspec(want)))
     operands.append(a)
 
   def body(*operands):
@@ -198,8 +136,8 @@ def per_shard(
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=tuple(_pspec(in_specs[i]) for i in present),
-    out_specs=tuple(_pspec(s) for s in out_specs),
+    in_specs=tuple(pspec(in_specs[i]) for i in present),
+    out_specs=tuple(pspec(s) for s in out_specs),
     **kw,
   )(*operands)
 
@@ -238,119 +176,139 @@ def _reduce(o, sum_axes: Axes, local, final, mesh):
 
 
 @dataclasses.dataclass(frozen=True)
-class _DensePlan:
+class DensePattern:
+  """The per-shard pattern of ``x @ w`` on sharded operands: derived once from their types (where a
+  call's backend is decided) and handed down to what runs per shard.
+
+  Attributes:
+    mesh: the mesh of the operands' types.
+    x, w, y: the specs the product runs in: x's rows split, its contraction dimension whole; w
+      ``((), columns)``; y ``(*x's rows, columns)``.
+    data: the axes x's rows are split over: dw, db are summed over them.
+    model: the axes w's columns are split over: dx is summed over them.
+    gathers: why per-shard kernels could not run on the operands as they are typed (their
+      contraction dimension split) where the pattern gathers it (:func:`dense_pattern`'s
+      `gather`), else None.
+  """
+
   mesh: Any
-  x: tuple[Axes, ...]  # x's spec: rows sharded, K not
-  w: tuple[Axes, ...]  # ((), columns)
-  y: tuple[Axes, ...]  # (*x's rows, columns)
-  data: Axes  # the axes x's rows are split over: dw, db are summed over them
-  model: Axes  # the axes w's columns are split over: dx is summed over them
+  x: tuple[Axes, ...]
+  w: tuple[Axes, ...]
+  y: tuple[Axes, ...]
+  data: Axes
+  model: Axes
+  gathers: str | None = None
 
 
-def _dense_plan(
+def dense_pattern(
   x: Array, w: Array, w_transposed: bool = False, gather: bool = False
-) -> _DensePlan | str | None:
-  mesh = _mesh(x, w)
+) -> DensePattern | str | None:
+  """The dense pattern of ``x @ w`` (``x @ w.T`` when `w_transposed`; the pattern's ``w`` spec is
+  then the transpose's) on sharded operands, None when their types name no Explicit mesh, or why no
+  per-shard pattern covers them. With `gather`, a sharded contraction dimension is taken whole on
+  each device (the pattern's specs leave it unsplit: ``x`` and ``w`` are gathered along it, as XLA
+  does for FSDP weights)."""
+  mesh = explicit_mesh(x, w)
   if mesh is None or isinstance(mesh, str):
     return mesh
   xs, ws = spec_of(x), spec_of(w)
   if w_transposed:
     ws = ws[::-1]
-  if gather:  # each device holds the whole contraction dimension: gathered where it is split
-    xs, ws = (*xs[:-1], ()), ((), ws[1])
+  split = None
   if xs[-1] or ws[0]:
-    return (
-      f"the contraction dimension is sharded (x over {_pspec(xs)}, w over {_pspec(ws)}; "
+    split = (
+      f"the contraction dimension is sharded (x over {pspec(xs)}, w over {pspec(ws)}; "
       "per-shard kernels split x's rows and w's columns only)"
     )
+    if not gather:
+      return split
+    # each device holds the whole contraction dimension: gathered where it is split
+    xs, ws = (*xs[:-1], ()), ((), ws[1])
   data = tuple(a for axes in xs[:-1] for a in axes)
   model = ws[1]
   if set(data) & set(model):
     return (
-      f"x's rows and w's columns are sharded over the same mesh axes ({_pspec(xs)}, {_pspec(ws)})"
+      f"x's rows and w's columns are sharded over the same mesh axes ({pspec(xs)}, {pspec(ws)})"
     )
-  return _DensePlan(mesh, xs, ws, (*xs[:-1], model), data, model)
+  return DensePattern(mesh, xs, ws, (*xs[:-1], model), data, model, split)
 
 
-def dense_pattern(
-  x: Array, w: Array, w_transposed: bool = False, gather: bool = False
-) -> _DensePlan | str | None:
-  """The dense pattern of ``x @ w`` (``x @ w.T`` when `w_transposed`; the pattern's ``w`` spec is
-  then the transpose's) on sharded operands (mesh, specs, ``data`` and ``model`` axes), None when
-  their types name no Explicit mesh, or why no per-shard pattern covers them. With `gather`, a
-  sharded contraction dimension is taken whole on each device (the pattern's specs leave it
-  unsplit: ``x`` and ``w`` are gathered along it, as XLA does for FSDP weights)."""
-  return _dense_plan(x, w, w_transposed, gather)
+def pattern_reason(
+  pattern: DensePattern | str | None, ndim: int, out: Sequence[Axes] | None = None
+) -> str | None:
+  """Why the per-shard dense kernels cannot run in `pattern` (:func:`dense_pattern`'s answer for
+  operands whose ``x`` has `ndim` dimensions), or None; `out`, the spec the caller asked for the
+  output (``out_sharding``), must be the one they give."""
+  if isinstance(pattern, str):
+    return pattern
+  return _out_reason(out, ((),) * ndim if pattern is None else pattern.y)
 
 
 def dense_reason(x: Array, w: Array, out: Sequence[Axes] | None = None) -> str | None:
   """Why the per-shard dense kernels cannot run on these sharded operands, or None; `out`, the
   spec the caller asked for the output (``out_sharding``), must be the one they give."""
-  plan = _dense_plan(x, w)
-  if isinstance(plan, str):
-    return plan
-  return _out_reason(out, ((),) * x.ndim if plan is None else plan.y)
+  return pattern_reason(dense_pattern(x, w), x.ndim, out)
 
 
 def _out_reason(out: Sequence[Axes] | None, given: Sequence[Axes]) -> str | None:
   if out is None or tuple(out) == tuple(given):
     return None
   return (
-    f"out_sharding={_pspec(out)} differs from the per-shard kernels' output sharding "
-    f"{_pspec(given)} (x's rows by w's columns)"
+    f"out_sharding={pspec(out)} differs from the per-shard kernels' output sharding "
+    f"{pspec(given)} (x's rows by w's columns)"
   )
 
 
-def dense_shard_shape(x: Array, w: Array) -> tuple[int, int, int]:
-  """``(M, K, N)`` of the matmul each device runs (the whole layer's when unsharded); `x` and `w`
-  must be a pattern :func:`dense_reason` accepts."""
+def dense_shard_shape(pattern: DensePattern | None, x: Array, w: Array) -> tuple[int, int, int]:
+  """``(M, K, N)`` of the matmul each device runs in `pattern` (the whole layer's for None)."""
   m, (k, n) = math.prod(x.shape[:-1]), w.shape
-  plan = _dense_plan(x, w)
-  if isinstance(plan, _DensePlan):
-    m //= math.prod(plan.mesh.shape[a] for a in plan.data)
-    n //= math.prod(plan.mesh.shape[a] for a in plan.model)
+  if isinstance(pattern, DensePattern):
+    m //= math.prod(pattern.mesh.shape[a] for a in pattern.data)
+    n //= math.prod(pattern.mesh.shape[a] for a in pattern.model)
   return m, k, n
 
 
-def _require(plan):
-  if isinstance(plan, str):
-    raise NotImplementedError(f"per-shard kernels: {plan}")
-  return plan
+def _require(pattern):
+  if isinstance(pattern, str):
+    raise NotImplementedError(f"per-shard kernels: {pattern}")
+  return pattern
 
 
-def dense_forward(kernel: Callable[..., Any]) -> Callable[..., Any]:
-  """``kernel(x, w, b, **static) -> (y, z)`` per shard; see the module docstring."""
+def dense_forward(kernel: Callable[..., Any], pattern: DensePattern | None) -> Callable[..., Any]:
+  """``kernel(x, w, b, **static) -> (y, z)`` per shard in `pattern` (:func:`dense_pattern`'s, as
+  the call's decision holds it; None: the kernel as it is); see the module docstring."""
+  pattern = _require(pattern)
 
   def run(x, w, b, **static):
-    plan = _require(_dense_plan(x, w))
-    if plan is None:
+    if pattern is None:
       return kernel(x, w, b, **static)
     return per_shard(
       kernel,
       (x, w, b),
-      (plan.x, plan.w, (plan.model,)),
-      (plan.y, plan.y),
-      mesh=plan.mesh,
+      (pattern.x, pattern.w, (pattern.model,)),
+      (pattern.y, pattern.y),
+      mesh=pattern.mesh,
       **static,
     )
 
   return run
 
 
-def dense_backward(kernel: Callable[..., Any]) -> Callable[..., Any]:
-  """``kernel(x, w, kept, g, **static) -> (dx, dw, db)`` per shard; see the module docstring."""
+def dense_backward(kernel: Callable[..., Any], pattern: DensePattern | None) -> Callable[..., Any]:
+  """``kernel(x, w, kept, g, **static) -> (dx, dw, db)`` per shard in `pattern` (as
+  :func:`dense_forward`); see the module docstring."""
+  pattern = _require(pattern)
 
   def run(x, w, kept, g, **static):
-    plan = _require(_dense_plan(x, w))
-    if plan is None:
+    if pattern is None:
       return kernel(x, w, kept, g, **static)
     return per_shard(
       kernel,
       (x, w, kept, g),
-      (plan.x, plan.w, plan.y, plan.y),
-      (plan.x, plan.w, (plan.model,)),
-      mesh=plan.mesh,
-      sum_over=(plan.model, plan.data, plan.data),
+      (pattern.x, pattern.w, pattern.y, pattern.y),
+      (pattern.x, pattern.w, (pattern.model,)),
+      mesh=pattern.mesh,
+      sum_over=(pattern.model, pattern.data, pattern.data),
       **static,
     )
 
@@ -361,12 +319,12 @@ def dense_backward(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _elementwise_plan(z: Array, feature_axis: int) -> tuple[Any, tuple[Axes, ...]] | str | None:
-  mesh = _mesh(z)
+  mesh = explicit_mesh(z)
   if mesh is None or isinstance(mesh, str):
     return mesh
   spec = spec_of(z)
   if spec[feature_axis]:
-    return f"the feature axis is sharded ({_pspec(spec)}; per-shard kernels split the batch only)"
+    return f"the feature axis is sharded ({pspec(spec)}; per-shard kernels split the batch only)"
   return mesh, spec
 
 
@@ -418,33 +376,31 @@ def elementwise_backward(kernel: Callable[..., Any], feature_axis: int = -1) -> 
 # -------------------------------------------------------------------------------------- gated
 
 
-def gated_reason(
-  x: Array, w_gate: Array, w_up: Array, hidden: Sequence[Axes] | None = None
-) -> str | None:
-  """Why the per-shard gated forward kernel cannot run on these sharded operands (`hidden`: the
-  hidden's spec the call asks for), or None."""
-  mesh = _mesh(x, w_gate, w_up)
+def gated_pattern(x: Array, w_gate: Array, w_up: Array) -> DensePattern | str | None:
+  """The dense pattern of the gated projections ``x @ w_gate`` and ``x @ w_up`` (`w_up` split as
+  `w_gate`), None when the operands' types name no Explicit mesh, or why none covers them."""
+  mesh = explicit_mesh(x, w_gate, w_up)
   if isinstance(mesh, str):
     return mesh
-  return dense_reason(x, w_gate, hidden)
+  return dense_pattern(x, w_gate)
 
 
-def gated_forward(kernel: Callable[..., Any]) -> Callable[..., Any]:
-  """``kernel(x, w_gate, w_up, b_gate, b_up, **static) -> (h, a, b)`` per shard, in the dense
-  patterns (x's rows and the weights' columns split; `w_up` split as `w_gate`, the biases as
-  their columns). No sum: each device's h, a and b are its block of the whole."""
+def gated_forward(kernel: Callable[..., Any], pattern: DensePattern | None) -> Callable[..., Any]:
+  """``kernel(x, w_gate, w_up, b_gate, b_up, **static) -> (h, a, b)`` per shard in `pattern`
+  (:func:`gated_pattern`'s: x's rows and the weights' columns split; `w_up` split as `w_gate`, the
+  biases as their columns). No sum: each device's h, a and b are its block of the whole."""
+  pattern = _require(pattern)
 
   def run(x, w_gate, w_up, b_gate, b_up, **static):
-    plan = _require(_dense_plan(x, w_gate))
-    if plan is None:
+    if pattern is None:
       return kernel(x, w_gate, w_up, b_gate, b_up, **static)
-    bias = (plan.model,)
+    bias = (pattern.model,)
     return per_shard(
       kernel,
       (x, w_gate, w_up, b_gate, b_up),
-      (plan.x, plan.w, plan.w, bias, bias),
-      (plan.y, plan.y, plan.y),
-      mesh=plan.mesh,
+      (pattern.x, pattern.w, pattern.w, bias, bias),
+      (pattern.y, pattern.y, pattern.y),
+      mesh=pattern.mesh,
       **static,
     )
 
@@ -457,7 +413,7 @@ def pointwise(kernel: Callable[..., Any]) -> Callable[..., Any]:
   and output, and no collective."""
 
   def run(*arrays, **static):
-    mesh = _mesh(*arrays)
+    mesh = explicit_mesh(*arrays)
     if isinstance(mesh, str):
       raise NotImplementedError(f"per-shard kernels: {mesh}")
     if mesh is None:

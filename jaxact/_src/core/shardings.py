@@ -1,4 +1,5 @@
-"""Shardings in the ops' types: the ``out_sharding`` argument, cotangents typed as their primals.
+"""Shardings in the ops' types: specs read from the arrays' types, the ``out_sharding`` argument,
+cotangents typed as their primals.
 
 Under Explicit mesh axes an array's sharding is part of its type (``jax.typeof(a).sharding``). A
 product whose contraction dimension is sharded on both sides has no one obvious output sharding,
@@ -15,6 +16,7 @@ constraint on the output (:func:`constrain`; ``jnp.dot`` refuses one there).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,9 +25,71 @@ from jax._src.core import ShardingTypeError  # jax raises it, and exports it now
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxact._src.core import dispatch, pallas_sharding
+from jaxact._src.core import dispatch
 
-Spec = tuple[tuple[str, ...], ...]  # one tuple of mesh axes per dimension, as spec_of gives it
+Axes = tuple[str, ...]  # the mesh axes one dimension is split over
+Spec = tuple[Axes, ...]  # one tuple of mesh axes per dimension, as spec_of gives it
+
+
+# ------------------------------------------------------------------------- in the arrays' types
+
+
+def _axes(entry: Any) -> Axes:
+  """The mesh axes of one partition-spec entry (None, a name, or a tuple of names)."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _sharding(a: Array | None) -> NamedSharding | None:
+  """`a`'s sharding, when its type has one over a mesh with at least one Explicit axis."""
+  if a is None:
+    return None
+  typed = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
+  sharding = getattr(typed, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return None
+  return sharding
+
+
+def typed_sharding(a: Array | None) -> NamedSharding | None:
+  """`a`'s sharding when its type holds one over a mesh with Explicit axes, else None."""
+  return _sharding(a)
+
+
+def spec_of(a: Array) -> tuple[Axes, ...]:
+  """`a`'s partition spec from its type, one tuple of mesh axes per dimension (empty: unsharded)."""
+  sharding = _sharding(a)
+  spec = () if sharding is None else tuple(sharding.spec)
+  return tuple(_axes(e) for e in spec) + ((),) * (a.ndim - len(spec))
+
+
+def explicit_mesh(*arrays: Array | None):
+  """The one mesh with Explicit axes in the arrays' types, None if there is none, or a reason.
+
+  Replicated arrays count: in interpret mode a pallas_call fails on operands typed over Explicit
+  axes (its buffers are not), so on such a mesh the kernels go under shard_map all the same.
+  """
+  meshes = []
+  for a in arrays:
+    sharding = _sharding(a)
+    if sharding is not None:
+      meshes.append(sharding.mesh)
+  if not meshes:
+    return None
+  if any(m != meshes[0] for m in meshes[1:]):
+    return "inputs sharded over different meshes"
+  return meshes[0]
+
+
+def pspec(spec: Sequence[Axes]) -> P:
+  """A spec as :func:`spec_of` writes one (a tuple of mesh axes per dimension) as a
+  ``PartitionSpec``."""
+  return P(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
+
+
+# ------------------------------------------------------------------------- the ops' arguments
 
 
 def check(fn_name: str, out_sharding: Any, ndim: int) -> NamedSharding | P | None:
@@ -69,7 +133,7 @@ def is_explicit(sharding: NamedSharding | P | None) -> bool:
     return False
   mesh = _mesh(sharding)
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  named = [a for entry in _spec(sharding) for a in pallas_sharding._axes(entry)]
+  named = [a for entry in _spec(sharding) for a in _axes(entry)]
   if named:
     return all(types.get(a) == AxisType.Explicit for a in named)
   return AxisType.Explicit in mesh.axis_types
@@ -96,15 +160,17 @@ def reshard(y: Array, sharding: NamedSharding | P | None) -> Array:
 
 
 def spec_of_sharding(sharding: NamedSharding | P, ndim: int) -> Spec:
-  """`sharding`'s spec as :func:`pallas_sharding.spec_of` writes one, padded to `ndim`."""
-  return pallas_sharding.sharding_spec(sharding, ndim)
+  """A ``NamedSharding``'s or ``PartitionSpec``'s spec as :func:`spec_of` writes one, padded to
+  `ndim` dimensions."""
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
 
 
 def spec(a: Array | None) -> Spec | None:
   """`a`'s spec when its type holds an Explicit-axes sharding, else None."""
-  if a is None or pallas_sharding.typed_sharding(a) is None:
+  if a is None or typed_sharding(a) is None:
     return None
-  return pallas_sharding.spec_of(a)
+  return spec_of(a)
 
 
 def specs(*arrays: Array | None) -> tuple[Spec | None, ...]:
@@ -115,10 +181,10 @@ def specs(*arrays: Array | None) -> tuple[Spec | None, ...]:
 def to_spec(a: Array, want: Spec) -> Array:
   """`a` resharded to `want` over the mesh of its own type (itself when it already is, or when its
   type holds no Explicit-axes sharding)."""
-  sharding = pallas_sharding.typed_sharding(a)
-  if sharding is None or pallas_sharding.spec_of(a) == tuple(want):
+  sharding = typed_sharding(a)
+  if sharding is None or spec_of(a) == tuple(want):
     return a
-  return jax.sharding.reshard(a, NamedSharding(sharding.mesh, pallas_sharding._pspec(want)))
+  return jax.sharding.reshard(a, NamedSharding(sharding.mesh, pspec(want)))
 
 
 def retype(cotangents, want: tuple[Spec | None, ...]):
@@ -133,7 +199,7 @@ def align(p: Array, like: Array) -> Array:
   `p` that `like` shares is split as `like` splits it and the others are whole: elementwise ops
   under Explicit axes need the shardings of the dims they pair to agree."""
   want = spec(like)
-  if want is None or pallas_sharding.typed_sharding(p) is None:
+  if want is None or typed_sharding(p) is None:
     return p
   offset = like.ndim - p.ndim
   target = tuple(
@@ -173,8 +239,8 @@ def struct(a: Array, want: Spec | None) -> Array | jax.ShapeDtypeStruct:
   a transpose is taken against, so that the cotangent comes out in that sharding."""
   if want is None:
     return a
-  mesh = pallas_sharding.typed_sharding(a).mesh
-  sharding = NamedSharding(mesh, pallas_sharding._pspec(want))
+  mesh = typed_sharding(a).mesh
+  sharding = NamedSharding(mesh, pspec(want))
   return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
@@ -191,7 +257,7 @@ def inferred_or_rows_by_columns(x, w) -> P | None:
   ws = spec(w) or ((), ())
   used = {a for axes in xs[:-1] for a in axes}
   columns = tuple(a for a in ws[1] if a not in used)
-  return pallas_sharding._pspec((*xs[:-1], columns))
+  return pspec((*xs[:-1], columns))
 
 
 def spread(specs_: tuple[Spec | None, ...]) -> bool:

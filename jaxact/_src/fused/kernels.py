@@ -66,7 +66,7 @@ def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., 
 
   mosaic = d.forward == "mosaic"
   if plan.linear.kind == "dense":
-    kernels = pallas_sharding.dense_forward(mosaic_dense if mosaic else triton_dense)
+    kernels = pallas_sharding.dense_forward(mosaic_dense if mosaic else triton_dense, d.sharding)
     return platform.switch((x, w, b), kernels, xla, d, mosaic)
   return platform.switch((x, w, b), triton_conv, xla, d, mosaic)
 
@@ -110,6 +110,6 @@ def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_
 
   mosaic = d.backward == "mosaic"
   if plan.linear.kind == "dense":
-    kernels = pallas_sharding.dense_backward(mosaic_dense if mosaic else triton_dense)
+    kernels = pallas_sharding.dense_backward(mosaic_dense if mosaic else triton_dense, d.sharding)
     return platform.switch((x, w, kept, g), kernels, xla, d, mosaic)
   return platform.switch((x, w, kept, g), triton_conv, xla, d, mosaic)

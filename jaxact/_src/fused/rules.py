@@ -27,14 +27,24 @@ from typing import TYPE_CHECKING
 from jax import Array
 
 from jaxact._src.activations import resolve
-from jaxact._src.core import dispatch, pallas_sharding
+from jaxact._src.core import dispatch, pallas_sharding, shardings
 
 if TYPE_CHECKING:
   from jaxact._src.fused.plan import Plan
 
 
-def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
-  """Why the Triton kernels (and the kernels' common ground) cannot run this call, or None."""
+def sharding_of(plan: Plan, x: Array, w: Array):
+  """The call's sharding plan: the dense pattern of ``x @ w`` (or why none covers the operands)
+  for a dense layer, None for a convolution (XLA partitions it; its epilogue kernels run on the
+  pre-activation as that array is split)."""
+  if plan.linear.kind != "dense":
+    return None
+  return pallas_sharding.dense_pattern(x, w)
+
+
+def triton_unsupported(plan: Plan, x: Array, w: Array, sharding) -> str | None:
+  """Why the Triton kernels (and the kernels' common ground) cannot run this call in its
+  `sharding` plan (:func:`sharding_of`), or None."""
   dense = plan.linear.kind == "dense"
   if not dense:
     out_spec = plan.linear.dimension_numbers.out_spec
@@ -44,18 +54,18 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
   if why is not None:
     return why
   out = plan.linear.out_sharding  # the caller's out_sharding (Explicit axes), or None
-  out = None if out is None else pallas_sharding.sharding_spec(out, x.ndim)
+  out = None if out is None else shardings.spec_of_sharding(out, x.ndim)
   if dense:
     # kernels under shard_map for known patterns
-    sharded = pallas_sharding.dense_reason(x, w, out)
+    sharded = pallas_sharding.pattern_reason(sharding, x.ndim, out)
   else:
     # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
     sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
-    if sharded is None and any(pallas_sharding.spec_of(w)):
+    if sharded is None and any(shardings.spec_of(w)):
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
     if sharded is None and out is not None and out[plan.linear.dimension_numbers.out_spec[1]]:
       sharded = (
-        f"out_sharding={pallas_sharding._pspec(out)} splits the output's features (the "
+        f"out_sharding={shardings.pspec(out)} splits the output's features (the "
         "epilogue kernels split the batch only)"
       )
   if sharded is not None:
@@ -63,7 +73,7 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
   rule = plan.act.rule
   if rule.code is not None:  # packed along the features, which each device must fill bytes of
     if dense:
-      features = pallas_sharding.dense_shard_shape(x, w)[2]
+      features = pallas_sharding.dense_shard_shape(sharding, x, w)[2]
     else:
       features = w.shape[plan.linear.dimension_numbers.rhs_spec[0]]
     why = resolve.epilogue(rule).code.unsupported(features)
@@ -79,17 +89,19 @@ def triton_unsupported(plan: Plan, x: Array, w: Array) -> str | None:
   return None
 
 
-def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -> str | None:
+def mosaic_unsupported(
+  plan: Plan, x: Array, w: Array, sharding, backward: bool = False
+) -> str | None:
   """Why the Mosaic GPU forward kernel (with `backward`, the backward kernels too) cannot run this
-  call, or None."""
+  call in its `sharding` plan, or None."""
   if plan.linear.kind != "dense":
     return "the Hopper kernel is a dense layer (convolutions other than 1x1 are not)"
-  why = triton_unsupported(plan, x, w)
+  why = triton_unsupported(plan, x, w, sharding)
   if why is not None:
     return why
   from pallas_kernels import hopper, hopper_bwd
 
-  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
+  shape = pallas_sharding.dense_shard_shape(sharding, x, w)  # each device's block when sharded
   epilogue = resolve.epilogue(plan.act.rule)
   why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
   if why is None and backward:
@@ -103,13 +115,14 @@ def mosaic_unsupported(plan: Plan, x: Array, w: Array, backward: bool = False) -
 class _Facts:
   """What the rules ask of one call, each fact computed on first use."""
 
-  def __init__(self, plan: Plan, x: Array, w: Array, target: dispatch.Target):
-    self.plan, self.x, self.w, self.target = plan, x, w, target
+  def __init__(self, plan: Plan, x: Array, w: Array, sharding, target: dispatch.Target):
+    self.plan, self.x, self.w, self.sharding, self.target = plan, x, w, sharding, target
     self.dense = plan.linear.kind == "dense"
 
   @functools.cached_property
   def mosaic_forward(self) -> bool:
-    return self.target.hopper and mosaic_unsupported(self.plan, self.x, self.w) is None
+    why = mosaic_unsupported(self.plan, self.x, self.w, self.sharding)
+    return self.target.hopper and why is None
 
 
 AUTO_RULES: tuple[dispatch.Rule, ...] = (
@@ -172,21 +185,24 @@ def decide(
   (:func:`~jaxact._src.core.dispatch.check_implementation`). Raises ``NotImplementedError`` when
   kernels asked for by name cannot run the call."""
   dispatch.check_implementation(fn_name, implementation)
+  if implementation == "xla":
+    return dispatch.Decision()
+  sharding = sharding_of(plan, x, w)  # derived once: the checks read it, the kernels run in it
   match implementation:
-    case "xla":
-      return dispatch.Decision()
     case "pallas" | "mosaic":
       backend: dispatch.Backend = "triton" if implementation == "pallas" else "mosaic"
       if backend == "triton":
-        why = triton_unsupported(plan, x, w)
+        why = triton_unsupported(plan, x, w, sharding)
       else:
-        why = mosaic_unsupported(plan, x, w, backward=True)
+        why = mosaic_unsupported(plan, x, w, sharding, backward=True)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
           f"{why}; use implementation='xla' or None"
         )
-      return dispatch.Decision(backend, backend, forced=True, target=dispatch.target())
+      target = dispatch.target()
+      return dispatch.Decision(backend, backend, forced=True, target=target, sharding=sharding)
     case _:  # None
-      why = triton_unsupported(plan, x, w)
-      return dispatch.auto(why, AUTO_RULES, lambda: _Facts(plan, x, w, dispatch.target()))
+      why = triton_unsupported(plan, x, w, sharding)
+      facts = lambda: _Facts(plan, x, w, sharding, dispatch.target())
+      return dispatch.auto(why, AUTO_RULES, facts, sharding)

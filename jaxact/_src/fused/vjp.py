@@ -36,7 +36,7 @@ import numpy as np
 from jax import Array, lax
 
 from jaxact._src.activations import api as activations
-from jaxact._src.core import barriers, pallas_sharding, shardings
+from jaxact._src.core import barriers, shardings
 from jaxact._src.fused import kernels
 from jaxact._src.fused.plan import Conv, Plan
 
@@ -174,7 +174,7 @@ def _kernel_grad(plan: Plan, x: Array, w: Array, dz: Array) -> Array:
   chunks = 1
   # Under Explicit mesh axes the sharding is in the types, which cannot express a strided slice of
   # a sharded batch: there the kernel gradient stays one convolution (each device's is local).
-  if isinstance(plan.linear, Conv) and not any(pallas_sharding.spec_of(x)):
+  if isinstance(plan.linear, Conv) and not any(shardings.spec_of(x)):
     chunks = _batch_chunks(plan, x, dz)
   if chunks == 1:
     return transpose(x, dz)

@@ -64,7 +64,7 @@ def forward(
   kernels = {"triton": triton, "mosaic": mosaic}[d.forward]
   args = (x, w_gate, w_up, b_gate, b_up)
   return platform.switch(
-    args, pallas_sharding.gated_forward(kernels), xla, d, d.forward == "mosaic"
+    args, pallas_sharding.gated_forward(kernels, d.sharding), xla, d, d.forward == "mosaic"
   )
 
 

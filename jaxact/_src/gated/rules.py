@@ -20,20 +20,21 @@ import numpy as np
 from jax import Array
 
 from jaxact._src.activations import resolve
-from jaxact._src.core import dispatch, pallas_sharding
+from jaxact._src.core import dispatch, pallas_sharding, shardings
 
 if TYPE_CHECKING:
   from jaxact._src.gated.plan import GatedPlan
 
 
-def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, w_up: Array) -> str | None:
-  """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call, or None."""
+def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, sharding) -> str | None:
+  """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call in its
+  `sharding` plan (:func:`~jaxact._src.core.pallas_sharding.gated_pattern`), or None."""
   why = dispatch.kernels_unsupported(plan, x, w_gate)
   if why is not None:
     return why
   hidden = plan.hidden_sharding
-  hidden = None if hidden is None else pallas_sharding.sharding_spec(hidden, x.ndim)
-  sharded = pallas_sharding.gated_reason(x, w_gate, w_up, hidden)
+  hidden = None if hidden is None else shardings.spec_of_sharding(hidden, x.ndim)
+  sharded = pallas_sharding.pattern_reason(sharding, x.ndim, hidden)
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
   from pallas_kernels import allow_tf32, unlowered_primitives
@@ -102,28 +103,32 @@ def decide(
   backward; either raises ``NotImplementedError`` with the reason when it cannot run the call.
   ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
   dispatch.check_implementation(fn_name, implementation)
+  if implementation == "xla":
+    return dispatch.Decision()
+  # derived once: the checks read it, the kernels run in it
+  sharding = pallas_sharding.gated_pattern(x, w_gate, w_up)
   match implementation:
-    case "xla":
-      return dispatch.Decision()
     case "pallas":
-      why = triton_unsupported(plan, x, w_gate, w_up)
+      why = triton_unsupported(plan, x, w_gate, sharding)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
           "implementation='xla' or None"
         )
-      return dispatch.Decision("triton", "triton", forced=True, target=dispatch.target())
+      target = dispatch.target()
+      return dispatch.Decision("triton", "triton", forced=True, target=target, sharding=sharding)
     case "mosaic":
       # The Mosaic GPU forward (both projections from one pass over x); the backward pass is the
       # Triton elementwise kernel, which Hopper runs.
-      why = triton_unsupported(plan, x, w_gate, w_up) or mosaic_unsupported(plan, x, w_gate)
+      why = triton_unsupported(plan, x, w_gate, sharding) or mosaic_unsupported(plan, x, w_gate)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
           "implementation='pallas', 'xla' or None"
         )
-      return dispatch.Decision("mosaic", "triton", forced=True, target=dispatch.target())
+      target = dispatch.target()
+      return dispatch.Decision("mosaic", "triton", forced=True, target=target, sharding=sharding)
     case _:  # None
-      why = triton_unsupported(plan, x, w_gate, w_up)
+      why = triton_unsupported(plan, x, w_gate, sharding)
       facts = lambda: _GatedFacts(plan, x, w_gate, dispatch.target())
-      return dispatch.auto(why, GATED_AUTO_RULES, facts)
+      return dispatch.auto(why, GATED_AUTO_RULES, facts, sharding)

@@ -9,6 +9,7 @@ row of :data:`LCE_AUTO_RULES` that holds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -34,9 +35,30 @@ LCE_AUTO_RULES: tuple[dispatch.Rule, ...] = (
 )
 
 
-def mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
+def sharding_of(plan: LcePlan, x: Array, w: Array):
+  """The dense pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``), the contraction dimension whole on
+  each device (gathered where it is split), or why no pattern covers the operands."""
+  return pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd", gather=True)
+
+
+def per_device(pattern):
+  """The call's sharding plan: `pattern` (:func:`sharding_of`'s) where the operands are split over
+  devices, None where the loop runs as one program; raises for the patterns it cannot run per
+  device."""
+  if isinstance(pattern, str):
+    raise NotImplementedError(
+      f"jaxact.linear_cross_entropy: {pattern}; shard the tokens of `x` and the vocabulary of `w` "
+      "over different mesh axes"
+    )
+  if pattern is None or not (pattern.data or pattern.model):
+    return None
+  return pattern
+
+
+def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | None:
   """Why the Hopper kernels of :func:`jaxact.linear_cross_entropy` (the forward, and the backward
-  on blocks of ``plan.block`` columns) cannot run this call, or None."""
+  on blocks of ``plan.block`` columns) cannot run this call in its `sharding` pattern
+  (:func:`sharding_of`'s), or None."""
   if np.dtype(plan.acc_dtype) != np.float32:
     return "float64 inputs (the kernel accumulates in float32)"
   if plan.predictions:
@@ -49,14 +71,15 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array) -> str | None:
     return f"x ({np.dtype(x.dtype).name}) and w ({np.dtype(w.dtype).name}) of different dtypes"
   if plan.precision not in (None, lax.Precision.DEFAULT, (None, None)):
     return f"precision={plan.precision!r} (the kernel multiplies at the operands' own precision)"
-  pattern = pallas_sharding.dense_pattern(x, w)
-  if isinstance(pattern, str):
-    return f"inputs sharded over a mesh: {pattern}"
-  if pattern is not None and pattern.model:
+  if isinstance(sharding, str):
+    return f"inputs sharded over a mesh: {sharding}"
+  if sharding is not None and sharding.gathers:  # the kernels gather nothing
+    return f"inputs sharded over a mesh: {sharding.gathers}"
+  if sharding is not None and sharding.model:
     return "the vocabulary split over devices (the kernel path runs data parallel only)"
   from pallas_kernels import lce_hopper, lce_hopper_bwd
 
-  shape = pallas_sharding.dense_shard_shape(x, w)  # each device's block when sharded
+  shape = pallas_sharding.dense_shard_shape(sharding, x, w)  # each device's block when sharded
   why = lce_hopper.lce_unsupported(shape, x.dtype)
   whole = (math.prod(x.shape[:-1]), *w.shape)
   if why is not None and shape != whole:
@@ -76,24 +99,27 @@ def decide(fn_name: str, implementation: str | None, plan: LcePlan, x: Array, w:
   (:func:`jaxact._src.fused.rules.decide`):
   ``"mosaic"`` takes the Hopper kernels (``NotImplementedError`` with the reason where they cannot
   run), ``"pallas"`` has no Triton kernel to take, ``None`` the first row of
-  :data:`LCE_AUTO_RULES` that holds."""
+  :data:`LCE_AUTO_RULES` that holds. Every backend runs in the call's sharding plan
+  (:func:`per_device`), derived here once."""
   dispatch.check_implementation(fn_name, implementation)
+  if implementation == "pallas":
+    raise NotImplementedError(
+      f"jaxact.{fn_name}: implementation='pallas' has no Triton kernel for this op; use "
+      "'mosaic' (Hopper), 'xla' or None"
+    )
+  pattern = sharding_of(plan, x, w)
   match implementation:
     case "xla":
-      return dispatch.Decision()
-    case "pallas":
-      raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation='pallas' has no Triton kernel for this op; use "
-        "'mosaic' (Hopper), 'xla' or None"
-      )
+      decision = dispatch.Decision()
     case "mosaic":
-      why = mosaic_unsupported(plan, x, w)
+      why = mosaic_unsupported(plan, x, w, pattern)
       if why is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
           "implementation='xla' or None"
         )
       # The forward kernel, and the backward kernel forming G for XLA's products.
-      return dispatch.Decision("mosaic", "mosaic", forced=True, target=dispatch.target())
+      decision = dispatch.Decision("mosaic", "mosaic", forced=True, target=dispatch.target())
     case _:  # None
-      return dispatch.auto(None, LCE_AUTO_RULES, lambda: None)
+      decision = dispatch.auto(None, LCE_AUTO_RULES, lambda: None)
+  return dataclasses.replace(decision, sharding=per_device(pattern))

@@ -6,7 +6,9 @@ Under Explicit mesh axes each device runs the loop on its shards
 over model axes, as Megatron's vocab-parallel loss) and only per-token statistics, ``dx``, and for
 data-parallel ``dw`` and ``db`` are reduced across devices. A sharded contraction dimension (an
 FSDP table, feature-sharded ``x``) is gathered on each device, ``x`` once in the forward and kept
-so; ``dx`` and ``dw`` are reduce-scattered back to their primals' shardings.
+so; ``dx`` and ``dw`` are reduce-scattered back to their primals' shardings. The pattern is the
+plan's ``decision.sharding``, derived once where the backend is decided
+(:func:`jaxact._src.lce.rules.per_device`).
 """
 
 from __future__ import annotations
@@ -108,21 +110,6 @@ def _local_grads(
   return dx.reshape(x.shape), dw, db
 
 
-def _sharding(plan: LcePlan, x: Array, w: Array):
-  """The dense sharding pattern of ``x @ w`` (``x @ w.T`` for ``"vd"``; None unsharded), the
-  contraction dimension whole on each device; raises for the patterns the loop cannot run per
-  device."""
-  found = pallas_sharding.dense_pattern(x, w, w_transposed=plan.w_layout == "vd", gather=True)
-  if isinstance(found, str):
-    raise NotImplementedError(
-      f"jaxact.linear_cross_entropy: {found}; shard the tokens of `x` and the vocabulary of `w` "
-      "over different mesh axes"
-    )
-  if found is None or not (found.data or found.model):
-    return None
-  return found
-
-
 def _w_spec(plan: LcePlan, spec):
   """A (D, V) spec in `w`'s own layout."""
   return spec if plan.w_layout == "dv" else spec[::-1]
@@ -134,17 +121,17 @@ def _split(pattern, axes: tuple[str, ...]) -> tuple[str, ...]:
   return tuple(a for a in axes if pattern.mesh.shape[a] > 1)
 
 
-def gathered(plan: LcePlan, x, w):
+def gathered(plan: LcePlan, x):
   """`x` with its features whole on each device (gathered where they are split, as the product
   needs them): the array the forward multiplies and the backward keeps."""
-  pattern = _sharding(plan, x, w)
+  pattern = plan.decision.sharding
   return x if pattern is None else shardings.to_spec(x, pattern.x)
 
 
 def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
   """``(lse, label logit, mean, argmax column)`` per token, on each device's shards when
-  sharded."""
-  pattern = _sharding(plan, x, w)
+  sharded (in the plan's ``decision.sharding``)."""
+  pattern = plan.decision.sharding
   if pattern is None:
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
   rows = pattern.x[:-1]
@@ -161,7 +148,7 @@ def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
   """``(dx, dw, db)``, on each device's shards when sharded: dx summed over the vocabulary's axes
   and dw, db over the tokens', each then split as its primal is (``plan.shardings``; a
   reduce-scatter where a summed axis splits it: an FSDP table's gradient)."""
-  pattern = _sharding(plan, x, w)
+  pattern = plan.decision.sharding
   if pattern is None:
     return _local_grads(plan, x, w, b, labels, lse, *row_scales)
   rows = pattern.x[:-1]

@@ -50,7 +50,7 @@ from jaxact._src.lce.xla import loss_of, scales
 
 def _fwd(plan: LcePlan, x, w, b, labels, where):
   vocab = w.shape[plan.vocab_axis]
-  x = gathered(plan, x, w)  # kept so: the backward needs the features whole again
+  x = gathered(plan, x)  # kept so: the backward needs the features whole again
   lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
   loss = loss_of(plan, lse, sy, mean, labels, vocab)
   if where is not None:
