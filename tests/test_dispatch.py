@@ -9,6 +9,7 @@ tests/test_pallas_hopper.py.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
@@ -143,6 +144,23 @@ def test_every_rule_that_declines_a_kernel_on_measurement_cites_a_results_sectio
     # The docs' table links it (the anchor is checked by the strict docs build).
     assert f"[{rule.evidence}](benchmarks/{page}#" in table, rule.evidence
   assert all(rule.where in table for rule in rules)
+
+
+def test_every_familys_rules_are_in_the_one_dispatch_table():
+  """Each op family decides its calls in its own rules.py; every table of rules there is one the
+  docs' dispatch page is generated from, so that page stays the one decision point."""
+  listed = [id(table) for table in docs.rule_tables()]
+  paths = sorted((ROOT / "jaxact" / "_src").glob("*/rules.py"))
+  assert {p.parent.name for p in paths} >= {"fused", "gated", "lce", "attention"}
+  for path in paths:
+    module = importlib.import_module(f"jaxact._src.{path.parent.name}.rules")
+    tables = [
+      v
+      for v in vars(module).values()
+      if isinstance(v, tuple) and v and all(isinstance(r, dispatch.Rule) for r in v)
+    ]
+    assert tables, path
+    assert all(id(table) in listed for table in tables), path
 
 
 def _calls(path: pathlib.Path) -> set[str]:
