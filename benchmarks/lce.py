@@ -51,7 +51,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 from benchmarks import gated, timing
-from jaxact._src import lce_vjp, test_util
+from jaxact._src import test_util
+from jaxact._src.lce import plan as lce_plan
+from jaxact._src.lce import vjp as lce_vjp
 
 try:
   import tokamax
@@ -75,7 +77,7 @@ def plain_head(x, w, labels):
 def _by_tokens(x, w, labels):
   """jaxact's rule blocked over tokens (blocks of an eighth of them) instead of the vocabulary."""
   acc = jnp.promote_types(x.dtype, jnp.float32)
-  plan = lce_vjp.LcePlan(block=max(1, x.shape[0] // 8), by="tokens", acc_dtype=np.dtype(acc))
+  plan = lce_plan.LcePlan(block=max(1, x.shape[0] // 8), by="tokens", acc_dtype=np.dtype(acc))
   return jnp.mean(lce_vjp.per_token_loss(plan, x, w, None, labels))
 
 

@@ -21,20 +21,20 @@ This module imports Flax;
       return jnn.DenseAct(10)(x)
 """
 
-from jaxact._src.validation import require_flax
+from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.linen")
 
 from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
   linen_dot_product_attention as dot_product_attention,
 )
-from jaxact._src.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
-from jaxact._src.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
-from jaxact._src.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
-from jaxact._src.linen_head import LMHead as LMHead  # noqa: E402 (after the check)
-from jaxact._src.linen_head import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
-from jaxact._src.linen_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
-from jaxact._src.linen_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
+from jaxact._src.fused.linen import ConvAct as ConvAct  # noqa: E402 (after the check)
+from jaxact._src.fused.linen import DenseAct as DenseAct  # noqa: E402 (after the check)
+from jaxact._src.gated.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
+from jaxact._src.lce.linen import LMHead as LMHead  # noqa: E402 (after the check)
+from jaxact._src.lce.linen import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.norms.linen import LayerNorm as LayerNorm  # noqa: E402 (after the check)
+from jaxact._src.norms.linen import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
 __all__ = [
   "DenseAct",

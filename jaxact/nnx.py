@@ -18,20 +18,20 @@ alone does not::
   layer = jnnx.LinearAct(784, 512, activation="relu", rngs=nnx.Rngs(0))
 """
 
-from jaxact._src.validation import require_flax
+from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.nnx")
 
 from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
   nnx_dot_product_attention as dot_product_attention,
 )
-from jaxact._src.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
-from jaxact._src.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
-from jaxact._src.nnx_gated import GatedMLP as GatedMLP  # noqa: E402 (after the check)
-from jaxact._src.nnx_head import LMHead as LMHead  # noqa: E402 (after the check)
-from jaxact._src.nnx_head import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
-from jaxact._src.nnx_norm import LayerNorm as LayerNorm  # noqa: E402 (after the check)
-from jaxact._src.nnx_norm import RMSNorm as RMSNorm  # noqa: E402 (after the check)
+from jaxact._src.fused.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)
+from jaxact._src.fused.nnx import LinearAct as LinearAct  # noqa: E402 (after the check)
+from jaxact._src.gated.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the check)
+from jaxact._src.lce.nnx import LMHead as LMHead  # noqa: E402 (after the check)
+from jaxact._src.lce.nnx import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.norms.nnx import LayerNorm as LayerNorm  # noqa: E402 (after the check)
+from jaxact._src.norms.nnx import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
 __all__ = [
   "LinearAct",

@@ -5,7 +5,7 @@ Importable on its own: it depends only on jax. The activation epilogue is passed
 the caller (each module's ``default_*`` function chooses them from the shape, dtype and, where it
 matters, whether the caller targets a Hopper GPU): the kernels know nothing of devices or of when
 they should run. jaxact builds the epilogues from its spec table and decides where each kernel runs
-(``jaxact/_src/dispatch.py``).
+(each op family's ``rules.py`` under ``jaxact/_src/``).
 
 * Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense` (fused matmul +
   epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_tiles`),

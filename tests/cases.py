@@ -1,8 +1,8 @@
 """Test parametrization derived from the spec table, and the dtype tolerance tables.
 
-Everything here is read from ``jaxact._src.spec.SPECS``: a new spec row is picked up by every test
-that iterates over ``SPECS`` / ``ELEMENTWISE`` (and the coverage test in test_activations.py fails
-until tests/references.py has a reference and limits for it).
+Everything here is read from ``jaxact._src.core.spec.SPECS``: a new spec row is picked up by every
+test that iterates over ``SPECS`` / ``ELEMENTWISE`` (and the coverage test in test_activations.py
+fails until tests/references.py has a reference and limits for it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src.spec import SPECS, ActivationSpec
+from jaxact._src.core.spec import SPECS, ActivationSpec
 
 import references
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from jaxact._src import activations, test_util
+from jaxact._src import test_util
+from jaxact._src.activations import api as activations
 
 ACTIVATION = {"gelu": jaxact.gelu, "silu": jaxact.silu, "mish": jaxact.mish}
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from jaxact._src import fused
+from jaxact._src.fused import api as fused
 
 # (what the layer is given, the jax.nn function it must equal). Every way `activation` can be
 # given: a name with an output residual, a name with an input residual, a jaxact function, a

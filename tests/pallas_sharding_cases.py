@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import eight_devices
 import jaxact
-from jaxact._src import pallas_sharding
+from jaxact._src.core import pallas_sharding
 
 KERNELS = ("pallas_call", "mpmd_map")  # Triton kernels; Mosaic GPU kernels (plgpu.kernel)
 

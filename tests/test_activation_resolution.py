@@ -17,8 +17,8 @@ import pytest
 
 import jaxact
 import jaxact.linen
-from jaxact._src import activations
-from jaxact._src.spec import SPECS
+from jaxact._src.activations import api as activations
+from jaxact._src.core.spec import SPECS
 
 # Every (namespace name, spec row) for which jax.nn has a function of the row's name or alias.
 _JAX_NN = [

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src.spec import ALIASES, SPECS
+from jaxact._src.core.spec import ALIASES, SPECS
 
 from cases import jax_nn, public
 

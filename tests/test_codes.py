@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import codes
-from jaxact._src.spec import SPEC_BY_NAME
+from jaxact._src.codes import code as codes
+from jaxact._src.codes import derive
+from jaxact._src.core.spec import SPEC_BY_NAME
 
 from cases import representatives
 
@@ -33,7 +34,7 @@ FEW = [c for c in CASES if c[2] != 8]
 
 
 def derivative(name, params):
-  return codes._derivative_fn(SPEC_BY_NAME[name], params)
+  return derive._derivative_fn(SPEC_BY_NAME[name], params)
 
 
 # ------------------------------------------------------------------------- the codes are optimal
@@ -53,21 +54,21 @@ def test_few_bit_codes_meet_the_optimality_conditions(name, params, bits):
   assert len(code.levels) == 2**bits and len(code.boundaries) == 2**bits - 1
   assert np.all(np.diff(code.boundaries) > 0)
   grid = np.linspace(-10.0, 10.0, 400_001)
-  means = codes._conditional_means(d, np.asarray(code.boundaries), grid)
+  means = derive._conditional_means(d, np.asarray(code.boundaries), grid)
   np.testing.assert_allclose(code.levels, means, atol=1e-9)
   for k, t in enumerate(code.boundaries):
     left, right = d(np.array([t - 1e-3, t + 1e-3]))
     if abs(left - right) < 1e-2:  # continuous here (hard_silu jumps at -3 and 3)
       # To the derivation's grid (spacing 5e-5 on x).
       assert abs(d(np.array([t]))[0] - 0.5 * (code.levels[k] + code.levels[k + 1])) < 5e-5
-  best = codes.expected_error(d, code.boundaries, code.levels, grid)
+  best = derive.expected_error(d, code.boundaries, code.levels, grid)
   for k in range(len(code.boundaries)):
     for step in (-0.02, 0.02):
       moved = np.array(code.boundaries)
       moved[k] += step
       if np.all(np.diff(moved) > 0):
-        levels = codes._conditional_means(d, moved, grid)
-        assert codes.expected_error(d, moved, levels, grid) >= best - 1e-12, (k, step)
+        levels = derive._conditional_means(d, moved, grid)
+        assert derive.expected_error(d, moved, levels, grid) >= best - 1e-12, (k, step)
 
 
 @pytest.mark.parametrize(
@@ -78,11 +79,11 @@ def test_few_bit_codes_are_the_global_optimum_on_a_grid(name, params, bits):
   """No split of a fine grid into 2**bits runs (exact dynamic programming) beats the stored code."""
   code, d = codes.get_code(name, params, bits), derivative(name, params)
   grid = np.linspace(-10.0, 10.0, 1601)
-  cuts = codes._segment(d(grid), codes._normal_pdf(grid), 2**bits)
+  cuts = derive._segment(d(grid), derive._normal_pdf(grid), 2**bits)
   boundaries = np.asarray([(grid[c - 1] + grid[c]) / 2 for c in cuts])
   fine = np.linspace(-10.0, 10.0, 400_001)
-  dp = codes.expected_error(d, boundaries, codes._conditional_means(d, boundaries, fine), fine)
-  assert codes.expected_error(d, code.boundaries, code.levels, fine) <= dp * (1 + 1e-9)
+  dp = derive.expected_error(d, boundaries, derive._conditional_means(d, boundaries, fine), fine)
+  assert derive.expected_error(d, code.boundaries, code.levels, fine) <= dp * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("name, params", [(n, p) for n, p, b in CASES if b == 8])
@@ -228,7 +229,7 @@ def test_fused_layers_keep_the_code_not_the_preactivation():
     # Gradients: the composition's with the code's derivative in place of silu'.
     z = x @ w + b
     q = jnp.asarray(
-      codes.decoded(
+      derive.decoded(
         codes.get_code("silu", (), bits), np.asarray(z, np.float64), derivative("silu", ())
       ),
       jnp.float32,

@@ -1,13 +1,15 @@
 """The one dispatch point: which backend each fused call gets, for each target, and why.
 
-Decisions are read from :func:`jaxact._src.dispatch.decide` directly (what the fused ops ask), under
-abstract meshes of an H100, an A100 and a pre-Ampere GPU, with no GPU here. The lowered programs
-that these decisions produce are checked in tests/test_pallas.py and tests/test_pallas_hopper.py.
+Decisions are read from :func:`jaxact._src.core.dispatch.decide` directly (what the fused ops
+ask), under abstract meshes of an H100, an A100 and a pre-Ampere GPU, with no GPU here. The lowered
+programs that these decisions produce are checked in tests/test_pallas.py and
+tests/test_pallas_hopper.py.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
@@ -16,8 +18,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxact._src import activations, dispatch
-from jaxact._src.fused_vjp import Act, Conv, Dense, Plan
+from jaxact._src import docs
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
+from jaxact._src.core import dispatch
+from jaxact._src.fused import rules
+from jaxact._src.fused.plan import Conv, Dense, Plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H100, A100, V100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-16GB"
@@ -49,9 +55,9 @@ def decide(implementation, p=None, x_w=None, kind=None):
   p = p or plan()
   x, w = x_w or operands()
   if kind is None:
-    return dispatch.decide("dense_bias_act", implementation, p, x, w)
+    return rules.decide("dense_bias_act", implementation, p, x, w)
   with jax.sharding.use_abstract_mesh(mesh(kind)):
-    return dispatch.decide("dense_bias_act", implementation, p, x, w)
+    return rules.decide("dense_bias_act", implementation, p, x, w)
 
 
 def test_the_target_is_read_from_the_abstract_mesh():
@@ -96,7 +102,7 @@ def test_none_for_convolutions_on_hopper_takes_the_triton_epilogues():
   x = jax.ShapeDtypeStruct((1, 8, 8, 64), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((3, 3, 64, 512), jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(mesh(H100)):
-    d = dispatch.decide("conv_bias_act", None, plan(conv=True), x, w)
+    d = rules.decide("conv_bias_act", None, plan(conv=True), x, w)
   assert (d.forward, d.backward) == ("triton", "triton")
 
 
@@ -125,8 +131,8 @@ def test_named_kernels_are_forced_and_refuse_what_they_cannot_run():
 
 
 def test_every_rule_that_declines_a_kernel_on_measurement_cites_a_results_section():
-  table = dispatch.rules_table()
-  rules = (*dispatch.AUTO_RULES, *dispatch.GATED_AUTO_RULES, *dispatch.LCE_AUTO_RULES)
+  table = dispatch.rules_table(*docs.rule_tables())
+  rules = [rule for rules in docs.rule_tables() for rule in rules]
   cited = [rule for rule in rules if rule.evidence is not None]
   assert cited
   for rule in cited:
@@ -138,6 +144,23 @@ def test_every_rule_that_declines_a_kernel_on_measurement_cites_a_results_sectio
     # The docs' table links it (the anchor is checked by the strict docs build).
     assert f"[{rule.evidence}](benchmarks/{page}#" in table, rule.evidence
   assert all(rule.where in table for rule in rules)
+
+
+def test_every_familys_rules_are_in_the_one_dispatch_table():
+  """Each op family decides its calls in its own rules.py; every table of rules there is one the
+  docs' dispatch page is generated from, so that page stays the one decision point."""
+  listed = [id(table) for table in docs.rule_tables()]
+  paths = sorted((ROOT / "jaxact" / "_src").glob("*/rules.py"))
+  assert {p.parent.name for p in paths} >= {"fused", "gated", "lce", "attention"}
+  for path in paths:
+    module = importlib.import_module(f"jaxact._src.{path.parent.name}.rules")
+    tables = [
+      v
+      for v in vars(module).values()
+      if isinstance(v, tuple) and v and all(isinstance(r, dispatch.Rule) for r in v)
+    ]
+    assert tables, path
+    assert all(id(table) in listed for table in tables), path
 
 
 def _calls(path: pathlib.Path) -> set[str]:

@@ -24,7 +24,7 @@ KEY = jax.random.key(11)
 
 
 def _operands(rows=300, dtype=jnp.float32):
-  # 300 rows of 512: blocks of 128 rows and a tail of 44 (see jaxact._src.dropout).
+  # 300 rows of 512: blocks of 128 rows and a tail of 44 (see jaxact._src.core.dropout).
   ks = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(ks[0], (rows, 24), jnp.float32).astype(dtype)
   w = (jax.random.normal(ks[1], (24, 512), jnp.float32) / 4).astype(dtype)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src.spec import SPECS
+from jaxact._src.core.spec import SPECS
 
 from cases import ELEMENTWISE, dtype_id, jax_nn, public
 

@@ -28,7 +28,7 @@ from jax.sharding import AxisType, PartitionSpec
 import jaxact
 from jaxact import linen as jlinen
 from jaxact import nnx as jnnx
-from jaxact._src import gated
+from jaxact._src.gated import api as gated
 from layer_cases import (
   assert_close,
   assert_trees_close,

@@ -1,8 +1,11 @@
-"""The repository's boundaries: benchmarks consume the library; only the library is installed."""
+"""The repository's boundaries: benchmarks consume the library; only the library is installed; the
+library is laid out as its op families, one folder each, with no import circle and no module
+outgrown one reading."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import sys
 import tomllib
@@ -99,3 +102,134 @@ def test_jax_programs_of_the_environment_do_not_load_the_cuda_plugin():
   )
   assert out.stdout.split() == ["cpu", "2.0"]
   assert "cuda" not in out.stderr.lower() and "cudnn" not in out.stderr.lower(), out.stderr
+
+
+# ------------------------------------------------------------------------------ jaxact's layout
+
+JAXACT = ROOT / "jaxact"
+SRC = JAXACT / "_src"
+MAX_LINES = 450
+# Tables, not code to read: the activation spec table and the generated few-bit code table.
+TABLES = {"jaxact/_src/core/spec.py", "jaxact/_src/codes/table.py"}
+MAX_TOP_ENTRIES = 16
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+  parts = path.relative_to(root).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def _import_graph(package: pathlib.Path = JAXACT) -> dict[str, set[str]]:
+  """Every module of `package` to the modules of `package` it imports, wherever the import stands
+  (inside a function, under ``if TYPE_CHECKING:``): ``from a.b import c`` is an arrow to ``a.b.c``
+  when that is a module, else to ``a.b``; the packages a name passes through are not arrows."""
+  paths = {_module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))}
+  graph = {}
+  for name, path in paths.items():
+    package_name = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    arrows = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from the package, `level - 1` packages up
+          up = package_name.split(".")[: len(package_name.split(".")) - (node.level - 1)]
+          base = ".".join([*up, base] if base else up)
+        targets = [f"{base}.{alias.name}" for alias in node.names]
+        targets = [t if t in paths else base for t in targets]
+      else:
+        continue
+      arrows |= {t for t in targets if t in paths and t != name}
+    graph[name] = arrows
+  return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_the_circle_finder_sees_every_form_of_import(tmp_path):
+  assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert _circles({"a": {"b"}, "b": set()}) == []
+  package = tmp_path / "pkg"
+  (package / "sub").mkdir(parents=True)
+  files = {
+    "__init__.py": "",
+    "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from pkg.sub import b\n",
+    "sub/__init__.py": "",
+    "sub/b.py": "def f():\n  from .. import c\n",
+    "c.py": "import pkg.a\nfrom pkg.sub.b import f\n",
+  }
+  for name, text in files.items():
+    (package / name).write_text(text)
+  graph = _import_graph(package)
+  assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
+  assert _circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+def test_no_import_circle_in_jaxact():
+  """Shared pieces sit below the families and nothing below imports anything above: no two jaxact
+  modules reach each other through imports, counting imports inside functions and under
+  ``TYPE_CHECKING``."""
+  graph = _import_graph()
+  assert "jaxact._src.core.dispatch" in graph and graph["jaxact"]  # the walk sees the tree
+  circles = _circles(graph)
+  described = [
+    " -> ".join(c) + ": " + "; ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
+    for c in circles
+  ]
+  assert described == []
+
+
+def test_core_imports_no_family():
+  """``core/`` is the ground floor: its modules import nothing of jaxact outside it."""
+  graph = _import_graph()
+  core = {m for m in graph if m.startswith("jaxact._src.core")}
+  assert core
+  above = {f"{m} -> {t}" for m in core for t in graph[m] if not t.startswith("jaxact._src.core")}
+  assert above == set()
+
+
+def test_no_module_has_outgrown_one_reading():
+  paths = sorted(JAXACT.rglob("*.py"))
+  lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in paths}
+  assert set(lengths) >= TABLES, "a named table moved: update TABLES"
+  long = {p: n for p, n in lengths.items() if n > MAX_LINES and p not in TABLES}
+  assert long == {}, f"split these modules (at most {MAX_LINES} lines but the tables {TABLES})"
+
+
+def test_jaxact_src_shows_its_families_at_its_top():
+  entries = sorted(p.name for p in SRC.iterdir() if p.name != "__pycache__")
+  assert len(entries) <= MAX_TOP_ENTRIES, entries
+  families = [p.name for p in SRC.iterdir() if (p / "__init__.py").exists()]
+  for family in families:  # each folder says what it holds
+    assert ast.get_docstring(ast.parse((SRC / family / "__init__.py").read_text())), family

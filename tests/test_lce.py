@@ -17,7 +17,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxact
-from jaxact._src import lce_vjp
+from jaxact._src.lce import plan as lce_plan
+from jaxact._src.lce import vjp as lce_vjp
 
 from lce_cases import BLOCK, D, T, V, inputs, reference, rel_err
 
@@ -103,7 +104,7 @@ def test_blocking_over_tokens_matches():
   """The token-blocked variant the benchmarks compare (blocks of 5 rows of 13: overlapping)."""
   x, w, b, labels, _ = inputs()
   opts = dict(label_smoothing=0.1, z_loss=1e-3, soft_cap=3.0, acc_dtype=np.dtype(np.float64))
-  by_tokens = lce_vjp.LcePlan(block=5, by="tokens", **opts)
+  by_tokens = lce_plan.LcePlan(block=5, by="tokens", **opts)
 
   def ours(x, w, b):
     return jnp.sum(lce_vjp.per_token_loss(by_tokens, x, w, b, labels) * jnp.arange(T))
@@ -262,7 +263,7 @@ def test_the_compiled_step_holds_no_tokens_by_vocabulary_array():
   def theirs(x, w, b):
     return reference(x, w, labels, bias=b, label_smoothing=0.1)
 
-  block = lce_vjp.default_block(t, v)
+  block = lce_plan.default_block(t, v)
   assert block <= v // 8
   ours_c = jax.jit(jax.grad(ours, (0, 1, 2))).lower(x, w, b).compile()
   theirs_c = jax.jit(jax.grad(theirs, (0, 1, 2))).lower(x, w, b).compile()
@@ -554,7 +555,7 @@ def test_predictions_are_the_argmax_of_the_logits_from_the_same_pass(cap):
   for g, r in zip(grads, g_ref, strict=True):
     assert rel_err(g, r) < 1e-12
   # by the token-blocked loop, and for a NaN row (jnp.argmax: the first NaN)
-  by_tokens = lce_vjp.LcePlan(block=5, by="tokens", predictions=True, soft_cap=cap)
+  by_tokens = lce_plan.LcePlan(block=5, by="tokens", predictions=True, soft_cap=cap)
   x_nan, w32 = x.at[4, 0].set(jnp.nan).astype(jnp.float32), w.astype(jnp.float32)
   _, pred_t = lce_vjp.per_token_loss(by_tokens, x_nan, w32, None, labels)
   logits = _capped_logits(x_nan, w32, None, cap)

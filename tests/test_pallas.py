@@ -226,7 +226,7 @@ def test_auto_picks_kernels_only_when_lowered_for_cuda():
 
 
 def test_auto_keeps_xla_for_dense_layers_on_hopper():
-  # Measured: XLA's matmuls beat the Triton kernels on an H100 (jaxact/_src/dispatch.AUTO_RULES).
+  # Measured: XLA's matmuls beat the Triton kernels on an H100 (the fused ops' AUTO_RULES).
   args_ = shapes(64, 32, 48, jnp.bfloat16)
   assert not text_has_triton(lowered_text(train_step("gelu", None), args_, "cuda", "H100"))
   assert text_has_triton(lowered_text(train_step("gelu", "pallas"), args_, "cuda", "H100"))

@@ -1,10 +1,10 @@
 """Derivative codes (``residual_bits``) in the Triton kernels, against the XLA path.
 
 The dense forward kernel and the convolution epilogue kernel write the code of ``act'(z)`` from
-registers beside ``y``, packed as :meth:`jaxact._src.codes.Code.pack` packs the last axis, and the
-backward kernels decode it. On CPU the kernels run in interpret mode: the outputs, the bytes kept
-for the backward pass (read from the pullback's residuals) and the gradients are compared with
-``implementation="xla"``. The inputs are small multiples of powers of two, so that the
+registers beside ``y``, packed as :meth:`jaxact._src.codes.code.Code.pack` packs the last axis,
+and the backward kernels decode it. On CPU the kernels run in interpret mode: the outputs, the
+bytes kept for the backward pass (read from the pullback's residuals) and the gradients are
+compared with ``implementation="xla"``. The inputs are small multiples of powers of two, so that the
 pre-activation is exact in every dtype and both paths encode the same ``z``: the kept bytes must be
 identical, not close. Features that do not fill whole bytes decline the kernels. Compiled for an
 abstract H100 and A100 (XLA's GPU compiler, register-spill check): one representative by default,
@@ -23,7 +23,8 @@ import pytest
 
 import jaxact
 from code_cases import coded, conv_args, dense_args, run
-from jaxact._src import codes, test_util
+from jaxact._src import test_util
+from jaxact._src.codes import code as codes
 from kernel_cases import MOSAIC, TRITON, lowered_text
 from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense
 

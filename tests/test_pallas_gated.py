@@ -23,9 +23,13 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxact
-from jaxact._src import activations, dispatch, pallas_sharding, test_util
-from jaxact._src.fused_vjp import Act
-from jaxact._src.gated_vjp import GatedPlan, gate_cotangents, hidden
+from jaxact._src import docs, test_util
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
+from jaxact._src.core import dispatch, pallas_sharding
+from jaxact._src.gated import rules
+from jaxact._src.gated.plan import GatedPlan
+from jaxact._src.gated.vjp import gate_cotangents, hidden
 from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
 from pallas_kernels import gated as kernels
 
@@ -246,14 +250,14 @@ def test_none_keeps_xla_on_every_target_until_a_gpu_measurement_says_otherwise()
   w = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
   for kind in ("H100", "A100"):
     with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
-      auto = dispatch.decide_gated("gated_mlp", None, plan, x, w, w)
-      named = dispatch.decide_gated("gated_mlp", "pallas", plan, x, w, w)
+      auto = rules.decide("gated_mlp", None, plan, x, w, w)
+      named = rules.decide("gated_mlp", "pallas", plan, x, w, w)
     assert (auto.forward, auto.backward, auto.forced) == ("xla", "xla", False)
     assert "no GPU measurement" in auto.declined
     assert (named.forward, named.backward, named.forced) == ("triton", "triton", True)
-  assert dispatch.decide_gated("gated_mlp", "xla", plan, x, w, w) == dispatch.Decision()
-  for rule in dispatch.GATED_AUTO_RULES:
-    assert rule.where in dispatch.rules_table()
+  assert rules.decide("gated_mlp", "xla", plan, x, w, w) == dispatch.Decision()
+  for rule in rules.GATED_AUTO_RULES:
+    assert rule.where in docs.dispatch_table()
 
 
 def _mlp_step(implementation, activation="gelu"):
@@ -287,15 +291,18 @@ def test_the_lowered_step_runs_the_two_kernels_only_when_asked():
 
 
 def test_per_shard_kernels_lower_for_cuda_without_collectives():
-  """kernel_calls' wrappers on a 2x4 ("data", "model") mesh of A100s: x's rows and the weights'
-  columns split (the forward), any split of gh, a and b (the backward pass); each kernel runs once
-  in a shard_map region on its block, and nothing is gathered or summed."""
+  """The gated kernel calls' wrappers on a 2x4 ("data", "model") mesh of A100s: x's rows and the
+  weights' columns split (the forward), any split of gh, a and b (the backward pass); each kernel
+  runs once in a shard_map region on its block, and nothing is gathered or summed."""
   device = AbstractDevice(device_kind=test_util.A100, num_cores=None, platform="cuda")
   mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Explicit,) * 2, abstract_device=device)
   ep = _epilogue("silu")
 
   def f(x, wg, wu, bg, bu, gh):
-    h, a, b = pallas_sharding.gated_forward(kernels.gated_fwd)(x, wg, wu, bg, bu, epilogue=ep)
+    pattern = pallas_sharding.gated_pattern(x, wg, wu)
+    h, a, b = pallas_sharding.gated_forward(kernels.gated_fwd, pattern)(
+      x, wg, wu, bg, bu, epilogue=ep
+    )
     return h, pallas_sharding.pointwise(kernels.gated_bwd)(gh, a, b, epilogue=ep, with_h=True)
 
   specs = [P("data", None), P(None, "model"), P(None, "model"), P("model"), P(), P("data", "model")]

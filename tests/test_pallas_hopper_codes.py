@@ -24,7 +24,9 @@ import pytest
 
 import jaxact
 from code_cases import coded, coded_rule, dense_args, run
-from jaxact._src import activations, kernel_calls, test_util
+from jaxact._src import test_util
+from jaxact._src.activations import api as activations
+from jaxact._src.activations import resolve
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
 from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
 
@@ -35,7 +37,7 @@ _IDS = [f"{b}-bit" for b in BITS]
 
 
 def epilogue(bits: int, name: str = "gelu") -> Epilogue:
-  return kernel_calls.epilogue(coded_rule(name, bits))
+  return resolve.epilogue(coded_rule(name, bits))
 
 
 def decoded(bits: int, kept, shape, name: str = "gelu"):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import lce_vjp, test_util
+from jaxact._src import test_util
+from jaxact._src.lce import plan as lce_plan
 from kernel_cases import lowered_text
 from pallas_kernels import lce_hopper, lce_hopper_bwd
 
@@ -211,10 +212,10 @@ def test_backward_kernel_refusals_and_blocks():
   assert "float32" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.float32)
   big = lce_hopper_bwd.HopperTiles(stages=4)  # G's buffers leave room for three stages only
   assert "shared memory" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.bfloat16, big)
-  assert lce_vjp.kernel_block(4096, 131072) == 4096
-  assert lce_vjp.kernel_block(5000, 3 * 1024) == 3 * 1024
-  assert lce_vjp.kernel_block(4096, 256 * 7 * 3) == 256 * 7
-  assert lce_vjp.kernel_block(100, 1024) == 256
+  assert lce_plan.kernel_block(4096, 131072) == 4096
+  assert lce_plan.kernel_block(5000, 3 * 1024) == 3 * 1024
+  assert lce_plan.kernel_block(4096, 256 * 7 * 3) == 256 * 7
+  assert lce_plan.kernel_block(100, 1024) == 256
   x, w, _, labels = _inputs(128, 64, 512)
   with pytest.raises(NotImplementedError, match=r"vocab_block_size=384 does not divide V=512"):
     jaxact.linear_cross_entropy(x, w, labels % 512, implementation="mosaic", vocab_block_size=384)

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import eight_devices
 import jaxact
 import pallas_kernels
-from jaxact._src import pallas_sharding
+from jaxact._src.core import pallas_sharding
 
 from cases import representatives
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxact._src.spec import SPECS
+from jaxact._src.core.spec import SPECS
 
 from cases import ELEMENTWISE, dtype_id, public
 

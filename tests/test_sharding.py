@@ -253,7 +253,7 @@ def _mesh_1x1():
 
 
 def test_out_sharding_is_checked_and_an_ambiguous_product_names_it():
-  from jaxact._src.shardings import ShardingTypeError
+  from jaxact._src.core.shardings import ShardingTypeError
 
   x = jnp.ones((2, 4, 8), jnp.float32)
   w, w_down = jnp.ones((8, 16), jnp.float32), jnp.ones((16, 8), jnp.float32)

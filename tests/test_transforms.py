@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxact._src.spec import SPECS
+from jaxact._src.core.spec import SPECS
 
 from cases import ELEMENTWISE, F64, assert_within, eps, public, reference, representatives
 

@@ -14,11 +14,10 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
-from jaxact._src import dispatch, dropout, shardings, validation
-from jaxact._src import fused_args as args
 from jaxact._src.attention import rules, sharding
 from jaxact._src.attention.plan import AttentionPlan, Aux, default_blocks
 from jaxact._src.attention.vjp import attention
+from jaxact._src.core import args, dispatch, dropout, shardings, validation
 
 _FN = "dot_product_attention"
 

@@ -4,8 +4,8 @@ the decision and the lowering platform.
 Both passes exchange O ``(B, T, N, H)`` and lse ``(B, N, T)`` float32 in the kernels' layout (the
 XLA path's (B, K, G, T) is the same array reshaped). Kernels asked for by name run on every
 platform, in interpret mode off CUDA; kernels that ``implementation=None`` chose run only where
-the program is lowered for CUDA, XLA elsewhere (as :mod:`jaxact._src.kernel_calls` does for the
-fused ops).
+the program is lowered for CUDA, XLA elsewhere (as :func:`jaxact._src.core.platform.switch` does
+for the fused ops).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from jax import lax
 
-from jaxact._src.dispatch import Decision
+from jaxact._src.core.dispatch import Decision
 
 
 def _switch(args, kernel: Callable[..., Any], xla: Callable[..., Any], d: Decision):

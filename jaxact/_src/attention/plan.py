@@ -11,8 +11,8 @@ import jax
 import numpy as np
 from jax import Array
 
-from jaxact._src.dispatch import Decision
-from jaxact._src.dropout import Dropout
+from jaxact._src.core.dispatch import Decision
+from jaxact._src.core.dropout import Dropout
 
 _FLOAT32 = np.dtype(np.float32)
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax import Array
 
 from jaxact._src.attention import kernels
-from jaxact._src.dispatch import Decision, Rule, auto, target
+from jaxact._src.core.dispatch import Decision, Rule, auto, target
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "mosaic")
 

@@ -20,7 +20,8 @@ import math
 
 from jax import lax
 
-from jaxact._src import pallas_sharding as ps
+from jaxact._src.core import pallas_sharding as ps
+from jaxact._src.core import shardings
 
 
 def _fail(msg: str):
@@ -32,19 +33,19 @@ def per_device(fn, plan, q, k, v, bias, aux):
   per device under ``shard_map`` when their types name a mesh with Explicit axes."""
   mask = aux.mask
   others = (aux.mask, aux.q_lengths, aux.kv_lengths, aux.q_segments, aux.kv_segments)
-  mesh = ps._mesh(q, k, v, bias, *others)
+  mesh = shardings.explicit_mesh(q, k, v, bias, *others)
   if mesh is None:
     return functools.partial(fn, plan)
   if isinstance(mesh, str):
     _fail(mesh)
-  qs, ks = ps.spec_of(q), ps.spec_of(k)
-  if qs[1] or ks[1] or ps.spec_of(v)[1]:
+  qs, ks = shardings.spec_of(q), shardings.spec_of(k)
+  if qs[1] or ks[1] or shardings.spec_of(v)[1]:
     _fail(
-      f"the sequence axis is sharded (query {ps._pspec(qs)}, key {ps._pspec(ks)}); each device "
-      "attends whole sequences: shard batch and heads, or reshard the sequence first"
+      f"the sequence axis is sharded (query {shardings.pspec(qs)}, key {shardings.pspec(ks)}); "
+      "each device attends whole sequences: shard batch and heads, or reshard the sequence first"
     )
   if qs[3] or ks[3]:
-    _fail(f"the head dim is sharded (query {ps._pspec(qs)}, key {ps._pspec(ks)})")
+    _fail(f"the head dim is sharded (query {shardings.pspec(qs)}, key {shardings.pspec(ks)})")
   batch, heads = qs[0], qs[2]
   if plan.dropout is not None and not plan.broadcast_dropout and (batch or heads):
     _fail("dropout with broadcast_dropout=False (its mask is drawn by global batch and head index)")

@@ -34,7 +34,7 @@ import numpy as np
 from jax import Array, lax
 
 from jaxact._src.attention.plan import AttentionPlan, Aux
-from jaxact._src.dropout import keep_from_index
+from jaxact._src.core.dropout import keep_from_index
 
 # ----------------------------------------------------------------------------- the blocks
 
@@ -171,7 +171,7 @@ def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, 
 def _keep(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q0, k0) -> Array:
   """The dropout keep mask of one block, broadcastable to (B, K, G, bq, bk): Flax's
   ``bernoulli(key, 1 - rate, shape)`` over (1, 1, T, S) (broadcast) or (B, N, T, S), drawn from
-  each element's linear index (:func:`jaxact._src.dropout.keep_from_index`)."""
+  each element's linear index (:func:`jaxact._src.core.dropout.keep_from_index`)."""
   bq, bk = plan.block_q, plan.block_k
   t = (q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)).astype(jnp.uint32)
   u = (k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)).astype(jnp.uint32)

@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from jaxact._src import activations, dispatch, kernel_calls
+from jaxact._src.activations import api as activations
+from jaxact._src.activations import resolve
+from jaxact._src.core import dispatch
 from pallas_kernels import Epilogue, default_block_config
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -235,13 +237,13 @@ def param_defaults(spec) -> dict[str, Any]:
 
 def epilogue(name: str, **params) -> Epilogue:
   """The kernels' epilogue for the spec table's activation `name` with Python-number `params`
-  (defaults for the rest), built as the fused ops build it (:func:`kernel_calls.epilogue`)."""
+  (defaults for the rest), built as the fused ops build it (:func:`resolve.epilogue`)."""
   spec = jaxact.get_spec(name)
   z = jax.ShapeDtypeStruct((), jnp.float32)
   rule, dynamic = activations._split_params(spec, z, param_defaults(spec) | params)
   if dynamic:
     raise ValueError(f"epilogue({name!r}): parameters must be Python numbers; got {params}")
-  return kernel_calls.epilogue(rule)
+  return resolve.epilogue(rule)
 
 
 # ----------------------------------------------------------------------- the kernels' tiles

@@ -33,7 +33,8 @@ import numpy as np
 from jax import lax
 
 import jaxact
-from jaxact._src import activations, kernel_calls
+from jaxact._src.activations import api as activations
+from jaxact._src.activations import resolve
 from jaxact._src.test_util import param_defaults
 from pallas_kernels import Epilogue
 
@@ -64,7 +65,7 @@ def rule(name: str, bits: int | None):
 
 def code_epilogue(name: str, bits: int | None) -> Epilogue:
   """The kernels' epilogue, as the fused ops build it."""
-  return kernel_calls.epilogue(rule(name, bits))
+  return resolve.epilogue(rule(name, bits))
 
 
 # ----------------------------------------------------------------------------- correctness

@@ -35,8 +35,9 @@ def plain(x, w, labels):
 def mosaic_forward_only(x, w, labels):
   """``implementation="mosaic"`` with XLA's blocked backward in place of the backward kernel: what
   the two kernels are each worth, apart."""
-  from jaxact._src import dispatch
-  from jaxact._src.lce_vjp import LcePlan, default_block, kernel_block, per_token_loss
+  from jaxact._src.core import dispatch
+  from jaxact._src.lce.plan import LcePlan, default_block, kernel_block
+  from jaxact._src.lce.vjp import per_token_loss
 
   tokens, vocab = x.shape[0], w.shape[1]
   plan = LcePlan(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from jaxact._src.spec import SPECS
+from jaxact._src.core.spec import SPECS
 
 # Parameter corners beyond the defaults: the ones that change which formula or residual is used.
 CORNERS: dict[str, tuple[dict, ...]] = {

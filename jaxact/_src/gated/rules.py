@@ -1,0 +1,134 @@
+"""Which backend runs a gated call (``gated_dense``, ``gated_mlp``): the gated ops' rows of the one
+decision point.
+
+``implementation="pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward and
+backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the
+Triton backward; either raises ``NotImplementedError`` with the reason when it cannot run the call
+(:func:`triton_unsupported`, :func:`mosaic_unsupported`). ``None`` takes the first row of
+:data:`GATED_AUTO_RULES` that holds, after the checks of the fused ops' common ground
+(:func:`jaxact._src.core.dispatch.kernels_unsupported`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax import Array
+
+from jaxact._src.activations import resolve
+from jaxact._src.core import dispatch, pallas_sharding, shardings
+
+if TYPE_CHECKING:
+  from jaxact._src.gated.plan import GatedPlan
+
+
+def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, sharding) -> str | None:
+  """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call in its
+  `sharding` plan (:func:`~jaxact._src.core.pallas_sharding.gated_pattern`), or None."""
+  why = dispatch.kernels_unsupported(plan, x, w_gate)
+  if why is not None:
+    return why
+  hidden = plan.hidden_sharding
+  hidden = None if hidden is None else shardings.spec_of_sharding(hidden, x.ndim)
+  sharded = pallas_sharding.pattern_reason(sharding, x.ndim, hidden)
+  if sharded is not None:
+    return f"inputs sharded over a mesh: {sharded}"
+  from pallas_kernels import allow_tf32, unlowered_primitives
+
+  try:
+    allow_tf32(plan.precision)
+  except NotImplementedError as e:
+    return str(e)
+  rule = plan.act.rule
+  epilogue = resolve.epilogue(rule)
+  z = jax.ShapeDtypeStruct((), np.float32)
+  parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
+  missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
+  if missing:
+    return (
+      f"the activation {rule.name} computes {', '.join(missing)}, which Pallas Triton does not "
+      "lower"
+    )
+  return None
+
+
+def mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:
+  """Why the gated Hopper forward (:mod:`pallas_kernels.gated_hopper`) cannot run this call."""
+  from pallas_kernels import gated_hopper
+
+  if np.dtype(plan.out_dtype) != np.dtype(x.dtype):
+    return (
+      f"output dtype {np.dtype(plan.out_dtype).name} differs from the operands' "
+      f"{np.dtype(x.dtype).name} (the kernel writes a, b and h in the operands' dtype)"
+    )
+  if plan.precision is not None:
+    return f"precision={plan.precision!r} (the kernel's wgmma takes the default precision only)"
+  shape = (math.prod(x.shape[:-1]), *w_gate.shape)
+  return gated_hopper.gated_unsupported(shape, x.dtype, resolve.epilogue(plan.act.rule))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatedFacts:
+  """What the gated rules ask of one call."""
+
+  plan: GatedPlan
+  x: Array
+  w_gate: Array
+  target: dispatch.Target
+
+
+# The gated ops' rules for implementation=None, tried after triton_unsupported.
+GATED_AUTO_RULES: tuple[dispatch.Rule, ...] = (
+  dispatch.Rule(
+    "`gated_dense`, `gated_mlp`: every target",
+    lambda f: True,
+    "xla",
+    "xla",
+    "no GPU measurement supports the gated Triton kernels yet (they compile for H100 and A100 "
+    "without spills; implementation='pallas' runs them)",
+  ),
+)
+
+
+def decide(
+  fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
+) -> dispatch.Decision:
+  """The backends for one gated call, as :func:`jaxact._src.fused.rules.decide` for the fused
+  ops: ``"pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward and backward
+  pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the Triton
+  backward; either raises ``NotImplementedError`` with the reason when it cannot run the call.
+  ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
+  dispatch.check_implementation(fn_name, implementation)
+  if implementation == "xla":
+    return dispatch.Decision()
+  # derived once: the checks read it, the kernels run in it
+  sharding = pallas_sharding.gated_pattern(x, w_gate, w_up)
+  match implementation:
+    case "pallas":
+      why = triton_unsupported(plan, x, w_gate, sharding)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
+          "implementation='xla' or None"
+        )
+      target = dispatch.target()
+      return dispatch.Decision("triton", "triton", forced=True, target=target, sharding=sharding)
+    case "mosaic":
+      # The Mosaic GPU forward (both projections from one pass over x); the backward pass is the
+      # Triton elementwise kernel, which Hopper runs.
+      why = triton_unsupported(plan, x, w_gate, sharding) or mosaic_unsupported(plan, x, w_gate)
+      if why is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
+          "implementation='pallas', 'xla' or None"
+        )
+      target = dispatch.target()
+      return dispatch.Decision("mosaic", "triton", forced=True, target=target, sharding=sharding)
+    case _:  # None
+      why = triton_unsupported(plan, x, w_gate, sharding)
+      facts = lambda: _GatedFacts(plan, x, w_gate, dispatch.target())
+      return dispatch.auto(why, GATED_AUTO_RULES, facts, sharding)

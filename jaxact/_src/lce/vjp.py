@@ -1,0 +1,84 @@
+"""The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy`.
+
+Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64 for float64
+inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``a`` and z-loss
+``k``, the op returns the per-token loss
+
+    loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2
+
+and keeps ``x``, ``w``, ``b``, ``labels`` and ``lse_t`` (one number a token) for the backward
+pass, which recomputes the logits block by block and forms
+
+    G[t, v] = g_t ((1 + 2 k lse_t) p[t, v] - (1 - a) [v = y_t] - a / V) ds/dz,   p = softmax(s),
+
+from the per-token cotangent ``g_t`` (whatever it is: the caller's reduction over tokens is JAX
+code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``. No array of shape
+(tokens, vocabulary) exists in either pass: the largest temporaries are one block of logits and
+its ``G``.
+
+T5X's label smoothing is optax's with ``a V / (V - 1)`` and a constant subtracted from every loss
+(``loss_offset``: :func:`jaxact._src.lce.plan.t5x_smoothing`); per-token weights multiply ``g_t``
+outside this rule. With ``predictions`` the forward also returns each token's argmax column of
+``s``, tracked in the same loop (a running max and its column; across vocabulary shards a ``pmax``
+and a ``pmin``). ``w`` is (D, V), or (V, D) for ``w_layout="vd"`` (an embedding table, sliced by
+rows, its gradient written by rows: no transposed copy).
+
+Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
+neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
+``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
+label is outside ``[0, V)``; their gradients stay finite, and zero where their cotangent is zero.
+
+The XLA path (:mod:`jaxact._src.lce.xla`) loops over blocks of the vocabulary, each device on its
+shards under Explicit mesh axes (:mod:`jaxact._src.lce.sharding`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jaxact._src.core import shardings
+from jaxact._src.lce.plan import LcePlan
+from jaxact._src.lce.sharding import gathered, gradients, statistics
+from jaxact._src.lce.xla import loss_of, scales
+
+# ------------------------------------------------------------------------- the custom_vjp
+
+
+def _fwd(plan: LcePlan, x, w, b, labels, where):
+  vocab = w.shape[plan.vocab_axis]
+  x = gathered(plan, x)  # kept so: the backward needs the features whole again
+  lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
+  loss = loss_of(plan, lse, sy, mean, labels, vocab)
+  if where is not None:
+    loss = jnp.where(where, loss, 0)
+  out = (loss, pred) if plan.predictions else loss
+  return out, (x, w, b, labels, where, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def per_token_loss(
+  plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array, where: Array | None = None
+) -> Array | tuple[Array, Array]:
+  """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
+  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring. With
+  ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of every token)."""
+  return _fwd(plan, x, w, b, labels, where)[0]
+
+
+def _bwd(plan: LcePlan, res, g):
+  x, w, b, labels, where, lse = res
+  if plan.predictions:
+    g = g[0]  # the predictions' cotangent is float0
+  if where is not None:
+    g = jnp.where(where, g, 0)
+  row_scales = scales(plan, g, lse, labels, w.shape[plan.vocab_axis])
+  dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
+  dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
+  return dx, dw, db, None, None
+
+
+per_token_loss.defvjp(_fwd, _bwd)
