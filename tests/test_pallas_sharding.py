@@ -85,9 +85,10 @@ CASES = {
 }
 
 
-# The mosaic cases run the Mosaic GPU kernels in their interpreter on 8 devices (~16 s each):
-# `pytest -m exhaustive` runs them; the default suite lowers them per shard for an H100 below.
-NAMES = representatives(list(CASES), set(CASES) - {"mosaic_dp", "mosaic_dp_tp"})
+# The default suite: data and tensor parallel dense, a convolution, Auto axes. The other cases, and
+# the mosaic ones (the Mosaic GPU kernels in their interpreter on 8 devices, ~16 s each; the default
+# suite lowers them per shard for an H100 below), under `pytest -m exhaustive`.
+NAMES = representatives(list(CASES), {"dense_dp_tp", "conv3x3_dp", "dense_dp_auto_axis"})
 # What the tests below read besides the parametrized cases.
 OTHER_CASES = ("forward_replicated_b", "unsupported_k")
 
