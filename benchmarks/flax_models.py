@@ -36,7 +36,7 @@ import jaxact.linen
 from benchmarks import activations as bench
 from benchmarks import fused_memory as fused
 from benchmarks import timing
-from jaxact._src import codes
+from jaxact._src.codes import code as codes
 
 VARIANTS = (
   "flax",

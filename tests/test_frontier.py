@@ -126,3 +126,16 @@ def test_table_marks_the_front_and_shows_the_rounds_spread():
   assert marked == {"Flax", "jaxact + remat", "jaxact + remat(names)"}
   assert "| Flax + remat(dots) | 570 | 1.05 | 0.98-1.12 |  |" in rows
   assert "| Flax | 1266 | 1.00 | — | yes |" in rows
+
+
+def test_every_benchmark_module_imports():
+  """The main job and every benchmark import against the library as it is laid out now (a moved
+  private module broke `python -m benchmarks` once while every test passed)."""
+  import importlib
+  import pathlib
+
+  folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+  for path in sorted(folder.glob("*.py")):
+    if path.stem != "__main__":
+      importlib.import_module(f"benchmarks.{path.stem}")
+  assert "benchmarks.flax_models" in __import__("sys").modules
