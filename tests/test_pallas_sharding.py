@@ -95,16 +95,9 @@ OTHER_CASES = ("forward_replicated_b", "unsupported_k")
 
 @pytest.fixture(scope="session")
 def results(request, tmp_path_factory) -> dict[str, dict]:
-  # The cases this session's tests read (every xdist worker collects the same items).
-  selected = {
-    i.callspec.params["name"]
-    for i in request.session.items
-    if getattr(i, "module", None) is not None
-    and i.module.__name__ == __name__
-    and "name" in getattr(getattr(i, "callspec", None), "params", {})
-  }
+  selected = eight_devices.selected_cases(request, __name__, {})
   return eight_devices.run_script_once(
-    SCRIPT, tmp_path_factory, sorted(selected | set(OTHER_CASES))
+    SCRIPT, tmp_path_factory, sorted(set(selected) | set(OTHER_CASES))
   )
 
 
