@@ -55,8 +55,8 @@ def pytest_make_parametrize_id(config, val, argname):
 # The default suite's budget: under 8 minutes on the 2-core CI machine, install included. These
 # parametrized tests are surveys: by default each runs `n` of its cases (those not marked exhaustive
 # already), spread evenly over its collection order, the first always; 0 runs none. `pytest -m
-# exhaustive` runs every case. Chosen from `pytest --durations=0` (2026-11-26): every activation,
-# dtype and option still runs in some test by default.
+# exhaustive` runs every case. Chosen from `pytest --durations=0` (2026-11-26); that each
+# activation, dtype and option still runs somewhere by default was not checked case by case.
 SAMPLED: dict[str, int] = {
   # kernels compiled for GPUs and run in the interpreter
   "tests/test_gpu_compile.py::test_no_spill_where_triton_tiles_spilled_before": 0,
