@@ -13,7 +13,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
   b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
   :mod:`pallas_kernels.attention` (FlashAttention-2's forward and backward keeping q, k, v, o and
-  one float32 log-sum-exp a row: GQA/MQA, causal, sliding window, lengths, logit soft cap).
+  two float32 numbers a row, its maximum and log-sum: GQA/MQA, causal, sliding window, lengths,
+  logit soft cap).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
   :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward;
   its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),

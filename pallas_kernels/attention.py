@@ -1,15 +1,18 @@
-"""Attention that keeps q, k, v, its output and one log-sum-exp a row: FlashAttention-2 forward
-and backward as Pallas kernels (Triton backend, sm80+).
+"""Attention that keeps q, k, v, its output and two numbers a row: FlashAttention-2 forward and
+backward as Pallas kernels (Triton backend, sm80+).
 
 Layout as ``jax.nn.dot_product_attention``: q ``(B, T, N, H)``, k and v ``(B, S, K, H)`` with K
 dividing N (query head ``n`` reads kv head ``n // (N // K)``: grouped and multi-query attention);
-the output o ``(B, T, N, H)`` in q's dtype and the float32 log-sum-exp of each row's logits, lse
-``(B, N, T)``. The logits ``s = scale * q k^T`` accumulate in float32 and are optionally soft-capped
-(``c * tanh(s / c)``). A key is excluded from a row's softmax where `causal` and ``u > t``
-(top-left aligned, ``jnp.tril``), outside a `window` ``(left, right)``
-(``t - left <= u <= t + right``), or at or past ``kv_lengths[b]``; rows at or past
-``q_lengths[b]`` see no key. A row that sees no key gives ``o = 0``, ``lse = -inf`` and zero
-gradients, never NaN.
+the output o ``(B, T, N, H)`` in q's dtype and each row's statistics, stats ``(B, N, 2, T)``
+float32: the row's largest ``z`` (see :class:`_Logits`: ``s = unit * z``) and
+``l = log sum exp(s - unit * max z)``, so that the log-sum-exp is
+``unit * stats[:, :, 0] + stats[:, :, 1]``. They are kept apart because one float32 ``lse``
+rounds ``l`` away next to a huge row maximum. The logits ``s = scale * q k^T`` accumulate in
+float32 and are optionally soft-capped (``c * tanh(s / c)``). A key is excluded from a row's
+softmax where `causal` and ``u > t`` (top-left aligned, ``jnp.tril``), outside a `window`
+``(left, right)`` (``t - left <= u <= t + right``), or at or past ``kv_lengths[b]``; rows at or
+past ``q_lengths[b]`` see no key. A row that sees no key gives ``o = 0``, stats ``(0, 0)`` and
+zero gradients, never NaN.
 
 Forward (:func:`attention_forward`): one program per (query block, batch, head) keeps its q tile in
 registers and loops over the key blocks its rows can see, with an online softmax in base 2 (a
@@ -19,7 +22,8 @@ entirely outside the causal mask, the window or ``kv_lengths`` are not visited (
 exclude them); of the others only those the mask cuts evaluate it.
 
 Backward (:func:`attention_backward`), FlashAttention-2's order: ``delta = rowsum(dO * O)`` in
-float32 (one XLA reduction), then two kernels that recompute ``P = exp(s - lse)`` block by block:
+float32 (one XLA reduction), then two kernels that recompute ``P = exp(s - m - l)`` block by
+block:
 
 * dk, dv: one program per (key block, batch, kv head) loops over the query heads of its group and
   the query blocks that see its keys: ``dv += P^T dO``, ``dk += dS^T q``, the group's sum kept in
@@ -28,8 +32,8 @@ float32 (one XLA reduction), then two kernels that recompute ``P = exp(s - lse)`
   ``dq += dS k``;
 
 with ``dS = P * (dP - delta)``, ``dP = dO v^T``, times ``1 - (s / c)^2`` under a soft cap, and the
-scale applied once at the end. A row past ``q_lengths`` or without keys has its lse read as +inf,
-which makes its P exactly 0.
+scale applied once at the end. A row past ``q_lengths`` has its ``l`` read as +inf, and a row
+without keys has every logit masked: their P is exactly 0.
 
 Ragged T and S are masked, not padded: loads past the arrays read 0 and stores past them are
 dropped. The head dimension is one tile (a power of two from 16 to 256,
@@ -70,7 +74,7 @@ class AttentionTiles:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlockConfig:
-  fwd: AttentionTiles  # o, lse: a program per query block, stepping over key blocks
+  fwd: AttentionTiles  # o, stats: a program per query block, stepping over key blocks
   dq: AttentionTiles  # dq: a program per query block, stepping over key blocks
   dkv: AttentionTiles  # dk, dv: a program per key block, stepping over query blocks
 
@@ -279,27 +283,27 @@ class _Logits:
     return ds if self.soft_cap is None else ds * (1.0 - z * z)
 
 
-def _row_stats(lse_ref, delta_ref, b, n, t0, rows: int, q_len, logits: _Logits):
-  """``(lse / unit, delta)`` of rows ``[t0, t0 + rows)``: the log-sum-exp in z's units, +inf for a
-  row without keys or past ``q_len`` (so that its P is exactly 0), and delta."""
+def _row_stats(stats_ref, delta_ref, b, n, t0, rows: int, q_len):
+  """``(m, l2, delta)`` of rows ``[t0, t0 + rows)``: the row maximum of z, ``l`` in base 2 (+inf
+  past ``q_len``, so that its P is exactly 0), and delta."""
   t = t0 + _iota(rows)
-  inside = t < lse_ref.shape[2]
-  lse = load(lse_ref.at[b, n, pl.ds(t0, rows)], mask=inside, other=jnp.inf)
+  inside = t < stats_ref.shape[3]
+  m = load(stats_ref.at[b, n, jnp.int32(0), pl.ds(t0, rows)], mask=inside, other=0.0)
+  l2 = load(stats_ref.at[b, n, jnp.int32(1), pl.ds(t0, rows)], mask=inside, other=0.0) * _LOG2E
   delta = load(delta_ref.at[b, n, pl.ds(t0, rows)], mask=inside, other=0.0)
-  lse = jnp.where((t < q_len) & (lse > -jnp.inf), lse * (1.0 / logits.unit), jnp.inf)
-  return lse, delta
+  return m, jnp.where(t < q_len, l2, jnp.inf), delta
 
 
-def _probabilities(logits: _Logits, z: Array, lse: Array) -> Array:
-  """P from z and the rows' lse in z's units (broadcast), at most 1: a recomputed logit may round
-  an ulp above the forward's, and for huge logits an ulp is a huge exponent."""
-  return jnp.exp2(jnp.minimum((z - lse) * (logits.unit * _LOG2E), 0.0))
+def _probabilities(logits: _Logits, z: Array, m: Array, l2: Array) -> Array:
+  """P from z and the rows' statistics (broadcast). ``z - m <= 0`` but for a recomputed logit an
+  ulp above the forward's maximum (for huge logits an ulp is a huge exponent): clamped."""
+  return jnp.exp2(jnp.minimum((z - m) * (logits.unit * _LOG2E), 0.0) - l2)
 
 
 def _fwd_kernel(
-  q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, o_ref, lse_ref, *, mask, logits, groups, tiles, tf32
+  q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, o_ref, stats_ref, *, mask, logits, groups, tiles, tf32
 ):
-  """o and lse of query block ``i`` of head ``n`` of batch ``b``."""
+  """o and stats of query block ``i`` of head ``n`` of batch ``b``."""
   bq, bk = tiles.block_q, tiles.block_k
   i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   kv_head = _div(n, groups)
@@ -336,8 +340,9 @@ def _fwd_kernel(
   seen = (t < q_len) & (total > 0)
   total = jnp.where(seen, total, 1.0)
   _store_rows(o_ref, b, t0, n, jnp.where(seen[:, None], acc / total[:, None], 0.0))
-  lse = jnp.where(seen, m * logits.unit + jnp.log2(total) * _LN2, -jnp.inf)
-  store(lse_ref.at[b, n, pl.ds(t0, bq)], lse, mask=t < lse_ref.shape[2])
+  inside = t < stats_ref.shape[3]
+  store(stats_ref.at[b, n, jnp.int32(0), pl.ds(t0, bq)], jnp.where(seen, m, 0.0), mask=inside)
+  store(stats_ref.at[b, n, jnp.int32(1), pl.ds(t0, bq)], jnp.log2(total) * _LN2, mask=inside)
 
 
 def _dq_kernel(
@@ -345,7 +350,7 @@ def _dq_kernel(
   k_ref,
   v_ref,
   do_ref,
-  lse_ref,
+  stats_ref,
   delta_ref,
   qlen_ref,
   kvlen_ref,
@@ -367,7 +372,7 @@ def _dq_kernel(
   t = t0 + _iota(bq)
   q = _load_rows(q_ref, b, t0, n, bq)
   do = _load_rows(do_ref, b, t0, n, bq)
-  lse, delta = _row_stats(lse_ref, delta_ref, b, n, t0, bq, q_len, logits)
+  m, l2, delta = _row_stats(stats_ref, delta_ref, b, n, t0, bq, q_len)
   t_end = jnp.minimum(t0 + bq, q_len)
   outer, inner = mask.key_range(t0, t_end, kv_len)
   bounds = _blocks(outer, inner, bk, t_end > t0)
@@ -379,7 +384,7 @@ def _dq_kernel(
     z = zm = logits(_dot(q, k, trans_b=True, tf32=tf32))
     if masked:
       zm = jnp.where(mask.valid(t[:, None], (u0 + _iota(bk))[None, :], kv_len), z, -jnp.inf)
-    p = _probabilities(logits, zm, lse[:, None])
+    p = _probabilities(logits, zm, m[:, None], l2[:, None])
     dp = _dot(do, v, trans_b=True, tf32=tf32)
     ds = logits.grad(p * (dp - delta[:, None]), z)
     return dq + _dot(ds.astype(k.dtype), k, tf32=tf32)
@@ -393,7 +398,7 @@ def _dkv_kernel(
   k_ref,
   v_ref,
   do_ref,
-  lse_ref,
+  stats_ref,
   delta_ref,
   qlen_ref,
   kvlen_ref,
@@ -430,11 +435,11 @@ def _dkv_kernel(
       t0 = i * bq
       q = _load_rows(q_ref, b, t0, n, bq)
       do = _load_rows(do_ref, b, t0, n, bq)
-      lse, delta = _row_stats(lse_ref, delta_ref, b, n, t0, bq, q_len, logits)
+      m, l2, delta = _row_stats(stats_ref, delta_ref, b, n, t0, bq, q_len)
       z = zm = logits(_dot(k, q, trans_b=True, tf32=tf32))  # (keys, rows)
       if masked:
         zm = jnp.where(mask.valid((t0 + _iota(bq))[None, :], u[:, None], kv_len), z, -jnp.inf)
-      p = _probabilities(logits, zm, lse[None, :])
+      p = _probabilities(logits, zm, m[None, :], l2[None, :])
       dv = dv + _dot(p.astype(do.dtype), do, tf32=tf32)
       dp = _dot(v, do, trans_b=True, tf32=tf32)
       ds = logits.grad(p * (dp - delta[None, :]), z)
@@ -588,7 +593,8 @@ def attention_forward(
   precision: Any = None,
   interpret: bool = False,
 ) -> tuple[Array, Array]:
-  """``(o, lse)``: o ``(B, T, N, H)`` in q's dtype and the float32 log-sum-exp lse ``(B, N, T)``.
+  """``(o, stats)``: o ``(B, T, N, H)`` in q's dtype and the float32 row statistics ``(B, N, 2,
+  T)`` (the module docstring says what they hold).
 
   `block_q`, `block_k`, `num_warps`, `num_stages` replace :func:`_block_config`'s choice for the
   forward kernel. Raises ValueError (TypeError for dtypes and `scale`) for what the kernels cannot
@@ -619,18 +625,18 @@ def attention_forward(
     tiles=tiles,
     **static,
   )
-  o, lse = pl.pallas_call(
+  o, stats = pl.pallas_call(
     kernel,
     out_shape=(
       jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+      jax.ShapeDtypeStruct((b, n, 2, t), jnp.float32),
     ),
     grid=(pl.cdiv(t, tiles.block_q), b, n),
     compiler_params=_params(tiles),
     interpret=interpret,
     name="jaxact_attention_fwd",
   )(q, k, v, *(x for x in lengths if x is not None))
-  return o, lse
+  return o, stats
 
 
 def attention_backward(
@@ -638,7 +644,7 @@ def attention_backward(
   k: Array,
   v: Array,
   o: Array,
-  lse: Array,
+  stats: Array,
   do: Array,
   q_lengths: Array | None = None,
   kv_lengths: Array | None = None,
@@ -655,7 +661,7 @@ def attention_backward(
   interpret: bool = False,
 ) -> tuple[Array, Array, Array]:
   """``(dq, dk, dv)`` in q's, k's and v's dtypes for the cotangent `do` of ``o``, from what
-  :func:`attention_forward` returned (`o`, `lse`) and its arguments.
+  :func:`attention_forward` returned (`o`, `stats`) and its arguments.
 
   `block_q`, `block_k`, `num_warps`, `num_stages` replace :func:`_block_config`'s choice for both
   backward kernels."""
@@ -674,11 +680,11 @@ def attention_backward(
   )
   b, t, n, _ = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
-  for arg, x, shape in (("o", o, q.shape), ("do", do, q.shape), ("lse", lse, (b, n, t))):
+  for arg, x, shape in (("o", o, q.shape), ("do", do, q.shape), ("stats", stats, (b, n, 2, t))):
     if x.shape != shape:
       raise ValueError(f"{name}: `{arg}` must have shape {shape}; got {arg}.shape={x.shape}")
-  if lse.dtype != jnp.float32:
-    raise TypeError(f"{name}: `lse` must be float32; got {lse.dtype}")
+  if stats.dtype != jnp.float32:
+    raise TypeError(f"{name}: `stats` must be float32; got {stats.dtype}")
   cfg = _block_config(q.shape, k.shape, q.dtype)
   dq_tiles = _tiles(cfg.dq, block_q, block_k, num_warps, num_stages, name)
   dkv_tiles = _tiles(cfg.dkv, block_q, block_k, num_warps, num_stages, name)
@@ -689,7 +695,7 @@ def attention_backward(
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
   lengths = tuple(x for x in (_lengths(q_lengths), _lengths(kv_lengths)) if x is not None)
   present = (True,) * 6 + (q_lengths is not None, kv_lengths is not None)
-  args = (q, k, v, do, lse, delta, *lengths)
+  args = (q, k, v, do, stats, delta, *lengths)
 
   dq = pl.pallas_call(
     _slots(_dq_kernel, (*present, True), tiles=dq_tiles, **static),

@@ -5,7 +5,7 @@ On CPU the kernels run in Pallas interpret mode, against :func:`attention_refere
 semantics over the whole T x S logits, in the same dtype) and against the float64 autodiff of an
 independent formula: ``jax.nn.dot_product_attention(implementation="xla")`` for the rows that see a
 key (it averages the values for a row that sees none, where the kernels give 0), a plain softmax
-under a soft cap (jax.nn has none). Rows without keys: o = 0, lse = -inf, zero gradients. Blocks
+under a soft cap (jax.nn has none). Rows without keys: o = 0, stats 0, zero gradients. Blocks
 outside the mask hold NaN and the outputs that do not depend on them stay finite: the loops skip
 them. For CUDA: forward and backward lowered, and compiled for an A100 and an H100 at B 4,
 T = S = 2048 through XLA's GPU compiler with its register-spill check, with no T x S buffer in the
@@ -34,7 +34,7 @@ F64 = jnp.float64
 # Largest error allowed, relative to the largest entry of the float64 result (o, dq, dk, dv): the
 # kernels round P (and dS) to the operands' dtype before their dots, and the outputs to theirs.
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
-LSE_TOL = 1e-5  # lse is float32 from float32 logits in every dtype (relative to max(1, |lse|))
+LSE_TOL = 1e-5  # stats are float32 from float32 logits in every dtype (relative to max(1, |lse|))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +92,14 @@ def reference(q, k, v, q_lengths=None, kv_lengths=None, *, case: Case):
 
 
 def kernel_results(case: Case, args):
-  """o, lse, dq, dk, dv from the kernels in interpret mode, blocks of 16."""
+  """o, stats, dq, dk, dv from the kernels in interpret mode, blocks of 16."""
   return quick(_kernels, *args, options=tuple(case.options.items()))
 
 
 def _kernels(q, k, v, do, ql, kl, *, options):
   opts = dict(options, block_q=16, block_k=16, interpret=True)
-  o, lse = kernels.attention_forward(q, k, v, ql, kl, **opts)
-  return (o, lse, *kernels.attention_backward(q, k, v, o, lse, do, ql, kl, **opts))
+  o, stats = kernels.attention_forward(q, k, v, ql, kl, **opts)
+  return (o, stats, *kernels.attention_backward(q, k, v, o, stats, do, ql, kl, **opts))
 
 
 def seen(case: Case) -> np.ndarray:
@@ -182,9 +182,21 @@ def assert_close(got, want, dtype, what):
   assert err <= TOL[dtype], f"{what}: error {err:.2e} of max |want| (tolerance {TOL[dtype]:.0e})"
 
 
-def assert_lse(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+def stats_lse(stats, case: Case) -> np.ndarray:
+  """The log-sum-exp (B, N, T) in float64 from the kernels' stats (B, N, 2, T): the row maximum in
+  z's units, then the log of the sum."""
+  stats = np.asarray(stats, np.float64)
+  unit = case.soft_cap if case.soft_cap is not None else case.options["scale"]
+  return unit * stats[:, :, 0] + stats[:, :, 1]
+
+
+def assert_lse(stats, want, case: Case):
+  """The stats against a log-sum-exp `want`; the rows without keys (-inf there) keep (0, 0)."""
+  got = stats_lse(stats, case)
+  want = np.asarray(want, np.float64)
+  empty = np.isneginf(want)
+  assert np.all(np.asarray(stats)[:, :, 0][empty] == 0)
+  assert np.all(np.asarray(stats)[:, :, 1][empty] == 0)
   finite = np.isfinite(want)
   err = np.abs(got[finite] - want[finite]) / np.maximum(1.0, np.abs(want[finite]))
   assert err.size == 0 or err.max() <= LSE_TOL, f"lse: error {err.max():.2e}"
@@ -246,7 +258,7 @@ def test_kernels_match_the_reference_and_float64_autodiff(name):
   ref_o, ref_lse = reference(*args[:3], *args[4:], case=case)
   assert ref_o.dtype == got[0].dtype == case.dtype and got[1].dtype == jnp.float32
   assert_close(got[0], ref_o, case.dtype, "o against attention_reference")
-  assert_lse(got[1], ref_lse)
+  assert_lse(got[1], ref_lse, case)
   # float64 autodiff of the independent formula; the kernels' rows without keys are exact zeros.
   want = float64_results(case, args)
   like = (args[0], *args[:3])
@@ -255,7 +267,7 @@ def test_kernels_match_the_reference_and_float64_autodiff(name):
   ):
     assert g.shape == x.shape and g.dtype == case.dtype, what
     assert_close(g, w, case.dtype, what)
-  assert_lse(got[1], want[1])
+  assert_lse(got[1], want[1], case)
   none = ~seen(case).any(-1)  # (B, T)
   assert np.all(np.asarray(got[0], np.float32)[none] == 0)
   assert np.all(np.asarray(got[2], np.float32)[none] == 0)
@@ -285,21 +297,21 @@ def test_the_reference_matches_float64_autodiff(name, formula, tol):
 
 def test_rows_that_see_no_key_give_zero_and_huge_logits_stay_finite():
   """Logits of 1e32 (float32's largest is 3.4e38): the running maximum keeps exp from overflowing,
-  rows past S + 2 (which see no key in the (2, 2) window) give o = 0, lse = -inf and no gradient,
+  rows past S + 2 (which see no key in the (2, 2) window) give o = 0, stats (0, 0) and no gradient,
   with a nonzero cotangent on them. (A default case's program, other inputs.)"""
   case = CASES["mqa-ragged-window-2-2"]
   q, k, v, do, _, _ = operands(case, seed=3)
   q = q * 1e16
   k = k * 1e16
-  o, lse, dq, dk, dv = kernel_results(case, (q, k, v, do, None, None))
+  o, stats, dq, dk, dv = kernel_results(case, (q, k, v, do, None, None))
   for what, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
     assert np.all(np.isfinite(x)), what
   none = ~seen(case).any(-1)  # (B, T): rows 63 .. 69
   assert none.sum() == 2 * 7
   assert np.all(o[none] == 0) and np.all(dq[none] == 0)
-  assert np.all(np.transpose(lse, (0, 2, 1))[none] == -np.inf)
-  assert np.all(np.isfinite(np.transpose(lse, (0, 2, 1))[~none]))
-  assert float(np.max(np.abs(lse[np.isfinite(lse)]))) > 1e31
+  rows = np.transpose(stats, (0, 3, 1, 2))  # (B, T, N, 2)
+  assert np.all(rows[none] == 0) and np.all(np.isfinite(stats))
+  assert float(np.max(np.abs(stats_lse(stats, case)))) > 1e31
   # the softmax is one-hot: each row's output is the value of its largest logit, exactly
   np.testing.assert_array_equal(o, reference(q, k, v, case=case)[0])
 
@@ -318,7 +330,7 @@ def test_blocks_outside_the_window_are_never_read():
     return np.where(inside[None, :, None, None], np.nan, x).astype(x.dtype)
 
   def same(got, want, rows):
-    for g, w, axis in zip(got, want, (1, 2, 1), strict=True):  # o, lse, dq
+    for g, w, axis in zip(got, want, (1, 3, 1), strict=True):  # o, stats, dq
       np.testing.assert_array_equal(np.take(g, rows, axis), np.take(w, rows, axis))
 
   # key block 0 (keys 0 .. 15): query blocks 2 .. 4 (rows 32 ..) see keys from 30 on
@@ -345,16 +357,19 @@ def test_the_callers_tiles_replace_the_block_config():
   case = Case(t=100, s=70, heads=(4, 2), h=32)
   q, k, v, do, _, _ = operands(case)
   opts = dict(scale=0.1, block_q=32, block_k=64, num_warps=2, num_stages=1)
-  o, lse = jax.eval_shape(lambda *a: kernels.attention_forward(*a, **opts), q, k, v)
+  o, stats = jax.eval_shape(lambda *a: kernels.attention_forward(*a, **opts), q, k, v)
   assert o.shape == q.shape and o.dtype == q.dtype
-  assert lse.shape == (2, 4, 100) and lse.dtype == jnp.float32
+  assert stats.shape == (2, 4, 2, 100) and stats.dtype == jnp.float32
   assert _grids(lambda *a: kernels.attention_forward(*a, **opts), q, k, v) == [(4, 2, 4)]
   bwd = lambda *a: kernels.attention_backward(*a, **opts)
-  assert _grids(bwd, q, k, v, o, lse, do) == [(4, 2, 4), (2, 2, 2)]  # dq by 32 rows, dk by 64 keys
+  assert _grids(bwd, q, k, v, o, stats, do) == [
+    (4, 2, 4),
+    (2, 2, 2),
+  ]  # dq by 32 rows, dk by 64 keys
   cfg = kernels._block_config(q.shape, k.shape, q.dtype)
   default = [(-(-100 // cfg.dq.block_q), 2, 4), (-(-70 // cfg.dkv.block_k), 2, 2)]
   assert (
-    _grids(lambda *a: kernels.attention_backward(*a, scale=0.1), q, k, v, o, lse, do) == default
+    _grids(lambda *a: kernels.attention_backward(*a, scale=0.1), q, k, v, o, stats, do) == default
   )
 
 
@@ -417,16 +432,16 @@ def test_backward_checks_what_the_forward_returned():
     jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32),
     jax.ShapeDtypeStruct((2, 8, 2, 16), jnp.float32),
   )
-  lse = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)
-  bad_lse = jax.ShapeDtypeStruct((2, 8, 4), jnp.float32)
+  stats = jax.ShapeDtypeStruct((2, 4, 2, 8), jnp.float32)
+  bad = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)  # one lse a row, as before the stats
   bwd = lambda *a: kernels.attention_backward(*a, scale=0.25)
   with pytest.raises(
-    ValueError, match=r"`lse` must have shape \(2, 4, 8\); got lse.shape=\(2, 8, 4\)"
+    ValueError, match=r"`stats` must have shape \(2, 4, 2, 8\); got stats.shape=\(2, 4, 8\)"
   ):
-    jax.eval_shape(bwd, q, k, k, q, bad_lse, q)
-  with pytest.raises(TypeError, match="`lse` must be float32; got bfloat16"):
-    jax.eval_shape(bwd, q, k, k, q, jax.ShapeDtypeStruct((2, 4, 8), jnp.bfloat16), q)
-  dq, dk, dv = jax.eval_shape(bwd, q, k, k, q, lse, q)
+    jax.eval_shape(bwd, q, k, k, q, bad, q)
+  with pytest.raises(TypeError, match="`stats` must be float32; got bfloat16"):
+    jax.eval_shape(bwd, q, k, k, q, jax.ShapeDtypeStruct((2, 4, 2, 8), jnp.bfloat16), q)
+  dq, dk, dv = jax.eval_shape(bwd, q, k, k, q, stats, q)
   assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
 
 
@@ -461,8 +476,8 @@ def test_the_kernels_lower_to_three_triton_calls_for_cuda():
   opts = dict(scale=0.1, causal=True, window=(64, 0), soft_cap=30.0)
 
   def f(q, k, v, do, ql, kl):
-    o, lse = kernels.attention_forward(q, k, v, ql, kl, **opts)
-    return kernels.attention_backward(q, k, v, o, lse, do, ql, kl, **opts)
+    o, stats = kernels.attention_forward(q, k, v, ql, kl, **opts)
+    return kernels.attention_backward(q, k, v, o, stats, do, ql, kl, **opts)
 
   shapes = [(2, 200, 4, 128), (2, 200, 2, 128), (2, 200, 2, 128), (2, 200, 4, 128)]
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
@@ -491,8 +506,8 @@ needs_gpu_compiler = pytest.mark.skipif(
 def _training_kernels(options: dict, lengths: bool):
   def f(q, k, v, do, *ls):
     ql, kl = ls if lengths else (None, None)
-    o, lse = kernels.attention_forward(q, k, v, ql, kl, **options)
-    return o, lse, kernels.attention_backward(q, k, v, o, lse, do, ql, kl, **options)
+    o, stats = kernels.attention_forward(q, k, v, ql, kl, **options)
+    return o, stats, kernels.attention_backward(q, k, v, o, stats, do, ql, kl, **options)
 
   return f
 

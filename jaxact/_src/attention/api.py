@@ -163,7 +163,8 @@ def _static_float(name: str, value, *, positive: bool) -> float:
   return v
 
 
-def _blocks(block_sizes, heads: int, t: int, s: int) -> tuple[int, int]:
+def _blocks(block_sizes, heads: int, t, s) -> tuple:
+  """The XLA path's blocks, at most T by S (symbolic where T or S is)."""
   if block_sizes is None:
     return default_blocks(heads, t, s, gpu=dispatch.target().cuda)
   ok = (
@@ -177,7 +178,7 @@ def _blocks(block_sizes, heads: int, t: int, s: int) -> tuple[int, int]:
     raise ValueError(
       _err(f"`block_sizes` is {block_sizes!r}; accepted: None or (block_q, block_k), ints > 0")
     )
-  return min(int(block_sizes[0]), t), min(int(block_sizes[1]), s)
+  return args.dim_min(int(block_sizes[0]), t), args.dim_min(int(block_sizes[1]), s)
 
 
 def dot_product_attention(
@@ -218,14 +219,16 @@ def dot_product_attention(
   (``logits_soft_cap``; without it the logits are ``scale Q Kᵀ + B``). The cap applies before
   the bias, so a bias of ``-inf`` masks as a mask does.
 
-  One ``custom_vjp`` keeps ``query``, ``key``, ``value``, the output ``O`` and one float32
-  log-sum-exp a (row, head) for the backward pass (and ``bias``, ``mask``, the lengths and the
-  dropout key where given), which recomputes the probabilities block by block (FlashAttention-2's
-  order). No (T, S) array is kept or built: the XLA path loops over blocks of ``block_sizes``
-  with an online softmax and skips the blocks that the causal mask and the window leave empty.
-  Half precision inputs are multiplied with float32 accumulation; logits, statistics and softmax
-  are float32 (float64 for float64 inputs). Logits of any finite size never overflow (they are
-  clipped to the float32 range before the softmax).
+  One ``custom_vjp`` keeps ``query``, ``key``, ``value``, the output ``O`` and two float32 numbers
+  a (row, head), the row's largest logit and the log of its softmax's sum (kept apart: one
+  log-sum-exp loses the sum next to a logit of -1e9), for the backward pass (and ``bias``,
+  ``mask``, the lengths and the dropout key where given), which recomputes the probabilities
+  block by block (FlashAttention-2's order). No (T, S) array is kept or built: the XLA path loops
+  over blocks of ``block_sizes`` with an online softmax and skips the blocks that the causal mask
+  and the window leave empty. Half precision inputs are multiplied with float32 accumulation;
+  logits, statistics and softmax are float32 (float64 for float64 inputs). Logits of any finite
+  size never overflow: ``scale Q Kᵀ`` is clipped to the float range before the softmax, and the
+  derivative of a clipped logit is 0.
 
   Differences from jax.nn: a row that sees no key at all (every key masked) gives 0 and zero
   gradients, where jax.nn returns the mean of the values; ``logits_soft_cap``, segment ids,
@@ -359,7 +362,8 @@ def dot_product_attention(
         implementation="cudnn",
       )
     else:
-      block_q, block_k = _blocks(block_sizes, b * n, t, s)
+      # a symbolic batch or head count (jax.export) counts as 1 in the block budget
+      block_q, block_k = _blocks(block_sizes, args.static_size(b) * args.static_size(n), t, s)
       plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
       out = sharding.per_device(attention, plan, q, k, v, bias, aux)(q, k, v, bias, aux)
     out = out[0] if unbatched else out

@@ -4,9 +4,11 @@
 ``nnx.MultiHeadAttention(..., attention_fn=jaxact.nnx.dot_product_attention)`` keep their
 parameters and call these with Flax's arguments: any number of batch axes, masks of any dtype
 (nonzero attends, as Flax's ``jnp.where`` reads them), Flax's dropout (the same key gives the same
-mask), ``dtype`` promotion. What Flax's own function does and these cannot, they refuse by name:
-sowing the attention weights (``sow_weights=True`` passes ``module``: there are no weights to
-sow) and custom einsums.
+mask), ``dtype`` promotion. Shapes that do not fit together raise what Flax raises, in Flax's words
+(linen's ``'q, k, v batch dims must match.'`` as an error that is both a ValueError and the
+AssertionError linen's asserts raise; nnx's ValueErrors). What Flax's own function does and these
+cannot, they refuse by name: sowing the attention weights (``sow_weights=True`` passes ``module``:
+there are no weights to sow) and custom einsums.
 """
 
 from __future__ import annotations
@@ -20,6 +22,54 @@ from jaxact._src.attention.api import dot_product_attention as _attention
 
 def _err(which: str, msg: str) -> NotImplementedError:
   return NotImplementedError(f"jaxact.{which}.dot_product_attention: {msg}")
+
+
+class FlaxShapeError(ValueError, AssertionError):
+  """Shapes ``flax.linen.dot_product_attention`` refuses: a ValueError (what jaxact raises for bad
+  input) that is also the AssertionError linen's own asserts raise, with linen's message."""
+
+
+def _linen_shapes(query, key, value) -> None:
+  """linen's asserts, in its order and words (``dot_product_attention``, then the weights')."""
+  q, k, v = query.shape, key.shape, value.shape
+  got = f" (jaxact.linen.dot_product_attention: query {q}, key {k}, value {v})"
+  if not query.ndim == key.ndim == value.ndim:
+    raise FlaxShapeError("q, k, v must have same rank." + got)
+  if not q[:-3] == k[:-3] == v[:-3]:
+    raise FlaxShapeError("q, k, v batch dims must match." + got)
+  if not q[-2] == k[-2] == v[-2]:
+    raise FlaxShapeError("q, k, v num_heads must match." + got)
+  if k[-3] != v[-3]:
+    raise FlaxShapeError("k, v lengths must match." + got)
+  if q[-1] != k[-1]:
+    raise FlaxShapeError("q, k depths must match." + got)
+
+
+def _nnx_shapes(query, key, value) -> None:
+  """nnx's ValueErrors, in its order and words (``_validate_qkv_shapes``, the lengths, then the
+  weights' depths and grouped heads)."""
+  arrays = (query, key, value)
+  got = " (jaxact.nnx.dot_product_attention)"
+  if not query.ndim == key.ndim == value.ndim:
+    ndims = ", ".join(str(a.ndim) for a in arrays)
+    raise ValueError(f"q, k, v must have same rank, but got {ndims}." + got)
+  if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+    shapes = ", ".join(str(a.shape) for a in arrays)
+    raise ValueError(f"q, k, v batch dims must match, but got shapes {shapes}." + got)
+  if key.shape[-3] != value.shape[-3]:
+    raise ValueError(
+      f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}." + got
+    )
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+      f"q, k depths must match, but got {query.shape[-1]} and {key.shape[-1]}." + got
+    )
+  q_heads, k_heads = query.shape[-2], key.shape[-2]
+  if q_heads != k_heads and (k_heads == 0 or q_heads % k_heads):
+    raise ValueError(
+      f"Query heads ({q_heads}) must be multiple of Key heads ({k_heads}) for Grouped Query "
+      "Attention." + got
+    )
 
 
 def _flat_batch(a, batch: tuple[int, ...], tail: int):
@@ -99,7 +149,7 @@ def linen_dot_product_attention(
   attn_weights_value_einsum=None,
 ):
   """``flax.linen.dot_product_attention``'s signature and meaning, computed by
-  :func:`jaxact.dot_product_attention` (keeping q, k, v, O and one log-sum-exp a row).
+  :func:`jaxact.dot_product_attention` (keeping q, k, v, O and two numbers a row).
 
   Pass it as ``nn.MultiHeadDotProductAttention(..., attention_fn=...)``: the parameters do not
   change. The softmax always runs in float32 (``force_fp32_for_softmax`` is accepted and has
@@ -123,6 +173,7 @@ def linen_dot_product_attention(
   ):
     raise _err("linen", "custom einsums (einsum_dot_general, qk/attn einsums) are not supported")
   query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
+  _linen_shapes(query, key, value)
   return _call(
     "linen",
     query,
@@ -178,6 +229,7 @@ def nnx_dot_product_attention(
 
     promote_dtype = dtypes.promote_dtype
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  _nnx_shapes(query, key, value)
   return _call(
     "nnx",
     query,

@@ -1,11 +1,13 @@
 """Attention's kernel calls: :mod:`pallas_kernels.attention` (Pallas Triton) or the XLA path, by
 the decision and the lowering platform.
 
-Both passes exchange O ``(B, T, N, H)`` and lse ``(B, N, T)`` float32 in the kernels' layout (the
-XLA path's (B, K, G, T) is the same array reshaped). Kernels asked for by name run on every
-platform, in interpret mode off CUDA; kernels that ``implementation=None`` chose run only where
-the program is lowered for CUDA, XLA elsewhere (as :func:`jaxact._src.core.platform.switch` does
-for the fused ops).
+Both passes exchange O ``(B, T, N, H)`` and the row statistics ``(B, N, 2, T)`` float32 in the
+kernels' layout (the XLA path's (B, K, G, 2, T) is the same array reshaped); each backend reads only
+the statistics its own forward wrote (the kernels' row max is in their units, not the logits'), and
+``lax.platform_dependent`` picks the same backend for both passes. Kernels asked for by name run on
+every platform, in interpret mode off CUDA; kernels that ``implementation=None`` chose run only
+where the program is lowered for CUDA, XLA elsewhere (as :func:`jaxact._src.core.platform.switch`
+does for the fused ops).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _static(plan) -> dict[str, Any]:
 
 
 def forward(plan, q, k, v, q_len, kv_len, xla: Callable[..., Any]):
-  """``(o, lse)`` of the Triton forward kernel, or of `xla` (same arguments, same layouts)."""
+  """``(o, stats)`` of the Triton forward kernel, or of `xla` (same arguments, same layouts)."""
   from pallas_kernels import attention_forward
 
   def kernel(q, k, v, q_len, kv_len, *, interpret):
@@ -48,16 +50,16 @@ def forward(plan, q, k, v, q_len, kv_len, xla: Callable[..., Any]):
   return _switch((q, k, v, q_len, kv_len), kernel, xla, plan.decision)
 
 
-def backward(plan, q, k, v, o, lse, do, q_len, kv_len, xla: Callable[..., Any]):
+def backward(plan, q, k, v, o, stats, do, q_len, kv_len, xla: Callable[..., Any]):
   """``(dq, dk, dv)`` of the Triton backward kernels, or of `xla` (same arguments)."""
   from pallas_kernels import attention_backward
 
-  def kernel(q, k, v, o, lse, do, q_len, kv_len, *, interpret):
+  def kernel(q, k, v, o, stats, do, q_len, kv_len, *, interpret):
     return attention_backward(
-      q, k, v, o, lse, do, q_len, kv_len, interpret=interpret, **_static(plan)
+      q, k, v, o, stats, do, q_len, kv_len, interpret=interpret, **_static(plan)
     )
 
-  return _switch((q, k, v, o, lse, do, q_len, kv_len), kernel, xla, plan.decision)
+  return _switch((q, k, v, o, stats, do, q_len, kv_len), kernel, xla, plan.decision)
 
 
 def triton_unsupported(plan, q, k, v, bias, aux) -> str | None:

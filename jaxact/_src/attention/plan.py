@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax import Array
 
+from jaxact._src.core import args
 from jaxact._src.core.dispatch import Decision
 from jaxact._src.core.dropout import Dropout
 
@@ -70,12 +71,13 @@ def _pow2_floor(n: int) -> int:
   return 1 << (max(1, n).bit_length() - 1)
 
 
-def default_blocks(heads: int, q_len: int, kv_len: int, *, gpu: bool) -> tuple[int, int]:
+def default_blocks(heads: int, q_len, kv_len, *, gpu: bool) -> tuple:
   """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
-  square blocks of a power of two filling the element budget, from 32 to 512."""
+  square blocks of a power of two filling the element budget, from 32 to 512. Symbolic lengths
+  (``jax.export``) give symbolic blocks ``min(T, side)``."""
   budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
   side = min(512, max(32, _pow2_floor(int((budget // max(1, heads)) ** 0.5))))
-  return min(q_len, side), min(kv_len, side)
+  return args.dim_min(q_len, side), args.dim_min(kv_len, side)
 
 
 @functools.partial(

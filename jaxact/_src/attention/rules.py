@@ -24,7 +24,7 @@ ATTENTION_AUTO_RULES: tuple[Rule, ...] = (
     lambda f: True,
     "xla",
     "xla",
-    "the blocked XLA path keeps q, k, v, O and one log-sum-exp a row on every platform and runs "
+    "the blocked XLA path keeps q, k, v, O and two numbers a row on every platform and runs "
     "every option; cuDNN (bf16/fp16, no soft cap) is not measured against it on a GPU yet",
   ),
 )

@@ -1,8 +1,9 @@
 """The ``custom_vjp`` of :func:`jaxact.dot_product_attention`: one rule for every backend.
 
-It keeps the arrays the caller passed (q, k, v, bias and the :class:`.plan.Aux` arrays), the
-output O and lse (B, N, T), and runs each pass on the backend the decision names: the blocked XLA
-path (:mod:`.xla`) or the Triton kernels (:mod:`.kernels`).
+It keeps the arrays the caller passed (q, k, v, bias and the :class:`.plan.Aux` arrays), the output
+O and its row statistics ``stats`` (B, N, 2, T): each row's largest logit and the log of its
+softmax's sum, kept apart (see :mod:`.xla`), and runs each pass on the backend the decision names:
+the blocked XLA path (:mod:`.xla`) or the Triton kernels (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -35,25 +36,25 @@ def attention(plan: AttentionPlan, q, k, v, bias, aux: Aux) -> Array:
 
 
 def _attention_fwd(plan: AttentionPlan, q, k, v, bias, aux: Aux):
-  o, lse = _forward(plan, q, k, v, bias, aux)
-  # O goes through the barrier with lse so that the kept O is the returned array (one buffer),
-  # and XLA cannot recompute it in the backward from what the forward read.
-  o, lse = lax.optimization_barrier((o, lse))
-  return o, ((q, k, v, bias, aux), o, lse)
+  o, stats = _forward(plan, q, k, v, bias, aux)
+  # O goes through the barrier with the stats so that the kept O is the returned array (one
+  # buffer), and XLA cannot recompute it in the backward from what the forward read.
+  o, stats = lax.optimization_barrier((o, stats))
+  return o, ((q, k, v, bias, aux), o, stats)
 
 
 def _attention_bwd(plan: AttentionPlan, res, do):
-  (q, k, v, bias, aux), o, lse = res
-  (o, lse), do = lax.optimization_barrier(((o, lse), do))
+  (q, k, v, bias, aux), o, stats = res
+  (o, stats), do = lax.optimization_barrier(((o, stats), do))
   if plan.decision.backward == "triton":
 
-    def xla(q, k, v, o, lse, do, q_lengths, kv_lengths):
+    def xla(q, k, v, o, stats, do, q_lengths, kv_lengths):
       lengths = Aux(q_lengths=q_lengths, kv_lengths=kv_lengths)
-      return xla_backward(plan, q, k, v, None, lengths, o, lse, do)[:3]
+      return xla_backward(plan, q, k, v, None, lengths, o, stats, do)[:3]
 
-    dq, dk, dv = kernels.backward(plan, q, k, v, o, lse, do, aux.q_lengths, aux.kv_lengths, xla)
+    dq, dk, dv = kernels.backward(plan, q, k, v, o, stats, do, aux.q_lengths, aux.kv_lengths, xla)
     return dq, dk, dv, None, None
-  return (*xla_backward(plan, q, k, v, bias, aux, o, lse, do), None)
+  return (*xla_backward(plan, q, k, v, bias, aux, o, stats, do), None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

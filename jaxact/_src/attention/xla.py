@@ -3,31 +3,40 @@
 For query rows ``t`` and key columns ``u`` of one head, with logits accumulated in float32 (float64
 for float64 inputs),
 
-    s = c tanh(scale q_t . k_u / c) + bias,   masked to -inf where the masks exclude (t, u),
+    s = c tanh(scale q_t . k_u / c) + bias,   over the (t, u) that the masks leave,
     P = softmax_u(s),   O_t = sum_u P[t, u] v_u   (dropout: P * keep / (1 - rate)),
 
-the op keeps ``q``, ``k``, ``v``, ``O`` and one log-sum-exp a (row, head), ``lse_t = log sum_u
-exp(s[t, u])``, and never an array of shape (T, S) (FlashAttention's idea: the softmax's output O
-and its normaliser are all its backward needs). The backward pass recomputes ``P = exp(s - lse)``
-block by block in FlashAttention-2's order (key blocks outside, query blocks inside) and forms
+the op keeps ``q``, ``k``, ``v``, ``O`` and two numbers a (row, head): the row's largest logit
+``m_t`` and ``l_t = log sum_u exp(s[t, u] - m_t)``, never an array of shape (T, S)
+(FlashAttention's idea: the softmax's output O and its normaliser are all its backward needs). The
+two are kept apart, not as one ``lse = m + l``: for a row of logits near -1e9 float32 rounds ``l``
+(a few units) away from ``m`` and the backward's probabilities would be off by ``exp(l)``. The
+backward pass recomputes ``P = exp(s - m - l)`` block by block in FlashAttention-2's order (key
+blocks outside, query blocks inside) and forms
 
     dP = dO vᵀ,   dS = P (dP - D),   D_t = sum_h dO[t, h] O[t, h],
 
 then ``dq = scale dS k ds/dz``, ``dk = scale dSᵀ q ds/dz`` (summed over the query heads of a
-group), ``dv = Pᵀ dO``, ``dbias = dS`` summed over the bias's broadcast axes.
+group), ``dv = Pᵀ dO``, ``dbias = dS`` summed over the bias's broadcast axes. Where ``scale q . k``
+lies beyond the float range its logit is clipped there, and ``ds/dz`` is 0.
 
 Blocks: the forward loops over query blocks and, inside, over the key blocks that hold an
 unmasked (t, u) for the causal mask and the window, with an online softmax (running max and sum);
 blocks wholly outside are never visited. A last block that would run past T (or S) starts earlier
 instead (the same block shape throughout); the rows (columns) it shares with the block before are
-masked where counting them twice would be wrong. A row that sees no key has ``lse = -inf``, O = 0
-and zero gradients.
+masked where counting them twice would be wrong. A row that sees no key keeps ``m = l = 0``, gives
+O = 0 and zero gradients.
+
+No infinity is made from finite operands (``jax.debug_infs`` stays quiet): masked logits are the
+float's lowest finite value, one step below any logit that counts (those are clipped to the next
+float up), and the running maximum starts at that next float, so that ``exp(masked - max)`` is
+``exp(-2e31) = 0`` where ``exp(-inf)`` was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -127,34 +136,42 @@ def _grouped(a: Array | None, sh: _Shapes) -> Array | None:
   return a.reshape(b, sh.kv_heads, sh.groups, t, s)
 
 
-def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, i, j, dedup_rows):
-  """One block of ``s`` (B, K, G, bq, bk), -inf where masked, and ``c tanh(z / c)`` before the
-  bias (None without a cap; the backward's ds/dz)."""
+class _Block(NamedTuple):
+  """One block of logits (B, K, G, bq, bk) and what the passes read with it."""
+
+  s: Array  # the logits, in [_floor, max] where (t, u) counts; the float's lowest value elsewhere
+  slope: Array | None  # ds / d(scale q.k): 0 where clipped, the cap's 1 - (z / c)^2; backward only
+
+
+def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, i, j, *, backward):
+  """One :class:`_Block`: ``c tanh(scale q.k / c) + bias``, ``scale q.k`` clipped to the float
+  range first (a clipped logit's derivative is 0), masked by every mask of the call."""
   acc = plan.acc_dtype
   z = jnp.einsum(
     "btkgh,bskh->bkgts", q_blk, k_blk, preferred_element_type=acc, precision=plan.precision
   )
   fmax = jnp.finfo(acc).max
-  z = jnp.clip(z * jnp.asarray(plan.scale, acc), -fmax, fmax)  # finite logits, whatever q . k is
-  capped = None
+  z = z * jnp.asarray(plan.scale, acc)
+  slope = None
+  if backward:
+    slope = jnp.abs(z) <= fmax  # scale q.k overflowed: clipped below, derivative 0
+  z = jnp.clip(z, _floor(acc), fmax)  # finite logits, whatever q . k is
   if plan.soft_cap is not None:
     c = jnp.asarray(plan.soft_cap, acc)
-    z = capped = c * jnp.tanh(z / c)
+    z = c * jnp.tanh(z / c)
+    if backward:
+      slope = jnp.where(slope, 1 - jnp.square(z / c), 0)
   bq, bk = plan.block_q, plan.block_k
-  if x.bias is not None:
-    b = _slice(x.bias, {3: q0, 4: k0}, {3: bq, 4: bk})
-    z = jnp.minimum(z + b.astype(acc), fmax)  # -inf stays -inf (masked), +inf is capped
-  rows = q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  cols = k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  rows = q0 + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, bk), 3)
+  cols = k0 + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, bk), 4)
   valid = cols >= j * bk  # the columns a moved-back last block shares with the one before
-  if dedup_rows:
+  if backward:
     valid &= rows >= i * bq
   if plan.causal:
     valid &= cols <= rows
   if plan.window is not None:
     left, right = plan.window
     valid &= (cols >= rows - left) & (cols <= rows + right)
-  valid = valid[None, None, None]
   if x.q_lengths is not None:
     valid = valid & (rows < x.q_lengths[:, None, None, None, None])
   if x.kv_lengths is not None:
@@ -165,7 +182,21 @@ def _logits(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q_blk, k_blk, q0, k0, 
     valid = valid & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
   if x.mask is not None:
     valid = valid & _slice(x.mask, {3: q0, 4: k0}, {3: bq, 4: bk})
-  return jnp.where(valid, z, -jnp.inf), capped
+  if x.bias is not None:
+    z = z + _slice(x.bias, {3: q0, 4: k0}, {3: bq, 4: bk}).astype(acc)
+    valid = valid & (z > -jnp.inf)  # a bias of -inf masks
+    z = jnp.clip(z, _floor(acc), fmax)
+  return _Block(jnp.where(valid, z, jnp.finfo(acc).min), slope)
+
+
+def _floor(dtype) -> np.ndarray:
+  """The least logit that counts: one float above the lowest, which marks masked logits."""
+  return np.nextafter(np.finfo(dtype).min, 0, dtype=dtype)
+
+
+def _exp_diff(a: Array, b: Array) -> Array:
+  """``exp(a - b)`` for ``a <= b``, finite floats whose difference may overflow (halves do not)."""
+  return jnp.exp(2 * jnp.maximum(a / 2 - b / 2, -1e4))
 
 
 def _keep(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q0, k0) -> Array:
@@ -173,8 +204,8 @@ def _keep(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q0, k0) -> Array:
   ``bernoulli(key, 1 - rate, shape)`` over (1, 1, T, S) (broadcast) or (B, N, T, S), drawn from
   each element's linear index (:func:`jaxact._src.core.dropout.keep_from_index`)."""
   bq, bk = plan.block_q, plan.block_k
-  t = (q0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)).astype(jnp.uint32)
-  u = (k0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)).astype(jnp.uint32)
+  t = (q0 + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, bk), 3)).astype(jnp.uint32)
+  u = (k0 + lax.broadcasted_iota(jnp.int32, (1, 1, 1, bq, bk), 4)).astype(jnp.uint32)
   index = t * np.uint32(sh.kv_len) + u
   if not plan.broadcast_dropout:
     shape = (sh.batch, sh.kv_heads, sh.groups, 1, 1)
@@ -196,14 +227,15 @@ def _shapes(q: Array, k: Array) -> _Shapes:
 
 
 def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
-  """``(O, lse)``: O (B, T, K, G, Hv) in q's dtype, lse (B, K, G, T) in the accumulation dtype."""
+  """``(O, stats)``: O (B, T, K, G, Hv) in q's dtype; stats (B, K, G, 2, T) in the accumulation
+  dtype, each row's largest logit ``m`` then ``l = log sum exp(s - m)`` (0 and 0 without keys)."""
   sh = _shapes(x.q, x.k)
   acc, bq, bk = plan.acc_dtype, plan.block_q, plan.block_k
   b, kh, g, hv = sh.batch, sh.kv_heads, sh.groups, x.v.shape[-1]
   n_q = -(-sh.q_len // bq)
 
   def q_block(i, carry):
-    o, lse = carry
+    o, stats = carry
     q0 = _start(i, bq, sh.q_len)
     q_blk = lax.dynamic_slice_in_dim(x.q, q0, bq, 1)
 
@@ -212,11 +244,10 @@ def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
       k0 = _start(j, bk, sh.kv_len)
       k_blk = lax.dynamic_slice_in_dim(x.k, k0, bk, 1)
       v_blk = lax.dynamic_slice_in_dim(x.v, k0, bk, 1)
-      s, _ = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, dedup_rows=False)
-      m_new = jnp.maximum(m, jnp.max(s, -1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0, m_new)  # exp(-inf - -inf) would be NaN
-      p = jnp.exp(s - m_safe[..., None])
-      alpha = jnp.exp(m - m_safe)
+      blk = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, backward=False)
+      m_new = jnp.maximum(m, jnp.max(blk.s, -1))
+      p = jnp.exp(blk.s - m_new[..., None])  # 0 where masked
+      alpha = _exp_diff(m, m_new)
       denom = alpha * denom + jnp.sum(p, -1)
       if plan.dropout is not None:
         p = jnp.where(_keep(plan, sh, x, q0, k0), p * jnp.asarray(1 / plan.dropout.keep, acc), 0)
@@ -230,23 +261,24 @@ def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
       return m_new, denom, alpha[..., None] * o_acc + pv
 
     init = (
-      jnp.full((b, kh, g, bq), -jnp.inf, acc),
+      jnp.full((b, kh, g, bq), _floor(acc), acc),
       jnp.zeros((b, kh, g, bq), acc),
       jnp.zeros((b, kh, g, bq, hv), acc),
     )
     lo, hi = _key_blocks(plan, sh, q0)
     m, denom, o_acc = _loop(lo, hi, k_block, init)
     empty = denom == 0
-    o_blk = jnp.where(empty[..., None], 0, o_acc / jnp.where(empty, 1, denom)[..., None])
-    lse_blk = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1, denom)))
+    denom = jnp.where(empty, 1, denom)
+    o_blk = jnp.where(empty[..., None], 0, o_acc / denom[..., None])
+    stats_blk = jnp.stack([jnp.where(empty, 0, m), jnp.log(denom)], axis=3)
     o_blk = jnp.transpose(o_blk.astype(x.q.dtype), (0, 3, 1, 2, 4))  # (B, bq, K, G, Hv)
     o = lax.dynamic_update_slice_in_dim(o, o_blk, q0, 1)
-    lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, q0, 3)
-    return o, lse
+    stats = lax.dynamic_update_slice_in_dim(stats, stats_blk, q0, 4)
+    return o, stats
 
   init = (
     jnp.zeros((b, sh.q_len, kh, g, hv), x.q.dtype),
-    jnp.zeros((b, kh, g, sh.q_len), acc),
+    jnp.zeros((b, kh, g, 2, sh.q_len), acc),
   )
   return _loop(0, n_q, q_block, init)
 
@@ -261,15 +293,15 @@ def _loop(lo, hi, body, init):
 # --------------------------------------------------------------------------- backward
 
 
-def backward(plan: AttentionPlan, x: _Inputs, o: Array, lse: Array, do: Array):
-  """``(dq, dk, dv, dbias)`` from O, lse and the cotangent dO, in the operands' layouts (dq
-  (B, T, K, G, H), dbias like the grouped bias, None without one)."""
+def backward(plan: AttentionPlan, x: _Inputs, o: Array, stats: Array, do: Array):
+  """``(dq, dk, dv, dbias)`` from O, the forward's `stats` and the cotangent dO, in the operands'
+  layouts (dq (B, T, K, G, H), dbias like the grouped bias, None without one)."""
   sh = _shapes(x.q, x.k)
   acc, bq, bk = plan.acc_dtype, plan.block_q, plan.block_k
   n_k = -(-sh.kv_len // bk)
   # D_t = sum_h dO O: the softmax's backward term, one number a (row, head); (B, K, G, T).
   delta = jnp.einsum("btkgh,btkgh->bkgt", do.astype(acc), o.astype(acc))
-  lse_safe = jnp.where(lse == -jnp.inf, 0, lse)  # rows that see no key: every s is -inf there
+  row_max, log_sum = stats[:, :, :, 0], stats[:, :, :, 1]
 
   def k_block(j, carry):
     dq, dk, dv, dbias = carry
@@ -282,10 +314,13 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, lse: Array, do: Array):
       q0 = _start(i, bq, sh.q_len)
       q_blk = lax.dynamic_slice_in_dim(x.q, q0, bq, 1)
       do_blk = lax.dynamic_slice_in_dim(do, q0, bq, 1)
-      s, capped = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, dedup_rows=True)
-      lse_blk = lax.dynamic_slice_in_dim(lse_safe, q0, bq, 3)
+      blk = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, backward=True)
+      m_blk = lax.dynamic_slice_in_dim(row_max, q0, bq, 3)[..., None]
+      l_blk = lax.dynamic_slice_in_dim(log_sum, q0, bq, 3)[..., None]
       d_blk = lax.dynamic_slice_in_dim(delta, q0, bq, 3)
-      p = jnp.exp(s - lse_blk[..., None])
+      # s - m <= 0, but for a recomputed logit an ulp above the forward's (a huge exponent for
+      # huge logits).
+      p = jnp.exp(jnp.minimum(blk.s - m_blk, 0) - l_blk)
       dp = jnp.einsum(
         "btkgh,bskh->bkgts", do_blk, v_blk, preferred_element_type=acc, precision=plan.precision
       )
@@ -305,8 +340,7 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, lse: Array, do: Array):
       ds = p * (dp - d_blk[..., None])  # d loss / d s
       if dbias is not None:
         dbias = _add_block(dbias, ds, q0, k0, plan)
-      if capped is not None:
-        ds = ds * (1 - jnp.square(capped / jnp.asarray(plan.soft_cap, acc)))
+      ds = ds * blk.slope if plan.soft_cap is not None else jnp.where(blk.slope, ds, 0)
       ds = (ds * jnp.asarray(plan.scale, acc)).astype(x.q.dtype)
       dq_blk = jnp.einsum(
         "bkgts,bskh->btkgh", ds, k_blk, preferred_element_type=acc, precision=plan.precision
@@ -398,15 +432,16 @@ def _ungrouped(o: Array) -> Array:
 
 
 def xla_forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
-  """``(O (B, T, N, Hv), lse (B, N, T))`` of the blocked XLA path."""
-  o, lse = forward(plan, _grouped_inputs(q, k, v, bias, aux))
-  return _ungrouped(o), lse.reshape(lse.shape[0], -1, lse.shape[-1])
+  """``(O (B, T, N, Hv), stats (B, N, 2, T))`` of the blocked XLA path."""
+  o, stats = forward(plan, _grouped_inputs(q, k, v, bias, aux))
+  b, _, _, _, t = stats.shape
+  return _ungrouped(o), stats.reshape(b, -1, 2, t)
 
 
-def xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, lse, do):
+def xla_backward(plan: AttentionPlan, q, k, v, bias, aux: Aux, o, stats, do):
   x = _grouped_inputs(q, k, v, bias, aux)
   shape5 = (*x.q.shape[:-1], do.shape[-1])
-  lse = lse.reshape(x.q.shape[0], x.q.shape[2], x.q.shape[3], -1)  # (B, K, G, T)
-  dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), lse, do.reshape(shape5))
+  stats = stats.reshape(*x.q.shape[:1], *x.q.shape[2:4], *stats.shape[2:])  # (B, K, G, 2, T)
+  dq, dk, dv, dbias = backward(plan, x, o.reshape(shape5), stats, do.reshape(shape5))
   dbias = None if dbias is None else dbias.reshape(bias.shape)
   return dq.reshape(q.shape), dk, dv, dbias

@@ -139,3 +139,18 @@ def conv_padding(fn_name: str, padding, spatial, kernel, strides, lhs_dil, rhs_d
   except TypeError:
     pass
   raise ValueError(f"jaxact.{fn_name}: `padding` must be {accepted}; got {padding!r}")
+
+
+def dim_min(a, b):
+  """The smaller of two sizes, either of which may be a symbolic dimension (``jax.export``'s
+  shape polymorphism: ``min(t, 512)`` is then a dimension expression, not a Python bool)."""
+  if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+    return min(int(a), int(b))
+  from jax._src import core  # the one private import: jax has no public min of dimensions
+
+  return core.min_dim(a, b)
+
+
+def static_size(d) -> int:
+  """`d` if it is a known size; 1 for a symbolic dimension (its least value)."""
+  return 1 if jax.export.is_symbolic_dim(d) else int(d)

@@ -29,8 +29,8 @@ def as_real_array(fn_name: str, x, arg: str = "x") -> jax.Array:
     x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     raise TypeError(
-      f"jaxact.{fn_name}: `{arg}` has complex dtype {x.dtype}; jaxact activations accept real "
-      "floating-point (float16, bfloat16, float32, float64) or integer arrays"
+      f"jaxact.{fn_name}: `{arg}` has complex dtype {x.dtype}; accepted: real arrays "
+      "(float16, bfloat16, float32, float64, or integers where the argument takes them)"
     )
   return x
 
