@@ -139,11 +139,11 @@ STEPS: tuple[Step, ...] = (
        "Triton dense"),
   Step("conv-triton-f32",         3,  12, P(conv, dtype="f32"),
        "conv epilogue"),
-  # 4: timings, each against XLA in this process
+  # 4: timings, each against XLA in this process (attention first: is jaxact's near cuDNN's?)
+  Step("time-attention",          4,  70, time_attention,
+       "causal attention 4 x 2048, 1 x 8192, capped, GQA: jaxact xla / pallas, jax.nn xla / cudnn"),
   Step("time-gated",              4,  50, time_gated,
        "gated MLP fwd and fwd+bwd against XLA, 8192 x 4096 x 11008"),
-  Step("time-attention",          4,  45, time_attention,
-       "causal attention B 4 x T 2048, GQA: jaxact xla / pallas against jax.nn xla / cudnn"),
   Step("time-lce",                4,  75, time_lce,
        "LM head 16384 x 4096 x 128k against the plain composition"),
   Step("time-codes-kernels",      4,  40, time_codes_kernels,

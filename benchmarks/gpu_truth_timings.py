@@ -25,19 +25,21 @@ def _ratio_verdict(ctx, kernel: str, t: float, base: float, label: str = "xla") 
     ctx.verdict(kernel, "ERROR", "not timed")
 
 
+# (B, T, soft cap) of the attention timings: 8192 tokens each; a soft cap (jaxact only) at 2048.
+_ATTENTION_CASES = ((4, 2048, None), (1, 8192, None), (4, 2048, 50.0))
+
+
 def time_attention(ctx: th.Context):
-  """Causal attention in bfloat16 (B 4, T 2048, 16 heads of 128, 4 key/value heads), forward and
-  forward + backward: jax.nn's XLA attention, cuDNN's, jaxact's XLA path and its Triton kernels."""
+  """Causal attention in bfloat16 (16 heads of 128, 4 key/value heads; B x T = 4 x 2048 and 1 x
+  8192, and 4 x 2048 under a soft cap), forward and forward + backward: jax.nn's XLA attention,
+  cuDNN's, jaxact's XLA path and its Triton kernels (jax.nn has no soft cap: jaxact's paths only
+  there)."""
   import jaxact
   from benchmarks.gpu_common import median_seconds
 
-  b, t, n, kh, h = ctx.pick((4, 2048, 16, 4, 128), (1, 64, 2, 1, 16))
+  n, kh, h = ctx.pick((16, 4, 128), (2, 1, 16))
+  cases = ctx.pick(_ATTENTION_CASES, ((1, 64, None), (1, 64, 2.0)))
   runs = 1 if ctx.small else ctx.runs
-  sets = []
-  for s in range(2):
-    ks = jax.random.split(jax.random.key(70 + s), 4)
-    shapes = ((b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h))
-    sets.append([jax.random.normal(k, sh, jnp.bfloat16) for k, sh in zip(ks, shapes, strict=True)])
 
   def nn(impl):
     def f(q, k, v):  # grouped heads: jax.nn takes them (XLA repeats k and v itself)
@@ -45,46 +47,56 @@ def time_attention(ctx: th.Context):
 
     return f
 
-  paths = {
-    "jaxact xla": functools.partial(jaxact.dot_product_attention, is_causal=True),
-    "jax.nn xla": nn("xla"),
-    "jaxact pallas": functools.partial(
-      jaxact.dot_product_attention, is_causal=True, implementation="pallas"
-    ),
-  }
-  if not ctx.small:
-    paths["jax.nn cudnn"] = nn("cudnn")
   lines = [
-    f"causal attention, (B, T, N, K, H) = {(b, t, n, kh, h)}, bfloat16",
+    f"causal attention, N {n}, K {kh}, H {h}, bfloat16",
     "",
-    "| path | fwd ms | / jaxact xla | fwd+bwd ms | / jaxact xla |",
-    "|---|---|---|---|---|",
+    "| B x T, cap | path | fwd ms | / jaxact xla | fwd+bwd ms | / jaxact xla |",
+    "|---|---|---|---|---|---|",
   ]
   times = {}
-  for label, fn in paths.items():
+  for b, t, cap in cases:
+    sets = []
+    for s in range(2):
+      ks = jax.random.split(jax.random.key(70 + s), 4)
+      shapes = ((b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h))
+      sets.append(
+        [jax.random.normal(k, sh, jnp.bfloat16) for k, sh in zip(ks, shapes, strict=True)]
+      )
+    mine = functools.partial(jaxact.dot_product_attention, is_causal=True, logits_soft_cap=cap)
+    paths = {"jaxact xla": mine, "jaxact pallas": functools.partial(mine, implementation="pallas")}
+    if cap is None:
+      paths["jax.nn xla"] = nn("xla")
+      if not ctx.small:
+        paths["jax.nn cudnn"] = nn("cudnn")
+    case = f"{b} x {t}" + ("" if cap is None else f", cap {cap:g}")
+    base = (math.nan, math.nan)
+    for label, fn in paths.items():
 
-    def step(q, k, v, g, fn=fn):
-      y, pull = jax.vjp(fn, q, k, v)
-      return y, *pull(g)
+      def step(q, k, v, g, fn=fn):
+        y, pull = jax.vjp(fn, q, k, v)
+        return y, *pull(g)
 
-    try:
-      t_f = median_seconds(jax.jit(fn), [s[:3] for s in sets], runs)
-      t_s = median_seconds(jax.jit(step), sets, runs)
-    except Exception as e:
-      ctx.log(f"time-attention {label}\n{traceback.format_exc()}")
-      ctx.verdict(f"time-attention {label}", "ERROR", th.one_line(e))
-      continue
-    times[label] = (t_f, t_s)
-    base = times.get("jaxact xla", (math.nan, math.nan))
-    lines.append(
-      f"| {label} | {1e3 * t_f:.3f} | {t_f / base[0]:.2f} | {1e3 * t_s:.3f} | {t_s / base[1]:.2f} |"
-    )
-    ctx.verdict(
-      f"time-attention {label}",
-      "ok",
-      f"fwd {1e3 * t_f:.3f} ms {t_f / base[0]:.2f}x jaxact xla, fwd+bwd {1e3 * t_s:.3f} ms "
-      f"{t_s / base[1]:.2f}x",
-    )
+      name = f"time-attention {case} {label}"
+      try:
+        t_f = median_seconds(jax.jit(fn), [s[:3] for s in sets], runs)
+        t_s = median_seconds(jax.jit(step), sets, runs)
+      except Exception as e:
+        ctx.log(f"{name}\n{traceback.format_exc()}")
+        ctx.verdict(name, "ERROR", th.one_line(e))
+        continue
+      times[f"{case} {label}"] = (t_f, t_s)
+      if label == "jaxact xla":
+        base = (t_f, t_s)
+      lines.append(
+        f"| {case} | {label} | {1e3 * t_f:.3f} | {t_f / base[0]:.2f} | {1e3 * t_s:.3f} | "
+        f"{t_s / base[1]:.2f} |"
+      )
+      ctx.verdict(
+        name,
+        "ok",
+        f"fwd {1e3 * t_f:.3f} ms {t_f / base[0]:.2f}x jaxact xla, fwd+bwd {1e3 * t_s:.3f} ms "
+        f"{t_s / base[1]:.2f}x",
+      )
   return lines, {"ms": {k: [1e3 * x for x in v] for k, v in times.items()}}
 
 
