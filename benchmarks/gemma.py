@@ -6,9 +6,10 @@ One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the e
 ``layers.<i>.pre_attention_norm.scale``, ``final_norm.scale``, ...):
 
 - ``original``: the example's computation: Gemma's RMS norm ``x_hat * (1 + scale)``, attention
-  as the example's ``Attention.__call__`` computes it (:func:`example_attention`, a copy of its
-  lines) under train.py's ``make_causal_attn_mask`` with its symmetric sliding window on every
-  other layer, GeGLU MLP of three
+  as the example's ``Attention.__call__`` computes it (``example_attention`` of
+  ``jaxact._src.test_util.flax_gemma``, which tests/test_porting_guide.py checks the guide's
+  recipe against) under train.py's ``make_causal_attn_mask``, with its symmetric sliding window
+  on every other layer, GeGLU MLP of three
   ``nnx.Linear``, the tied head ``embedder.attend`` with a final soft cap, and T5X's weighted
   cross-entropy with label smoothing (``train.py``'s ``compute_weighted_cross_entropy``), the
   accuracy from the logits;
@@ -48,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxact
 import jaxact.nnx as jnnx
+from jaxact._src.test_util.flax_gemma import example_attention, make_causal_attn_mask
 
 MiB = 2**20
 
@@ -162,67 +164,6 @@ def rope(x, positions, max_wavelength: float = 10_000.0):
   first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
   return out.astype(x.dtype)
-
-
-K_MASK = -2.3819763e38  # the example's mask value
-
-
-def make_causal_attn_mask(input_mask):
-  """transformer.py's ``make_causal_attn_mask``: ``(B, T)`` -> ``(B, T, T)``, key ``s`` visible to
-  query ``t`` where ``s <= t`` and ``s`` is not padding (what train.py and eval_step pass)."""
-  seq_len = input_mask.shape[-1]
-  causal_mask = jnp.tril(jnp.ones((seq_len, seq_len), dtype=jnp.bool_))
-  return input_mask[..., None, :] * causal_mask[None, ...]
-
-
-def example_attention(
-  query_proj,
-  key_proj,
-  value_proj,
-  attn_mask,
-  *,
-  query_pre_attn_scalar: float,
-  attn_logits_soft_cap: float | None = None,
-  sliding_window_size: int | None = None,
-  dropout: nnx.Dropout | None = None,
-  rngs: nnx.Rngs | None = None,
-):
-  """The example's ``Attention.__call__`` (modules.py) from ``query_scaled`` to ``encoded``,
-  without a cache, line for line: the query multiplied by `query_pre_attn_scalar` (the number
-  ``TransformerConfig.query_pre_attn_scalar()`` returns), grouped-query einsums, the soft cap, the
-  sliding window (`sliding_window_size` set: a ``LOCAL_SLIDING`` layer) built from `attn_mask`'s
-  own last two axes, ``K_MASK``, the softmax, `dropout` (the module's ``nnx.Dropout``) on the
-  ``(B, T, N, S)`` probabilities. `attn_mask` is the mask ``Attention.__call__`` receives:
-  ``(B, T, S)`` or ``(B, 1, S)``, any pattern."""
-  num_heads, num_kv_heads = query_proj.shape[2], key_proj.shape[2]
-  query_scaled = query_proj * query_pre_attn_scalar
-  use_gqa = num_heads > num_kv_heads and num_kv_heads > 1
-  batch_size, seq_size, _, head_dim = query_scaled.shape
-  num_groups = num_heads // num_kv_heads
-  if use_gqa:
-    query_scaled = query_scaled.reshape((batch_size, seq_size, num_kv_heads, num_groups, head_dim))
-    logits = jnp.einsum("BTKGH,BSKH->BTKGS", query_scaled, key_proj)
-    logits = logits.reshape((batch_size, seq_size, num_heads, -1))
-  else:
-    logits = jnp.einsum("BTNH,BSNH->BTNS", query_scaled, key_proj)
-  if attn_logits_soft_cap is not None:
-    logits = jnp.tanh(logits / attn_logits_soft_cap)
-    logits = logits * attn_logits_soft_cap
-  if sliding_window_size is not None:
-    all_ones = jnp.ones(attn_mask.shape, dtype=attn_mask.dtype)
-    sliding_mask = jnp.triu(all_ones, -1 * sliding_window_size + 1) * jnp.tril(
-      all_ones, sliding_window_size - 1
-    )
-    attn_mask = sliding_mask * attn_mask
-  padded_logits = jnp.where(jnp.expand_dims(attn_mask, -2), logits, K_MASK)
-  probs = jax.nn.softmax(padded_logits, axis=-1).astype(key_proj.dtype)
-  if dropout is not None:
-    probs = dropout(probs, rngs=rngs)
-  if use_gqa:
-    probs = probs.reshape((batch_size, seq_size, num_kv_heads, num_groups, -1))
-    encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, value_proj)
-    return encoded.reshape((batch_size, seq_size, num_heads, head_dim))
-  return jnp.einsum("BTNS,BSNH->BTNH", probs, value_proj)
 
 
 class Attention(nnx.Module):
