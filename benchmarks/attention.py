@@ -14,7 +14,13 @@ Sections:
 * ``decoder-h100``: the decoder compiled for an H100 on this machine, bfloat16, B = 4, D = 2048,
   16 heads, F = 5632, V = 128256, T = 2048, 4096, 8192;
 * ``fits-h100``: the longest sequence (B = 4, a multiple of 1024) whose step fits an 80 GB H100,
-  for each body.
+  for each body;
+* ``blocks-h100``: the XLA path's block sizes compiled for an H100 on this machine: the temp of
+  attention's forward and backward alone (``jax.vjp`` and its pullback; causal, B = 4, 8 query
+  and 2 key/value heads) for square blocks of 64 to 512 and the default, over head dims 64, 128,
+  256, bfloat16 and float32, T = 512, 2048, 8192; and of ``benchmarks.gemma``'s training step of
+  the port (bfloat16, 4 x 512) for the same blocks, against the port with the example's
+  attention.
 
 Results: benchmarks/results/attention.md.
 """
@@ -34,8 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import gated, lce, timing
+import jaxact
+from benchmarks import gated, gemma, lce, timing
 from jaxact._src import test_util
+from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
 CPU_SHAPES = ((4, 512), (1, 2048))  # (batch, seq)
@@ -138,6 +146,66 @@ def longest_fit(label: str, capacity: int, batch: int = 4, step: int = 1024) -> 
   return gated.largest_fit_of(total, capacity, step=step, start=(2048, 8192))
 
 
+# -------------------------------------------------------------------------- block sizes
+
+BLOCKS = (64, 128, 256, 512)
+BLOCK_HEAD_DIMS = (64, 128, 256)
+BLOCK_DTYPES = ("bfloat16", "float32")
+BLOCK_SEQS = (512, 2048, 8192)
+
+
+def attention_vjp(block_sizes, batch: int = 4, heads: int = 8, kv_heads: int = 2):
+  """``(q, k, v, do) -> (o, dq, dk, dv)``: causal attention's forward and backward, the blocks
+  given (None: the default)."""
+
+  def run(q, k, v, do):
+    f = lambda q, k, v: jaxact.dot_product_attention(
+      q, k, v, is_causal=True, block_sizes=block_sizes
+    )
+    o, pullback = jax.vjp(f, q, k, v)
+    return (o, *pullback(do))
+
+  return run
+
+
+def attention_temp(head_dim, dtype, seq, block_sizes, batch=4, heads=8, kv_heads=2) -> int:
+  """Compiled temp (bytes) of :func:`attention_vjp` for an H100."""
+  q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), dtype)
+  compiled = test_util.compile_for(attention_vjp(block_sizes), [q, kv, kv, q])
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def section_blocks(
+  head_dims=BLOCK_HEAD_DIMS, dtypes=BLOCK_DTYPES, seqs=BLOCK_SEQS, blocks=BLOCKS, batch=4, heads=8
+) -> list[dict]:
+  """One row a (head dim, dtype, T): the temp of each square block and of the default."""
+  rows = []
+  for head_dim in head_dims:
+    for dtype in dtypes:
+      for seq in seqs:
+        temps = {b: attention_temp(head_dim, dtype, seq, (b, b), batch, heads) for b in blocks}
+        temps["default"] = attention_temp(head_dim, dtype, seq, None, batch, heads)
+        default = default_blocks(batch * heads, seq, seq, gpu=True)
+        rows.append(dict(head_dim=head_dim, dtype=dtype, seq=seq, default=default, temps=temps))
+        print(f"  [H {head_dim} {dtype} T {seq}: done]", file=sys.stderr, flush=True)
+  return rows
+
+
+def section_gemma_blocks(blocks=BLOCKS) -> dict:
+  """The Gemma port's training step (``benchmarks.gemma``, bfloat16, 4 x 512) compiled for an
+  H100: temp for each square block, the default, and the port with the example's attention."""
+  config = gemma.Config(dtype=jnp.bfloat16)
+  temps = {}
+  for b in (*blocks, None):
+    c = dataclasses.replace(config, block_sizes=None if b is None else (b, b))
+    temps[b or "default"] = gemma.temp(c, "jaxact", gpu=True)
+  c = dataclasses.replace(config, example_attention=True)
+  temps["example's attention"] = gemma.temp(c, "jaxact", gpu=True)
+  heads = config.batch * config.heads
+  return dict(default=default_blocks(heads, config.length, config.length, gpu=True), temps=temps)
+
+
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -161,12 +229,39 @@ def render_decoder(rows: list[DecoderRow], unit=MiB) -> list[str]:
   return lines
 
 
+def render_blocks(rows: list[dict], blocks=BLOCKS) -> list[str]:
+  head = " | ".join(f"{b} x {b}" for b in blocks)
+  lines = [
+    f"| H | dtype | T | {head} | default (its blocks) |",
+    "|---|---|---|" + "---:|" * (len(blocks) + 1),
+  ]
+  for r in rows:
+    cells = " | ".join(f"{r['temps'][b] / MiB:.1f}" for b in blocks)
+    d = r["default"]
+    lines.append(
+      f"| {r['head_dim']} | {r['dtype']} | {r['seq']} | {cells} | "
+      f"{r['temps']['default'] / MiB:.1f} ({d[0]} x {d[1]}) |"
+    )
+  return lines
+
+
+def render_gemma_blocks(result: dict) -> list[str]:
+  lines = ["| attention | temp (MiB) |", "|---|---:|"]
+  for label, temp in result["temps"].items():
+    if isinstance(label, int):
+      label = f"jaxact, {label} x {label} blocks"
+    elif label == "default":
+      label = f"jaxact, default blocks ({result['default'][0]} x {result['default'][1]})"
+    lines.append(f"| {label} | {temp / MiB:.1f} |")
+  return lines
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__)
   parser.add_argument(
     "--sections",
     default="decoder,time,decoder-h100,fits-h100",
-    help="comma-separated: decoder, time, decoder-h100, fits-h100",
+    help="comma-separated: decoder, time, decoder-h100, fits-h100, blocks-h100",
   )
   parser.add_argument("--runs", type=int, default=5, help="timing rounds")
   args = parser.parse_args(argv)
@@ -182,7 +277,7 @@ def main(argv=None) -> int:
     print(f"| step | time / jax.nn attention's |\n|---|---:|\n| {BASE} | 1 ({times[BASE]:.3f} s) |")
     for label, ratio in list(times.items())[1:]:
       print(f"| {label} | {ratio:.3f} |", flush=True)
-  if {"decoder-h100", "fits-h100"} & set(sections) and not gpu_compiler:
+  if {"decoder-h100", "fits-h100", "blocks-h100"} & set(sections) and not gpu_compiler:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   if "decoder-h100" in sections:
@@ -195,6 +290,11 @@ def main(argv=None) -> int:
     for label in STEPS:
       seq, total = longest_fit(label, cap)
       print(f"| {label} | {seq} | {total / GiB:.1f} |", flush=True)
+  if "blocks-h100" in sections:
+    print("\n## The Gemma port's step compiled for an H100, bf16, 4 x 512: temp by block\n")
+    print("\n".join(render_gemma_blocks(section_gemma_blocks())), flush=True)
+    print("\n## Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB\n")
+    print("\n".join(render_blocks(section_blocks())), flush=True)
   return 0
 
 

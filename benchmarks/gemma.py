@@ -5,15 +5,19 @@ One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the e
 ``embedder.embedding``, ``layers.<i>.attn.q_einsum.kernel``, ``layers.<i>.mlp.gate_proj.kernel``,
 ``layers.<i>.pre_attention_norm.scale``, ``final_norm.scale``, ...):
 
-- ``original``: the example's computation, written here from its description: Gemma's RMS norm
-  ``x_hat * (1 + scale)``, attention as einsums with grouped-query heads, a soft cap, a causal
-  mask with a sliding window on every other layer and a padding mask, GeGLU MLP of three
+- ``original``: the example's computation: Gemma's RMS norm ``x_hat * (1 + scale)``, attention
+  as the example's ``Attention.__call__`` computes it (``example_attention`` of
+  ``jaxact._src.test_util.flax_gemma``, which tests/test_porting_guide.py checks the guide's
+  recipe against) under train.py's ``make_causal_attn_mask``, with its symmetric sliding window
+  on every other layer, GeGLU MLP of three
   ``nnx.Linear``, the tied head ``embedder.attend`` with a final soft cap, and T5X's weighted
   cross-entropy with label smoothing (``train.py``'s ``compute_weighted_cross_entropy``), the
   accuracy from the logits;
 - ``jaxact``: the swaps the docs page "Porting a Flax model" shows, nothing else:
   ``jaxact.nnx.RMSNorm(scale_offset=1.0)``, ``jaxact.dot_product_attention`` (``mask``,
-  ``is_causal``, ``local_window_size``, ``logits_soft_cap``, GQA), ``jaxact.nnx.GatedMLP``
+  ``is_causal``, ``local_window_size``, ``logits_soft_cap``, ``scale``, GQA; ``is_causal`` and the
+  left window because this model's mask is exactly train.py's causal padding mask: the guide's
+  general recipe passes the module's ``attn_mask`` instead), ``jaxact.nnx.GatedMLP``
   (gelu), and ``jaxact.nnx.attend_cross_entropy`` (T5X smoothing, weights, soft cap,
   ``return_predictions`` for the accuracy).
 
@@ -22,9 +26,10 @@ training step (``value_and_grad`` over the parameters) on CPU in float32 at the 
 layers, embed 512, hidden 2048, vocab 32k, 4 x 512 tokens) and reports its temp; ``h100`` the
 same compiled for an H100 with bfloat16 activations (float32 weights, the example's
 ``use_bfloat16``). ``--check`` (8 devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
-builds a small model under the example's 4 x 2 ``("fsdp", "tensor")`` mesh, Explicit axes, with
-its ``fsdp_tp_sharding`` layout, and prints one JSON line: the loss and every gradient against the
-same model on one device and against the original (the same parameters loaded by name).
+builds a small model under the ``("fsdp", "tensor")`` meshes of :data:`MESHES` (8 x 1, what every
+shipped config builds on 8 devices, and 4 x 2), Explicit axes, with its ``fsdp_tp_sharding``
+layout, and prints one JSON line a mesh: the loss and every gradient against the same model on one
+device and against the original (the same parameters loaded by name).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxact
 import jaxact.nnx as jnnx
+from jaxact._src.test_util.flax_gemma import example_attention, make_causal_attn_mask
 
 MiB = 2**20
 
@@ -65,6 +71,8 @@ class Config:
   length: int = 512
   dtype: jnp.dtype = jnp.float32  # activations; the weights are float32
   remat: bool = False
+  block_sizes: tuple[int, int] | None = None  # the port's attention blocks (None: the default)
+  example_attention: bool = False  # the port, but with the example's attention
 
   def local(self, i: int) -> bool:
     return i % 2 == 0
@@ -183,7 +191,9 @@ class Attention(nnx.Module):
     k, v = self.kv_einsum(x, out_sharding=_out(layout, "act_cbtkh"))
     q, k = rope(q, positions), rope(k, positions)
     window = c.window if self.local else None
-    if self.use_jaxact:
+    if self.use_jaxact and not c.example_attention:
+      # The model's mask is exactly causal and padding (make_causal_attn_mask): is_causal with the
+      # padding as a key mask, and the window's left half (its right half is above the diagonal).
       encoded = jaxact.dot_product_attention(
         q,
         k,
@@ -193,28 +203,20 @@ class Attention(nnx.Module):
         local_window_size=None if window is None else (window - 1, 0),
         logits_soft_cap=c.attn_cap,
         scale=c.head_dim**-0.5,
+        block_sizes=c.block_sizes,
         out_sharding=_out(layout, "act_btnh"),
       )
     else:
-      encoded = self._attend(q * c.head_dim**-0.5, k, v, input_mask, window)
+      encoded = example_attention(
+        q,
+        k,
+        v,
+        make_causal_attn_mask(input_mask),
+        query_pre_attn_scalar=c.head_dim**-0.5,
+        attn_logits_soft_cap=c.attn_cap,
+        sliding_window_size=window,
+      )
     return self.attn_vec_einsum(encoded, out_sharding=_out(layout, "act_btd"))
-
-  def _attend(self, q, k, v, input_mask, window):
-    """The example's attention: grouped-query einsums, soft cap, masks, softmax."""
-    c = self.config
-    b, t = q.shape[:2]
-    groups = c.heads // c.kv_heads
-    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, c.kv_heads, groups, -1), k)
-    if c.attn_cap is not None:
-      logits = jnp.tanh(logits / c.attn_cap) * c.attn_cap
-    mask = input_mask[:, None, :] & jnp.tril(jnp.ones((t, t), jnp.bool_))
-    if window is not None:
-      ones = jnp.ones((t, t), jnp.bool_)
-      mask = mask & jnp.triu(ones, 1 - window) & jnp.tril(ones, window - 1)
-    logits = jnp.where(mask[:, :, None, None, :], logits, -2.3819763e38)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, v)
-    return encoded.reshape(b, t, c.heads, c.head_dim)
 
 
 class FeedForward(nnx.Module):
@@ -463,8 +465,9 @@ def collective_bytes(compiled) -> tuple[int, int]:
 
 
 def section_mesh(config: Config = Config()) -> list[str]:
-  """Each model's step under the example's 4 x 2 mesh (8 CPU devices), Explicit axes, its
-  fsdp_tp_sharding layout: per-device temp and collective bytes."""
+  """Each model's step under a 4 x 2 ``("fsdp", "tensor")`` mesh (8 CPU devices: FSDP and tensor
+  parallelism), Explicit axes, its fsdp_tp_sharding layout: per-device temp and collective
+  bytes."""
   if jax.device_count() < 8:
     raise SystemExit(
       "--sections mesh needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -501,9 +504,14 @@ def tree_err(a, b) -> float:
   return max(rel_err(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def check(config: Config = SMALL) -> dict:
-  """The jaxact model under the example's 4 x 2 mesh (Explicit axes, fsdp_tp_sharding), against
-  the same model on one device and the original with the same parameters."""
+# The shipped configs' mesh (fsdp_parallelism=-1, tensor_parallelism=1: 8 x 1 on 8 devices) and one
+# with tensor parallelism on (4 x 2), which no shipped config uses.
+MESHES = ((8, 1), (4, 2))
+
+
+def check(config: Config = SMALL) -> list[dict]:
+  """The jaxact model under each of :data:`MESHES` (Explicit axes, fsdp_tp_sharding), against the
+  same model on one device and the original with the same parameters: one dict a mesh."""
   if jax.device_count() < 8:
     raise SystemExit(
       "--check needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (CPU)"
@@ -518,33 +526,33 @@ def check(config: Config = SMALL) -> dict:
   o_graph, o_params, o_rest = split(original)
   (loss0, (correct0, _)), grads0 = jax.jit(loss_and_grads(o_graph, o_rest))(o_params, *data)
 
-  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
-  layout = Layout()
-  with jax.set_mesh(mesh):
-    # As train.py builds it: the model under the mesh, each parameter sharded by its metadata.
-    model = build(config, True, layout, mesh=mesh)
-    s_graph, s_params, s_rest = split(model)
-    sharded = (
-      jax.device_put(data[0], P("fsdp")),
-      jax.device_put(data[1], P("fsdp")),
-      jax.device_put(data[2], P("fsdp")),
+  results = []
+  for shape in MESHES:
+    mesh = jax.make_mesh(shape, ("fsdp", "tensor"), devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+      # As train.py builds it: the model under the mesh, each parameter sharded by its metadata.
+      model = build(config, True, Layout(), mesh=mesh)
+      s_graph, s_params, s_rest = split(model)
+      sharded = [jax.device_put(a, P("fsdp")) for a in data]
+      step = jax.jit(loss_and_grads(s_graph, s_rest))
+      (loss, (correct, _)), grads = step(s_params, *sharded)
+      specs_equal = jax.tree.map(lambda g, p: g.sharding.spec == p.sharding.spec, grads, s_params)
+    results.append(
+      dict(
+        case=f"gemma_{shape[0]}x{shape[1]}",
+        devices=jax.device_count(),
+        loss_err=rel_err(loss, loss1),
+        grad_err=tree_err(grads, grads1),
+        correct_equal=int(correct) == int(correct1),
+        grad_specs_equal=all(jax.tree.leaves(specs_equal)),
+        weights_sharded=str(s_params["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.spec),
+        same_names=same_names,
+        original_loss_err=rel_err(loss1, loss0),
+        original_grad_err=tree_err(grads1, grads0),
+        original_correct_equal=int(correct1) == int(correct0),
+      )
     )
-    step = jax.jit(loss_and_grads(s_graph, s_rest))
-    (loss, (correct, _)), grads = step(s_params, *sharded)
-    specs_equal = jax.tree.map(lambda g, p: g.sharding.spec == p.sharding.spec, grads, s_params)
-  return dict(
-    case="gemma_4x2",
-    devices=jax.device_count(),
-    loss_err=rel_err(loss, loss1),
-    grad_err=tree_err(grads, grads1),
-    correct_equal=int(correct) == int(correct1),
-    grad_specs_equal=all(jax.tree.leaves(specs_equal)),
-    weights_sharded=str(s_params["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.spec),
-    same_names=same_names,
-    original_loss_err=rel_err(loss1, loss0),
-    original_grad_err=tree_err(grads1, grads0),
-    original_correct_equal=int(correct1) == int(correct0),
-  )
+  return results
 
 
 def main(argv=None) -> int:
@@ -552,7 +560,9 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sections", default="cpu", help="comma-separated: cpu, h100, mesh (8 devices)"
   )
-  parser.add_argument("--check", action="store_true", help="the 4 x 2 mesh check (8 devices)")
+  parser.add_argument(
+    "--check", action="store_true", help="the 8 x 1 and 4 x 2 mesh checks (8 devices)"
+  )
   parser.add_argument("--out", help="also write the tables to this file")
   args = parser.parse_args(argv)
   if "h100" in args.sections:
@@ -560,14 +570,15 @@ def main(argv=None) -> int:
 
     test_util.use_gpu_compiler()  # before the first computation starts jax's backends
   if args.check:
-    print(json.dumps(check()), flush=True)
+    for result in check():
+      print(json.dumps(result), flush=True)
     return 0
   lines = []
   for section in args.sections.split(","):
     titles = {
       "cpu": "CPU, float32",
       "h100": "compiled for an H100, bfloat16 activations",
-      "mesh": "the example's 4 x 2 mesh, 8 CPU devices, float32",
+      "mesh": "a 4 x 2 (fsdp, tensor) mesh, 8 CPU devices, float32",
     }
     rows = section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
     lines += [f"### {titles[section]}", "", *rows, ""]
