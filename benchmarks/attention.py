@@ -186,7 +186,7 @@ def section_blocks(
       for seq in seqs:
         temps = {b: attention_temp(head_dim, dtype, seq, (b, b), batch, heads) for b in blocks}
         temps["default"] = attention_temp(head_dim, dtype, seq, None, batch, heads)
-        default = default_blocks(batch * heads, seq, seq, gpu=True)
+        default = default_blocks(batch * heads, seq, seq, head_dim=head_dim, gpu=True)
         rows.append(dict(head_dim=head_dim, dtype=dtype, seq=seq, default=default, temps=temps))
         print(f"  [H {head_dim} {dtype} T {seq}: done]", file=sys.stderr, flush=True)
   return rows
@@ -203,7 +203,8 @@ def section_gemma_blocks(blocks=BLOCKS) -> dict:
   c = dataclasses.replace(config, example_attention=True)
   temps["example's attention"] = gemma.temp(c, "jaxact", gpu=True)
   heads = config.batch * config.heads
-  return dict(default=default_blocks(heads, config.length, config.length, gpu=True), temps=temps)
+  default = default_blocks(heads, config.length, config.length, head_dim=config.head_dim, gpu=True)
+  return dict(default=default, temps=temps)
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -163,10 +163,10 @@ def _static_float(name: str, value, *, positive: bool) -> float:
   return v
 
 
-def _blocks(block_sizes, heads: int, t, s) -> tuple:
+def _blocks(block_sizes, heads: int, t, s, head_dim: int) -> tuple:
   """The XLA path's blocks, at most T by S (symbolic where T or S is)."""
   if block_sizes is None:
-    return default_blocks(heads, t, s, gpu=dispatch.target().cuda)
+    return default_blocks(heads, t, s, head_dim=head_dim, gpu=dispatch.target().cuda)
   ok = (
     isinstance(block_sizes, (tuple, list))
     and len(block_sizes) == 2
@@ -273,7 +273,8 @@ def dot_product_attention(
       jax.nn's semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows
       cuDNN lacks). ``"mosaic"`` raises: there is no Hopper attention kernel yet.
     block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses square blocks from the
-      sizes (about 512 KiB of float32 logits a block on CPU, 64 MiB for a GPU).
+      sizes (about 512 KiB of float32 logits a block on CPU; for a GPU at most 64 MiB and
+      ``block_q * block_k <= T * H / 8``).
     out_sharding: ``O``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for the
       query's batch and heads. Under Explicit mesh axes each device attends its own batch rows
       and heads (see above) and ``O`` is then resharded to it (a copy where it differs); under
@@ -363,7 +364,8 @@ def dot_product_attention(
       )
     else:
       # a symbolic batch or head count (jax.export) counts as 1 in the block budget
-      block_q, block_k = _blocks(block_sizes, args.static_size(b) * args.static_size(n), t, s)
+      heads = args.static_size(b) * args.static_size(n)
+      block_q, block_k = _blocks(block_sizes, heads, t, s, args.static_size(h))
       plan = dataclasses.replace(plan, block_q=block_q, block_k=block_k, decision=decision)
       out = sharding.per_device(attention, plan, q, k, v, bias, aux)(q, k, v, bias, aux)
     out = out[0] if unbatched else out

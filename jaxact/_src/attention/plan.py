@@ -62,21 +62,27 @@ class AttentionPlan:
 # Elements of one float32 block of logits (batch x heads x block_q x block_k) the XLA path aims at.
 # On CPU 128 Ki (512 KiB): the few such arrays a block holds stay in cache, and small blocks let
 # the causal mask skip more (the sweep: benchmarks/results/attention.md, "CPU step time"). For a
-# GPU 16 Mi (64 MiB), where larger blocks amortize the loop's launches (not measured on one yet).
+# GPU at most 16 Mi (64 MiB), and a block's logits a map at most T x H / 8: a block adds about
+# 2 bq bk / (T H) to attention's compiled temp (14 bytes a logit, "Default GPU blocks" there), so
+# /8 keeps it within about a third, while blocks still grow with T (the loop's launches grow as
+# T^2). GPU time is not measured yet.
 _CPU_BLOCK_ELEMENTS = 1 << 17
 _GPU_BLOCK_ELEMENTS = 1 << 24
+_GPU_BLOCK_FRACTION = 8
 
 
 def _pow2_floor(n: int) -> int:
   return 1 << (max(1, n).bit_length() - 1)
 
 
-def default_blocks(heads: int, q_len, kv_len, *, gpu: bool) -> tuple:
+def default_blocks(heads: int, q_len, kv_len, *, head_dim: int, gpu: bool) -> tuple:
   """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
   square blocks of a power of two filling the element budget, from 32 to 512. Symbolic lengths
-  (``jax.export``) give symbolic blocks ``min(T, side)``."""
-  budget = _GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS
-  side = min(512, max(32, _pow2_floor(int((budget // max(1, heads)) ** 0.5))))
+  (``jax.export``) give symbolic blocks ``min(T, side)``, and no T x H bound on a GPU."""
+  elements = (_GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS) // max(1, heads)
+  if gpu and not jax.export.is_symbolic_dim(q_len):
+    elements = min(elements, int(q_len) * head_dim // _GPU_BLOCK_FRACTION)
+  side = min(512, max(32, _pow2_floor(int(elements**0.5))))
   return args.dim_min(q_len, side), args.dim_min(kv_len, side)
 
 
