@@ -3,19 +3,22 @@
 ``implementation="xla"`` is the blocked ``custom_vjp`` (:mod:`jaxact._src.attention.xla`) on every
 platform; ``"cudnn"`` hands the call to ``jax.nn.dot_product_attention(implementation="cudnn")``
 (cuDNN's fused kernels, which keep O and their statistics too) and raises ``NotImplementedError``
-for what cuDNN cannot run; ``"pallas"`` and ``"mosaic"`` name GPU kernels that do not exist yet and
-raise. ``None`` takes the first row of :data:`ATTENTION_AUTO_RULES` that holds.
+for what cuDNN cannot run; ``"pallas"`` runs the Triton kernels (:mod:`.kernels`), raising for what
+they cannot run; ``"mosaic"`` raises: there is no Hopper attention kernel yet. ``None`` takes the
+first row of :data:`ATTENTION_AUTO_RULES` that holds.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax import Array
 
 from jaxact._src.attention import kernels
-from jaxact._src.core.dispatch import Decision, Rule, auto, target
-
-IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "mosaic")
+from jaxact._src.core.dispatch import Backends, Decision, Family, Rule
+from jaxact._src.core.dispatch import check_implementation as dispatch_check
+from jaxact._src.core.dispatch import decide as dispatch_decide
 
 # implementation=None's rows (the docs' dispatch table lists them with the other ops').
 ATTENTION_AUTO_RULES: tuple[Rule, ...] = (
@@ -28,17 +31,6 @@ ATTENTION_AUTO_RULES: tuple[Rule, ...] = (
     "every option; cuDNN (bf16/fp16, no soft cap) is not measured against it on a GPU yet",
   ),
 )
-
-
-def check_implementation(fn_name: str, implementation) -> None:
-  """``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
-  if implementation is not None and (
-    not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS
-  ):
-    raise ValueError(
-      f"jaxact.{fn_name}: `implementation` {implementation!r} is not known; choose one of: "
-      f"None (best available), {', '.join(repr(i) for i in IMPLEMENTATIONS)}"
-    )
 
 
 def cudnn_unsupported(plan, q: Array, aux) -> str | None:
@@ -59,33 +51,36 @@ def cudnn_unsupported(plan, q: Array, aux) -> str | None:
   return None
 
 
+class _Call(NamedTuple):
+  plan: Any
+  q: Array
+  k: Array
+  v: Array
+  bias: Array | None
+  aux: Any
+
+
+FAMILY = Family(
+  implementations={
+    "xla": Backends(),
+    "cudnn": Backends("cudnn", "cudnn", lambda c, s: cudnn_unsupported(c.plan, c.q, c.aux)),
+    "pallas": Backends("triton", "triton", lambda c, s: kernels.triton_unsupported(*c)),
+    "mosaic": Backends(
+      missing="has no kernel: jaxact has no Mosaic GPU (Hopper) attention kernel yet; use "
+      "implementation='pallas' (Triton, which Hopper runs), 'xla', 'cudnn' or None"
+    ),
+  },
+  rules=ATTENTION_AUTO_RULES,
+)
+IMPLEMENTATIONS = tuple(FAMILY.implementations)
+
+
+def check_implementation(fn_name: str, implementation) -> None:
+  """``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
+  dispatch_check(fn_name, implementation, IMPLEMENTATIONS)
+
+
 def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, aux) -> Decision:
-  """The backends of one attention call (see the module docstring)."""
-  check_implementation(fn_name, implementation)
-  match implementation:
-    case "xla":
-      return Decision()
-    case "cudnn":
-      why = cudnn_unsupported(plan, q, aux)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation='cudnn' does not support this call: {why}; use "
-          "implementation='xla' or None"
-        )
-      return Decision("cudnn", "cudnn", forced=True)
-    case "pallas":
-      why = kernels.triton_unsupported(plan, q, k, v, bias, aux)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
-          "implementation='xla' or None"
-        )
-      return Decision("triton", "triton", forced=True, target=target())
-    case "mosaic":
-      raise NotImplementedError(
-        f"jaxact.{fn_name}: implementation='mosaic': jaxact has no Mosaic GPU (Hopper) attention "
-        "kernel yet; use implementation='pallas' (Triton, which Hopper runs), 'xla', 'cudnn' or "
-        "None"
-      )
-    case _:  # None
-      return auto(None, ATTENTION_AUTO_RULES, lambda: None)
+  """The backends of one attention call (:func:`jaxact._src.core.dispatch.decide` of
+  :data:`FAMILY`; see the module docstring)."""
+  return dispatch_decide(FAMILY, fn_name, implementation, _Call(plan, q, k, v, bias, aux))

@@ -1,11 +1,11 @@
 """The decision machinery every op family shares: the target GPU, a call's :class:`Decision`, the
 :class:`Rule` rows of ``implementation=None``, and the docs' table of them.
 
-Each family decides its own calls in its ``rules.py`` (``jaxact/_src/<family>/rules.py``): the
-support checks of its kernels, its table of ``implementation=None`` rules and its ``decide``, which
-returns a :class:`Decision` built here. Every family's table is generated into the one dispatch
-table of the docs (:func:`rules_table`, :mod:`jaxact._src.docs`), so the rules stay one decision
-point whatever folder they live in.
+One procedure decides every call (:func:`decide`); each family's ``rules.py``
+(``jaxact/_src/<family>/rules.py``) declares a :class:`Family`: its implementations with the
+predicates that rule a backend out, its table of ``implementation=None`` rules, the facts they
+read and how its sharding plan is derived. Every family's table is generated into the one dispatch
+table of the docs (:func:`rules_table`, :mod:`jaxact._src.docs`).
 
 The kernels (``pallas_kernels``) take tiles and an epilogue and know nothing of devices: the target
 GPU is looked up here, once (:func:`target`). Rules that rest on a measurement cite the page of
@@ -155,28 +155,115 @@ class Rule:
   evidence: str | None = None
 
 
-def check_implementation(fn_name: str, implementation) -> None:
-  """Raise ``ValueError`` unless `implementation` is None or one of :data:`IMPLEMENTATIONS`."""
+@dataclasses.dataclass(frozen=True)
+class Backends:
+  """One value of a family's ``implementation=``: the backends it runs and why they cannot run a
+  call, or, where the family has no such kernel, what to use instead.
+
+  Attributes:
+    forward, backward: the backends run when asked for by name.
+    unsupported: ``(call, sharding) -> str | None``: why these backends cannot run `call` in its
+      sharding plan (``NotImplementedError`` when asked for by name), None when they can.
+    instead: the implementations the error suggests instead (``None`` always ends the list).
+    missing: the family has no kernel of this name: the ``NotImplementedError``'s reason.
+  """
+
+  forward: Backend = "xla"
+  backward: Backend = "xla"
+  unsupported: Callable[[Any, Any], str | None] | None = None
+  instead: tuple[str, ...] = ("xla",)
+  missing: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What an op family declares to :func:`decide`: data and predicates, no procedure.
+
+  Attributes:
+    implementations: every value its ``implementation=`` takes besides None ("xla" first).
+    rules: its ``implementation=None`` rows, tried in order (the docs' dispatch table lists them).
+    declined: ``(call, sharding) -> str | None``: why no kernel can run `call` under None (XLA
+      then, silently), before the rules are read.
+    facts: ``(call, sharding) -> object``: what the rules' predicates read.
+    sharding: ``call -> plan``: the call's sharding plan, derived once; the predicates read it and
+      the kernels run in it.
+    xla_sharded: the XLA path runs in the plan too (the LM head's loop): every decision carries
+      ``place(plan)``, ``implementation="xla"`` included. Otherwise only kernel decisions carry it.
+    place: the plan as decisions carry it (may raise for a plan no backend can run).
+  """
+
+  implementations: dict[str, Backends]
+  rules: tuple[Rule, ...]
+  declined: Callable[[Any, Any], str | None] | None = None
+  facts: Callable[[Any, Any], Any] = lambda call, sharding: None
+  sharding: Callable[[Any], Any] | None = None
+  xla_sharded: bool = False
+  place: Callable[[Any], Any] = lambda sharding: sharding
+
+
+def check_implementation(fn_name: str, implementation, names=IMPLEMENTATIONS) -> None:
+  """Raise ``ValueError`` unless `implementation` is None or one of `names`."""
   if implementation is not None and (
-    not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS
+    not isinstance(implementation, str) or implementation not in names
   ):
     raise ValueError(
       f"jaxact.{fn_name}: `implementation` {implementation!r} is not known; choose one of: "
-      f"None (best available), {', '.join(repr(i) for i in IMPLEMENTATIONS)}"
+      f"None (best available), {', '.join(repr(i) for i in names)}"
     )
 
 
-def auto(why: str | None, rules, facts: Callable[[], Any], sharding: Any = None) -> Decision:
+def decide(family: Family, fn_name: str, implementation: str | None, call: Any) -> Decision:
+  """The backends of one call of `family`'s op `fn_name`, for every family alike.
+
+  1. ``implementation`` is checked against the family's names (``ValueError``).
+  2. A name runs its backends on every platform (interpret mode off CUDA), or raises
+     ``NotImplementedError`` with the reason where they cannot run the call (or do not exist).
+  3. ``None``: XLA with the reason where :attr:`Family.declined` says no kernel can run the call,
+     else the first of the family's rules that holds. Kernels chosen there run only where the
+     program is lowered for CUDA; lowered for anything else the call is XLA's.
+
+  The sharding plan is derived once, here, and travels with the decision (:class:`Family`)."""
+  names = tuple(family.implementations)
+  check_implementation(fn_name, implementation, names)
+  if implementation == "xla" and not family.xla_sharded:
+    return Decision()
+  sharding = None if family.sharding is None else family.sharding(call)
+  if implementation is None:
+    why = None if family.declined is None else family.declined(call, sharding)
+    decision = auto(why, family.rules, lambda: family.facts(call, sharding))
+  else:
+    impl = family.implementations[implementation]
+    if impl.missing is not None:
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation={implementation!r} {impl.missing}"
+      )
+    why = None if impl.unsupported is None else impl.unsupported(call, sharding)
+    if why is not None:
+      instead = ", ".join(repr(n) for n in impl.instead)
+      raise NotImplementedError(
+        f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
+        f"{why}; use implementation={instead} or None"
+      )
+    decision = Decision(impl.forward, impl.backward)
+    if implementation != "xla":
+      decision = Decision(impl.forward, impl.backward, forced=True, target=target())
+  if family.xla_sharded:
+    return dataclasses.replace(decision, sharding=family.place(sharding))
+  if decision.forward == decision.backward == "xla":
+    return decision
+  return dataclasses.replace(decision, sharding=family.place(sharding))
+
+
+def auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
   """``implementation=None``: XLA with the reason when the kernels cannot run the call (`why`),
-  else the first of `rules` that holds for the call's facts (built only then); kernels chosen run
-  in the call's `sharding` plan."""
+  else the first of `rules` that holds for the call's facts (built only then)."""
   if why is not None:
     return Decision(declined=why)
   found = facts()
   rule = next(r for r in rules if r.applies(found))
   if rule.forward == rule.backward == "xla":
     return Decision(declined=rule.why)
-  return Decision(rule.forward, rule.backward, target=found.target, sharding=sharding)
+  return Decision(rule.forward, rule.backward, target=found.target)
 
 
 def rules_table(*tables: tuple[Rule, ...]) -> str:

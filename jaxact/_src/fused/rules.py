@@ -14,15 +14,15 @@ the one decision point.
    run only where the program is lowered for CUDA; lowered for anything else the call is XLA's.
    A call the kernels cannot run is XLA's, silently.
 
-The gated ops, the LM head and attention decide alike in their own ``rules.py``, each with its own
-table; the docs' dispatch page lists every table.
+This module declares that as data (:data:`FAMILY`); the procedure is
+:func:`jaxact._src.core.dispatch.decide`, the same for every family.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from jax import Array
 
@@ -112,12 +112,19 @@ def mosaic_unsupported(
   return why
 
 
+class _Call(NamedTuple):
+  plan: Plan
+  x: Array
+  w: Array
+
+
 class _Facts:
   """What the rules ask of one call, each fact computed on first use."""
 
-  def __init__(self, plan: Plan, x: Array, w: Array, sharding, target: dispatch.Target):
-    self.plan, self.x, self.w, self.sharding, self.target = plan, x, w, sharding, target
-    self.dense = plan.linear.kind == "dense"
+  def __init__(self, call: _Call, sharding):
+    self.plan, self.x, self.w, self.sharding = call.plan, call.x, call.w, sharding
+    self.target = dispatch.target()
+    self.dense = call.plan.linear.kind == "dense"
 
   @functools.cached_property
   def mosaic_forward(self) -> bool:
@@ -178,31 +185,28 @@ AUTO_RULES: tuple[dispatch.Rule, ...] = (
 )
 
 
+def _triton(call: _Call, sharding) -> str | None:
+  return triton_unsupported(call.plan, call.x, call.w, sharding)
+
+
+FAMILY = dispatch.Family(
+  implementations={
+    "xla": dispatch.Backends(),
+    "pallas": dispatch.Backends("triton", "triton", _triton),
+    "mosaic": dispatch.Backends(
+      "mosaic", "mosaic", lambda c, s: mosaic_unsupported(c.plan, c.x, c.w, s, backward=True)
+    ),
+  },
+  rules=AUTO_RULES,
+  declined=_triton,
+  facts=_Facts,
+  sharding=lambda c: sharding_of(c.plan, c.x, c.w),
+)
+
+
 def decide(
   fn_name: str, implementation: str | None, plan: Plan, x: Array, w: Array
 ) -> dispatch.Decision:
-  """The backends for one fused call (see the module docstring); `implementation` is checked
-  (:func:`~jaxact._src.core.dispatch.check_implementation`). Raises ``NotImplementedError`` when
-  kernels asked for by name cannot run the call."""
-  dispatch.check_implementation(fn_name, implementation)
-  if implementation == "xla":
-    return dispatch.Decision()
-  sharding = sharding_of(plan, x, w)  # derived once: the checks read it, the kernels run in it
-  match implementation:
-    case "pallas" | "mosaic":
-      backend: dispatch.Backend = "triton" if implementation == "pallas" else "mosaic"
-      if backend == "triton":
-        why = triton_unsupported(plan, x, w, sharding)
-      else:
-        why = mosaic_unsupported(plan, x, w, sharding, backward=True)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
-          f"{why}; use implementation='xla' or None"
-        )
-      target = dispatch.target()
-      return dispatch.Decision(backend, backend, forced=True, target=target, sharding=sharding)
-    case _:  # None
-      why = triton_unsupported(plan, x, w, sharding)
-      facts = lambda: _Facts(plan, x, w, sharding, dispatch.target())
-      return dispatch.auto(why, AUTO_RULES, facts, sharding)
+  """The backends for one fused call (:func:`jaxact._src.core.dispatch.decide` of :data:`FAMILY`).
+  Raises ``NotImplementedError`` when kernels asked for by name cannot run the call."""
+  return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
@@ -71,6 +71,13 @@ def mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:
   return gated_hopper.gated_unsupported(shape, x.dtype, resolve.epilogue(plan.act.rule))
 
 
+class _Call(NamedTuple):
+  plan: GatedPlan
+  x: Array
+  w_gate: Array
+  w_up: Array
+
+
 @dataclasses.dataclass(frozen=True)
 class _GatedFacts:
   """What the gated rules ask of one call."""
@@ -94,41 +101,36 @@ GATED_AUTO_RULES: tuple[dispatch.Rule, ...] = (
 )
 
 
+def _triton(call: _Call, sharding) -> str | None:
+  return triton_unsupported(call.plan, call.x, call.w_gate, sharding)
+
+
+FAMILY = dispatch.Family(
+  implementations={
+    "xla": dispatch.Backends(),
+    "pallas": dispatch.Backends("triton", "triton", _triton),
+    # The Mosaic GPU forward (both projections from one pass over x); the backward pass is the
+    # Triton elementwise kernel, which Hopper runs.
+    "mosaic": dispatch.Backends(
+      "mosaic",
+      "triton",
+      lambda c, s: _triton(c, s) or mosaic_unsupported(c.plan, c.x, c.w_gate),
+      instead=("pallas", "xla"),
+    ),
+  },
+  rules=GATED_AUTO_RULES,
+  declined=_triton,
+  facts=lambda c, s: _GatedFacts(c.plan, c.x, c.w_gate, dispatch.target()),
+  sharding=lambda c: pallas_sharding.gated_pattern(c.x, c.w_gate, c.w_up),
+)
+
+
 def decide(
   fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
 ) -> dispatch.Decision:
-  """The backends for one gated call, as :func:`jaxact._src.fused.rules.decide` for the fused
-  ops: ``"pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward and backward
-  pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the Triton
-  backward; either raises ``NotImplementedError`` with the reason when it cannot run the call.
-  ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
-  dispatch.check_implementation(fn_name, implementation)
-  if implementation == "xla":
-    return dispatch.Decision()
-  # derived once: the checks read it, the kernels run in it
-  sharding = pallas_sharding.gated_pattern(x, w_gate, w_up)
-  match implementation:
-    case "pallas":
-      why = triton_unsupported(plan, x, w_gate, sharding)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation='pallas' does not support this call: {why}; use "
-          "implementation='xla' or None"
-        )
-      target = dispatch.target()
-      return dispatch.Decision("triton", "triton", forced=True, target=target, sharding=sharding)
-    case "mosaic":
-      # The Mosaic GPU forward (both projections from one pass over x); the backward pass is the
-      # Triton elementwise kernel, which Hopper runs.
-      why = triton_unsupported(plan, x, w_gate, sharding) or mosaic_unsupported(plan, x, w_gate)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
-          "implementation='pallas', 'xla' or None"
-        )
-      target = dispatch.target()
-      return dispatch.Decision("mosaic", "triton", forced=True, target=target, sharding=sharding)
-    case _:  # None
-      why = triton_unsupported(plan, x, w_gate, sharding)
-      facts = lambda: _GatedFacts(plan, x, w_gate, dispatch.target())
-      return dispatch.auto(why, GATED_AUTO_RULES, facts, sharding)
+  """The backends for one gated call (:func:`jaxact._src.core.dispatch.decide` of
+  :data:`FAMILY`): ``"pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward
+  and backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the
+  Triton backward; either raises ``NotImplementedError`` with the reason when it cannot run the
+  call. ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
+  return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w_gate, w_up))

@@ -9,9 +9,8 @@ row of :data:`LCE_AUTO_RULES` that holds.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from jax import Array, lax
@@ -94,32 +93,34 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | Non
   return why
 
 
+class _Call(NamedTuple):
+  plan: LcePlan
+  x: Array
+  w: Array
+
+
+FAMILY = dispatch.Family(
+  implementations={
+    "xla": dispatch.Backends(),
+    "pallas": dispatch.Backends(
+      missing="has no Triton kernel for this op; use 'mosaic' (Hopper), 'xla' or None"
+    ),
+    # The forward kernel, and the backward kernel forming G for XLA's products.
+    "mosaic": dispatch.Backends(
+      "mosaic", "mosaic", lambda c, s: mosaic_unsupported(c.plan, c.x, c.w, s)
+    ),
+  },
+  rules=LCE_AUTO_RULES,
+  sharding=lambda c: sharding_of(c.plan, c.x, c.w),
+  xla_sharded=True,  # the vocabulary loop runs per device too
+  place=per_device,
+)
+
+
 def decide(fn_name: str, implementation: str | None, plan: LcePlan, x: Array, w: Array):
-  """The backends for one :func:`jaxact.linear_cross_entropy` call, as the fused ops decide
-  (:func:`jaxact._src.fused.rules.decide`):
-  ``"mosaic"`` takes the Hopper kernels (``NotImplementedError`` with the reason where they cannot
-  run), ``"pallas"`` has no Triton kernel to take, ``None`` the first row of
-  :data:`LCE_AUTO_RULES` that holds. Every backend runs in the call's sharding plan
-  (:func:`per_device`), derived here once."""
-  dispatch.check_implementation(fn_name, implementation)
-  if implementation == "pallas":
-    raise NotImplementedError(
-      f"jaxact.{fn_name}: implementation='pallas' has no Triton kernel for this op; use "
-      "'mosaic' (Hopper), 'xla' or None"
-    )
-  pattern = sharding_of(plan, x, w)
-  match implementation:
-    case "xla":
-      decision = dispatch.Decision()
-    case "mosaic":
-      why = mosaic_unsupported(plan, x, w, pattern)
-      if why is not None:
-        raise NotImplementedError(
-          f"jaxact.{fn_name}: implementation='mosaic' does not support this call: {why}; use "
-          "implementation='xla' or None"
-        )
-      # The forward kernel, and the backward kernel forming G for XLA's products.
-      decision = dispatch.Decision("mosaic", "mosaic", forced=True, target=dispatch.target())
-    case _:  # None
-      decision = dispatch.auto(None, LCE_AUTO_RULES, lambda: None)
-  return dataclasses.replace(decision, sharding=per_device(pattern))
+  """The backends for one :func:`jaxact.linear_cross_entropy` call
+  (:func:`jaxact._src.core.dispatch.decide` of :data:`FAMILY`): ``"mosaic"`` takes the Hopper
+  kernels (``NotImplementedError`` with the reason where they cannot run), ``"pallas"`` has no
+  Triton kernel to take, ``None`` the first row of :data:`LCE_AUTO_RULES` that holds. Every backend
+  runs in the call's sharding plan (:func:`per_device`), derived once."""
+  return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w))
