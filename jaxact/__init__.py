@@ -1,7 +1,12 @@
-"""jaxact: activations that keep only their output for the backward pass, and never NaN.
+"""jaxact: training ops for JAX that keep one array a layer for the backward pass, and never NaN.
 
-Every function is a drop-in for the ``jax.nn`` function of the same name (plus ``gelu_quick``).
-See the README for the residual each one keeps and the numerical guarantees.
+Each op is one ``jax.custom_vjp`` keeping only what its backward needs (the output wherever the
+derivative can be written from it): every ``jax.nn`` activation under its own name (plus
+``gelu_quick``), ``dense_bias_act`` / ``conv_bias_act``, ``gated_dense`` / ``gated_mlp``,
+``rms_norm`` / ``layer_norm``, ``dot_product_attention`` and ``linear_cross_entropy`` (the LM head
+and its loss without the logits). Flax layers in :mod:`jaxact.linen` and :mod:`jaxact.nnx`; GPU
+kernels in :mod:`pallas_kernels`. See the README and ``docs/`` for what each keeps and where it
+differs from jax.nn.
 """
 
 from jaxact._src.activations.api import ACTIVATIONS as ACTIVATIONS

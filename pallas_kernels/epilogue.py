@@ -20,7 +20,7 @@ class DerivativeCode:
   255 uniform steps of ``[lo, hi]``. 4 and 2 bits: ``2**bits - 1`` ascending ``boundaries`` on
   ``z``, the code is the number of them below ``z`` and decodes to ``levels[code]``. Codes are
   packed ``8 // bits`` to a byte along the last axis, code ``j`` of a group at bits ``j * bits``;
-  the kernels need that axis (the features) to be a multiple of :meth:`per_byte`.
+  the kernels need that axis (the features) to be a multiple of :meth:`DerivativeCode.per_byte`.
 
   Every operation below is elementwise or a reshape of a tile, written so that the Triton backend
   lowers it and gives exactly the bytes and values of the same formulas evaluated by XLA.
@@ -34,7 +34,7 @@ class DerivativeCode:
     return 8 // self.bits
 
   def packed_cols(self, cols: int) -> int:
-    """Bytes a row of `cols` codes takes (`cols` a multiple of :meth:`per_byte`)."""
+    """Bytes a row of `cols` codes takes (`cols` a multiple of :meth:`DerivativeCode.per_byte`)."""
     return cols // self.per_byte()
 
   def unsupported(self, features: int) -> str | None:

@@ -99,7 +99,7 @@ def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, spread=None):
   `part`: ``(rows, first column, columns)`` of the tiles to work on (a warpgroup's own part), else
   all of them. With a derivative code, `r_smem` holds its bytes (``1 / per_byte`` a column) and
   ``act'`` is decoded from them; 4- and 2-bit codes are unpacked through `spread` (the staging
-  tile and spreading matrix of :func:`pallas_kernels._mosaic.spreading_matrix`).
+  tile and spreading matrix of :func:`pallas_kernels._mosaic.spreading_matrix_t`).
   """
   if r_smem is None:
     return

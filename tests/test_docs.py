@@ -227,3 +227,48 @@ def test_every_results_page_is_linked_and_short():
     lines = page.read_text().count("\n")
     assert lines <= 300, f"benchmarks/results/{page.name} has {lines} lines: split it by topic"
   assert index.count("\n") <= 60, "benchmarks/RESULTS.md is the index: the figures go in results/"
+
+
+# ------------------------------------------------------------- cross-references in docstrings
+
+_ROLE = re.compile(r":(mod|func|class|data|attr|meth|obj|exc):`~?([^`<>]+)`")
+
+
+def _resolves(target: str, module: str) -> bool:
+  """Whether `target` (absolute, relative with leading dots, or a name in `module`) names an
+  importable module or an attribute chain (a dataclass field or an annotation counts)."""
+  if target.startswith("."):
+    up = len(target) - len(target.lstrip("."))
+    target = module.rsplit(".", up)[0] + "." + target.lstrip(".")
+  for name in (target, f"{module}.{target}"):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+      try:
+        obj = importlib.import_module(".".join(parts[:i]))
+      except ImportError:
+        continue
+      for attr in parts[i:-1]:
+        obj = getattr(obj, attr, None)
+      last = parts[-1] if i < len(parts) else None
+      if obj is not None and (
+        last is None
+        or hasattr(obj, last)
+        or last in getattr(obj, "__annotations__", {})
+        or last in getattr(obj, "__dataclass_fields__", {})
+      ):
+        return True
+      break
+  return False
+
+
+def test_every_docstring_reference_resolves():
+  """Every ``:mod:``, ``:func:``, ``:class:`` (...) role in the library's and the kernels' sources
+  names something that exists: modules that moved leave no stale names behind."""
+  bad = []
+  for folder in ("jaxact", "pallas_kernels"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+      for role in _ROLE.finditer(path.read_text()):
+        if not _resolves(role.group(2).strip(), module):
+          bad.append(f"{path.relative_to(ROOT)}: :{role.group(1)}:`{role.group(2)}`")
+  assert bad == []

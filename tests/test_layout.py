@@ -219,6 +219,34 @@ def test_core_imports_no_family():
   assert above == set()
 
 
+# The floors of jaxact/_src, lowest first: a module imports its own folder and the floors below.
+FLOORS = (
+  ("core",),
+  ("codes",),
+  ("activations",),
+  ("layers",),  # the Flax plumbing the families' layers share
+  ("fused", "gated", "norms", "attention", "lce"),  # the op families: none imports another
+)
+
+
+def test_families_import_only_the_floors_below_them():
+  graph = _import_graph()
+  floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+  assert set(floor) <= {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+  wrong = set()
+  for module, targets in graph.items():
+    parts = module.split(".")
+    if parts[:2] != ["jaxact", "_src"] or len(parts) < 3 or parts[2] not in floor:
+      continue
+    for target in targets:
+      t = target.split(".")
+      if t[:2] != ["jaxact", "_src"] or len(t) < 3 or t[2] == parts[2]:
+        continue
+      if t[2] not in floor or floor[t[2]] >= floor[parts[2]]:
+        wrong.add(f"{module} -> {target}")
+  assert wrong == set()
+
+
 def test_no_module_has_outgrown_one_reading():
   paths = sorted(JAXACT.rglob("*.py"))
   lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in paths}

@@ -118,7 +118,7 @@ class Code:
     return packed
 
   def unpack(self, packed: Array, shape: tuple[int, ...], fn=None) -> Array:
-    """The unpacked codes of an array of `shape` from :meth:`pack`'s bytes, or `fn` of them.
+    """The unpacked codes of an array of `shape` from :meth:`Code.pack`'s bytes, or `fn` of them.
 
     `fn` (elementwise, e.g. the decoding) is applied before the groups of a byte are laid out
     in a row: XLA then fuses the whole into one loop, where unpacking first materializes them.

@@ -28,8 +28,8 @@ from flax.typing import (
 from jax import lax
 
 from jaxact._src.fused import api as fused
-from jaxact._src.fused import layers
-from jaxact._src.fused.layers import Activation
+from jaxact._src.layers import common as layers
+from jaxact._src.layers.common import Activation
 
 
 def check_params_found(module: nn.Module, layer: str, flax_layer: str, kernel_shape) -> None:

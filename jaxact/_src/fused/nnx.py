@@ -29,8 +29,9 @@ from flax.typing import (
 from jax import lax
 
 from jaxact._src.fused import api as fused
-from jaxact._src.fused import layers
-from jaxact._src.fused.layers import Activation
+from jaxact._src.layers import common as layers
+from jaxact._src.layers.common import Activation
+from jaxact._src.layers.nnx import dropout_key
 
 Array = jax.Array
 
@@ -209,32 +210,6 @@ class LinearAct(nnx.Module):
 
   def _dropout_key(self, deterministic, rngs) -> jax.Array | None:
     return dropout_key("jaxact.nnx.LinearAct", self, deterministic, rngs)
-
-
-def dropout_key(layer: str, module, deterministic, rngs) -> jax.Array | None:
-  """The dropout's key for one call of `module` (``dropout_rate``, ``deterministic``, ``rngs``,
-  ``rng_collection`` attributes), None when it does not drop, as ``nnx.Dropout`` decides."""
-  if module.dropout_rate == 0:
-    return None
-  deterministic = deterministic if deterministic is not None else module.deterministic
-  if deterministic is None:
-    raise ValueError(
-      f"{layer}: no `deterministic` given (to the constructor, the call, model.train()/eval() or "
-      "nnx.view) while dropout_rate > 0"
-    )
-  if deterministic:
-    return None
-  rngs = rngs if rngs is not None else module.rngs
-  if isinstance(rngs, nnx.Rngs):
-    return rngs[module.rng_collection]()
-  if isinstance(rngs, nnx.RngStream):
-    return rngs()
-  if isinstance(rngs, jax.Array):
-    return rngs
-  raise TypeError(
-    f"{layer}: dropout needs `rngs` (an nnx.Rngs, RngStream or key, given to the constructor or "
-    f"the call); got {type(rngs).__name__}"
-  )
 
 
 class ConvAct(nnx.Module):

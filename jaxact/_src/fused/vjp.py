@@ -266,7 +266,8 @@ def _xla_bwd(plan: Plan, res, g):
 
 def _dropped_cotangents(plan: Plan, kept, key, g, dynamic, cotangents, dz_dtype):
   """``(dz, array parameters' cotangents)`` through the dropout and the activation, the mask drawn
-  again (in blocks of rows where it can be: see :meth:`Dropout.by_blocks`)."""
+  again (in blocks of rows where it can be: see
+  :meth:`jaxact._src.core.dropout.Dropout.by_blocks`)."""
   drop, acc = plan.dropout, plan.acc_dtype
   # Tied to the cotangent, so that XLA neither keeps the forward's mask nor draws this one early.
   (kept, key), g = barriers.after_cotangent((kept, key), g)

@@ -175,12 +175,12 @@ def gated_dense(
   \mathrm{act}(a)`. With ``activation="silu"`` this is SwiGLU, ``"gelu"`` GeGLU (``partial(gelu,
   approximate=False)`` for the exact form), ``"relu"`` ReGLU and ``"sigmoid"`` the original GLU.
 
-  ``activation`` is taken as :func:`dense_bias_act` takes it: a name, a jaxact function, a
+  ``activation`` is taken as :func:`jaxact.dense_bias_act` takes it: a name, a jaxact function, a
   :mod:`jax.nn` function, a ``functools.partial`` of either with keyword parameters (jaxact's
   derivative is used), or any other callable that keeps its input's shape (differentiated by
   JAX's autodiff, in the output dtype).
-  Dtypes and ``precision`` as :func:`dense_bias_act`: half precision accumulates and evaluates the
-  activation in float32 and keeps ``a`` and ``b`` in its own dtype.
+  Dtypes and ``precision`` as :func:`jaxact.dense_bias_act`: half precision accumulates and
+  evaluates the activation in float32 and keeps ``a`` and ``b`` in its own dtype.
 
   Args:
     x: input of shape ``(..., in)``, floating point.
@@ -197,9 +197,10 @@ def gated_dense(
       ``"mosaic"`` (the Hopper forward with the Triton backward; bfloat16/float16, ``M`` a
       multiple of 128, ``hidden`` of 128, ``in`` of 64). Kernels run in interpret mode off CUDA;
       calls they do not support raise ``NotImplementedError``.
-    out_sharding: ``h``'s sharding, as ``jnp.dot`` takes it (see :func:`dense_bias_act`); both
-      projections give it. None: what jax infers for ``x @ w_gate``, or where it infers none
-      (both contraction dimensions sharded), ``x``'s rows and ``w_gate``'s columns.
+    out_sharding: ``h``'s sharding, as ``jnp.dot`` takes it (see
+      :func:`jaxact.dense_bias_act`); both projections give it. None: what jax infers for
+      ``x @ w_gate``, or where it infers none (both contraction dimensions sharded), ``x``'s rows
+      and ``w_gate``'s columns.
 
   Returns:
     ``h`` of shape ``(..., hidden)``.
@@ -270,8 +271,8 @@ def gated_mlp(
   and Gemma's place for the MLP's dropout), exactly as ``nn.Dropout(rate)(h, rng=dropout_rng)``:
   ``select(mask, h / (1 - rate), 0)`` with ``mask = jax.random.bernoulli(dropout_rng, 1 - rate,
   h.shape)``. The op keeps the key, not the mask (nor the dropped ``h``): the backward pass draws
-  the mask again (see :func:`dense_bias_act`). Dropout runs on XLA's path; the kernels draw no
-  masks (``implementation="pallas"`` / ``"mosaic"`` raise ``NotImplementedError`` with it).
+  the mask again (see :func:`jaxact.dense_bias_act`). Dropout runs on XLA's path; the kernels
+  draw no masks (``implementation="pallas"`` / ``"mosaic"`` raise ``NotImplementedError`` with it).
 
   Args:
     x: input of shape ``(..., in)``, floating point.
@@ -295,12 +296,13 @@ def gated_mlp(
       required when ``dropout_rate > 0``.
     dropout_broadcast_dims: axes of ``h`` that share one mask, as ``nn.Dropout``'s
       ``broadcast_dims``.
-    out_sharding: ``y``'s sharding, as ``jnp.dot`` takes it (see :func:`dense_bias_act`): under
-      Explicit mesh axes needed where ``h``'s and ``w_down``'s contraction dimensions are both
-      sharded (Megatron's row-parallel down projection, FSDP weights). The hidden ``a``, ``b``,
-      ``h`` are split as jax infers for ``x @ w_gate``, or where it infers none, as ``x``'s rows
-      and ``w_gate``'s columns (Gemma's ``act_btf`` for its ``act_btd`` input and ``(fsdp,
-      tensor)`` weights). Each gradient has its input's sharding.
+    out_sharding: ``y``'s sharding, as ``jnp.dot`` takes it (see
+      :func:`jaxact.dense_bias_act`): under Explicit mesh axes needed where ``h``'s and
+      ``w_down``'s contraction dimensions are both sharded (Megatron's row-parallel down
+      projection, FSDP weights). The hidden ``a``, ``b``, ``h`` are split as jax infers for
+      ``x @ w_gate``, or where it infers none, as ``x``'s rows and ``w_gate``'s columns (Gemma's
+      ``act_btf`` for its ``act_btd`` input and ``(fsdp, tensor)`` weights). Each gradient has
+      its input's sharding.
 
   Returns:
     ``y`` of shape ``(..., out)``.

@@ -13,9 +13,9 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 from flax.typing import Array, Dtype, Initializer, PrecisionLike
 
-from jaxact._src.fused import layers
-from jaxact._src.fused.layers import Activation
 from jaxact._src.gated import api as gated
+from jaxact._src.layers import common as layers
+from jaxact._src.layers.common import Activation
 
 
 class _Projection(nn.Module):
@@ -70,7 +70,8 @@ class GatedMLP(nn.Module):
   Attributes:
     hidden_features: the number of hidden features (``intermediate_size``).
     features: the number of output features; None (default) keeps the input's.
-    activation: the gate's activation, as :class:`DenseAct` takes it (default ``"silu"``).
+    activation: the gate's activation, as :class:`jaxact.linen.DenseAct` takes it (default
+      ``"silu"``).
     use_bias: whether the three projections add a bias (default: False, as Llama).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).
@@ -154,7 +155,7 @@ def gated_mlp(
   out_sharding=None,
 ) -> jax.Array:
   """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
-  :func:`~jaxact._src.fused.layers.dropout_kwargs` (None or {}: none): one
+  :func:`~jaxact._src.layers.common.dropout_kwargs` (None or {}: none): one
   :func:`jaxact.gated_mlp`, or, for dtypes it does not take (complex), Flax's three ``Dense``
   computations, the activation and Flax's dropout."""
   arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)

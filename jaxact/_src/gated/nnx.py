@@ -16,10 +16,10 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxact._src.fused import layers
-from jaxact._src.fused.layers import Activation
-from jaxact._src.fused.nnx import dropout_key
 from jaxact._src.gated.linen import gated_mlp
+from jaxact._src.layers import common as layers
+from jaxact._src.layers.common import Activation
+from jaxact._src.layers.nnx import dropout_key
 
 Array = jax.Array
 
@@ -56,7 +56,8 @@ class GatedMLP(nnx.Module):
     in_features: the number of input features.
     hidden_features: the number of hidden features (``intermediate_size``).
     out_features: the number of output features; None (default) is ``in_features``.
-    activation: the gate's activation, as :class:`LinearAct` takes it (default ``"silu"``).
+    activation: the gate's activation, as :class:`jaxact.nnx.LinearAct` takes it (default
+      ``"silu"``).
     use_bias: whether the three projections add a bias (default: False, as Llama).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).

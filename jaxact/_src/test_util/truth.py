@@ -325,7 +325,7 @@ class Runner:
     return self.report.verdicts()
 
   def summary(self) -> list[str]:
-    """The report's summary, with the command that reruns :attr:`redo`."""
+    """The report's summary, with the command that reruns the steps in ``redo``."""
     return self.report.summary(self.rerun(self.redo) if self.redo else None)
 
   def _run_step(self, step: Step, ctx: Context) -> None:
