@@ -120,9 +120,9 @@ def lift_gap(gap, m_old: Array, m: Array, vocab: int):
 
 
 def mean_gap(m: Array, gap, vocab: int) -> Array:
-  """``m - mean``, the smoothing mean ``Σ s / V`` over the finite ``s`` (a masked logit counts as
-  0 in it), from a ``(gap, count)`` measured from the max `m`. ``V - count`` is exact, 0 without
-  masks: ``1 - count / V`` would leave ``m`` times a rounding error where XLA fuses the
+  """``m - mean``, the smoothing mean ``Σ s / V`` over the columns that count (a masked logit
+  counts as 0 in it), from a ``(gap, count)`` measured from the max `m`. ``V - count`` is exact,
+  0 without masks: ``1 - count / V`` would leave ``m`` times a rounding error where XLA fuses the
   difference into a multiply-add (30 for logits of -1e9)."""
   g, count = gap
   return g + (vocab - count) / vocab * m
@@ -205,7 +205,7 @@ def scales(plan: LcePlan, g: Array, m: Array, se: Array, labels: Array, vocab: i
 
 def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
   """The loss from the statistics, as ``log se + (1 - a)(m - s_y) + a gap + k lse²`` (``gap``:
-  :func:`_tile_stats`'s ``m - mean``, None without smoothing): the differences to the max are
+  ``m - mean`` of :func:`mean_gap`, None without smoothing): the differences to the max are
   exact for near-equal logits, whatever their size. +inf where the label is outside ``[0, V)`` or
   no logit is finite; NaN where the logits hold a NaN; 0 where `where` is False (and no infinity
   made there)."""
