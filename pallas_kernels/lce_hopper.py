@@ -5,10 +5,14 @@ For each token, with ``s = c * tanh(z / c)`` under a soft cap ``c`` (else ``s = 
 ``-inf``, a masked vocabulary entry, stays ``-inf``):
 
 * ``max_v s`` and ``sum_v exp(s - max)`` (online over the vocabulary: a running maximum and a
-  rescaled sum), from which the caller forms the log-sum-exp;
+  rescaled sum), which the caller keeps apart (one float32 log-sum-exp loses the sum next to
+  logits of -1e9); the maximum starts at, and never drops below, float32's lowest finite value, so
+  a row whose every logit is ``-inf`` has a finite maximum and a sum of 0;
 * ``s[label]`` (0 for a label outside ``[0, V)``);
-* ``sum_v s / V`` over the finite ``s`` (each term divided by ``V``, so that no sum of large
-  finite logits can overflow), for label smoothing.
+* for label smoothing, ``sum_v (max - s) / V`` over the finite ``s`` (how far their mean lies
+  below the max; each term divided by ``V``, so that no sum can overflow) and their count, kept
+  relative to the running max as the sum is (summed from logits of -1e9, the mean itself would
+  round away the loss).
 
 Layout, as :mod:`pallas_kernels.hopper`'s forward: a CTA owns ``tile_m`` tokens and walks the
 whole vocabulary in steps of ``2 * tile_n`` columns; for each step a memory warpgroup streams
@@ -17,7 +21,7 @@ whole vocabulary in steps of ``2 * tile_n`` columns; for each step a memory warp
 ``tile_m x tile_n`` logits tile by wgmma in registers, then fold it into their running row
 statistics, kept in shared memory between steps (a compute warpgroup cannot carry registers
 across the pipeline's calls). Each warpgroup writes its statistics for its half of the columns at
-the end; :func:`lce_fwd` merges the two halves (four float32 numbers a token). Persistent: one CTA
+the end; :func:`lce_fwd` merges the two halves (five float32 numbers a token). Persistent: one CTA
 an SM walks the token tiles.
 
 The backward pass's softmax-minus-one-hot tiles are :mod:`pallas_kernels.lce_hopper_bwd`'s; it
@@ -46,7 +50,9 @@ from pallas_kernels._mosaic import (
   xw_pipeline,
 )
 
-_STATS = 4  # running max, rescaled sum of exp, label logit, sum of finite logits / V
+# running max, rescaled sum of exp, label logit; sum of (max - s) / V and count of the finite s
+_STATS = 5
+_LOWEST = float(np.finfo(np.float32).min)  # the running max before any column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +81,8 @@ def default_lce_tiles(shape: tuple[int, int, int], dtype) -> LceTiles:
 
   A compute warpgroup's 128 x 128 float32 accumulator is 128 registers a thread, as in the dense
   forward; a stage of x and w tiles is (128 + 256) x 64 x 2 B = 48 KiB, so four stages (192 KiB)
-  fit the 227 KiB of shared memory beside the statistics (5 KiB) with no output tiles to stage
-  (the kernel writes four numbers a token). Smaller shapes (tests) shrink nothing: shapes that
+  fit the 227 KiB of shared memory beside the statistics (6 KiB) with no output tiles to stage
+  (the kernel writes five numbers a token). Smaller shapes (tests) shrink nothing: shapes that
   the tiles do not divide are refused (:func:`lce_unsupported`).
   """
   del shape
@@ -168,29 +174,30 @@ def _fwd_kernel(x_gmem, w_gmem, b_gmem, labels_gmem, stats_gmem, *, t: LceTiles,
 
             @pl.when(first)  # a new token tile: statistics of no column yet
             def _():
-              for i, v in enumerate((-jnp.inf, 0.0, 0.0, 0.0)):
+              for i, v in enumerate((_LOWEST, 0.0, 0.0, 0.0, 0.0)):
                 fill = jnp.full((t.tile_m,), v, jnp.float32)
                 stats_smem.at[wg, i][...] = plgpu.layout_cast(fill, row)
 
-            m_prev, se_prev, sy_prev, mean_prev = (
+            m_prev, se_prev, sy_prev, gap_prev, count_prev = (
               plgpu.load(stats_smem.at[wg, i], layout=row) for i in range(_STATS)
             )
 
-            m_new = jnp.maximum(m_prev, s.max(axis=1))
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: sums stay 0
-            se = se_prev * jnp.exp(m_prev - shift) + jnp.exp(
-              s - lax.broadcast_in_dim(shift, s.shape, [0])
-            ).sum(axis=1)
+            m_new = jnp.maximum(m_prev, s.max(axis=1))  # finite: m_prev starts at _LOWEST
+            shifted = s - lax.broadcast_in_dim(m_new, s.shape, [0])  # <= 0; -inf where masked
+            se = se_prev * jnp.exp(m_prev - m_new) + jnp.exp(shifted).sum(axis=1)
             labels = plgpu.load(labels_smem.at[wg], layout=row)
             cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             hit = cols + col0 == lax.broadcast_in_dim(labels, s.shape, [0])
             sy = sy_prev + jnp.where(hit, s, 0.0).sum(axis=1)
-            new = [m_new, se, sy]
+            new = [m_new, se, sy, gap_prev, count_prev]
             if mean:
-              finite = jnp.where(s > -jnp.inf, s * (1.0 / vocab), 0.0)
-              new.append(mean_prev + finite.sum(axis=1))
-            else:
-              new.append(mean_prev)
+              finite = s > -jnp.inf
+              # the earlier columns' gap measured from the new max (by halves: no overflow)
+              lifted = gap_prev + count_prev * (1.0 / vocab) * (m_new * 0.5 - m_prev * 0.5) * 2.0
+              below = jnp.where(finite, shifted * (-1.0 / vocab), 0.0)
+              new[3] = lifted + below.sum(axis=1)
+              one, zero = jnp.float32(1), jnp.float32(0)
+              new[4] = count_prev + jnp.where(finite, one, zero).sum(axis=1)
             for i, v in enumerate(new):
               stats_smem.at[wg, i][...] = v
 
@@ -220,13 +227,15 @@ def lce_fwd(
   tiles: LceTiles | None = None,
   num_sms: int = 132,
   interpret: Any = False,
-) -> tuple[Array, Array, Array | None]:
-  """``(lse, label_logit, mean_logit)``, each float32 ``(T,)``, of ``z = x @ w + b``.
+) -> tuple[Array, Array, Array, Array | None]:
+  """``(max, sum, label_logit, mean_gap)``, each float32 ``(T,)``, of ``s`` (``z = x @ w + b``,
+  capped): each row's largest logit, ``sum_v exp(s - max)``, ``s[label]`` and ``max - mean``
+  (the mean ``sum_v s / V`` over the finite ``s``, summed relative to the max).
 
   `x` ``(T, D)`` and `w` ``(D, V)`` of one 16-bit dtype, `b` ``(V,)`` float32 or None, `labels`
-  ``(T,)`` int32. ``lse`` is ``-inf`` for a token whose every logit is ``-inf``; ``label_logit``
-  is 0 for a label outside ``[0, V)``; ``mean_logit`` (the mean of the finite capped logits) is
-  None unless `want_mean`. `num_sms`: one persistent CTA each. `interpret`: False, True or a
+  ``(T,)`` int32. For a token whose every logit is ``-inf``, ``max`` is float32's lowest finite
+  value and ``sum`` 0; ``label_logit`` is 0 for a label outside ``[0, V)``; ``mean_gap`` is None
+  unless `want_mean`. `num_sms`: one persistent CTA each. `interpret`: False, True or a
   ``plgpu.InterpretGPUParams`` (Mosaic GPU's interpreter, one CTA). Raises ValueError for what
   :func:`lce_unsupported` refuses.
   """
@@ -262,33 +271,39 @@ def lce_fwd(
     interpret=interpret or None,
   )
   stats = kernel(*args)
-  return merge_halves(stats, want_mean)
+  return merge_halves(stats, want_mean, v)
 
 
-def merge_halves(stats: Array, want_mean: bool) -> tuple[Array, Array, Array | None]:
-  """The two compute warpgroups' ``(2, 4, T)`` statistics as ``(lse, label logit, mean)``."""
-  m, se, sy, mean = (stats[:, i] for i in range(_STATS))
-  top = jnp.max(m, 0)
-  shift = jnp.where(top == -jnp.inf, 0.0, top)
-  total = jnp.sum(se * jnp.exp(m - shift), 0)
-  lse = jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  return lse, jnp.sum(sy, 0), jnp.sum(mean, 0) if want_mean else None
+def merge_halves(
+  stats: Array, want_mean: bool, vocab: int
+) -> tuple[Array, Array, Array, Array | None]:
+  """The two compute warpgroups' ``(2, 5, T)`` statistics as ``(max, sum, label logit, gap)``."""
+  m, se, sy, gap, count = (stats[:, i] for i in range(_STATS))
+  top = jnp.max(m, 0, keepdims=True)
+  # m - top by halves: the difference of two finite floats may overflow (m/2 - top/2 cannot).
+  half = m / 2 - top / 2
+  total = jnp.sum(se * jnp.exp(2 * jnp.maximum(half, -1e4)), 0)
+  top = top[0]
+  if want_mean:  # max - mean: the masked logits count as 0 in the mean
+    masked = vocab - jnp.sum(count, 0)  # exact: 1 - count / V in a multiply-add is not
+    gap = jnp.sum(gap - count / vocab * half * 2, 0) + masked / vocab * top
+  return top, total, jnp.sum(sy, 0), gap if want_mean else None
 
 
 def lce_reference(
   x: Array, w: Array, b: Array | None, labels: Array, *, soft_cap: float | None, want_mean: bool
-) -> tuple[Array, Array, Array | None]:
+) -> tuple[Array, Array, Array, Array | None]:
   """What :func:`lce_fwd` computes, in plain jnp (float32 accumulation): the tests' oracle."""
   z = jnp.dot(x, w, preferred_element_type=jnp.float32)
   if b is not None:
-    z = z + b.astype(jnp.float32)
+    z = z + b.astype(jnp.float32)[None, :]
   s = _capped(z, soft_cap)
-  top = jnp.max(s, 1, keepdims=True)
-  shift = jnp.where(top == -jnp.inf, 0.0, top)
-  total = jnp.sum(jnp.exp(s - shift), 1)
-  lse = jnp.where(total > 0, shift[:, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  top = jnp.maximum(jnp.max(s, 1, keepdims=True), _LOWEST)
+  total = jnp.sum(jnp.exp(s - top), 1)
   v = w.shape[1]
   inside = (labels >= 0) & (labels < v)
   sy = jnp.where(inside, jnp.take_along_axis(s, jnp.clip(labels, 0, v - 1)[:, None], 1)[:, 0], 0.0)
-  mean = jnp.sum(jnp.where(s > -jnp.inf, s / v, 0.0), 1) if want_mean else None
-  return lse, sy, mean
+  finite = s > -jnp.inf
+  masked = v - jnp.sum(finite, 1, dtype=jnp.float32)
+  gap = jnp.sum(jnp.where(finite, (top - s) / v, 0.0), 1) + masked / v * top[:, 0]
+  return top[:, 0], total, sy, gap if want_mean else None

@@ -7,12 +7,15 @@ per-token numbers of the forward pass (the log-sum-exp, and the scales the calle
 cotangent ``g``, the z-loss and the label smoothing)::
 
     s = c tanh(z / c)  (or z),   z = x @ w + b
-    G = (p_scale exp(s - lse) - label_scale [v = y] - uniform_scale [s finite]) ds/dz
+    G = (p_scale exp(s - m) - label_scale [v = y] - uniform_scale [s finite]) ds/dz
 
 ``G`` is written in the operands' dtype (what the ``dx = G wᵀ`` and ``dw = xᵀ G`` products take,
 as the XLA path rounds it) and, with a bias, its float32 column sums over each tile of tokens
-(``db``'s partial sums; the caller adds the ``T / tile_m`` rows). A row whose lse is ``-inf`` (no
-finite logit) is passed with lse ``+inf``: its ``exp`` terms are 0.
+(``db``'s partial sums; the caller adds the ``T / tile_m`` rows). ``m`` is the row's largest logit
+and ``p_scale`` holds the softmax's ``1 / sum exp(s - m)`` (kept apart from ``m``: one float32
+log-sum-exp loses the sum next to logits of -1e9); ``s - m`` is clamped at 0 (a recomputed logit
+an ulp above the forward's max would give a huge exponent next to huge logits). A row without a
+finite logit is passed with ``p_scale`` 0.
 
 Layout: :mod:`pallas_kernels.hopper`'s forward, with this epilogue in place of an activation. A
 persistent CTA walks ``tile_m x 2 tile_n`` tiles of ``G`` in planar-snake order; a memory
@@ -49,8 +52,8 @@ from pallas_kernels._mosaic import (
 )
 from pallas_kernels.hopper import HopperTiles
 
-# Per-token numbers the kernel reads: lse (+inf for no finite logit), p_scale, label_scale,
-# uniform_scale.
+# Per-token numbers the kernel reads: the row's max logit m, p_scale (with 1 / sum exp(s - m)),
+# label_scale, uniform_scale.
 _ROWS = 4
 
 
@@ -87,11 +90,11 @@ def lce_bwd_unsupported(
   return None
 
 
-def dlogits(s, dcap, lse, p_scale, label_scale, uniform_scale, hit):
+def dlogits(s, dcap, m, p_scale, label_scale, uniform_scale, hit):
   """``G`` in float32 from capped logits `s` (``dcap`` = ds/dz or None), per-row numbers
   broadcast to `s`'s shape and the label mask `hit`; a None scale is an absent term. The kernel
   and :func:`lce_bwd_reference` both evaluate this."""
-  g = p_scale * jnp.exp(s - lse)
+  g = p_scale * jnp.exp(jnp.minimum(s - m, 0.0))
   if label_scale is not None:
     g = g - jnp.where(hit, label_scale, 0.0)
   if uniform_scale is not None:
@@ -230,12 +233,13 @@ def lce_bwd(
   """``(G, db_partial)`` of a block of vocabulary columns.
 
   `x` ``(T, D)`` and `w` ``(D, Vb)`` of one 16-bit dtype, `b` ``(Vb,)`` (float32) or None,
-  `labels` ``(T,)`` int32 relative to `w`'s first column, `rows` ``(4, T)`` float32: the lse
-  (``+inf`` where no logit is finite), ``p_scale``, ``label_scale``, ``uniform_scale``; the last
-  two are read only when `label_term` / `uniform_term`. Returns ``G`` ``(T, Vb)`` in x's dtype
-  and, with a bias, ``(T / tile_m, Vb)`` float32 column sums of the unrounded ``G`` (None
-  without). `num_sms`: one persistent CTA each; `interpret`: False, True or a
-  ``plgpu.InterpretGPUParams``. Raises ValueError for what :func:`lce_bwd_unsupported` refuses.
+  `labels` ``(T,)`` int32 relative to `w`'s first column, `rows` ``(4, T)`` float32: each row's
+  largest logit, ``p_scale`` (``g (1 + 2 k lse) / sum exp(s - max)``, 0 where no logit is
+  finite), ``label_scale``, ``uniform_scale``; the last two are read only when `label_term` /
+  `uniform_term`. Returns ``G`` ``(T, Vb)`` in x's dtype and, with a bias, ``(T / tile_m, Vb)``
+  float32 column sums of the unrounded ``G`` (None without). `num_sms`: one persistent CTA each;
+  `interpret`: False, True or a ``plgpu.InterpretGPUParams``. Raises ValueError for what
+  :func:`lce_bwd_unsupported` refuses.
   """
   _check(x, w, b, labels, rows)
   (tokens, d), v = x.shape, w.shape[1]
@@ -298,7 +302,7 @@ def lce_bwd_reference(
   _check(x, w, b, labels, rows)
   z = jnp.dot(x, w, preferred_element_type=jnp.float32)
   if b is not None:
-    z = z + b.astype(jnp.float32)
+    z = z + b.astype(jnp.float32)[None, :]
   s, dcap = _capped(z, soft_cap)
   r = rows.astype(jnp.float32)[:, :, None]
   hit = jnp.arange(w.shape[1])[None, :] == labels[:, None]

@@ -112,6 +112,21 @@ def test_keeps_the_key_not_the_mask(activation):
     assert big == []
 
 
+@pytest.mark.parametrize("rows", [300, 4], ids=["blocks", "whole"])
+def test_a_bias_under_dropout_promotes_no_rank(rows):
+  """relu keeps its dropped output, so the bias is added with the dropout, a block of rows at a
+  time or whole (over batch axes): traced under jax.numpy_rank_promotion("raise"), where adding
+  the (N,) bias to the (..., N) block by implicit rank promotion raised."""
+  x, w, b = _operands(rows)
+  x = x.reshape(2, rows // 2, -1)
+
+  def ours(x, w, b):
+    return jaxact.dense_bias_act(x, w, b, activation="relu", dropout_rate=0.5, dropout_rng=KEY)
+
+  with jax.numpy_rank_promotion("raise"):
+    jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(ours(*a)), (0, 1, 2)))(x, w, b)
+
+
 def test_rate_one_drops_everything_without_nans():
   x, w, b = _operands()
 

@@ -294,6 +294,21 @@ def test_an_overflowing_factor_times_zero_gives_zero_not_nan():
   np.testing.assert_allclose(dw_up, big * jax.nn.selu(0.5), rtol=1e-6)
 
 
+def test_biases_over_batch_axes_promote_no_rank():
+  """gated_dense and gated_mlp with every bias over two batch axes, with and without dropout,
+  traced under jax.numpy_rank_promotion("raise"): each (F,) bias was added to the (..., F)
+  projection by implicit rank promotion."""
+  x, w_gate, w_up, w_down, b_gate, b_up, b_down = operands(jnp.float32)
+  drop = dict(dropout_rate=0.5, dropout_rng=jax.random.key(0))
+  with jax.numpy_rank_promotion("raise"):
+    for f in (
+      lambda x: jaxact.gated_dense(x, w_gate, w_up, b_gate, b_up),
+      lambda x: jaxact.gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down),
+      lambda x: jaxact.gated_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, **drop),
+    ):
+      jax.make_jaxpr(jax.grad(lambda x, f=f: jnp.sum(f(x))))(x)
+
+
 def test_nan_propagates():
   args = list(operands(jnp.float32))
   args[0] = args[0].at[0, 0, 0].set(jnp.nan)

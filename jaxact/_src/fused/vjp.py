@@ -96,8 +96,10 @@ def _xla_forward(plan: Plan, x: Array, w: Array, b: Array | None, *dynamic: Arra
     z = _preactivation(plan, x, w, b if act.kept_z else None)
     bias = None if act.kept_z or b is None else shardings.align(b.astype(plan.acc_dtype), z)
 
-    def block(mask, z):
-      return drop.apply(mask, activate(z if bias is None else z + bias))
+    def block(mask, z):  # z whole, or a (rows, features) block of it
+      if bias is not None:
+        z = z + lax.expand_dims(bias, range(z.ndim - 1))  # z's rank, explicitly
+      return drop.apply(mask, activate(z))
 
     reuse = None if act.kept_z else 0
     y = drop.by_blocks(key, [z], block, plan.out_dtype, blocked=not dynamic, reuse=reuse)

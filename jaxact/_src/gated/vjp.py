@@ -70,7 +70,8 @@ def _project(plan: GatedPlan, x: Array, w: Array, bias: Array | None, out_shardi
   """``x @ w + bias`` in the output dtype (the array that is kept), accumulated in float32+."""
   z = _dot(plan, x, w, _matmul_dtype(plan, x.dtype), out_sharding).astype(plan.acc_dtype)
   if bias is not None:
-    z = z + shardings.align(bias.astype(plan.acc_dtype), z)
+    bias = bias.astype(plan.acc_dtype).reshape((1,) * (z.ndim - 1) + bias.shape)  # z's rank
+    z = z + shardings.align(bias, z)
   return z.astype(plan.out_dtype)
 
 

@@ -2,8 +2,9 @@
 
 ``softmax_cross_entropy(x @ w + b, labels)`` differentiated by JAX keeps the (tokens, vocabulary)
 logits, their softmax and builds their gradient: with a 32k-256k vocabulary the largest arrays of a
-language model's training step. The op here keeps ``x``, ``w``, ``b``, the labels and one float32
-log-sum-exp a token, and never builds an array of that shape (:mod:`jaxact._src.lce.vjp`). This
+language model's training step. The op here keeps ``x``, ``w``, ``b``, the labels and two float32
+numbers a token (the row's largest logit and its sum of exponentials), and never builds an array
+of that shape (:mod:`jaxact._src.lce.vjp`). This
 module checks the arguments, builds the static plan (:mod:`jaxact._src.lce.plan`), asks
 :mod:`jaxact._src.lce.rules` for the backend, and reduces the per-token losses (``where``,
 ``reduction``) in plain JAX, whose autodiff gives the rule its per-token cotangent.
@@ -217,17 +218,20 @@ def linear_cross_entropy(
   smoothing :math:`\alpha V / (V - 1)` minus the constant (1.36 at :math:`\alpha = 0.1`,
   V = 32000).
 
-  One ``custom_vjp`` keeps ``x``, ``w``, ``bias``, ``labels`` and one log-sum-exp a token (float32;
-  float64 for float64 inputs) for the backward pass, which recomputes the logits block by block in
-  exactly the forward's precision. No (tokens, vocabulary) array exists in either pass: the XLA
-  path loops over blocks of ``vocab_block_size`` columns of ``w`` with an online log-sum-exp, and
-  writes each block of ``dw`` from one matmul over all tokens (no weight-sized float32
-  accumulator). Half precision inputs are multiplied with float32 accumulation and every logit,
-  statistic and loss is float32.
+  One ``custom_vjp`` keeps ``x``, ``w``, ``bias``, ``labels`` and two numbers a token (float32;
+  float64 for float64 inputs), each row's largest logit and its sum of exponentials (kept apart:
+  one log-sum-exp loses the sum next to logits of -1e9), for the backward pass, which recomputes
+  the logits block by block in exactly the forward's precision. No (tokens, vocabulary) array
+  exists in either pass: the XLA path loops over blocks of ``vocab_block_size`` columns of ``w``
+  with an online log-sum-exp, and writes each block of ``dw`` from one matmul over all tokens (no
+  weight-sized float32 accumulator). Half precision inputs are multiplied with float32
+  accumulation and every logit, statistic and loss is float32.
 
   Masked vocabulary entries (a ``bias`` of ``-inf``) have probability 0, count in neither the
   smoothing term nor the soft cap, and get zero gradients; the loss and gradients stay finite as
-  long as each counted label's own logit is finite. Logits of any finite size never overflow. A
+  long as each counted label's own logit is finite. Logits of any finite size never overflow, and
+  the loss is formed from their differences to each row's max: exact for equal logits of -1e9 or
+  1e30. ``jax.debug_infs`` stays quiet for finite inputs. A
   tied embedding passes its table as it is with ``w_layout="vd"``: the loop slices its rows, and
   no transposed copy of the table exists (``w=emb.T`` works too; XLA:CPU copies the table then).
 
@@ -374,7 +378,10 @@ def linear_cross_entropy(
     decision = rules.decide(_FN, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
     labels32 = _labels_int32(labels, vocab)
-    loss = per_token_loss(plan, x, w, b, labels32, where)
+    counted = where
+    if weights is not None:  # a token of weight 0 is masked: no +inf made for its label
+      counted = weights != 0 if where is None else where & (weights != 0)
+    loss = per_token_loss(plan, x, w, b, labels32, counted)
     predictions = None
     if return_predictions:
       loss, predictions = loss

@@ -13,8 +13,9 @@ from jaxact._src.core import platform
 
 
 def forward(plan, x, w, b, labels, xla: Callable[..., Any]):
-  """``(lse, label logit, mean logit or None)`` of one device's tokens (all the vocabulary) by
-  the Hopper forward kernel (:mod:`pallas_kernels.lce_hopper`); `xla` computes the same."""
+  """``(max, sum exp(s - max), label logit, max - mean logit or None)`` of one device's tokens
+  (all the vocabulary) by the Hopper forward kernel (:mod:`pallas_kernels.lce_hopper`); `xla`
+  computes the same."""
   from pallas_kernels.lce_hopper import lce_fwd
 
   d, want_mean = plan.decision, plan.label_smoothing > 0

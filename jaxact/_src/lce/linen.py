@@ -21,7 +21,7 @@ class LMHead(nn.Dense):
   options of :func:`jaxact.linear_cross_entropy` as attributes. Called without labels it returns
   the logits as ``nn.Dense`` does; called with labels (and optionally ``where``) it returns
   ``linear_cross_entropy(inputs, kernel, labels, bias=bias, ...)``, which never builds the logits
-  and keeps one number a token for the backward pass.
+  and keeps two numbers a token for the backward pass.
 
   Example usage::
 

@@ -23,9 +23,11 @@ from jaxact._src.core import pallas_sharding, shardings
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.xla import (
+  exp_diff,
   grads_by_tokens,
   grads_by_vocab,
-  lse_of,
+  lift_gap,
+  mean_gap,
   stats_by_tokens,
   stats_by_vocab,
 )
@@ -40,9 +42,10 @@ def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
 
 
 def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
-  """``(lse, label logit, mean, argmax column)`` for one device's tokens ``x`` (..., D) and
-  columns `w`; over `model` axes (the vocabulary split across devices) the statistics are
-  combined by ``pmax``/``psum``/``pmin`` of per-token numbers."""
+  """``(max, Σ exp(s - max), label logit, gap, argmax column)`` for one device's tokens ``x``
+  (..., D) and columns `w` (``gap``: the smoothing mean's distance below the max, None without
+  smoothing); over `model` axes (the vocabulary split across devices) the statistics are combined
+  by ``pmax``/``psum``/``pmin`` of per-token numbers."""
   shape = x.shape[:-1]
   x2, labels2 = _flat(x, labels)
   first = 0  # the global index of this device's first column
@@ -52,21 +55,23 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
   if plan.decision.forward == "mosaic":
 
     def xla(x, w, b, labels):
-      m, se, sy, mean = stats_by_vocab(plan, x, w, b, labels, vocab)
-      return lse_of(m, se), sy, mean
+      m, se, sy, gap, _ = stats_by_vocab(plan, x, w, b, labels, vocab)
+      return m, se, sy, None if gap is None else mean_gap(m, gap, vocab)
 
     # Never with the vocabulary split over `model` axes, nor with predictions
     # (rules.mosaic_unsupported).
-    lse, sy, mean = kernels.forward(plan, x2, w, b, labels2, xla)
+    m, se, sy, gap = kernels.forward(plan, x2, w, b, labels2, xla)
     pred = None
   else:
     by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
-    m, se, sy, mean, best = by(plan, x2, w, b, labels2, vocab)
+    m, se, sy, gap, best = by(plan, x2, w, b, labels2, vocab)
     if model:
       m_all = lax.pmax(m, model)
-      se = lax.psum(se * jnp.exp(m - m_all), model)
+      se = lax.psum(se * exp_diff(m, m_all), model)
+      if gap is not None:  # each device's gap measured from the max over all of them
+        gap = lax.psum(lift_gap(gap, m, m_all, vocab), model)
       m = m_all
-    lse = lse_of(m, se)
+    gap = None if gap is None else mean_gap(m, gap, vocab)
     pred = None
     if best is not None:
       value, pred = best
@@ -77,8 +82,7 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
         pred = lax.pmin(jnp.where(mine, pred, vocab), model)
   if model:
     sy = lax.psum(sy, model)
-    mean = None if mean is None else lax.psum(mean, model)
-  return tuple(None if v is None else v.reshape(shape) for v in (lse, sy, mean, pred))
+  return tuple(None if v is None else v.reshape(shape) for v in (m, se, sy, gap, pred))
 
 
 def _local_grads(
@@ -87,7 +91,7 @@ def _local_grads(
   w,
   b,
   labels,
-  lse,
+  m,
   p_scale,
   label_scale,
   uniform_scale,
@@ -106,7 +110,7 @@ def _local_grads(
   row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
   # The Hopper kernel forms G block by block inside grads_by_vocab (plan.decision.backward).
   by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
-  dx, dw, db = by(plan, x2, w, b, labels2, flat(lse), row_scales)
+  dx, dw, db = by(plan, x2, w, b, labels2, flat(m), row_scales)
   return dx.reshape(x.shape), dw, db
 
 
@@ -129,8 +133,8 @@ def gathered(plan: LcePlan, x):
 
 
 def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(lse, label logit, mean, argmax column)`` per token, on each device's shards when
-  sharded (in the plan's ``decision.sharding``)."""
+  """``(max, Σ exp(s - max), label logit, gap, argmax column)`` per token (:func:`_local_stats`),
+  on each device's shards when sharded (in the plan's ``decision.sharding``)."""
   pattern = plan.decision.sharding
   if pattern is None:
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
@@ -139,18 +143,18 @@ def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
     functools.partial(_local_stats, plan, vocab=vocab, model=_split(pattern, pattern.model)),
     (x, w, b, labels),
     (pattern.x, _w_spec(plan, pattern.w), (pattern.model,), rows),
-    (rows, rows, rows, rows),
+    (rows, rows, rows, rows, rows),
     mesh=pattern.mesh,
   )
 
 
-def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
+def gradients(plan: LcePlan, x, w, b, labels, m, row_scales):
   """``(dx, dw, db)``, on each device's shards when sharded: dx summed over the vocabulary's axes
   and dw, db over the tokens', each then split as its primal is (``plan.shardings``; a
   reduce-scatter where a summed axis splits it: an FSDP table's gradient)."""
   pattern = plan.decision.sharding
   if pattern is None:
-    return _local_grads(plan, x, w, b, labels, lse, *row_scales)
+    return _local_grads(plan, x, w, b, labels, m, *row_scales)
   rows = pattern.x[:-1]
   w_local = _w_spec(plan, pattern.w)
   x_spec, w_spec, _ = plan.shardings
@@ -158,7 +162,7 @@ def gradients(plan: LcePlan, x, w, b, labels, lse, row_scales):
   w_final = w_local if w_spec is None else w_spec
   return pallas_sharding.per_shard(
     functools.partial(_local_grads, plan, model=_split(pattern, pattern.model)),
-    (x, w, b, labels, lse, *row_scales),
+    (x, w, b, labels, m, *row_scales),
     (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows),
     (x_final, w_final, (pattern.model,)),
     mesh=pattern.mesh,

@@ -4,12 +4,14 @@ Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64
 inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``a`` and z-loss
 ``k``, the op returns the per-token loss
 
-    loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2
+    loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2,
+    lse_t = m_t + log se_t,   m_t = max_v s[t, v],   se_t = sum_v exp(s[t, v] - m_t),
 
-and keeps ``x``, ``w``, ``b``, ``labels`` and ``lse_t`` (one number a token) for the backward
-pass, which recomputes the logits block by block and forms
+and keeps ``x``, ``w``, ``b``, ``labels`` and ``m_t``, ``se_t`` (two numbers a token) for the
+backward pass, which recomputes the logits block by block and forms
 
-    G[t, v] = g_t ((1 + 2 k lse_t) p[t, v] - (1 - a) [v = y_t] - a / V) ds/dz,   p = softmax(s),
+    G[t, v] = g_t ((1 + 2 k lse_t) p[t, v] - (1 - a) [v = y_t] - a / V) ds/dz,
+    p[t, v] = exp(s[t, v] - m_t) / se_t,
 
 from the per-token cotangent ``g_t`` (whatever it is: the caller's reduction over tokens is JAX
 code outside this rule), then ``dx = G wᵀ``, ``dw = xᵀ G``, ``db = Σ_t G``. No array of shape
@@ -25,11 +27,13 @@ rows, its gradient written by rows: no transposed copy).
 
 Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
 neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is
-``-inf`` has ``lse = -inf`` and loss ``+inf`` (its label is impossible), as has a token whose
-label is outside ``[0, V)``; their gradients stay finite, and zero where their cotangent is zero.
+``-inf`` has ``se = 0`` and loss ``+inf`` (its label is impossible), as has a token whose label
+is outside ``[0, V)``; their gradients stay finite, and zero where their cotangent is zero.
 
-The XLA path (:mod:`jaxact._src.lce.xla`) loops over blocks of the vocabulary, each device on its
-shards under Explicit mesh axes (:mod:`jaxact._src.lce.sharding`).
+``m`` and ``se`` are kept apart because one float32 ``lse`` loses ``log se`` next to logits of
+-1e9, and the loss is formed from differences to ``m`` (:mod:`jaxact._src.lce.xla`). The XLA path
+loops over blocks of the vocabulary, each device on its shards under Explicit mesh axes
+(:mod:`jaxact._src.lce.sharding`).
 """
 
 from __future__ import annotations
@@ -51,12 +55,10 @@ from jaxact._src.lce.xla import loss_of, scales
 def _fwd(plan: LcePlan, x, w, b, labels, where):
   vocab = w.shape[plan.vocab_axis]
   x = gathered(plan, x)  # kept so: the backward needs the features whole again
-  lse, sy, mean, pred = statistics(plan, x, w, b, labels, vocab)
-  loss = loss_of(plan, lse, sy, mean, labels, vocab)
-  if where is not None:
-    loss = jnp.where(where, loss, 0)
+  m, se, sy, gap, pred = statistics(plan, x, w, b, labels, vocab)
+  loss = loss_of(plan, m, se, sy, gap, labels, vocab, where)
   out = (loss, pred) if plan.predictions else loss
-  return out, (x, w, b, labels, where, lse)
+  return out, (x, w, b, labels, where, m, se)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -64,19 +66,20 @@ def per_token_loss(
   plan: LcePlan, x: Array, w: Array, b: Array | None, labels: Array, where: Array | None = None
 ) -> Array | tuple[Array, Array]:
   """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
-  keeping ``x``, ``w``, ``b``, ``labels``, ``where`` and the lse; see the module docstring. With
-  ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of every token)."""
+  keeping ``x``, ``w``, ``b``, ``labels``, ``where``, each row's max and sum of exponentials; see
+  the module docstring. With ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of
+  every token)."""
   return _fwd(plan, x, w, b, labels, where)[0]
 
 
 def _bwd(plan: LcePlan, res, g):
-  x, w, b, labels, where, lse = res
+  x, w, b, labels, where, m, se = res
   if plan.predictions:
     g = g[0]  # the predictions' cotangent is float0
   if where is not None:
     g = jnp.where(where, g, 0)
-  row_scales = scales(plan, g, lse, labels, w.shape[plan.vocab_axis])
-  dx, dw, db = gradients(plan, x, w, b, labels, lse, row_scales)
+  row_scales = scales(plan, g, m, se, labels, w.shape[plan.vocab_axis])
+  dx, dw, db = gradients(plan, x, w, b, labels, m, row_scales)
   dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
   return dx, dw, db, None, None
 

@@ -8,6 +8,14 @@ weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one
 tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks)
 needs a weight-sized accumulator for ``dw``.
 
+Each token's statistics are its largest logit ``m`` and ``se = Σ exp(s - m)``, kept apart (not as
+one ``lse = m + log se``): next to a logit of -1e9 float32 rounds ``log se`` (at most ``log V``)
+away from ``m``, and the backward's probabilities ``exp(s - m) / se`` would be off by a factor of
+``se``. The loss is formed as ``log se + (m - s_y)``, whose difference is exact for near-equal
+logits. No infinity is made from finite operands (``jax.debug_infs`` stays quiet): the running max
+starts at the float's lowest finite value and never drops below it, so a row whose every logit is
+``-inf`` (a masked vocabulary) keeps ``m`` finite and ``se = 0``.
+
 With ``decision.backward == "mosaic"`` the Hopper kernel forms each block's ``G``
 (:mod:`jaxact._src.lce.kernels`) for the same loop's products.
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 
 from jaxact._src.lce import kernels
@@ -29,7 +38,7 @@ def _logits(plan: LcePlan, x: Array, w: Array, b: Array | None) -> Array:
   function on the same blocks, so the backward's logits are the forward's."""
   dims = (((x.ndim - 1,), (1 - plan.vocab_axis,)), ((), ()))
   z = lax.dot_general(x, w, dims, plan.precision, preferred_element_type=plan.acc_dtype)
-  return z if b is None else z + b.astype(plan.acc_dtype)
+  return z if b is None else z + b.astype(plan.acc_dtype)[None, :]
 
 
 def _input_grad(plan: LcePlan, g: Array, w: Array) -> Array:
@@ -58,60 +67,103 @@ def _capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
   return jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
 
 
-def _tile_stats(plan: LcePlan, s: Array, labels: Array, cols: Array, fresh: Array | None, vocab):
-  """One tile's ``(max, Σ exp(s - max), label logit, Σ s / V)`` per row, over its `fresh`
-  columns (all when None); the max is 0 where a row has no finite logit, as :func:`_merge` wants."""
-  hit = cols == labels[:, None]
+def _lowest(dtype) -> np.ndarray:
+  """The float's lowest finite value: the running max before any column, and a row's max where
+  no logit is finite (so that ``s - m`` is never ``-inf - -inf``)."""
+  return np.finfo(dtype).min
+
+
+def exp_diff(a: Array, b: Array) -> Array:
+  """``exp(a - b)`` for finite ``a <= b`` whose difference may overflow (their halves' cannot)."""
+  return jnp.exp(2 * jnp.maximum(a / 2 - b / 2, -1e4))
+
+
+def _tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
+  """One tile's ``(max, Σ exp(s - max), label logit, gap)`` per row over its `fresh` columns
+  (all when None). The max is at least :func:`_lowest`, as :func:`_merge` wants. ``gap`` (None
+  without smoothing) is ``(Σ (max - s) / V, count)`` over the columns that count in the smoothing
+  mean (those whose `bias` is not -inf): how far below the max the mean lies, kept relative to the
+  max as the log-sum-exp is (a mean summed from logits of -1e9 would round away the loss), and how
+  many columns it covers (the same for every row, so that no second mask of the tile's shape is
+  formed)."""
+  hit = cols[None, :] == labels[:, None]
+  kept = s
   if fresh is not None:
-    s, hit = jnp.where(fresh, s, -jnp.inf), hit & fresh
-  m = jnp.max(s, axis=-1)
-  m = jnp.where(m == -jnp.inf, 0, m)
-  se = jnp.sum(jnp.exp(s - m[:, None]), axis=-1)
+    hit = hit & fresh[None, :]
+    kept = jnp.where(fresh[None, :], s, _lowest(s.dtype))
+  m = jnp.maximum(jnp.max(kept, axis=-1), _lowest(s.dtype))
+  e = jnp.exp(kept - m[:, None])
+  se = jnp.sum(e if fresh is None else jnp.where(fresh[None, :], e, 0), axis=-1)
   sy = jnp.sum(jnp.where(hit, s, 0), axis=-1)
-  mean = None
+  gap = None
   if plan.label_smoothing:
-    mean = jnp.sum(jnp.where(jnp.isfinite(s), s / vocab, 0), axis=-1)
-  return m, se, sy, mean
+    counted = fresh
+    if bias is not None:
+      finite = bias > -jnp.inf
+      counted = finite if fresh is None else fresh & finite
+    below = (m[:, None] - s) / vocab
+    if counted is None:
+      count = jnp.full(m.shape, s.shape[-1], s.dtype)
+    else:
+      below = jnp.where(counted[None, :], below, 0)
+      count = jnp.broadcast_to(jnp.sum(counted, dtype=s.dtype), m.shape)
+    gap = jnp.sum(below, axis=-1), count
+  return m, se, sy, gap
 
 
-def _merge(a, b):
-  """Two ``(m, Σ exp(s - m))`` pairs as one: the online log-sum-exp step."""
-  (ma, sa), (mb, sb) = a, b
+def lift_gap(gap, m_old: Array, m: Array, vocab: int):
+  """A ``(gap, count)`` of :func:`_tile_stats` measured from the max `m_old`, measured from a
+  max ``m >= m_old`` instead: ``count / V (m - m_old)`` more (by halves: ``m - m_old`` of two
+  finite floats may overflow, and a count of 0 then adds 0)."""
+  g, count = gap
+  return g + (count / vocab * (m / 2 - m_old / 2)) * 2, count
+
+
+def mean_gap(m: Array, gap, vocab: int) -> Array:
+  """``m - mean``, the smoothing mean ``Σ s / V`` over the columns that count (a masked logit
+  counts as 0 in it), from a ``(gap, count)`` measured from the max `m`. ``V - count`` is exact,
+  0 without masks: ``1 - count / V`` would leave ``m`` times a rounding error where XLA fuses the
+  difference into a multiply-add (30 for logits of -1e9)."""
+  g, count = gap
+  return g + (vocab - count) / vocab * m
+
+
+def _merge(a, b, vocab: int):
+  """Two ``(m, Σ exp(s - m), gap)`` of :func:`_tile_stats` as one: the online log-sum-exp step."""
+  (ma, sa, ga), (mb, sb, gb) = a, b
   m = jnp.maximum(ma, mb)
-  return m, sa * jnp.exp(ma - m) + sb * jnp.exp(mb - m)
+  gap = None
+  if ga is not None:
+    (g1, c1), (g2, c2) = lift_gap(ga, ma, m, vocab), lift_gap(gb, mb, m, vocab)
+    gap = g1 + g2, c1 + c2
+  return m, sa * exp_diff(ma, m) + sb * exp_diff(mb, m), gap
 
 
 def _tile_argmax(s: Array, cols: Array) -> tuple[Array, Array]:
-  """``(max, its column)`` per row of a tile whose non-fresh columns are -inf: the column of
-  ``jnp.argmax`` (the first of equal maxima, a NaN before any number)."""
+  """``(max, its column)`` per row of a tile: the column of ``jnp.argmax`` (the first of equal
+  maxima, a NaN before any number)."""
   i = jnp.argmax(s, axis=-1)
   return jnp.take_along_axis(s, i[:, None], axis=-1)[:, 0], cols[i].astype(jnp.int32)
 
 
 def _merge_argmax(best, tile):
-  """The running ``(max, column)`` and a later tile's as one, as ``jnp.argmax`` over both: a
-  later column wins only by a strictly larger value (or a NaN against a number)."""
+  """The running ``(max, column)`` and a tile's as one, as ``jnp.argmax`` over both: the larger
+  value (a NaN before any number), of equal ones the smaller column, so that columns seen twice
+  (an overlapping last block) change nothing; a running column of -1 is no column yet."""
   (bv, bi), (tv, ti) = best, tile
-  later = (tv > bv) | (jnp.isnan(tv) & ~jnp.isnan(bv))
+  b_nan, t_nan, first = jnp.isnan(bv), jnp.isnan(tv), ti < bi
+  later = (bi < 0) | (t_nan & (~b_nan | first)) | (~b_nan & ((tv > bv) | ((tv == bv) & first)))
   return jnp.where(later, tv, bv), jnp.where(later, ti, bi)
 
 
-def _add(p, q):
-  return None if p is None else p + q
-
-
-def lse_of(m: Array, se: Array) -> Array:
-  """The log-sum-exp from :func:`_tile_stats`'s max and sum: -inf where no logit is finite."""
-  return m + jnp.log(se)
-
-
-def _tile_grad(plan: LcePlan, s, dcap, labels, cols, lse_inf, scales, vocab_dtype) -> Array:
-  """``G`` of one tile from the per-row scales (:func:`scales`); `lse_inf` is the lse with -inf
-  replaced by +inf, so that ``exp(s - lse_inf)`` is 0 on rows without a finite logit."""
+def _tile_grad(plan: LcePlan, s, dcap, labels, cols, m, scales, vocab_dtype) -> Array:
+  """``G`` of one tile from the rows' max `m` and the per-row scales (:func:`scales`: the first
+  holds ``1 / se``). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's (a huge
+  exponent next to huge logits), hence the ``minimum``."""
   p_scale, label_scale, uniform_scale = scales
-  g = p_scale[:, None] * jnp.exp(s - lse_inf[:, None])
+  g = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
   if label_scale is not None:
-    g = g - jnp.where(cols == labels[:, None], label_scale[:, None], 0)
+    g = g - jnp.where(cols[None, :] == labels[:, None], label_scale[:, None], 0)
   if uniform_scale is not None:
     g = g - jnp.where(jnp.isfinite(s), uniform_scale[:, None], 0)
   if dcap is not None:
@@ -119,14 +171,30 @@ def _tile_grad(plan: LcePlan, s, dcap, labels, cols, lse_inf, scales, vocab_dtyp
   return g.astype(vocab_dtype)
 
 
-def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
-  """The per-token factors of ``G``: ``(g (1 + 2 k lse), g (1 - a) [label valid], g a / V)``
-  (None where a term is absent); an lse of -inf counts as 0 in the first."""
+def _log_sum(se: Array) -> tuple[Array, Array]:
+  """``(log se, no finite logit)``: the log is 0 where ``se = 0`` (the row's flag is True); a NaN
+  stays NaN."""
+  empty = se == 0
+  return jnp.log(jnp.where(empty, 1, se)), empty
+
+
+def lse_of(m: Array, se: Array) -> Array:
+  """The log-sum-exp ``m + log se`` (0 where no logit is finite), for the z-loss: rounded to
+  ``m``'s ulp, which the z-loss's own size dwarfs."""
+  log_se, empty = _log_sum(se)
+  return jnp.where(empty, 0, m + log_se)
+
+
+def scales(plan: LcePlan, g: Array, m: Array, se: Array, labels: Array, vocab: int):
+  """The per-token factors of ``G``: ``(g (1 + 2 k lse) / se, g (1 - a) [label valid], g a / V)``
+  (None where a term is absent); 0 in the first where no logit is finite (``se = 0``)."""
   acc = plan.acc_dtype
   g = g.astype(acc)
-  p_scale = g
+  empty = se == 0
+  p_scale = g / jnp.where(empty, 1, se)
   if plan.z_loss:
-    p_scale = g * (1 + 2 * plan.z_loss * jnp.where(jnp.isfinite(lse), lse, 0))
+    p_scale = p_scale * (1 + 2 * plan.z_loss * lse_of(m, se))
+  p_scale = jnp.where(empty, 0, p_scale)
   label_scale = None
   if plan.label_smoothing != 1:
     valid = (labels >= 0) & (labels < vocab)
@@ -135,20 +203,27 @@ def scales(plan: LcePlan, g: Array, lse: Array, labels: Array, vocab: int):
   return p_scale, label_scale, uniform_scale
 
 
-def loss_of(plan: LcePlan, lse: Array, sy: Array, mean: Array | None, labels, vocab) -> Array:
-  """The loss from the statistics: +inf where the label is outside ``[0, V)`` or no logit is
-  finite; NaN where the logits hold a NaN (an lse of NaN)."""
-  loss = lse
-  if plan.label_smoothing != 1:
-    loss = loss - (1 - plan.label_smoothing) * sy
-  if mean is not None:
-    loss = loss - plan.label_smoothing * mean
+def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
+  """The loss from the statistics, as ``log se + (1 - a)(m - s_y) + a gap + k lse²`` (``gap``:
+  ``m - mean`` of :func:`mean_gap`, None without smoothing): the differences to the max are
+  exact for near-equal logits, whatever their size. +inf where the label is outside ``[0, V)`` or
+  no logit is finite; NaN where the logits hold a NaN; 0 where `where` is False (and no infinity
+  made there)."""
+  a = plan.label_smoothing
+  loss, empty = _log_sum(se)
+  if a != 1:
+    loss = loss + (1 - a) * (m - sy)
+  if gap is not None:
+    loss = loss + a * gap
   if plan.z_loss:
+    lse = lse_of(m, se)
     loss = loss + plan.z_loss * lse * lse
   if plan.loss_offset:
     loss = loss - plan.loss_offset
-  valid = (labels >= 0) & (labels < vocab) & (lse != -jnp.inf)
-  return jnp.where(valid, loss, jnp.inf)
+  valid = (labels >= 0) & (labels < vocab) & ~empty
+  if where is None:
+    return jnp.where(valid, loss, jnp.inf)
+  return jnp.where(valid | ~where, jnp.where(where, loss, 0), jnp.inf)
 
 
 # ---------------------------------------------------------------- blocked over the vocabulary
@@ -173,62 +248,61 @@ def _loop(n: int, body, init):
 
 
 def _no_argmax(t: int, acc) -> tuple[Array, Array]:
-  """The running argmax before any column: ``jnp.argmax`` of a row of -inf is column 0."""
-  return jnp.full((t,), -jnp.inf, acc), jnp.zeros((t,), jnp.int32)
+  """The running argmax before any column: column -1, which any tile's replaces."""
+  return jnp.zeros((t,), acc), jnp.full((t,), -1, jnp.int32)
 
 
 def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(max, sum, label logit, mean, argmax)`` per token of ``x @ w + b`` over `w`'s columns,
+  """``(max, sum, label logit, gap, argmax)`` per token of ``x @ w + b`` over `w`'s columns,
   for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole
-  vocabulary (the mean's divisor). ``mean`` is None without smoothing, ``argmax`` (the running
-  ``(max, column)`` of the capped logits) None unless ``plan.predictions``."""
+  vocabulary (the mean's divisor). ``gap`` is :func:`_tile_stats`'s ``(gap, count)`` pair, None
+  without smoothing; ``argmax`` (the running ``(max, column)`` of the capped logits) None unless
+  ``plan.predictions``."""
   vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc, t = plan.acc_dtype, x.shape[0]
 
   def body(j, carry):
-    m, se, sy, mean, best = carry
+    m, se, sy, gap, best = carry
     _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
     s, _ = _capped(plan, _logits(plan, x, wj, bj))
-    tm, tse, tsy, tmean = _tile_stats(plan, s, labels, cols, fresh, vocab)
-    m, se = _merge((m, se), (tm, tse))
+    tm, tse, tsy, tgap = _tile_stats(plan, s, labels, cols, fresh, vocab, bj)
+    m, se, gap = _merge((m, se, gap), (tm, tse, tgap), vocab)
     if best is not None:
-      best = _merge_argmax(
-        best, _tile_argmax(s if fresh is None else jnp.where(fresh, s, -jnp.inf), cols)
-      )
-    return m, se, sy + tsy, _add(mean, tmean), best
+      best = _merge_argmax(best, _tile_argmax(s, cols))
+    return m, se, sy + tsy, gap, best
 
   zeros = jnp.zeros((t,), acc)
   init = (
-    jnp.full((t,), -jnp.inf, acc),
+    jnp.full((t,), _lowest(acc), acc),
     zeros,
     zeros,
-    zeros if plan.label_smoothing else None,
+    (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, acc) if plan.predictions else None,
   )
   return _loop(n, body, init)
 
 
-def grads_by_vocab(plan: LcePlan, x, w, b, labels, lse, row_scales):
-  """``(dx, dw, db)`` over `w`'s column blocks: `dw` and `db` written block by block, each block
-  from one product over all tokens; `dx` accumulated in the accumulation dtype."""
+def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
+  """``(dx, dw, db)`` over `w`'s column blocks, from the rows' max `m` and :func:`scales`: `dw`
+  and `db` written block by block, each block from one product over all tokens; `dx` accumulated
+  in the accumulation dtype."""
   vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc = plan.acc_dtype
-  lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
   ops = x.dtype  # G is rounded to the operands' dtype for the products, as autodiff would feed them
 
-  def xla_block(x, wj, bj, labels, cols, fresh, lse_inf=lse_inf, row_scales=row_scales):
+  def xla_block(x, wj, bj, labels, cols, fresh, m=m, row_scales=row_scales):
     """``(G, G for dx, column sums of G)``: G unrounded; an overlapped column's G goes to dw
     and db again (rewritten with the same value), to dx once."""
     s, dcap = _capped(plan, _logits(plan, x, wj, bj))
-    g = _tile_grad(plan, s, dcap, labels, cols, lse_inf, row_scales, acc)
-    g_dx = g if fresh is None else jnp.where(fresh, g, 0)
+    g = _tile_grad(plan, s, dcap, labels, cols, m, row_scales, acc)
+    g_dx = g if fresh is None else jnp.where(fresh[None, :], g, 0)
     return g, g_dx, None if bj is None else jnp.sum(g, 0)
 
   if plan.decision.backward == "mosaic":  # every block whole (rules.mosaic_unsupported)
-    zero = jnp.zeros_like(lse_inf)
-    kernel_rows = jnp.stack([lse_inf] + [zero if r is None else r for r in row_scales])
+    zero = jnp.zeros_like(m)
+    kernel_rows = jnp.stack([m] + [zero if r is None else r for r in row_scales])
 
     def block_grads(x, wj, bj, labels, cols, fresh):
       def xla(x, wj, bj, labels_j, rows):
@@ -285,7 +359,7 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     li = lax.dynamic_slice_in_dim(labels, start, bt, axis=0)
     s, _ = _capped(plan, _logits(plan, xi, w, b))
     best = _tile_argmax(s, cols) if plan.predictions else None
-    stats = (*_tile_stats(plan, s, li, cols, None, vocab), best)
+    stats = (*_tile_stats(plan, s, li, cols, None, vocab, b), best)
     # Rows a block shares with its predecessor get the same values again.
     return jax.tree.map(
       lambda c, v: lax.dynamic_update_slice_in_dim(c, v, start, axis=0), carry, stats
@@ -296,20 +370,19 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     zeros,
     zeros,
     zeros,
-    zeros if plan.label_smoothing else None,
+    (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, plan.acc_dtype) if plan.predictions else None,
   )
   return _loop(n, body, init)
 
 
-def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
+def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
   """``(dx, dw, db)`` a block of tokens at a time: `dx` written block by block, `dw` and `db`
   accumulated in weight-sized buffers of the accumulation dtype."""
   t = x.shape[0]
   n = -(-t // min(plan.block, t))
   acc, ops = plan.acc_dtype, x.dtype
   cols = jnp.arange(w.shape[plan.vocab_axis])
-  lse_inf = jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
   def body(i, carry):
     dx, dw, db = carry
@@ -320,7 +393,7 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, lse, row_scales):
 
     xi, li = rows(x), rows(labels)
     s, dcap = _capped(plan, _logits(plan, xi, w, b))
-    g = _tile_grad(plan, s, dcap, li, cols, rows(lse_inf), tuple(map(rows, row_scales)), acc)
+    g = _tile_grad(plan, s, dcap, li, cols, rows(m), tuple(map(rows, row_scales)), acc)
     dxi = _input_grad(plan, g.astype(ops), w)
     dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, axis=0)
     g_w = g if fresh is None else jnp.where(fresh[:, None], g, 0)  # each row once into dw, db
