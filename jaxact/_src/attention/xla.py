@@ -44,6 +44,7 @@ from jax import Array, lax
 
 from jaxact._src.attention.plan import AttentionPlan, Aux
 from jaxact._src.core.dropout import keep_from_index
+from jaxact._src.core.numerics import exp_diff
 
 # ----------------------------------------------------------------------------- the blocks
 
@@ -194,11 +195,6 @@ def _floor(dtype) -> np.ndarray:
   return np.nextafter(np.finfo(dtype).min, 0, dtype=dtype)
 
 
-def _exp_diff(a: Array, b: Array) -> Array:
-  """``exp(a - b)`` for ``a <= b``, finite floats whose difference may overflow (halves do not)."""
-  return jnp.exp(2 * jnp.maximum(a / 2 - b / 2, -1e4))
-
-
 def _keep(plan: AttentionPlan, sh: _Shapes, x: _Inputs, q0, k0) -> Array:
   """The dropout keep mask of one block, broadcastable to (B, K, G, bq, bk): Flax's
   ``bernoulli(key, 1 - rate, shape)`` over (1, 1, T, S) (broadcast) or (B, N, T, S), drawn from
@@ -247,7 +243,7 @@ def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
       blk = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, backward=False)
       m_new = jnp.maximum(m, jnp.max(blk.s, -1))
       p = jnp.exp(blk.s - m_new[..., None])  # 0 where masked
-      alpha = _exp_diff(m, m_new)
+      alpha = exp_diff(m, m_new)
       denom = alpha * denom + jnp.sum(p, -1)
       if plan.dropout is not None:
         p = jnp.where(_keep(plan, sh, x, q0, k0), p * jnp.asarray(1 / plan.dropout.keep, acc), 0)

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jaxact._src.core import pallas_sharding, shardings
+from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.xla import (
-  exp_diff,
   grads_by_tokens,
   grads_by_vocab,
   lift_gap,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
 
@@ -71,11 +72,6 @@ def _lowest(dtype) -> np.ndarray:
   """The float's lowest finite value: the running max before any column, and a row's max where
   no logit is finite (so that ``s - m`` is never ``-inf - -inf``)."""
   return np.finfo(dtype).min
-
-
-def exp_diff(a: Array, b: Array) -> Array:
-  """``exp(a - b)`` for finite ``a <= b`` whose difference may overflow (their halves' cannot)."""
-  return jnp.exp(2 * jnp.maximum(a / 2 - b / 2, -1e4))
 
 
 def _tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
