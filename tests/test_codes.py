@@ -189,14 +189,15 @@ GRADIENT_DEFAULT = {
 )
 def test_gradient_is_the_codes(name, params, bits, dtype):
   """``g * q(x)`` with q the code's f' (exactly, for 4 and 2 bits; within half a step of f' for 8
-  bits), the value unchanged, and only the packed code kept."""
+  bits), the value unchanged (to two ulps: the coded program and the plain one are compiled apart,
+  and XLA may round gelu's erf differently in each), and only the packed code kept."""
   fn = functools.partial(jaxact.get_activation(name), **dict(params), residual_bits=bits)
   exact = functools.partial(jaxact.get_activation(name), **dict(params))
   code = codes.get_code(name, params, bits)
   x = _inputs(dtype, (6, 10), code)
   g = jnp.asarray(np.random.default_rng(1).uniform(0.5, 2.0, x.shape)).astype(dtype)
   y, pull = jax.vjp(fn, x)
-  np.testing.assert_array_equal(y, exact(x))
+  np.testing.assert_allclose(y, exact(x), rtol=2 * float(jnp.finfo(dtype).eps), atol=0)
   kept = jax.tree.leaves(pull)
   assert [(k.dtype, k.shape) for k in kept] == [(jnp.uint8, code.packed_shape(x.shape))]
   (dx,) = pull(g)
