@@ -26,7 +26,8 @@ Sections (each prints a markdown table; ``--out`` also gets ``gpu_check.md`` and
 * ``memory``: compiled ``memory_analysis()`` of the jitted training step (temp bytes; and temp +
   outputs) for the same three paths.
 * ``sweep``: each kernel's candidate tilings timed alone, for tuning the Triton kernels' tiles.
-* ``hopper``: the Mosaic GPU forward (``pallas_kernels.hopper``): its y and z against a float32
+* ``hopper``: the Mosaic GPU forward (``pallas_kernels.dense_mosaic``): its y and z against a
+float32
   reference for every activation it accepts, its forward time against ``jnp.dot`` and the other
   paths, a tile sweep, and one layer's training step with each backward option.
 * ``check-mosaic``: as ``check``, through ``jaxact.dense_bias_act(..., implementation="mosaic")``

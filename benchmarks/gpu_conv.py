@@ -23,7 +23,7 @@ from benchmarks.gpu_common import (
 )
 from jaxact._src.test_util import epilogue, layer_step, param_defaults
 from pallas_kernels import EltwiseTiles, default_tiles
-from pallas_kernels import bias_act as pk_eltwise
+from pallas_kernels import bias_act_triton as pk_eltwise
 
 CONV_X, CONV_W = (128, 56, 56, 256), (3, 3, 256, 256)
 

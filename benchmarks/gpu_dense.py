@@ -31,7 +31,7 @@ from jaxact._src.test_util import (
   layer_step,
 )
 from pallas_kernels import default_block_config
-from pallas_kernels import dense as pk_dense
+from pallas_kernels import dense_triton as pk_dense
 
 
 def check_cases(quick: bool = False):

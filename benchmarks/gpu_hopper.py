@@ -19,14 +19,14 @@ from jax import lax
 import jaxact
 from benchmarks.gpu_common import ROTATE, TOL, inputs, median_seconds, rel
 from jaxact._src.test_util import epilogue, fused_dense, hopper_bwd_variants, layer_step
-from pallas_kernels import dense as pk_dense
+from pallas_kernels import dense_triton as pk_dense
 
 HOPPER_SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192))
 
 
 def _forward(*args, **kwargs):
   """The Mosaic GPU forward on this process's GPU (one persistent CTA per SM)."""
-  from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+  from pallas_kernels.dense_mosaic import hopper_dense_bias_act_fwd
 
   return hopper_dense_bias_act_fwd(*args, num_sms=jax.devices()[0].core_count, **kwargs)
 
@@ -91,8 +91,8 @@ def hopper_layer(name, backward):
 
 
 def section_hopper(runs, dot_tflops=None, shapes=HOPPER_SHAPES, sweep=True):
-  """The Mosaic GPU forward (pallas_kernels.hopper): check, time, sweep; backward options."""
-  from pallas_kernels.hopper import HopperTiles, hopper_unsupported
+  """The Mosaic GPU forward (pallas_kernels.dense_mosaic): check, time, sweep; backward options."""
+  from pallas_kernels.dense_mosaic import HopperTiles, hopper_unsupported
 
   out = {"check": [], "fwd": [], "sweep": [], "step": []}
   lines = ["check: ‖got - ref‖/‖ref‖ of y (and z) against float32 HIGHEST, with XLA's error", ""]
@@ -262,7 +262,7 @@ def bwd_tiling(t) -> str:
 
 def section_hopper_bwd(runs, shapes=HOPPER_SHAPES[:2]):
   """The Mosaic GPU backward kernels alone against XLA's backward, for a few tilings."""
-  from pallas_kernels.hopper_bwd import hopper_dense_bias_act_bwd
+  from pallas_kernels.dense_mosaic_bwd import hopper_dense_bias_act_bwd
 
   out = {"bwd": []}
   lines = ["backward alone, bf16: dx, dw, db from (x, w, residual, g) (ms; temp MiB)", ""]

@@ -3,11 +3,11 @@
 Two tables, bfloat16:
 
 1. correctness: ``jaxact.linear_cross_entropy(..., implementation="mosaic")`` (the Hopper forward
-   kernel, :mod:`pallas_kernels.lce_hopper`, and the backward's G kernel,
-   :mod:`pallas_kernels.lce_hopper_bwd`, feeding XLA's products) against
+   kernel, :mod:`pallas_kernels.lce_mosaic`, and the backward's G kernel,
+   :mod:`pallas_kernels.lce_mosaic_bwd`, feeding XLA's products) against
    ``implementation="xla"`` and the plain composition in float32, loss and the gradients of x, w
    and b, with and without the options (smoothing, z-loss, soft cap); the kernel's statistics
-   against :func:`pallas_kernels.lce_hopper.lce_reference`;
+   against :func:`pallas_kernels.lce_mosaic.lce_reference`;
 2. time of ``jit(value_and_grad)`` (fwd+bwd) and of the loss alone, at 16384 tokens, D = 4096, V
    = 131072 and 262144: the plain composition (``x @ w``, optax), jaxact ``"xla"``, jaxact
    ``"mosaic"`` and ``"mosaic fwd"`` (the forward kernel with XLA's backward; Hopper only) and
@@ -61,7 +61,7 @@ def check_table(hopper: bool) -> tuple[dict, list[str]]:
   failed = []
   if not hopper:
     return {"failed": failed}, [*lines, "| skipped: not a Hopper GPU (the kernel needs sm_90) |"]
-  from pallas_kernels import lce_hopper
+  from pallas_kernels import lce_mosaic
 
   x, w, labels = _inputs(*CHECK)
   b = jnp.zeros((CHECK[2],), jnp.bfloat16)
@@ -76,8 +76,8 @@ def check_table(hopper: bool) -> tuple[dict, list[str]]:
     (l1, g1), (l2, g2) = step("mosaic"), step("xla")
     errs = [_rel(l1, l2), *(_rel(a, c) for a, c in zip(g1, g2, strict=True))]
     cap = options.get("logit_soft_cap")
-    got = lce_hopper.lce_fwd(x, w, None, labels, soft_cap=cap, want_mean=True, num_sms=132)
-    ref = lce_hopper.lce_reference(x, w, None, labels, soft_cap=cap, want_mean=True)
+    got = lce_mosaic.lce_fwd(x, w, None, labels, soft_cap=cap, want_mean=True, num_sms=132)
+    ref = lce_mosaic.lce_reference(x, w, None, labels, soft_cap=cap, want_mean=True)
     stat = max(float(jnp.max(jnp.abs(a - c))) for a, c in zip(got, ref, strict=True))
     ok = max(errs) < 1e-3 and stat < 1e-3
     if not ok:

@@ -7,20 +7,20 @@ matters, whether the caller targets a Hopper GPU): the kernels know nothing of d
 they should run. jaxact builds the epilogues from its spec table and decides where each kernel runs
 (each op family's ``rules.py`` under ``jaxact/_src/``).
 
-* Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense` (fused matmul +
-  epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_tiles`),
-  :mod:`pallas_kernels.bias_act` (convolution epilogue and its backward, the bias gradient pass),
-  :mod:`pallas_kernels.gated` (the gated projection ``act(x @ w_gate + b_gate) * (x @ w_up +
-  b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
-  :mod:`pallas_kernels.attention` (FlashAttention-2's forward and backward keeping q, k, v, o and
-  two float32 numbers a row, its maximum and log-sum: GQA/MQA, causal, sliding window, lengths,
+* Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense_triton` (fused
+  matmul + epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_triton_tiles`),
+  :mod:`pallas_kernels.bias_act_triton` (convolution epilogue and its backward, the bias gradient
+  pass), :mod:`pallas_kernels.gated_triton` (the gated projection ``act(x @ w_gate + b_gate) * (x @
+  w_up + b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
+  :mod:`pallas_kernels.attention_triton` (FlashAttention-2's forward and backward keeping q, k, v, o
+  and two float32 numbers a row, its maximum and log-sum: GQA/MQA, causal, sliding window, lengths,
   logit soft cap).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
-  :mod:`pallas_kernels.hopper` (dense forward), :mod:`pallas_kernels.hopper_bwd` (its backward;
-  its tiles in :mod:`pallas_kernels.hopper_bwd_tiles`),
-  :mod:`pallas_kernels.gated_hopper` (the gated units' forward: a, b and h from one pass),
-  :mod:`pallas_kernels.lce_hopper` (the linear cross-entropy's forward: per-token statistics of
-  the logits), :mod:`pallas_kernels.lce_hopper_bwd` (its backward's softmax-minus-one-hot
+  :mod:`pallas_kernels.dense_mosaic` (dense forward), :mod:`pallas_kernels.dense_mosaic_bwd` (its
+  backward; its tiles in :mod:`pallas_kernels.dense_mosaic_bwd_tiles`),
+  :mod:`pallas_kernels.gated_mosaic` (the gated units' forward: a, b and h from one pass),
+  :mod:`pallas_kernels.lce_mosaic` (the linear cross-entropy's forward: per-token statistics of
+  the logits), :mod:`pallas_kernels.lce_mosaic_bwd` (its backward's softmax-minus-one-hot
   blocks).
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
@@ -31,35 +31,35 @@ what it holds.
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
 from pallas_kernels._triton import unlowered_primitives as unlowered_primitives
-from pallas_kernels.attention import AttentionBlockConfig as AttentionBlockConfig
-from pallas_kernels.attention import AttentionTiles as AttentionTiles
-from pallas_kernels.attention import attention_backward as attention_backward
-from pallas_kernels.attention import attention_forward as attention_forward
-from pallas_kernels.attention import attention_reference as attention_reference
-from pallas_kernels.attention import attention_unsupported as attention_unsupported
-from pallas_kernels.bias_act import EltwiseTiles as EltwiseTiles
-from pallas_kernels.bias_act import bias_act_bwd as bias_act_bwd
-from pallas_kernels.bias_act import bias_act_fwd as bias_act_fwd
-from pallas_kernels.bias_act import bias_act_reference as bias_act_reference
-from pallas_kernels.bias_act import bias_grad as bias_grad
-from pallas_kernels.bias_act import default_tiles as default_tiles
-from pallas_kernels.dense import allow_tf32 as allow_tf32
-from pallas_kernels.dense import dense_bias_act as dense_bias_act
-from pallas_kernels.dense import dense_bias_act_bwd as dense_bias_act_bwd
-from pallas_kernels.dense import dense_bias_act_fwd as dense_bias_act_fwd
-from pallas_kernels.dense import dense_bias_act_reference as dense_bias_act_reference
-from pallas_kernels.dense import supported_dtypes as supported_dtypes
-from pallas_kernels.dense_tiles import BlockConfig as BlockConfig
-from pallas_kernels.dense_tiles import Tiles as Tiles
-from pallas_kernels.dense_tiles import default_block_config as default_block_config
+from pallas_kernels.attention_triton import AttentionBlockConfig as AttentionBlockConfig
+from pallas_kernels.attention_triton import AttentionTiles as AttentionTiles
+from pallas_kernels.attention_triton import attention_backward as attention_backward
+from pallas_kernels.attention_triton import attention_forward as attention_forward
+from pallas_kernels.attention_triton import attention_reference as attention_reference
+from pallas_kernels.attention_triton import attention_unsupported as attention_unsupported
+from pallas_kernels.bias_act_triton import EltwiseTiles as EltwiseTiles
+from pallas_kernels.bias_act_triton import bias_act_bwd as bias_act_bwd
+from pallas_kernels.bias_act_triton import bias_act_fwd as bias_act_fwd
+from pallas_kernels.bias_act_triton import bias_act_reference as bias_act_reference
+from pallas_kernels.bias_act_triton import bias_grad as bias_grad
+from pallas_kernels.bias_act_triton import default_tiles as default_tiles
+from pallas_kernels.dense_triton import allow_tf32 as allow_tf32
+from pallas_kernels.dense_triton import dense_bias_act as dense_bias_act
+from pallas_kernels.dense_triton import dense_bias_act_bwd as dense_bias_act_bwd
+from pallas_kernels.dense_triton import dense_bias_act_fwd as dense_bias_act_fwd
+from pallas_kernels.dense_triton import dense_bias_act_reference as dense_bias_act_reference
+from pallas_kernels.dense_triton import supported_dtypes as supported_dtypes
+from pallas_kernels.dense_triton_tiles import BlockConfig as BlockConfig
+from pallas_kernels.dense_triton_tiles import Tiles as Tiles
+from pallas_kernels.dense_triton_tiles import default_block_config as default_block_config
 from pallas_kernels.epilogue import DerivativeCode as DerivativeCode
 from pallas_kernels.epilogue import Epilogue as Epilogue
-from pallas_kernels.gated import GatedBlockConfig as GatedBlockConfig
-from pallas_kernels.gated import gated_bwd as gated_bwd
-from pallas_kernels.gated import gated_bwd_reference as gated_bwd_reference
-from pallas_kernels.gated import gated_dense as gated_dense
-from pallas_kernels.gated import gated_dense_reference as gated_dense_reference
-from pallas_kernels.gated import gated_fwd as gated_fwd
+from pallas_kernels.gated_triton import GatedBlockConfig as GatedBlockConfig
+from pallas_kernels.gated_triton import gated_bwd as gated_bwd
+from pallas_kernels.gated_triton import gated_bwd_reference as gated_bwd_reference
+from pallas_kernels.gated_triton import gated_dense as gated_dense
+from pallas_kernels.gated_triton import gated_dense_reference as gated_dense_reference
+from pallas_kernels.gated_triton import gated_fwd as gated_fwd
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",

@@ -261,8 +261,8 @@ def tensor_core_product(a, a_smem, b_smem) -> jax.Array:
 
 def xw_pipeline(t, k_iters: int, dtype):
   """``pipeline(body, compute_context)`` of the kernels that compute ``x @ w`` tiles
-  (:mod:`pallas_kernels.hopper`'s forward, :mod:`pallas_kernels.lce_hopper` and
-  :mod:`pallas_kernels.lce_hopper_bwd`): a memory warpgroup streams a ``tile_m x tile_k`` tile of
+  (:mod:`pallas_kernels.dense_mosaic`'s forward, :mod:`pallas_kernels.lce_mosaic` and
+  :mod:`pallas_kernels.lce_mosaic_bwd`): a memory warpgroup streams a ``tile_m x tile_k`` tile of
   ``x`` and a ``tile_k x 2 tile_n`` tile of ``w`` a step through ``t.stages`` shared-memory
   buffers (TMA) to two compute warpgroups, for the ``k_iters`` steps of the contraction."""
   operand_transforms = transforms(t.tile_k, dtype)

@@ -384,9 +384,9 @@ def test_dropout_keeps_the_key_not_the_mask():
 
 
 def test_the_triton_kernels_through_jaxact_equal_the_xla_path():
-  """implementation='pallas' runs pallas_kernels.attention (interpret mode on CPU) inside the same
-  custom_vjp: values and gradients equal the XLA path's (grouped heads, causal, soft cap, a batch
-  row with no key)."""
+  """implementation='pallas' runs pallas_kernels.attention_triton (interpret mode on CPU) inside
+  the same custom_vjp: values and gradients equal the XLA path's (grouped heads, causal, soft cap,
+  a batch row with no key)."""
   q, k, v, _ = inputs(jnp.float32, s=T, h=16)
   kw = dict(is_causal=True, logits_soft_cap=3.0, key_value_seq_lengths=jnp.array([T, 0], jnp.int32))
   got, want = (

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxact._src import test_util
-from pallas_kernels import Epilogue, dense, dense_tiles
+from pallas_kernels import Epilogue, dense_triton, dense_triton_tiles
 
 try:
   test_util.device(test_util.H100)
@@ -62,11 +62,13 @@ def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
   """What the lowering tests cannot see: 256 x 256 tiles over four 64-deep stages want 256 KiB of
   shared memory; the forward lowers for an A100 but does not compile for it (164 KiB)."""
   ep = Epilogue(fn=jax.nn.relu, derivative=None, residual="none")
-  wide = dense_tiles.default_block_config((4096, 4096, 4096), jnp.bfloat16, hopper=False)
-  wide = dense_tiles.BlockConfig(fwd=dense_tiles.Tiles(256, 256, 64, 8, 4), dx=wide.dx, dw=wide.dw)
+  wide = dense_triton_tiles.default_block_config((4096, 4096, 4096), jnp.bfloat16, hopper=False)
+  wide = dense_triton_tiles.BlockConfig(
+    fwd=dense_triton_tiles.Tiles(256, 256, 64, 8, 4), dx=wide.dx, dw=wide.dw
+  )
 
   def fwd(x, w, b):
-    return dense.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
+    return dense_triton.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
 
   args = shapes(1024, 1024, 1024)
   with jax.sharding.use_abstract_mesh(test_util.abstract_mesh(test_util.A100)):
@@ -161,7 +163,7 @@ def test_a_tile_that_spills_registers_is_caught():
   """The epilogue tile measured at 5% (forward) and 14% (backward) of the copy bandwidth on an H100
   (128 x 256 elements over 4 warps, gelu; benchmarks/gpu_runs/HISTORY.md) spills; the default
   does not."""
-  from pallas_kernels import bias_act
+  from pallas_kernels import bias_act_triton
 
   epilogue = Epilogue(
     fn=jax.nn.gelu, derivative=jax.vmap(jax.vmap(jax.grad(jax.nn.gelu))), residual="input"
@@ -170,11 +172,13 @@ def test_a_tile_that_spills_registers_is_caught():
 
   def backward(tiles):
     def f(g, z):
-      return bias_act.bias_act_bwd(g, z, epilogue=epilogue, has_bias=True, block_config=tiles)
+      return bias_act_triton.bias_act_bwd(
+        g, z, epilogue=epilogue, has_bias=True, block_config=tiles
+      )
 
     return f
 
-  assert test_util.spills(backward(bias_act.EltwiseTiles(128, 256, 4)), args)
+  assert test_util.spills(backward(bias_act_triton.EltwiseTiles(128, 256, 4)), args)
   assert not test_util.spills(backward(None), args)
 
 

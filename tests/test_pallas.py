@@ -23,8 +23,8 @@ from jaxact._src import test_util
 from jaxact._src.test_util import GPUS, train_step
 from jaxact._src.test_util import layer_shapes as shapes
 from kernel_cases import TRITON, args, lowered_text
-from pallas_kernels import dense as kernels
-from pallas_kernels import dense_tiles
+from pallas_kernels import dense_triton as kernels
+from pallas_kernels import dense_triton_tiles
 
 from cases import EXH, representatives
 
@@ -185,9 +185,9 @@ def test_block_configs_are_powers_of_two_and_fit_shared_memory(hopper):
       assert loads * np.dtype(dt).itemsize * t.num_stages <= SMEM[hopper], (t, dt)
   # Hopper differs only for bfloat16 operands and layers its wide tiles divide.
   assert set(configs(True)) - set(configs(False)) == {
-    dense_tiles.default_block_config((512, 512, 512), jnp.bfloat16, hopper=True)
+    dense_triton_tiles.default_block_config((512, 512, 512), jnp.bfloat16, hopper=True)
   }
-  ragged = dense_tiles.default_block_config((200, 200, 200), jnp.bfloat16, hopper=True)
+  ragged = dense_triton_tiles.default_block_config((200, 200, 200), jnp.bfloat16, hopper=True)
   assert ragged in configs(False)
 
 

@@ -1,5 +1,5 @@
-"""The attention kernels (``pallas_kernels.attention``): FlashAttention-2's forward and backward as
-Pallas Triton kernels.
+"""The attention kernels (``pallas_kernels.attention_triton``): FlashAttention-2's forward and
+backward as Pallas Triton kernels.
 
 On CPU the kernels run in Pallas interpret mode, against :func:`attention_reference` (the same
 semantics over the whole T x S logits, in the same dtype) and against the float64 autodiff of an
@@ -26,7 +26,7 @@ import pytest
 
 from jaxact._src import test_util
 from kernel_cases import TRITON, lowered_text
-from pallas_kernels import attention as kernels
+from pallas_kernels import attention_triton as kernels
 
 from cases import representatives
 

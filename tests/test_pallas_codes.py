@@ -26,7 +26,7 @@ from code_cases import coded, conv_args, dense_args, run
 from jaxact._src import test_util
 from jaxact._src.codes import code as codes
 from kernel_cases import MOSAIC, TRITON, lowered_text
-from pallas_kernels import DerivativeCode, Epilogue, bias_act, dense
+from pallas_kernels import DerivativeCode, Epilogue, bias_act_triton, dense_triton
 
 from cases import representatives
 
@@ -95,10 +95,12 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
     jaxact.dense_bias_act(x, w, b, activation=coded("gelu", 2), implementation="pallas")
   gelu, code = test_util.epilogue("gelu"), codes.get_code("gelu", (("approximate", True),), 2)
   ep = Epilogue(gelu.fn, gelu.derivative, "code", DerivativeCode(2, code.boundaries, code.levels))
-  with pytest.raises(ValueError, match=r"pallas_kernels.dense: 2-bit codes .* 22 features"):
-    dense.dense_bias_act_fwd(x, w, b, epilogue=ep, interpret=True)
-  with pytest.raises(ValueError, match=r"pallas_kernels.bias_act: 2-bit codes .* 22 features"):
-    bias_act.bias_act_fwd(x @ w, b, epilogue=ep, interpret=True)
+  with pytest.raises(ValueError, match=r"pallas_kernels.dense_triton: 2-bit codes .* 22 features"):
+    dense_triton.dense_bias_act_fwd(x, w, b, epilogue=ep, interpret=True)
+  with pytest.raises(
+    ValueError, match=r"pallas_kernels.bias_act_triton: 2-bit codes .* 22 features"
+  ):
+    bias_act_triton.bias_act_fwd(x @ w, b, epilogue=ep, interpret=True)
   step = test_util.train_step(coded("gelu", 2), None)
   shapes = test_util.layer_shapes(64, 32, 22, jnp.bfloat16)
   assert TRITON not in lowered_text(step, shapes, "cuda", "A100")

@@ -1,4 +1,5 @@
-"""Tests of the convolution epilogue kernels (``pallas_kernels.bias_act``) behind conv_bias_act.
+"""Tests of the convolution epilogue kernels (``pallas_kernels.bias_act_triton``) behind
+conv_bias_act.
 
 With ``implementation="pallas"`` the convolution and its transposes stay with XLA and the bias +
 activation epilogue (forward, in place) and the one-pass ``dz``/``db`` backward are Pallas kernels.
@@ -24,7 +25,7 @@ import jaxact
 import pallas_kernels
 from jaxact._src.test_util import GPUS
 from kernel_cases import TRITON, lowered_text
-from pallas_kernels import bias_act
+from pallas_kernels import bias_act_triton
 
 from cases import representatives
 
@@ -156,20 +157,25 @@ def test_channels_first_output_falls_back_or_raises():
 
 
 def test_standalone_kernels_against_reference():
-  """pallas_kernels.bias_act on its own, every residual family, small tiles (many programs)."""
+  """pallas_kernels.bias_act_triton on its own, every residual family, small tiles (many
+  programs)."""
   z = jax.random.normal(jax.random.key(6), (3, 7, 37), jnp.float32) * 3
   b = jax.random.normal(jax.random.key(7), (37,), jnp.float32)
   g = jax.random.normal(jax.random.key(8), z.shape, jnp.float32)
-  tiles = bias_act.EltwiseTiles(rows=16, cols=16, num_warps=4)
+  tiles = bias_act_triton.EltwiseTiles(rows=16, cols=16, num_warps=4)
   epilogues = {
     "output": pallas_kernels.Epilogue(jnp.tanh, lambda y: 1.0 - y * y, "output"),
     "input": pallas_kernels.Epilogue(jax.nn.softplus, jax.nn.sigmoid, "input"),
     "none": pallas_kernels.Epilogue(lambda v: v, None, "none"),
   }
   for residual, ep in epilogues.items():
-    run = functools.partial(bias_act.bias_act_fwd, epilogue=ep, block_config=tiles, interpret=True)
+    run = functools.partial(
+      bias_act_triton.bias_act_fwd, epilogue=ep, block_config=tiles, interpret=True
+    )
     y, zb = jax.jit(run)(z, b)
-    ref, pull = jax.vjp(lambda z, b, ep=ep: bias_act.bias_act_reference(z, b, epilogue=ep), z, b)
+    ref, pull = jax.vjp(
+      lambda z, b, ep=ep: bias_act_triton.bias_act_reference(z, b, epilogue=ep), z, b
+    )
     chex.assert_trees_all_close(y, ref, atol=1e-6, rtol=1e-6)
     if residual == "input":
       chex.assert_trees_all_close(zb, z + b, atol=1e-6, rtol=1e-6)
@@ -181,7 +187,7 @@ def test_standalone_kernels_against_reference():
     for t in (tiles, dataclasses.replace(tiles, steps=3)):
       dz, db = jax.jit(
         functools.partial(
-          bias_act.bias_act_bwd, epilogue=ep, has_bias=True, block_config=t, interpret=True
+          bias_act_triton.bias_act_bwd, epilogue=ep, has_bias=True, block_config=t, interpret=True
         )
       )(g, kept)
       chex.assert_trees_all_close(dz, want_dz, atol=1e-5, rtol=1e-5)
@@ -202,9 +208,13 @@ def test_bias_grad_sums_dz_over_every_axis_but_the_last(residual, dtype):
   }[residual]
   g = (jax.random.normal(jax.random.key(1), (2, 150, 37), jnp.float32) * 3).astype(dtype)
   r = (jax.random.normal(jax.random.key(2), g.shape, jnp.float32) * 2).astype(dtype)
-  tiles = bias_act.EltwiseTiles(rows=16, cols=16, num_warps=4, steps=bias_act.DB_STEPS)
+  tiles = bias_act_triton.EltwiseTiles(
+    rows=16, cols=16, num_warps=4, steps=bias_act_triton.DB_STEPS
+  )
   assert 2 * tiles.steps * tiles.rows < 300  # three programs down the rows
-  run = functools.partial(bias_act.bias_grad, epilogue=epilogue, block_config=tiles, interpret=True)
+  run = functools.partial(
+    bias_act_triton.bias_grad, epilogue=epilogue, block_config=tiles, interpret=True
+  )
   db = jax.jit(run)(g, None if residual == "none" else r)
   g64, r64 = (np.asarray(v, np.float64) for v in (g, r))
   d = {"output": 1.0 - r64 * r64, "input": 1.0 / (1.0 + np.exp(-r64)), "none": 1.0}[residual]
@@ -212,18 +222,18 @@ def test_bias_grad_sums_dz_over_every_axis_but_the_last(residual, dtype):
   np.testing.assert_allclose(np.asarray(db), (g64 * d).sum((0, 1)), rtol=1e-5, atol=1e-4)
   if residual != "none":
     with pytest.raises(ValueError, match=r"needs the residual of shape \(2, 150, 37\); got None"):
-      bias_act.bias_grad(g, None, epilogue=epilogue, interpret=True)
+      bias_act_triton.bias_grad(g, None, epilogue=epilogue, interpret=True)
 
 
 def test_standalone_kernels_check_their_arguments():
   ep = pallas_kernels.Epilogue(jnp.tanh, lambda y: 1.0 - y * y, "output")
   z = jnp.zeros((4, 3), jnp.float32)
   with pytest.raises(ValueError, match=r"`b` must have shape \(3,\); got b.shape=\(4,\)"):
-    bias_act.bias_act_fwd(z, jnp.zeros(4, jnp.float32), epilogue=ep, interpret=True)
+    bias_act_triton.bias_act_fwd(z, jnp.zeros(4, jnp.float32), epilogue=ep, interpret=True)
   with pytest.raises(TypeError, match=r"`z` has dtype int32"):
-    bias_act.bias_act_fwd(z.astype(jnp.int32), None, epilogue=ep, interpret=True)
+    bias_act_triton.bias_act_fwd(z.astype(jnp.int32), None, epilogue=ep, interpret=True)
   with pytest.raises(ValueError, match=r"needs the residual of shape \(4, 3\); got None"):
-    bias_act.bias_act_bwd(z, None, epilogue=ep, has_bias=False, interpret=True)
+    bias_act_triton.bias_act_bwd(z, None, epilogue=ep, has_bias=False, interpret=True)
 
 
 # ------------------------------------------------------------------------- CUDA lowering
@@ -252,7 +262,8 @@ _PROBES = [
   for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
 ]
 CONFIGS = {
-  bias_act.default_tiles((n * hw * hw, c), dt): ((n, hw, c), dt) for (n, hw, c), dt in _PROBES
+  bias_act_triton.default_tiles((n * hw * hw, c), dt): ((n, hw, c), dt)
+  for (n, hw, c), dt in _PROBES
 }
 
 

@@ -1,4 +1,5 @@
-"""The gated Triton kernels (``pallas_kernels.gated``) behind ``gated_dense`` / ``gated_mlp``.
+"""The gated Triton kernels (``pallas_kernels.gated_triton``) behind ``gated_dense`` /
+``gated_mlp``.
 
 On CPU the kernels run in Pallas interpret mode: ``implementation="pallas"`` against the XLA path
 (values and the gradients of every argument), the kernels against their pure-jnp references, the
@@ -31,7 +32,7 @@ from jaxact._src.gated import rules
 from jaxact._src.gated.plan import GatedPlan
 from jaxact._src.gated.vjp import gate_cotangents, hidden
 from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
-from pallas_kernels import gated as kernels
+from pallas_kernels import gated_triton as kernels
 
 from cases import representatives
 

@@ -1,4 +1,4 @@
-"""Tests of the gated units' Hopper forward kernel (``pallas_kernels.gated_hopper``).
+"""Tests of the gated units' Hopper forward kernel (``pallas_kernels.gated_mosaic``).
 
 On CPU the kernel runs in Mosaic GPU's interpreter (warpgroups, shared memory, TMA and barriers
 simulated; one CTA walking every tile): a, b and h against :func:`gated_forward_reference` (the
@@ -21,7 +21,7 @@ import pytest
 
 from jaxact._src import test_util
 from kernel_cases import MOSAIC, lowered_text
-from pallas_kernels import Epilogue, _mosaic, gated_hopper
+from pallas_kernels import Epilogue, _mosaic, gated_mosaic
 
 from cases import representatives
 
@@ -63,10 +63,10 @@ def check(name, ops, keep_ab, tiles=None):
   x, *_ = ops
   dtype = x.dtype
   ep = Epilogue(None, None, "none") if name == "identity" else test_util.epilogue(name)
-  got = gated_hopper.gated_forward(
+  got = gated_mosaic.gated_forward(
     *ops, epilogue=ep, num_sms=1, keep_ab=keep_ab, tiles=tiles, interpret=True
   )
-  want = gated_hopper.gated_forward_reference(*ops, fn=ep.fn, keep_ab=keep_ab)
+  want = gated_mosaic.gated_forward_reference(*ops, fn=ep.fn, keep_ab=keep_ab)
   composed = jax_nn_composition(name, *ops)
   if not keep_ab:
     assert got[0] is None and got[1] is None
@@ -98,7 +98,7 @@ def check(name, ops, keep_ab, tiles=None):
 def test_silu_a_b_and_h_over_several_tiles():
   """Two CTA tiles along N, four K steps through the three-stage ring of the a, b and h
   configuration (64 x 32 epilogue sub-tiles)."""
-  t = gated_hopper.gated_block_config((128, 256, 256), jnp.bfloat16, keep_ab=True)
+  t = gated_mosaic.gated_block_config((128, 256, 256), jnp.bfloat16, keep_ab=True)
   assert (t.stages, t.epi_m, t.epi_n) == (3, 64, 32)
   check("silu", operands((128, 256, 256), seed=1), keep_ab=True)
 
@@ -122,7 +122,7 @@ _EXHAUSTIVE = {
     jnp.bfloat16,
     (True, True),
     True,
-    gated_hopper.GatedTiles(stages=2, epi_n=32, snake_width=2),
+    gated_mosaic.GatedTiles(stages=2, epi_n=32, snake_width=2),
   ),
 }
 
@@ -140,7 +140,7 @@ def test_a_zero_gate_times_an_infinite_up_projection_is_zero():
   b_gate = jnp.full((128,), -1e4, jnp.bfloat16)  # relu(a) = 0 everywhere
   b_up = jnp.full((128,), jnp.inf, jnp.bfloat16)
   relu = Epilogue(fn=lambda z: jnp.maximum(z, 0.0), derivative=None, residual="output")
-  _, b, h = gated_hopper.gated_forward(
+  _, b, h = gated_mosaic.gated_forward(
     x, w_gate, w_up, b_gate, b_up, epilogue=relu, num_sms=1, interpret=True
   )
   assert np.all(np.isinf(f32(b))) and np.all(f32(h) == 0)
@@ -154,18 +154,18 @@ def test_block_config_fits_the_shared_memory():
   neither four nor three stages fit beside the three outputs' slots); no more stages than K
   steps. Every choice within Hopper's 227 KiB."""
   for keep_ab, (stages, epi_n) in ((False, (4, 64)), (True, (3, 32))):
-    t = gated_hopper.gated_block_config((8192, 4096, 14336), jnp.bfloat16, keep_ab=keep_ab)
+    t = gated_mosaic.gated_block_config((8192, 4096, 14336), jnp.bfloat16, keep_ab=keep_ab)
     assert (t.stages, t.epi_n) == (stages, epi_n)
     assert t.smem_bytes(2, 3 if keep_ab else 1) <= _mosaic.HOPPER_SMEM
-    wider = gated_hopper.GatedTiles(stages=3, epi_n=64)
+    wider = gated_mosaic.GatedTiles(stages=3, epi_n=64)
     assert not keep_ab or wider.smem_bytes(2, 3) > _mosaic.HOPPER_SMEM
-  assert gated_hopper.gated_block_config((128, 128, 128), jnp.float16).stages == 2
+  assert gated_mosaic.gated_block_config((128, 128, 128), jnp.float16).stages == 2
 
 
 def test_bad_operands_are_refused_with_reasons():
   x, w_gate, w_up, b_gate, b_up = operands((128, 64, 128))
   silu = test_util.epilogue("silu")
-  run = lambda *ops, **kw: gated_hopper.gated_forward(*ops, epilogue=silu, num_sms=1, **kw)
+  run = lambda *ops, **kw: gated_mosaic.gated_forward(*ops, epilogue=silu, num_sms=1, **kw)
   with pytest.raises(ValueError, match=r"w_up.shape=\(64, 256\)"):
     run(x, w_gate, jnp.zeros((64, 256), x.dtype), b_gate, b_up)
   with pytest.raises(ValueError, match=r"`b_up` must have shape \(128,\); got \(64,\)"):
@@ -181,10 +181,10 @@ def test_bad_operands_are_refused_with_reasons():
   with pytest.raises(ValueError, match="K=32 is not a multiple of 64"):
     run(x[:, :32], w_gate[:32], w_up[:32], b_gate, b_up)
   erf_inv = Epilogue(fn=jax.lax.erf_inv, derivative=None, residual="input")
-  t = gated_hopper.GatedTiles()
-  assert "erf_inv" in gated_hopper.gated_unsupported((128, 64, 128), jnp.bfloat16, erf_inv, t)
-  assert gated_hopper.gated_unsupported((128, 64, 128), jnp.bfloat16, silu) is None
-  assert "N=200" in gated_hopper.gated_unsupported((128, 64, 200), jnp.float16, silu)
+  t = gated_mosaic.GatedTiles()
+  assert "erf_inv" in gated_mosaic.gated_unsupported((128, 64, 128), jnp.bfloat16, erf_inv, t)
+  assert gated_mosaic.gated_unsupported((128, 64, 128), jnp.bfloat16, silu) is None
+  assert "N=200" in gated_mosaic.gated_unsupported((128, 64, 200), jnp.float16, silu)
 
 
 # ---------------------------------------------------------------------- an H100, no GPU
@@ -205,7 +205,7 @@ def forward(name, keep_ab, tiles=None):
   ep = test_util.epilogue(name)
 
   def fwd(*ops):
-    return gated_hopper.gated_forward(*ops, epilogue=ep, num_sms=132, keep_ab=keep_ab, tiles=tiles)
+    return gated_mosaic.gated_forward(*ops, epilogue=ep, num_sms=132, keep_ab=keep_ab, tiles=tiles)
 
   return fwd
 
@@ -228,7 +228,7 @@ def test_lowers_for_h100(name, keep_ab):
 @pytest.mark.usefixtures("_float32_defaults")
 def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
   """The budget is checked: four stages with 64 x 64 slots for a, b and h want 264 KiB."""
-  t = gated_hopper.GatedTiles(stages=4, epi_n=64)
+  t = gated_mosaic.GatedTiles(stages=4, epi_n=64)
   assert t.smem_bytes(2, 3) > _mosaic.HOPPER_SMEM
   with pytest.raises(ValueError, match="shared memory"):
     lowered_text(forward("silu", True, t), kernel_shapes(512, 512, 512))

@@ -1,4 +1,4 @@
-"""Tests of the Hopper path: the Mosaic GPU forward kernel (``pallas_kernels.hopper``) behind
+"""Tests of the Hopper path: the Mosaic GPU forward kernel (``pallas_kernels.dense_mosaic``) behind
 ``implementation="mosaic"`` and, on Hopper targets, ``None``.
 
 On CPU the kernel runs in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``, which simulates
@@ -28,7 +28,7 @@ from jaxact._src import test_util
 from jaxact._src.test_util import layer_shapes as shapes
 from jaxact._src.test_util import train_step
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
-from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
+from pallas_kernels import Epilogue, _mosaic, dense_mosaic, dense_mosaic_bwd
 
 from cases import representatives
 
@@ -172,11 +172,11 @@ def reference(x, w, b, fn):
   [
     None,  # hopper_tiles' choice
     pytest.param(
-      hopper.HopperTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32),
+      dense_mosaic.HopperTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32),
       marks=pytest.mark.exhaustive,
     ),
     pytest.param(
-      hopper.HopperTiles(tile_m=64, tile_n=64, tile_k=32, stages=3, snake_width=2),
+      dense_mosaic.HopperTiles(tile_m=64, tile_n=64, tile_k=32, stages=3, snake_width=2),
       marks=pytest.mark.exhaustive,
     ),
   ],
@@ -186,7 +186,7 @@ def test_kernel_over_many_tiles_matches_float32_reference(tiles):
   """Several tiles along M, N and K (so the pipeline ring wraps and the snake walk turns)."""
   x, w, b = args((384, 512, 1024), jnp.bfloat16, seed=5)
   epilogue = Epilogue(fn=jnp.tanh, derivative=None, residual="input")
-  y, z = hopper.hopper_dense_bias_act_fwd(
+  y, z = dense_mosaic.hopper_dense_bias_act_fwd(
     x, w, b, epilogue=epilogue, num_sms=1, tiles=tiles, interpret=True
   )
   want_y, want_z = reference(x, w, b, jnp.tanh)
@@ -200,7 +200,9 @@ def test_kernel_without_bias_and_output_residual():
   x, w, _ = args((128, 64, 256), jnp.float16, seed=6)
   relu = functools.partial(jnp.maximum, 0.0)  # jax.nn.relu is a custom_jvp: not lowered in 0.11
   epilogue = Epilogue(fn=relu, derivative=None, residual="output")
-  y, z = hopper.hopper_dense_bias_act_fwd(x, w, None, epilogue=epilogue, num_sms=1, interpret=True)
+  y, z = dense_mosaic.hopper_dense_bias_act_fwd(
+    x, w, None, epilogue=epilogue, num_sms=1, interpret=True
+  )
   assert z is None
   np.testing.assert_allclose(
     np.asarray(y, np.float32), reference(x, w, None, relu)[0], atol=4e-3, rtol=2e-3
@@ -209,13 +211,17 @@ def test_kernel_without_bias_and_output_residual():
 
 _TILINGS = {
   "default": None,  # hopper_bwd_tiles' choice: two compute warpgroups, dx_k 256, dw_k 128
-  "narrow_k": hopper_bwd.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
-  "other_steps": hopper_bwd.HopperBwdTiles(
+  "narrow_k": dense_mosaic_bwd.HopperBwdTiles(dx_k=64, dw_k=64, dx_stages=2, dw_stages=2),
+  "other_steps": dense_mosaic_bwd.HopperBwdTiles(
     dx_k=128, dx_n=32, dw_k=64, dw_n=64, dw_m=128, dx_stages=3
   ),
-  "one_warpgroup": hopper_bwd.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
-  "delayed": hopper_bwd.HopperBwdTiles(delay=1),
-  "one_delayed": hopper_bwd.HopperBwdTiles(wgs=1, dx_k=128, dx_stages=3, dw_stages=3, delay=1),
+  "one_warpgroup": dense_mosaic_bwd.HopperBwdTiles(
+    wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3
+  ),
+  "delayed": dense_mosaic_bwd.HopperBwdTiles(delay=1),
+  "one_delayed": dense_mosaic_bwd.HopperBwdTiles(
+    wgs=1, dx_k=128, dx_stages=3, dw_stages=3, delay=1
+  ),
 }
 # Each tiling once, and the default with and without a residual operand; the pipelines with a
 # residual ("output" and "input": one more tile stream, dz formed from it) and without ("none")
@@ -254,7 +260,7 @@ def test_backward_kernels_over_many_tiles_match_float32_reference(tiles, residua
   r = {"output": jnp.tanh(z), "input": z, "none": None}[residual]
   r = None if r is None else r.astype(jnp.bfloat16)
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative, residual=residual)
-  dx, dw, db = hopper_bwd.hopper_dense_bias_act_bwd(
+  dx, dw, db = dense_mosaic_bwd.hopper_dense_bias_act_bwd(
     x, w, r, g, epilogue=epilogue, has_bias=True, tiles=tiles, interpret=True
   )
   assert dx.dtype == dw.dtype == db.dtype == jnp.bfloat16
@@ -273,7 +279,7 @@ def test_backward_kernels_batch_dims_and_no_bias():
   g = jax.random.normal(jax.random.key(5), (2, 64, 256), jnp.float32).astype(jnp.float16)
   y = jax.nn.relu(jnp.dot(x, w)).astype(jnp.float16)
   relu = Epilogue(fn=None, derivative=lambda y: jnp.where(y > 0, 1.0, 0.0), residual="output")
-  dx, dw, db = hopper_bwd.hopper_dense_bias_act_bwd(
+  dx, dw, db = dense_mosaic_bwd.hopper_dense_bias_act_bwd(
     x, w, y, g, epilogue=relu, has_bias=False, interpret=True
   )
   assert db is None and dx.shape == x.shape and dx.dtype == jnp.float16
@@ -313,7 +319,7 @@ def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
 
     def bwd(x, w, r, g, tiles=tiles):
       r = None if residual == "none" else r
-      return hopper_bwd.hopper_dense_bias_act_bwd(
+      return dense_mosaic_bwd.hopper_dense_bias_act_bwd(
         x, w, r, g, epilogue=epilogue, has_bias=True, tiles=tiles
       )
 
@@ -333,7 +339,7 @@ def lower_backward(shape, residual: bool, tiles=None) -> str:
 
   def bwd(x, w, r, g):
     ep = tanh if residual else ident
-    return hopper_bwd.hopper_dense_bias_act_bwd(
+    return dense_mosaic_bwd.hopper_dense_bias_act_bwd(
       x, w, r if residual else None, g, epilogue=ep, has_bias=True, tiles=tiles
     )
 
@@ -347,7 +353,7 @@ def lower_backward(shape, residual: bool, tiles=None) -> str:
 def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   """hopper_bwd_tiles narrows along K (256, 128, 64) for the K it is given, and picks the deepest
   pipeline that fits: each configuration lowers (Mosaic GPU checks the shared-memory budget)."""
-  t = hopper_bwd.hopper_bwd_tiles((256, k, 256), residual)
+  t = dense_mosaic_bwd.hopper_bwd_tiles((256, k, 256), residual)
   assert k % t.dx_k == 0 and k % t.dw_k == 0
   assert max(t.smem_bytes(2, residual)) <= _mosaic.HOPPER_SMEM
   text = lower_backward((256, k, 256), residual)
@@ -362,14 +368,16 @@ def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
   must fit the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
   variants = test_util.hopper_bwd_variants(shape, residual)
-  assert len(variants) == 5 and variants["default"] == hopper_bwd.hopper_bwd_tiles(shape, residual)
+  assert len(variants) == 5 and variants["default"] == dense_mosaic_bwd.hopper_bwd_tiles(
+    shape, residual
+  )
   for t in variants.values():
     assert max(t.smem_bytes(2, residual)) <= _mosaic.HOPPER_SMEM
     assert mosaic_calls(lower_backward(shape, residual, t)) == 2
 
 
 def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower():
-  t = hopper_bwd.HopperBwdTiles(dx_stages=5, dw_stages=5)
+  t = dense_mosaic_bwd.HopperBwdTiles(dx_stages=5, dw_stages=5)
   assert max(t.smem_bytes(2, True)) > _mosaic.HOPPER_SMEM
   with pytest.raises(ValueError, match="shared memory"):
     lower_backward((1024, 1024, 1024), True, t)
@@ -381,7 +389,7 @@ def test_a_backward_configuration_over_the_shared_memory_budget_fails_to_lower()
 def test_unsupported_calls_give_reasons():
   relu = Epilogue(fn=functools.partial(jnp.maximum, 0.0), derivative=None, residual="output")
   bf16 = jnp.bfloat16
-  assert hopper.hopper_unsupported((128, 64, 256), bf16, bf16, relu) is None
+  assert dense_mosaic.hopper_unsupported((128, 64, 256), bf16, bf16, relu) is None
   cases = {
     ((128, 64, 256), jnp.float32, jnp.float32): "float32",
     ((128, 64, 256), bf16, jnp.float32): "output dtype float32",
@@ -390,24 +398,25 @@ def test_unsupported_calls_give_reasons():
     ((128, 40, 256), bf16, bf16): "K=40 is not a multiple of 64",
   }
   for (shape, dt, out), want in cases.items():
-    assert want in hopper.hopper_unsupported(shape, dt, out, relu)
+    assert want in dense_mosaic.hopper_unsupported(shape, dt, out, relu)
   erf_inv = Epilogue(fn=jax.lax.erf_inv, derivative=None, residual="input")
-  assert "erf_inv" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, erf_inv)
+  assert "erf_inv" in dense_mosaic.hopper_unsupported((128, 64, 256), bf16, bf16, erf_inv)
   # Operations inside a cond's branches are found too.
   branchy = Epilogue(
     fn=lambda z: jax.lax.cond(True, jax.lax.lgamma, jnp.tanh, z), derivative=None, residual="input"
   )
-  assert "lgamma" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
+  assert "lgamma" in dense_mosaic.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
   # expm1 and log1p, which Mosaic GPU does not lower either, are computed from exp and log; not
   # inside a cond's branches, where they are refused as before.
   for fn in (jnp.expm1, jnp.log1p):
     assert (
-      hopper.hopper_unsupported((128, 64, 256), bf16, bf16, Epilogue(fn, None, "input")) is None
+      dense_mosaic.hopper_unsupported((128, 64, 256), bf16, bf16, Epilogue(fn, None, "input"))
+      is None
     )
   branchy = Epilogue(lambda z: jax.lax.cond(True, jnp.log1p, jnp.tanh, z), None, "input")
-  assert "log1p" in hopper.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
+  assert "log1p" in dense_mosaic.hopper_unsupported((128, 64, 256), bf16, bf16, branchy)
   with pytest.raises(ValueError, match="M=100 is not a multiple of 128"):
-    hopper.hopper_dense_bias_act_fwd(
+    dense_mosaic.hopper_dense_bias_act_fwd(
       *args((100, 64, 256), bf16), epilogue=relu, num_sms=1, interpret=True
     )
 
@@ -469,10 +478,10 @@ def test_every_tile_configuration_lowers_for_h100(name, dtype):
   four-stage tiles."""
   m, k, n = 8192, 4096, 4096
   outputs = 2 if jaxact.get_spec(name).residual == "input" else 1
-  t = hopper.hopper_tiles((m, k, n), outputs)
+  t = dense_mosaic.hopper_tiles((m, k, n), outputs)
   assert t.smem_bytes(2, outputs) <= _mosaic.HOPPER_SMEM
   assert t.stages == (3 if outputs == 2 else 4)
-  bwd = hopper_bwd.hopper_bwd_tiles((m, k, n), residual=name != "identity")
+  bwd = dense_mosaic_bwd.hopper_bwd_tiles((m, k, n), residual=name != "identity")
   assert max(bwd.smem_bytes(2, name != "identity")) <= _mosaic.HOPPER_SMEM
   # With a residual tile beside g's, dx's ring stage is 64 KiB and dw's 80 KiB; without, 48 each
   # (four of them and the output sub-tiles fill the 227 KiB exactly).
@@ -484,12 +493,12 @@ def test_every_tile_configuration_lowers_for_h100(name, dtype):
 
 def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
   """The budget check is real: four stages with z as well do not fit (263 KiB > 227)."""
-  t = hopper.HopperTiles(stages=4)
+  t = dense_mosaic.HopperTiles(stages=4)
   assert t.smem_bytes(2, 2) > _mosaic.HOPPER_SMEM
   epilogue = Epilogue(fn=jax.nn.gelu, derivative=None, residual="input")
 
   def fwd(x, w, b):
-    return hopper.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, num_sms=132, tiles=t)
+    return dense_mosaic.hopper_dense_bias_act_fwd(x, w, b, epilogue=epilogue, num_sms=132, tiles=t)
 
   with pytest.raises(ValueError, match="shared memory"):
     lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
@@ -539,7 +548,7 @@ def test_backward_kernels_reject_bad_operands():
   x, w, _ = args((128, 64, 256), jnp.bfloat16)
   g = jnp.ones((128, 256), jnp.bfloat16)
   tanh = Epilogue(fn=jnp.tanh, derivative=lambda y: 1 - y * y, residual="output")
-  bwd = functools.partial(hopper_bwd.hopper_dense_bias_act_bwd, epilogue=tanh, has_bias=True)
+  bwd = functools.partial(dense_mosaic_bwd.hopper_dense_bias_act_bwd, epilogue=tanh, has_bias=True)
   with pytest.raises(ValueError, match=r"`g` must have shape \(128, 256\); got \(128, 128\)"):
     bwd(x, w, g, g[:, :128])
   with pytest.raises(ValueError, match="'output' epilogue needs the residual"):
@@ -548,7 +557,7 @@ def test_backward_kernels_reject_bad_operands():
     bwd(x, w, g.astype(jnp.float16), g)
   with pytest.raises(ValueError, match="float32"):
     bwd(*(a.astype(jnp.float32) for a in (x, w, g, g)))
-  assert "(in the derivative)" in hopper_bwd.hopper_bwd_unsupported(
+  assert "(in the derivative)" in dense_mosaic_bwd.hopper_bwd_unsupported(
     (128, 64, 256), jnp.bfloat16, Epilogue(jnp.tanh, jax.lax.erf_inv, "input")
   )
 

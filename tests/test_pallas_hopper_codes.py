@@ -1,4 +1,4 @@
-"""Derivative codes (``residual_bits``) in the Hopper kernels (``pallas_kernels.hopper``,
+"""Derivative codes (``residual_bits``) in the Hopper kernels (``pallas_kernels.dense_mosaic``,
 ``hopper_bwd``), against the XLA path.
 
 The forward writes 8-bit codes as they are and packs 4- and 2-bit ones with a small wgmma (codes
@@ -28,7 +28,7 @@ from jaxact._src import test_util
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
-from pallas_kernels import Epilogue, _mosaic, hopper, hopper_bwd
+from pallas_kernels import Epilogue, _mosaic, dense_mosaic, dense_mosaic_bwd
 
 from cases import representatives
 
@@ -55,7 +55,7 @@ def test_forward_writes_the_xla_paths_bytes(bits):
   are XLA's encode + pack of the same float32 z, byte for byte; y is gelu(z) rounded once."""
   rule = coded_rule("gelu", bits)
   x, w, b = dense_args((128, 64, 256), jnp.bfloat16)
-  y, kept = hopper.hopper_dense_bias_act_fwd(
+  y, kept = dense_mosaic.hopper_dense_bias_act_fwd(
     x, w, b, epilogue=epilogue(bits), num_sms=1, interpret=True
   )
   z = x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)  # exact
@@ -69,7 +69,9 @@ def test_forward_writes_the_xla_paths_bytes(bits):
 _BWD_CASES = [(2, "default"), (4, "default"), (8, "default"), (4, "one_warpgroup")]
 _TILINGS = {
   "default": None,
-  "one_warpgroup": hopper_bwd.HopperBwdTiles(wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3),
+  "one_warpgroup": dense_mosaic_bwd.HopperBwdTiles(
+    wgs=1, dx_m=128, dx_k=128, dx_stages=3, dw_stages=3
+  ),
 }
 
 
@@ -85,7 +87,7 @@ def test_backward_kernels_decode_the_bytes(bits, tiling):
   g = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(jnp.bfloat16)
   z = jnp.dot(x, w, preferred_element_type=jnp.float32)
   kept = activations.encode(coded_rule("gelu", bits), z)
-  dx, dw, db = hopper_bwd.hopper_dense_bias_act_bwd(
+  dx, dw, db = dense_mosaic_bwd.hopper_dense_bias_act_bwd(
     x, w, kept, g, epilogue=epilogue(bits), has_bias=True, tiles=_TILINGS[tiling], interpret=True
   )
   want = backward_reference(x, w, decoded(bits, kept, (m, n)), g, lambda d: d)
@@ -133,20 +135,25 @@ def test_codes_that_do_not_fill_bytes_are_refused_with_the_reason():
     r"features, and 258 features are not a multiple of 4",
   ):
     jaxact.dense_bias_act(x, w, b, activation=coded("gelu", 2), implementation="mosaic")
-  narrow = hopper.HopperTiles(epi_n=32)
-  why = hopper.hopper_unsupported((128, 64, 256), jnp.bfloat16, jnp.bfloat16, epilogue(2), narrow)
+  narrow = dense_mosaic.HopperTiles(epi_n=32)
+  why = dense_mosaic.hopper_unsupported(
+    (128, 64, 256), jnp.bfloat16, jnp.bfloat16, epilogue(2), narrow
+  )
   assert (
     why == "2-bit codes in sub-tiles of 32 columns (8 bytes: TMA and the packing wgmma need 16)"
   )
-  narrow = hopper_bwd.HopperBwdTiles(dx_n=32)
-  why = hopper_bwd.hopper_bwd_unsupported((256, 256, 256), jnp.bfloat16, epilogue(2), narrow)
+  narrow = dense_mosaic_bwd.HopperBwdTiles(dx_n=32)
+  why = dense_mosaic_bwd.hopper_bwd_unsupported((256, 256, 256), jnp.bfloat16, epilogue(2), narrow)
   assert "2-bit codes in blocks of 32 columns (8 bytes" in why
   assert (
-    hopper_bwd.hopper_bwd_unsupported((256, 256, 256), jnp.bfloat16, epilogue(4), narrow) is None
+    dense_mosaic_bwd.hopper_bwd_unsupported((256, 256, 256), jnp.bfloat16, epilogue(4), narrow)
+    is None
   )
   x, w, _ = args((128, 64, 256), jnp.bfloat16)
   g = jnp.ones((128, 256), jnp.bfloat16)
-  bwd = functools.partial(hopper_bwd.hopper_dense_bias_act_bwd, epilogue=epilogue(2), has_bias=True)
+  bwd = functools.partial(
+    dense_mosaic_bwd.hopper_dense_bias_act_bwd, epilogue=epilogue(2), has_bias=True
+  )
   with pytest.raises(
     ValueError, match=r"needs the residual of shape \(128, 64\); got \(128, 256\)"
   ):
@@ -161,11 +168,13 @@ def test_a_smaller_residual_deepens_the_backward_pipelines(bits):
   goes from 2 stages to 3 (dx stays at 3), within Hopper's shared memory."""
   shape = (8192, 4096, 4096)
   code = epilogue(bits).code
-  t = hopper_bwd.hopper_bwd_tiles(shape, True, code)
+  t = dense_mosaic_bwd.hopper_bwd_tiles(shape, True, code)
   assert (t.dx_stages, t.dw_stages) == (3, 3)
-  assert hopper_bwd.hopper_bwd_tiles(shape, True) == hopper_bwd.HopperBwdTiles(dx_stages=3)
+  assert dense_mosaic_bwd.hopper_bwd_tiles(shape, True) == dense_mosaic_bwd.HopperBwdTiles(
+    dx_stages=3
+  )
   assert max(t.smem_bytes(2, True, code)) <= _mosaic.HOPPER_SMEM
-  deeper = hopper_bwd.HopperBwdTiles(dx_stages=4, dw_stages=4)
+  deeper = dense_mosaic_bwd.HopperBwdTiles(dx_stages=4, dw_stages=4)
   assert min(deeper.smem_bytes(2, True, code)) > _mosaic.HOPPER_SMEM
 
 

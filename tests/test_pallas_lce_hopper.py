@@ -15,7 +15,7 @@ import jaxact
 from jaxact._src import test_util
 from jaxact._src.lce import plan as lce_plan
 from kernel_cases import lowered_text
-from pallas_kernels import lce_hopper, lce_hopper_bwd
+from pallas_kernels import lce_mosaic, lce_mosaic_bwd
 
 
 def _inputs(t, d, v, dtype=jnp.bfloat16, *, masked=True, seed=0):
@@ -64,8 +64,8 @@ def _close(got, want, tol):
 def test_forward_kernel_matches_its_reference_and_float64(shape, dtype, soft_cap, bias):
   x, w, b, labels = _inputs(*shape, dtype, masked=bias)
   b = b if bias else None
-  got = lce_hopper.lce_fwd(x, w, b, labels, soft_cap=soft_cap, want_mean=True, interpret=True)
-  ref = lce_hopper.lce_reference(x, w, b, labels, soft_cap=soft_cap, want_mean=True)
+  got = lce_mosaic.lce_fwd(x, w, b, labels, soft_cap=soft_cap, want_mean=True, interpret=True)
+  ref = lce_mosaic.lce_reference(x, w, b, labels, soft_cap=soft_cap, want_mean=True)
   for g, r in zip(got, ref, strict=True):
     assert g.dtype == jnp.float32 and g.shape == (shape[0],)
     _close(g, r, dict(rtol=1e-5, atol=1e-5))
@@ -77,7 +77,7 @@ def test_forward_kernel_matches_its_reference_and_float64(shape, dtype, soft_cap
 def test_rows_without_a_finite_logit_and_no_mean():
   x, w, b, labels = _inputs(128, 64, 256)
   b = b.at[:].set(-jnp.inf)  # every entry masked: a finite max and a sum of 0, never NaN
-  m, se, sy, gap = lce_hopper.lce_fwd(
+  m, se, sy, gap = lce_mosaic.lce_fwd(
     x, w, b, labels, soft_cap=None, want_mean=False, interpret=True
   )
   assert gap is None
@@ -105,15 +105,15 @@ def test_jaxact_mosaic_equals_the_xla_path(options, monkeypatch):
   impossible = (labels < 0) | (labels >= 512) | (b[jnp.clip(labels, 0, 511)] == -jnp.inf)
   labels = jnp.where(impossible, 1, labels)
   calls = []
-  kernel = lce_hopper.lce_fwd
-  monkeypatch.setattr(lce_hopper, "lce_fwd", lambda *a, **k: calls.append(k) or kernel(*a, **k))
-  bwd_calls, bwd = [], lce_hopper_bwd.lce_bwd
+  kernel = lce_mosaic.lce_fwd
+  monkeypatch.setattr(lce_mosaic, "lce_fwd", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+  bwd_calls, bwd = [], lce_mosaic_bwd.lce_bwd
 
   def spy(x, w, *a, **k):
     bwd_calls.append(dict(k, w=w))
     return bwd(x, w, *a, **k)
 
-  monkeypatch.setattr(lce_hopper_bwd, "lce_bwd", spy)
+  monkeypatch.setattr(lce_mosaic_bwd, "lce_bwd", spy)
 
   def step(impl):
     def loss(x, w, b):
@@ -179,7 +179,7 @@ def test_backward_kernel_matches_float64_autodiff(shape, dtype, options, bias):
   labels = jnp.where(labels % 5 == 0, labels, jnp.clip(labels, 0, shape[2] - 1))  # some invalid
   a, k, cap = options["smoothing"], options["z_loss"], options["soft_cap"]
   g = jax.random.normal(jax.random.key(9), (shape[0],), jnp.float32)  # any cotangent a token
-  m, se = lce_hopper.lce_reference(x, w, b, labels, soft_cap=cap, want_mean=False)[:2]
+  m, se = lce_mosaic.lce_reference(x, w, b, labels, soft_cap=cap, want_mean=False)[:2]
   lse = m + jnp.log(se)
   valid = (labels >= 0) & (labels < shape[2])
   rows = jnp.stack(
@@ -190,7 +190,7 @@ def test_backward_kernel_matches_float64_autodiff(shape, dtype, options, bias):
       g * a / shape[2],
     ]
   )
-  got, db = lce_hopper_bwd.lce_bwd(
+  got, db = lce_mosaic_bwd.lce_bwd(
     x, w, b, labels, rows, soft_cap=cap, label_term=a < 1, uniform_term=a > 0, interpret=True
   )
   want, want_db = _float64_dlogits(x, w, b, labels, g.astype(jnp.float64), **options)
@@ -208,11 +208,11 @@ def test_backward_kernel_matches_float64_autodiff(shape, dtype, options, bias):
 
 
 def test_backward_kernel_refusals_and_blocks():
-  assert lce_hopper_bwd.lce_bwd_unsupported((16384, 4096, 4096), jnp.bfloat16) is None
-  assert "V=384" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 384), jnp.bfloat16)
-  assert "float32" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.float32)
-  big = lce_hopper_bwd.HopperTiles(stages=4)  # G's buffers leave room for three stages only
-  assert "shared memory" in lce_hopper_bwd.lce_bwd_unsupported((128, 64, 256), jnp.bfloat16, big)
+  assert lce_mosaic_bwd.lce_bwd_unsupported((16384, 4096, 4096), jnp.bfloat16) is None
+  assert "V=384" in lce_mosaic_bwd.lce_bwd_unsupported((128, 64, 384), jnp.bfloat16)
+  assert "float32" in lce_mosaic_bwd.lce_bwd_unsupported((128, 64, 256), jnp.float32)
+  big = lce_mosaic_bwd.HopperTiles(stages=4)  # G's buffers leave room for three stages only
+  assert "shared memory" in lce_mosaic_bwd.lce_bwd_unsupported((128, 64, 256), jnp.bfloat16, big)
   assert lce_plan.kernel_block(4096, 131072) == 4096
   assert lce_plan.kernel_block(5000, 3 * 1024) == 3 * 1024
   assert lce_plan.kernel_block(4096, 256 * 7 * 3) == 256 * 7
@@ -221,7 +221,7 @@ def test_backward_kernel_refusals_and_blocks():
   with pytest.raises(NotImplementedError, match=r"vocab_block_size=384 does not divide V=512"):
     jaxact.linear_cross_entropy(x, w, labels % 512, implementation="mosaic", vocab_block_size=384)
   with pytest.raises(ValueError, match=r"rows \(3, 128\)"):
-    lce_hopper_bwd.lce_bwd(
+    lce_mosaic_bwd.lce_bwd(
       x, w, None, labels, jnp.zeros((3, 128)), soft_cap=None, label_term=True, uniform_term=False
     )
 
@@ -271,10 +271,10 @@ def test_mosaic_refusals_say_why(call, match):
 
 
 def test_lce_unsupported():
-  assert lce_hopper.lce_unsupported((16384, 4096, 131072), jnp.bfloat16) is None
-  assert "D=100" in lce_hopper.lce_unsupported((128, 100, 256), jnp.bfloat16)
-  big = lce_hopper.LceTiles(stages=8)
-  assert "shared memory" in lce_hopper.lce_unsupported((128, 64, 256), jnp.float16, big)
+  assert lce_mosaic.lce_unsupported((16384, 4096, 131072), jnp.bfloat16) is None
+  assert "D=100" in lce_mosaic.lce_unsupported((128, 100, 256), jnp.bfloat16)
+  big = lce_mosaic.LceTiles(stages=8)
+  assert "shared memory" in lce_mosaic.lce_unsupported((128, 64, 256), jnp.float16, big)
 
 
 def _shapes(t, d, v):
@@ -288,7 +288,7 @@ def _shapes(t, d, v):
 
 def test_forward_kernel_lowers_for_an_h100_at_the_issue_size():
   def fwd(x, w, b, labels):
-    return lce_hopper.lce_fwd(x, w, b, labels, soft_cap=30.0, want_mean=True, num_sms=132)
+    return lce_mosaic.lce_fwd(x, w, b, labels, soft_cap=30.0, want_mean=True, num_sms=132)
 
   text = lowered_text(fwd, _shapes(16384, 4096, 131072))
   assert "mosaic_gpu" in text
@@ -302,7 +302,7 @@ def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   del device
 
   def fwd(x, w, b, labels):
-    return lce_hopper.lce_fwd(x, w, b, labels, soft_cap=None, want_mean=True, num_sms=132)
+    return lce_mosaic.lce_fwd(x, w, b, labels, soft_cap=None, want_mean=True, num_sms=132)
 
   compiled = test_util.compile_for(fwd, _shapes(16384, 4096, 131072))
   # Five float32 statistics a token for each of two warpgroups: 0.6 MiB; the logits would be 4 GiB.
@@ -318,7 +318,7 @@ def test_backward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   shapes = [*_shapes(t, d, v), jax.ShapeDtypeStruct((4, t), jnp.float32)]
 
   def bwd(x, w, b, labels, rows):
-    return lce_hopper_bwd.lce_bwd(
+    return lce_mosaic_bwd.lce_bwd(
       x, w, b, labels, rows, soft_cap=30.0, label_term=True, uniform_term=True, num_sms=132
     )
 

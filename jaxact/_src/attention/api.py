@@ -267,7 +267,7 @@ def dot_product_attention(
     broadcast_dropout: one ``(T, S)`` mask for every batch row and head (Flax's default).
     precision: of the products, as :func:`jax.lax.dot_general` takes it.
     implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
-      ``"pallas"`` (the Triton kernels of :mod:`pallas_kernels.attention`, interpret mode off
+      ``"pallas"`` (the Triton kernels of :mod:`pallas_kernels.attention_triton`, interpret mode off
       CUDA; ``NotImplementedError`` for a bias, a mask array, dropout, float64 and head dims they
       cannot tile), ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with
       jax.nn's semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows

@@ -1,5 +1,5 @@
-"""Attention's kernel calls: :mod:`pallas_kernels.attention` (Pallas Triton) or the XLA path, by
-the decision and the lowering platform.
+"""Attention's kernel calls: :mod:`pallas_kernels.attention_triton` (Pallas Triton) or the XLA
+path, by the decision and the lowering platform.
 
 Both passes exchange O ``(B, T, N, H)`` and the row statistics ``(B, N, 2, T)`` float32 in the
 kernels' layout (the XLA path's (B, K, G, 2, T) is the same array reshaped); each backend reads only

@@ -53,7 +53,7 @@ def forward(plan: Plan, x, w, b, xla: Callable[..., Any], linear: Callable[..., 
     )
 
   def mosaic_dense(x, w, b, *, interpret):
-    from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+    from pallas_kernels.dense_mosaic import hopper_dense_bias_act_fwd
 
     return hopper_dense_bias_act_fwd(
       x, w, b, epilogue=ep, num_sms=d.target.sms, interpret=interpret
@@ -95,7 +95,7 @@ def backward(plan: Plan, x, w, kept, g, xla: Callable[..., Any], transposes, dz_
     )
 
   def mosaic_dense(x, w, kept, g, *, interpret):
-    from pallas_kernels.hopper_bwd import hopper_dense_bias_act_bwd
+    from pallas_kernels.dense_mosaic_bwd import hopper_dense_bias_act_bwd
 
     return hopper_dense_bias_act_bwd(
       x, w, kept, g, epilogue=ep, has_bias=plan.has_bias, interpret=interpret

@@ -99,13 +99,13 @@ def mosaic_unsupported(
   why = triton_unsupported(plan, x, w, sharding)
   if why is not None:
     return why
-  from pallas_kernels import hopper, hopper_bwd
+  from pallas_kernels import dense_mosaic, dense_mosaic_bwd
 
   shape = pallas_sharding.dense_shard_shape(sharding, x, w)  # each device's block when sharded
   epilogue = resolve.epilogue(plan.act.rule)
-  why = hopper.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
+  why = dense_mosaic.hopper_unsupported(shape, x.dtype, plan.out_dtype, epilogue)
   if why is None and backward:
-    why = hopper_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
+    why = dense_mosaic_bwd.hopper_bwd_unsupported(shape, x.dtype, epilogue)
   whole = (math.prod(x.shape[:-1]), *w.shape)
   if why is not None and shape != whole:
     why = f"{why}, in each device's block of the sharded layer ((M, K, N) = {shape})"

@@ -1,8 +1,8 @@
 """Which backend runs a gated call (``gated_dense``, ``gated_mlp``): the gated ops' rows of the one
 decision point.
 
-``implementation="pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward and
-backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the
+``implementation="pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated_triton`), forward
+and backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_mosaic`) with the
 Triton backward; either raises ``NotImplementedError`` with the reason when it cannot run the call
 (:func:`triton_unsupported`, :func:`mosaic_unsupported`). ``None`` takes the first row of
 :data:`GATED_AUTO_RULES` that holds, after the checks of the fused ops' common ground
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, sharding) -> str | None:
-  """Why the gated Triton kernels (:mod:`pallas_kernels.gated`) cannot run this call in its
+  """Why the gated Triton kernels (:mod:`pallas_kernels.gated_triton`) cannot run this call in its
   `sharding` plan (:func:`~jaxact._src.core.pallas_sharding.gated_pattern`), or None."""
   why = dispatch.kernels_unsupported(plan, x, w_gate)
   if why is not None:
@@ -57,8 +57,8 @@ def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, sharding) -> st
 
 
 def mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:
-  """Why the gated Hopper forward (:mod:`pallas_kernels.gated_hopper`) cannot run this call."""
-  from pallas_kernels import gated_hopper
+  """Why the gated Hopper forward (:mod:`pallas_kernels.gated_mosaic`) cannot run this call."""
+  from pallas_kernels import gated_mosaic
 
   if np.dtype(plan.out_dtype) != np.dtype(x.dtype):
     return (
@@ -68,7 +68,7 @@ def mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:
   if plan.precision is not None:
     return f"precision={plan.precision!r} (the kernel's wgmma takes the default precision only)"
   shape = (math.prod(x.shape[:-1]), *w_gate.shape)
-  return gated_hopper.gated_unsupported(shape, x.dtype, resolve.epilogue(plan.act.rule))
+  return gated_mosaic.gated_unsupported(shape, x.dtype, resolve.epilogue(plan.act.rule))
 
 
 class _Call(NamedTuple):
@@ -129,8 +129,9 @@ def decide(
   fn_name: str, implementation: str | None, plan: GatedPlan, x: Array, w_gate: Array, w_up: Array
 ) -> dispatch.Decision:
   """The backends for one gated call (:func:`jaxact._src.core.dispatch.decide` of
-  :data:`FAMILY`): ``"pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated`), forward
-  and backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_hopper`) with the
-  Triton backward; either raises ``NotImplementedError`` with the reason when it cannot run the
+  :data:`FAMILY`): ``"pallas"`` takes the Triton kernels (:mod:`pallas_kernels.gated_triton`),
+  forward and backward pass; ``"mosaic"`` the Hopper forward (:mod:`pallas_kernels.gated_mosaic`)
+  with the Triton backward; either raises ``NotImplementedError`` with the reason when it cannot run
+  the
   call. ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
   return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w_gate, w_up))

@@ -19,8 +19,8 @@ the call takes XLA's path.
 
 The plan's :class:`~jaxact._src.core.dispatch.Decision` says whether the gated projection (forward)
 and the elementwise pass from ``gh`` to ``da``, ``db`` (and ``h``) (backward) run the Triton
-kernels (:mod:`jaxact._src.gated.kernels`, :mod:`pallas_kernels.gated`); the matmuls of the backward
-pass and the down projection are XLA's either way.
+kernels (:mod:`jaxact._src.gated.kernels`, :mod:`pallas_kernels.gated_triton`); the matmuls of the
+backward pass and the down projection are XLA's either way.
 """
 
 from __future__ import annotations

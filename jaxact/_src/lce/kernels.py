@@ -1,6 +1,6 @@
-"""The LM head's kernel calls: the Hopper forward (:mod:`pallas_kernels.lce_hopper`) and the
+"""The LM head's kernel calls: the Hopper forward (:mod:`pallas_kernels.lce_mosaic`) and the
 backward kernel forming ``G`` a block of vocabulary columns at a time
-(:mod:`pallas_kernels.lce_hopper_bwd`), behind the platform switch. ``pallas_kernels`` is imported
+(:mod:`pallas_kernels.lce_mosaic_bwd`), behind the platform switch. ``pallas_kernels`` is imported
 on first use.
 """
 
@@ -14,9 +14,9 @@ from jaxact._src.core import platform
 
 def forward(plan, x, w, b, labels, xla: Callable[..., Any]):
   """``(max, sum exp(s - max), label logit, max - mean logit or None)`` of one device's tokens
-  (all the vocabulary) by the Hopper forward kernel (:mod:`pallas_kernels.lce_hopper`); `xla`
+  (all the vocabulary) by the Hopper forward kernel (:mod:`pallas_kernels.lce_mosaic`); `xla`
   computes the same."""
-  from pallas_kernels.lce_hopper import lce_fwd
+  from pallas_kernels.lce_mosaic import lce_fwd
 
   d, want_mean = plan.decision, plan.label_smoothing > 0
 
@@ -37,9 +37,9 @@ def forward(plan, x, w, b, labels, xla: Callable[..., Any]):
 
 def backward(plan, x, w, b, labels, rows, xla: Callable[..., Any]):
   """``(G, db or None)`` of one block of vocabulary columns by the Hopper backward kernel
-  (:mod:`pallas_kernels.lce_hopper_bwd`): G in x's dtype, db float32 ``(Vb,)``; `xla` computes
+  (:mod:`pallas_kernels.lce_mosaic_bwd`): G in x's dtype, db float32 ``(Vb,)``; `xla` computes
   the same from ``(x, w, b, labels, rows)``."""
-  from pallas_kernels.lce_hopper_bwd import lce_bwd
+  from pallas_kernels.lce_mosaic_bwd import lce_bwd
 
   d = plan.decision
 

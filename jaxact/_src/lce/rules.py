@@ -76,10 +76,10 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | Non
     return f"inputs sharded over a mesh: {sharding.gathers}"
   if sharding is not None and sharding.model:
     return "the vocabulary split over devices (the kernel path runs data parallel only)"
-  from pallas_kernels import lce_hopper, lce_hopper_bwd
+  from pallas_kernels import lce_mosaic, lce_mosaic_bwd
 
   shape = pallas_sharding.dense_shard_shape(sharding, x, w)  # each device's block when sharded
-  why = lce_hopper.lce_unsupported(shape, x.dtype)
+  why = lce_mosaic.lce_unsupported(shape, x.dtype)
   whole = (math.prod(x.shape[:-1]), *w.shape)
   if why is not None and shape != whole:
     why = f"{why}, in each device's block ((tokens, D, V) = {shape})"
@@ -88,7 +88,7 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | Non
   if why is None and w.shape[1] % plan.block:
     why = f"vocab_block_size={plan.block} does not divide V={w.shape[1]}"
   if why is None:
-    why = lce_hopper_bwd.lce_bwd_unsupported((shape[0], shape[1], plan.block), x.dtype)
+    why = lce_mosaic_bwd.lce_bwd_unsupported((shape[0], shape[1], plan.block), x.dtype)
     why = None if why is None else f"{why}, in a block of vocab_block_size={plan.block} columns"
   return why
 

@@ -273,10 +273,10 @@ def hopper_bwd_variants(shape: tuple[int, int, int], residual: bool = True) -> d
   a CTA, overlapping its own dz arithmetic and wgmma that way (deeper pipelines); dw at 64 columns a
   warpgroup (a smaller ring stage, 3 stages with a residual instead of 2); dx at 128 columns (4
   stages instead of 3, dz recomputed twice as often). Only those the shape divides."""
-  from pallas_kernels import hopper_bwd
+  from pallas_kernels import dense_mosaic_bwd
 
-  base = hopper_bwd.hopper_bwd_tiles(shape, residual)
-  deepest = functools.partial(hopper_bwd.deepest_pipeline, residual=residual)
+  base = dense_mosaic_bwd.hopper_bwd_tiles(shape, residual)
+  deepest = functools.partial(dense_mosaic_bwd.deepest_pipeline, residual=residual)
   variants = {
     "default": base,
     "overlapped wgmma": dataclasses.replace(base, delay=1),
@@ -288,7 +288,7 @@ def hopper_bwd_variants(shape: tuple[int, int, int], residual: bool = True) -> d
   return {
     name: t
     for name, t in variants.items()
-    if hopper_bwd.hopper_bwd_unsupported(shape, jnp.bfloat16, ep, t) is None
+    if dense_mosaic_bwd.hopper_bwd_unsupported(shape, jnp.bfloat16, ep, t) is None
   }
 
 
@@ -301,7 +301,7 @@ def hopper_bwd_shapes(shape: tuple[int, int, int]) -> list[jax.ShapeDtypeStruct]
 def hopper_bwd(tiles):
   """The Hopper backward kernels at `tiles` for tanh as an input-residual epilogue (dz formed from
   g and z): ``(x, w, z, g) -> (dx, dw, db)``."""
-  from pallas_kernels import hopper_bwd
+  from pallas_kernels import dense_mosaic_bwd
 
   def tanh_derivative(z):
     t = jnp.tanh(z)
@@ -310,6 +310,8 @@ def hopper_bwd(tiles):
   ep = Epilogue(fn=jnp.tanh, derivative=tanh_derivative, residual="input")
 
   def bwd(x, w, z, g):
-    return hopper_bwd.hopper_dense_bias_act_bwd(x, w, z, g, epilogue=ep, has_bias=True, tiles=tiles)
+    return dense_mosaic_bwd.hopper_dense_bias_act_bwd(
+      x, w, z, g, epilogue=ep, has_bias=True, tiles=tiles
+    )
 
   return bwd

@@ -238,15 +238,15 @@ def epilogue_passes(
   name: str, bits: int | None, rows: int, c: int, dtype=jnp.bfloat16, interpret: bool = False
 ) -> tuple[Pass, Pass]:
   """The conv epilogue's forward (``z, b -> y, kept``) and backward (``g, kept -> dz, db``)
-  kernels (``pallas_kernels.bias_act``, not in place) for `name`'s `bits`-bit code, and XLA's
+  kernels (``pallas_kernels.bias_act_triton``, not in place) for `name`'s `bits`-bit code, and XLA's
   fusion of each: the kept residual is ``z + b`` in `dtype` (exact) or the packed code."""
-  from pallas_kernels import bias_act
+  from pallas_kernels import bias_act_triton
 
   ep, r = code_epilogue(name, bits), rule(name, bits)
   spec, params = r.spec, dict(r.static_params)
 
   def fwd(z, b):
-    return bias_act.bias_act_fwd(z, b, epilogue=ep, in_place=False, interpret=interpret)
+    return bias_act_triton.bias_act_fwd(z, b, epilogue=ep, in_place=False, interpret=interpret)
 
   def xla_fwd(z, b):
     v = z.astype(jnp.float32) + b.astype(jnp.float32)
@@ -254,7 +254,7 @@ def epilogue_passes(
     return y, (v.astype(z.dtype) if bits is None else activations.encode(r, v))
 
   def bwd(g, kept):
-    return bias_act.bias_act_bwd(
+    return bias_act_triton.bias_act_bwd(
       g, kept, epilogue=ep, has_bias=True, in_place=False, interpret=interpret
     )
 
@@ -299,8 +299,8 @@ def random_args(shapes, seed: int) -> list[jax.Array]:
 
 
 def hopper_forward(name: str, bits: int | None, num_sms: int, interpret: bool = False):
-  """``(x, w, b) -> (y, kept)`` by the Mosaic GPU forward (``pallas_kernels.hopper``)."""
-  from pallas_kernels.hopper import hopper_dense_bias_act_fwd
+  """``(x, w, b) -> (y, kept)`` by the Mosaic GPU forward (``pallas_kernels.dense_mosaic``)."""
+  from pallas_kernels.dense_mosaic import hopper_dense_bias_act_fwd
 
   ep = code_epilogue(name, bits)
 
@@ -311,7 +311,7 @@ def hopper_forward(name: str, bits: int | None, num_sms: int, interpret: bool = 
 
 
 def hopper_unsupported(name: str, bits: int | None, shape, dtype=jnp.bfloat16) -> str | None:
-  from pallas_kernels.hopper import hopper_unsupported
+  from pallas_kernels.dense_mosaic import hopper_unsupported
 
   return hopper_unsupported(shape, dtype, dtype, code_epilogue(name, bits))
 

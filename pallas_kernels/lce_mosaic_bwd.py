@@ -17,8 +17,8 @@ log-sum-exp loses the sum next to logits of -1e9); ``s - m`` is clamped at 0 (a 
 an ulp above the forward's max would give a huge exponent next to huge logits). A row without a
 finite logit is passed with ``p_scale`` 0.
 
-Layout: :mod:`pallas_kernels.hopper`'s forward, with this epilogue in place of an activation. A
-persistent CTA walks ``tile_m x 2 tile_n`` tiles of ``G`` in planar-snake order; a memory
+Layout: :mod:`pallas_kernels.dense_mosaic`'s forward, with this epilogue in place of an activation.
+A persistent CTA walks ``tile_m x 2 tile_n`` tiles of ``G`` in planar-snake order; a memory
 warpgroup streams ``x`` and ``w`` tiles by TMA into a ring of ``stages`` buffers, two compute
 warpgroups each accumulate a ``tile_m x tile_n`` logits tile by wgmma, bring their rows' numbers
 and labels (and the bias tile) into shared memory by TMA while the main loop runs, form ``G`` and
@@ -50,7 +50,7 @@ from pallas_kernels._mosaic import (
   write_tile,
   xw_pipeline,
 )
-from pallas_kernels.hopper import HopperTiles
+from pallas_kernels.dense_mosaic import HopperTiles
 
 # Per-token numbers the kernel reads: the row's max logit m, p_scale (with 1 / sum exp(s - m)),
 # label_scale, uniform_scale.
@@ -203,14 +203,14 @@ def _bwd_kernel(
 def _check(x, w, b, labels, rows):
   (tokens, d), v = x.shape, w.shape[1]
   if w.shape[0] != d or x.dtype != w.dtype:
-    raise ValueError(f"pallas_kernels.lce_hopper_bwd: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    raise ValueError(f"pallas_kernels.lce_mosaic_bwd: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
   if (
     labels.shape != (tokens,)
     or rows.shape != (_ROWS, tokens)
     or (b is not None and b.shape != (v,))
   ):
     raise ValueError(
-      f"pallas_kernels.lce_hopper_bwd: labels {labels.shape}, rows {rows.shape} and b "
+      f"pallas_kernels.lce_mosaic_bwd: labels {labels.shape}, rows {rows.shape} and b "
       f"{None if b is None else b.shape} do not fit x {x.shape} and w {w.shape} (rows: "
       f"({_ROWS}, tokens))"
     )
@@ -246,7 +246,7 @@ def lce_bwd(
   t = tiles or lce_bwd_tiles((tokens, d, v), x.dtype)
   why = lce_bwd_unsupported((tokens, d, v), x.dtype, t)
   if why is not None:
-    raise ValueError(f"pallas_kernels.lce_hopper_bwd: {why}")
+    raise ValueError(f"pallas_kernels.lce_mosaic_bwd: {why}")
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   with_bias = b is not None

@@ -1,5 +1,5 @@
-"""Tiling of :mod:`pallas_kernels.hopper_bwd`'s kernels: the tiles, the shared memory they take,
-and the deepest pipeline that fits Hopper's."""
+"""Tiling of :mod:`pallas_kernels.dense_mosaic_bwd`'s kernels: the tiles, the shared memory they
+take, and the deepest pipeline that fits Hopper's."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ The activation is an :class:`~pallas_kernels.Epilogue`, applied in float32 whate
 dtype; ``act'(a)`` comes from the epilogue's derivative, given ``act(a)`` (output residuals) or
 ``a`` (input residuals). Products of three factors are formed so that an intermediate that overflows
 to infinity times an exact zero gives 0, not NaN (NaN factors still give NaN). Ragged shapes are
-masked, as in :mod:`pallas_kernels.dense`.
+masked, as in :mod:`pallas_kernels.dense_triton`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, load, pl
-from pallas_kernels.bias_act import EltwiseTiles, default_tiles
-from pallas_kernels.dense import (
+from pallas_kernels.bias_act_triton import EltwiseTiles, default_tiles
+from pallas_kernels.dense_triton import (
   _DTYPES,
   _dot,
   _iota,
@@ -43,7 +43,7 @@ from pallas_kernels.dense import (
   _store_tile,
   allow_tf32,
 )
-from pallas_kernels.dense_tiles import Tiles, _tile
+from pallas_kernels.dense_triton_tiles import Tiles, _tile
 from pallas_kernels.epilogue import Epilogue
 
 
@@ -66,8 +66,8 @@ def default_block_config(shape: tuple[int, int, int], dtype) -> GatedBlockConfig
     and two weight tiles (step x 64), 32 KiB in either dtype, and three stages (96 KiB) fit the
     A100's 164 KiB of shared memory (compiled: 96 KiB on an H100, 64 KiB on an A100).
   * The backward pass is elementwise and memory-bound, tiled as the convolution epilogue's passes
-    (:func:`pallas_kernels.bias_act.default_tiles`: 4096 elements a program, rows of up to 256
-    contiguous columns).
+    (:func:`pallas_kernels.bias_act_triton.default_tiles`: 4096 elements a program, rows of up to
+    256 contiguous columns).
   """
   m, k, f = shape
   half = np.dtype(dtype).itemsize == 2
@@ -155,30 +155,33 @@ def _gated_bwd_kernel(gh_ref, a_ref, b_ref, da_ref, db_ref, h_ref, *, epilogue, 
 def _check_dtype(name: str, v: Array | None) -> None:
   if v is not None and np.dtype(v.dtype) not in _DTYPES:
     raise TypeError(
-      f"pallas_kernels.gated: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
+      f"pallas_kernels.gated_triton: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, "
+      "float16"
     )
 
 
 def _check_fwd(x, w_gate, w_up, b_gate, b_up) -> None:
   if x.ndim < 1 or w_gate.ndim != 2 or x.shape[-1] != w_gate.shape[0]:
     raise ValueError(
-      "pallas_kernels.gated: `x` must be (..., in) and `w_gate` (in, hidden); got "
+      "pallas_kernels.gated_triton: `x` must be (..., in) and `w_gate` (in, hidden); got "
       f"x.shape={x.shape}, w_gate.shape={w_gate.shape}"
     )
   if w_up.shape != w_gate.shape:
     raise ValueError(
-      f"pallas_kernels.gated: `w_up` must have w_gate's shape {w_gate.shape}; got {w_up.shape}"
+      f"pallas_kernels.gated_triton: `w_up` must have w_gate's shape {w_gate.shape}; got "
+      f"{w_up.shape}"
     )
   for name, bias in (("b_gate", b_gate), ("b_up", b_up)):
     if bias is not None and bias.shape != (w_gate.shape[1],):
       raise ValueError(
-        f"pallas_kernels.gated: `{name}` must have shape ({w_gate.shape[1]},); got {bias.shape}"
+        f"pallas_kernels.gated_triton: `{name}` must have shape ({w_gate.shape[1]},); got "
+        f"{bias.shape}"
       )
   for name, v in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("b_gate", b_gate), ("b_up", b_up)):
     _check_dtype(name, v)
   if not x.dtype == w_gate.dtype == w_up.dtype:
     raise TypeError(
-      "pallas_kernels.gated: `x`, `w_gate` and `w_up` must have one dtype; got "
+      "pallas_kernels.gated_triton: `x`, `w_gate` and `w_up` must have one dtype; got "
       f"{x.dtype}, {w_gate.dtype} and {w_up.dtype}"
     )
 
@@ -204,7 +207,7 @@ def gated_fwd(
   _check_fwd(x, w_gate, w_up, b_gate, b_up)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
   if out_dtype not in _DTYPES:
-    raise TypeError(f"pallas_kernels.gated: `out_dtype` {out_dtype} is not supported")
+    raise TypeError(f"pallas_kernels.gated_triton: `out_dtype` {out_dtype} is not supported")
   batch, (k, f) = x.shape[:-1], w_gate.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
@@ -253,7 +256,7 @@ def gated_bwd(
     _check_dtype(name, v)
   if not gh.shape == a.shape == b.shape:
     raise ValueError(
-      "pallas_kernels.gated: `gh`, `a` and `b` must have one shape; got "
+      "pallas_kernels.gated_triton: `gh`, `a` and `b` must have one shape; got "
       f"{gh.shape}, {a.shape} and {b.shape}"
     )
   grad_dtype = np.dtype(gh.dtype if grad_dtype is None else grad_dtype)

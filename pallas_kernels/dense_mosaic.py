@@ -1,6 +1,7 @@
 """Fused ``act(x @ w + b)`` forward for Hopper GPUs (H100/H200) with Pallas' Mosaic GPU backend.
 
-The Triton kernels (:mod:`pallas_kernels.dense`) issue Ampere-style ``mma`` instructions and cannot
+The Triton kernels (:mod:`pallas_kernels.dense_triton`) issue Ampere-style ``mma`` instructions and
+cannot
 reach Hopper's tensor-core rate; this kernel is written for Hopper's own machinery:
 
 * **wgmma**: the matrix products are warpgroup MMAs reading both operands from shared memory, with
@@ -22,8 +23,8 @@ reach Hopper's tensor-core rate; this kernel is written for Hopper's own machine
 Only what this layout handles is accepted (:func:`hopper_unsupported` says why not): 16-bit ``x``
 and ``w`` of one dtype, an output of the same dtype, ``M`` a multiple of ``tile_m``, ``N`` of
 ``2 * tile_n``, ``K`` of ``tile_k``, and an epilogue whose operations Mosaic GPU lowers
-(:mod:`pallas_kernels._mosaic`). The backward is :mod:`pallas_kernels.hopper_bwd`; the reference
-both are tested against is :func:`pallas_kernels.dense_bias_act_reference`.
+(:mod:`pallas_kernels._mosaic`). The backward is :mod:`pallas_kernels.dense_mosaic_bwd`; the
+reference both are tested against is :func:`pallas_kernels.dense_bias_act_reference`.
 """
 
 from __future__ import annotations
@@ -245,18 +246,20 @@ def hopper_dense_bias_act_fwd(
   """
   batch, (k, n) = x.shape[:-1], w.shape
   if x.shape[-1] != k:
-    raise ValueError(f"pallas_kernels.hopper: x.shape={x.shape} does not match w.shape={w.shape}")
+    raise ValueError(
+      f"pallas_kernels.dense_mosaic: x.shape={x.shape} does not match w.shape={w.shape}"
+    )
   if b is not None and b.shape != (n,):
-    raise ValueError(f"pallas_kernels.hopper: `b` must have shape ({n},); got {b.shape}")
+    raise ValueError(f"pallas_kernels.dense_mosaic: `b` must have shape ({n},); got {b.shape}")
   if x.dtype != w.dtype:
-    raise TypeError(f"pallas_kernels.hopper: x and w dtypes differ ({x.dtype}, {w.dtype})")
+    raise TypeError(f"pallas_kernels.dense_mosaic: x and w dtypes differ ({x.dtype}, {w.dtype})")
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
   keep_z = epilogue.residual in ("input", "code")
   t = tiles or hopper_tiles((m, k, n), 2 if keep_z else 1)
   why = hopper_unsupported((m, k, n), x.dtype, x.dtype, epilogue, t)
   if why is not None:
-    raise ValueError(f"pallas_kernels.hopper: {why}")
+    raise ValueError(f"pallas_kernels.dense_mosaic: {why}")
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
   kept = jax.ShapeDtypeStruct(epilogue.kept_shape((m, n)), epilogue.kept_dtype(x.dtype))

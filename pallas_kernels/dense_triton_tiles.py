@@ -1,5 +1,5 @@
-"""The tiles of :mod:`pallas_kernels.dense`'s kernels: :class:`BlockConfig` and the choice of it
-from a layer's shape and dtype, :func:`default_block_config`."""
+"""The tiles of :mod:`pallas_kernels.dense_triton`'s kernels: :class:`BlockConfig` and the choice
+of it from a layer's shape and dtype, :func:`default_block_config`."""
 
 from __future__ import annotations
 

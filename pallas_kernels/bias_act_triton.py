@@ -29,7 +29,7 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, pl
-from pallas_kernels.dense import (
+from pallas_kernels.dense_triton import (
   _DTYPES,
   Epilogue,
   _dz_tile,
@@ -102,7 +102,8 @@ def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: Eltw
 def _check(name: str, v: Array) -> None:
   if np.dtype(v.dtype) not in _DTYPES:
     raise TypeError(
-      f"pallas_kernels.bias_act: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
+      f"pallas_kernels.bias_act_triton: `{name}` has dtype {v.dtype}; accepted: float32, "
+      "bfloat16, float16"
     )
 
 
@@ -132,13 +133,14 @@ def bias_act_fwd(
     _check("b", b)
     if b.shape != z.shape[-1:]:
       raise ValueError(
-        f"pallas_kernels.bias_act: `b` must have shape ({z.shape[-1]},); got b.shape={b.shape}"
+        f"pallas_kernels.bias_act_triton: `b` must have shape ({z.shape[-1]},); got "
+        f"b.shape={b.shape}"
       )
   out_dtype = np.dtype(z.dtype if out_dtype is None else out_dtype)
   if out_dtype not in _DTYPES:
-    raise TypeError(f"pallas_kernels.bias_act: `out_dtype` {out_dtype} is not supported")
+    raise TypeError(f"pallas_kernels.bias_act_triton: `out_dtype` {out_dtype} is not supported")
   c = z.shape[-1]
-  check_code("bias_act", epilogue, c)
+  check_code("bias_act_triton", epilogue, c)
   z2 = z.reshape(-1, c)
   rows = z2.shape[0]
   t = block_config or default_tiles((rows, c), z.dtype)
@@ -195,12 +197,13 @@ def _backward(
   where `block_config` is not given."""
   _check("g", g)
   c = g.shape[-1]
-  check_code("bias_act", epilogue, c)
+  check_code("bias_act_triton", epilogue, c)
   needs_r = epilogue.residual != "none"
   kept_shape = epilogue.kept_shape(g.shape)
   if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
-      f"pallas_kernels.bias_act: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"pallas_kernels.bias_act_triton: a {epilogue.residual!r} epilogue needs the residual of "
+      "shape "
       f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
   dz_dtype = np.dtype(g.dtype if dz_dtype is None else dz_dtype)
@@ -242,8 +245,8 @@ def bias_grad(
 ) -> Array:
   """The float32 ``db = sum dz`` over every axis but the last, of ``dz = g * act'(residual)``, in
   one read of `g` and `residual` with no dz written: for backward kernels that form dz on the fly
-  and cannot reduce it themselves (:mod:`pallas_kernels.hopper`). As in :func:`bias_act_bwd` and
-  the Triton dense backward, dz is summed in float32 before any rounding to g's dtype.
+  and cannot reduce it themselves (:mod:`pallas_kernels.dense_mosaic`). As in :func:`bias_act_bwd`
+  and the Triton dense backward, dz is summed in float32 before any rounding to g's dtype.
 
   Each program sums ``block_config.steps`` (:data:`DB_STEPS` by default) row tiles of one column
   tile into a row of partial sums (``rows / (steps * block_rows)`` by ``C``, float32), which a

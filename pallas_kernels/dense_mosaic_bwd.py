@@ -1,4 +1,4 @@
-"""The backward of :mod:`pallas_kernels.hopper`'s fused dense layer, on Hopper (Mosaic GPU).
+"""The backward of :mod:`pallas_kernels.dense_mosaic`'s fused dense layer, on Hopper (Mosaic GPU).
 
 Two kernels, ``dx = dz @ w.T`` and ``dw = x.T @ dz``, warp-specialized as the forward is (one
 memory warpgroup streaming tiles by TMA, compute warpgroups each on its own rows of dx or columns
@@ -15,8 +15,8 @@ buffer that Pallas puts at the same shared-memory offset for every warpgroup, so
 warpgroups summing at once overwrite each other's partial sums (``_reduce_lowering_rule`` in
 ``jax/_src/pallas/mosaic_gpu/lowering.py`` refuses that only for the strided layout; Mosaic GPU's
 interpreter does not race). Nor is it XLA's reduction, which for some shapes materialises a
-float32 dz before summing it. It is :func:`pallas_kernels.bias_act.bias_grad`: one Triton pass
-over ``g`` and the residual that writes only partial sums.
+float32 dz before summing it. It is :func:`pallas_kernels.bias_act_triton.bias_grad`: one Triton
+pass over ``g`` and the residual that writes only partial sums.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels import bias_act
+from pallas_kernels import bias_act_triton
 from pallas_kernels._mosaic import (
   HALF,
   code_transforms,
@@ -46,13 +46,13 @@ from pallas_kernels._mosaic import (
   unlowerable,
   write_tile,
 )
-from pallas_kernels.epilogue import DerivativeCode, Epilogue
-from pallas_kernels.hopper_bwd_tiles import (  # the tiles, public here too
+from pallas_kernels.dense_mosaic_bwd_tiles import (  # the tiles, public here too
   _CHUNK,
   HopperBwdTiles,
   hopper_bwd_tiles,
 )
-from pallas_kernels.hopper_bwd_tiles import deepest_pipeline as deepest_pipeline
+from pallas_kernels.dense_mosaic_bwd_tiles import deepest_pipeline as deepest_pipeline
+from pallas_kernels.epilogue import DerivativeCode, Epilogue
 
 
 def hopper_bwd_unsupported(
@@ -349,23 +349,26 @@ def hopper_dense_bias_act_bwd(
   ``dz = g * act'(residual)`` from tiles of `g` and `residual` on the fly: dz never reaches device
   memory. With a derivative code (``epilogue.residual == "code"``) `residual` is its uint8 bytes
   as the forward kept them (``epilogue.kept_shape(g.shape)``), decoded in the kernels.
-  ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act.bias_grad` (Triton:
-  one read of `g` and `residual`, float32 partial sums of dz before its rounding).
+  ``db = sum(dz, rows)`` is a third kernel's, :func:`pallas_kernels.bias_act_triton.bias_grad`
+  (Triton: one read of `g` and `residual`, float32 partial sums of dz before its rounding).
   """
   batch, (k, n) = x.shape[:-1], w.shape
   if g.shape != (*batch, n):
-    raise ValueError(f"pallas_kernels.hopper: `g` must have shape {(*batch, n)}; got {g.shape}")
+    raise ValueError(
+      f"pallas_kernels.dense_mosaic: `g` must have shape {(*batch, n)}; got {g.shape}"
+    )
   needs_r = epilogue.residual != "none"
   kept_shape = epilogue.kept_shape(g.shape)
   if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
-      f"pallas_kernels.hopper: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"pallas_kernels.dense_mosaic: a {epilogue.residual!r} epilogue needs the residual of shape "
       f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
   r_dtype = epilogue.kept_dtype(x.dtype)
   if not (x.dtype == w.dtype == g.dtype) or (needs_r and residual.dtype != r_dtype):
     raise TypeError(
-      "pallas_kernels.hopper: x, w and g must share one dtype, and the residual have it (uint8 "
+      "pallas_kernels.dense_mosaic: x, w and g must share one dtype, and the residual have it "
+      "(uint8 "
       f"for a code); got {x.dtype}, {w.dtype}, {g.dtype}, "
       f"{None if residual is None else residual.dtype}"
     )
@@ -376,10 +379,10 @@ def hopper_dense_bias_act_bwd(
   t = tiles or hopper_bwd_tiles((m, k, n), needs_r, code)
   why = hopper_bwd_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:
-    raise ValueError(f"pallas_kernels.hopper: {why}")
+    raise ValueError(f"pallas_kernels.dense_mosaic: {why}")
   db = None
   if has_bias:  # See the module's docstring for why not in the dw kernel.
-    db = bias_act.bias_grad(g2, r2, epilogue=epilogue, interpret=bool(interpret))
+    db = bias_act_triton.bias_grad(g2, r2, epilogue=epilogue, interpret=bool(interpret))
     db = db.astype(x.dtype)
   epilogue = for_kernel(epilogue)
   if interpret is True:

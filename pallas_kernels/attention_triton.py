@@ -55,7 +55,7 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, load, pl, store
-from pallas_kernels.dense import _DTYPES, _dot, _iota, _slots, allow_tf32
+from pallas_kernels.dense_triton import _DTYPES, _dot, _iota, _slots, allow_tf32
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

@@ -80,16 +80,16 @@ def gated_block_config(shape: tuple[int, int, int], dtype, *, keep_ab: bool = Tr
   (`keep_ab`) or h alone.
 
   Registers bound the tile: a compute warpgroup holds two float32 accumulators, and 64 x 128 each
-  (64 registers a thread each, 128 in all) is what hopper.py's single 128 x 128 accumulator
+  (64 registers a thread each, 128 in all) is what dense_mosaic.py's single 128 x 128 accumulator
   takes, leaving the rest of the ~232 registers a compute thread gets beside a 40-register memory
   warpgroup for the epilogue. The warpgroups are stacked along M rather than side by side along
   N, so each wgmma is a single m64n128 instruction and both read the same weight tiles: a CTA
-  computes 128 x 128 of a and of b, the MMA work of hopper.py's 128 x 256 tile.
+  computes 128 x 128 of a and of b, the MMA work of dense_mosaic.py's 128 x 256 tile.
 
   Shared memory bounds the pipeline: a stage holds x (128 x 64) and the two weight tiles
-  (64 x 128 each), 48 KiB in 16-bit types, as in hopper.py. The epilogue sub-tile is the widest
-  of 64 x 64 and 64 x 32 that fits beside at least three stages, then the pipeline the deepest
-  (up to four) that fits: h alone gets 64 x 64 and four stages (224 KiB of 227); a, b and h
+  (64 x 128 each), 48 KiB in 16-bit types, as in dense_mosaic.py. The epilogue sub-tile is the
+  widest of 64 x 64 and 64 x 32 that fits beside at least three stages, then the pipeline the
+  deepest (up to four) that fits: h alone gets 64 x 64 and four stages (224 KiB of 227); a, b and h
   (three outputs, 96 KiB of 64 x 64 slots) get 64 x 32 and three stages (192 KiB). No deeper
   than K's steps (the pipeline would shrink it anyway).
   """
@@ -296,32 +296,32 @@ def gated_forward(
   batch, k = x.shape[:-1], x.shape[-1]
   if w_gate.ndim != 2 or w_gate.shape[0] != k or w_up.shape != w_gate.shape:
     raise ValueError(
-      "pallas_kernels.gated_hopper: `w_gate` and `w_up` must both be (K, N) with K = "
+      "pallas_kernels.gated_mosaic: `w_gate` and `w_up` must both be (K, N) with K = "
       f"x.shape[-1]; got x.shape={x.shape}, w_gate.shape={w_gate.shape}, w_up.shape={w_up.shape}"
     )
   n = w_gate.shape[1]
   for name, bias in (("b_gate", b_gate), ("b_up", b_up)):
     if bias is not None and bias.shape != (n,):
       raise ValueError(
-        f"pallas_kernels.gated_hopper: `{name}` must have shape ({n},); got {bias.shape}"
+        f"pallas_kernels.gated_mosaic: `{name}` must have shape ({n},); got {bias.shape}"
       )
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-      raise TypeError(f"pallas_kernels.gated_hopper: `{name}` must be floating; got {bias.dtype}")
+      raise TypeError(f"pallas_kernels.gated_mosaic: `{name}` must be floating; got {bias.dtype}")
   if not x.dtype == w_gate.dtype == w_up.dtype:
     raise TypeError(
-      "pallas_kernels.gated_hopper: x, w_gate and w_up must share one dtype; got "
+      "pallas_kernels.gated_mosaic: x, w_gate and w_up must share one dtype; got "
       f"{x.dtype}, {w_gate.dtype}, {w_up.dtype}"
     )
   if np.dtype(x.dtype) not in HALF:
     raise TypeError(
-      f"pallas_kernels.gated_hopper: operand dtype {x.dtype} (accepted: bfloat16, float16)"
+      f"pallas_kernels.gated_mosaic: operand dtype {x.dtype} (accepted: bfloat16, float16)"
     )
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
   t = tiles or gated_block_config((m, k, n), x.dtype, keep_ab=keep_ab)
   why = gated_unsupported((m, k, n), x.dtype, epilogue, t)
   if why is not None:
-    raise ValueError(f"pallas_kernels.gated_hopper: {why}")
+    raise ValueError(f"pallas_kernels.gated_mosaic: {why}")
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
   if interpret is True:

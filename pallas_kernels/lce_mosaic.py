@@ -14,7 +14,7 @@ For each token, with ``s = c * tanh(z / c)`` under a soft cap ``c`` (else ``s = 
   relative to the running max as the sum is (summed from logits of -1e9, the mean itself would
   round away the loss).
 
-Layout, as :mod:`pallas_kernels.hopper`'s forward: a CTA owns ``tile_m`` tokens and walks the
+Layout, as :mod:`pallas_kernels.dense_mosaic`'s forward: a CTA owns ``tile_m`` tokens and walks the
 whole vocabulary in steps of ``2 * tile_n`` columns; for each step a memory warpgroup streams
 ``x`` and ``w`` tiles through a ring of ``stages`` shared-memory buffers (TMA,
 ``plgpu.emit_pipeline_warp_specialized``) and two compute warpgroups each accumulate a
@@ -24,7 +24,7 @@ across the pipeline's calls). Each warpgroup writes its statistics for its half 
 the end; :func:`lce_fwd` merges the two halves (five float32 numbers a token). Persistent: one CTA
 an SM walks the token tiles.
 
-The backward pass's softmax-minus-one-hot tiles are :mod:`pallas_kernels.lce_hopper_bwd`'s; it
+The backward pass's softmax-minus-one-hot tiles are :mod:`pallas_kernels.lce_mosaic_bwd`'s; it
 recomputes the logits in float32 from the same bf16/f16 operands, so its probabilities use these
 statistics to float32 rounding.
 """
@@ -241,16 +241,16 @@ def lce_fwd(
   """
   (tokens, d), v = x.shape, w.shape[1]
   if w.shape[0] != d or x.dtype != w.dtype:
-    raise ValueError(f"pallas_kernels.lce_hopper: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    raise ValueError(f"pallas_kernels.lce_mosaic: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
   if labels.shape != (tokens,) or (b is not None and b.shape != (v,)):
     raise ValueError(
-      f"pallas_kernels.lce_hopper: labels {labels.shape} / b {None if b is None else b.shape} "
+      f"pallas_kernels.lce_mosaic: labels {labels.shape} / b {None if b is None else b.shape} "
       f"do not fit x {x.shape} and w {w.shape}"
     )
   t = tiles or default_lce_tiles((tokens, d, v), x.dtype)
   why = lce_unsupported((tokens, d, v), x.dtype, t)
   if why is not None:
-    raise ValueError(f"pallas_kernels.lce_hopper: {why}")
+    raise ValueError(f"pallas_kernels.lce_mosaic: {why}")
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   args = [x, w] + ([] if b is None else [b.astype(jnp.float32)]) + [labels.astype(jnp.int32)]

@@ -21,7 +21,7 @@ outside the array read 0 and stores outside it are dropped, so no input is copie
 entries are forced to 0, whatever the epilogue gives at 0.
 
 The tiles (:class:`BlockConfig`) and their choice for a layer (:func:`default_block_config`) are in
-:mod:`pallas_kernels.dense_tiles`.
+:mod:`pallas_kernels.dense_triton_tiles`.
 
 Precision: the dots accumulate in float32. float32 operands use TF32 exactly when
 :func:`allow_tf32` says the caller's ``precision`` allows it (as XLA on GPU does); bfloat16 and
@@ -41,7 +41,7 @@ import numpy as np
 from jax import Array, lax
 
 from pallas_kernels._triton import CompilerParams, load, pl, store
-from pallas_kernels.dense_tiles import BlockConfig, Tiles, default_block_config
+from pallas_kernels.dense_triton_tiles import BlockConfig, Tiles, default_block_config
 from pallas_kernels.epilogue import Epilogue
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -219,21 +219,23 @@ def _params(t: Tiles) -> CompilerParams:
 def _check(x: Array, w: Array, b: Array | None) -> None:
   if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(
-      f"pallas_kernels.dense: `x` must be (..., in) and `w` (in, out); got x.shape={x.shape}, "
+      "pallas_kernels.dense_triton: `x` must be (..., in) and `w` (in, out); got "
+      f"x.shape={x.shape}, "
       f"w.shape={w.shape}"
     )
   if b is not None and b.shape != (w.shape[1],):
     raise ValueError(
-      f"pallas_kernels.dense: `b` must have shape ({w.shape[1]},); got b.shape={b.shape}"
+      f"pallas_kernels.dense_triton: `b` must have shape ({w.shape[1]},); got b.shape={b.shape}"
     )
   for name, v in (("x", x), ("w", w), ("b", b)):
     if v is not None and np.dtype(v.dtype) not in _DTYPES:
       raise TypeError(
-        f"pallas_kernels.dense: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
+        f"pallas_kernels.dense_triton: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, "
+        "float16"
       )
   if x.dtype != w.dtype:
     raise TypeError(
-      f"pallas_kernels.dense: `x` and `w` must have one dtype; got {x.dtype} and {w.dtype}"
+      f"pallas_kernels.dense_triton: `x` and `w` must have one dtype; got {x.dtype} and {w.dtype}"
     )
 
 
@@ -264,11 +266,11 @@ def dense_bias_act_fwd(
   _check(x, w, b)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
   if out_dtype not in _DTYPES:
-    raise TypeError(f"pallas_kernels.dense: `out_dtype` {out_dtype} is not supported")
+    raise TypeError(f"pallas_kernels.dense_triton: `out_dtype` {out_dtype} is not supported")
   batch, (k, n) = x.shape[:-1], w.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
-  check_code("dense", epilogue, n)
+  check_code("dense_triton", epilogue, n)
   t = (block_config or default_block_config((m, k, n), x.dtype)).fwd
   keep_z = epilogue.residual in ("input", "code")
   out = jax.ShapeDtypeStruct((m, n), out_dtype)
@@ -314,14 +316,14 @@ def dense_bias_act_bwd(
   k, n = w.shape
   if g.shape != (*x.shape[:-1], n):
     raise ValueError(
-      f"pallas_kernels.dense: `g` must have shape {(*x.shape[:-1], n)}; got {g.shape}"
+      f"pallas_kernels.dense_triton: `g` must have shape {(*x.shape[:-1], n)}; got {g.shape}"
     )
-  check_code("dense", epilogue, n)
+  check_code("dense_triton", epilogue, n)
   needs_r = epilogue.residual != "none"
   kept_shape = epilogue.kept_shape(g.shape)
   if needs_r and (residual is None or residual.shape != kept_shape):
     raise ValueError(
-      f"pallas_kernels.dense: a {epilogue.residual!r} epilogue needs the residual of shape "
+      f"pallas_kernels.dense_triton: a {epilogue.residual!r} epilogue needs the residual of shape "
       f"{kept_shape}; got {None if residual is None else residual.shape}"
     )
   x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
