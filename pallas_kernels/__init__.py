@@ -30,6 +30,8 @@ what it holds.
 """
 
 from pallas_kernels._triton import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
+from pallas_kernels._triton import allow_tf32 as allow_tf32
+from pallas_kernels._triton import supported_dtypes as supported_dtypes
 from pallas_kernels._triton import unlowered_primitives as unlowered_primitives
 from pallas_kernels.attention_triton import AttentionBlockConfig as AttentionBlockConfig
 from pallas_kernels.attention_triton import AttentionTiles as AttentionTiles
@@ -43,12 +45,10 @@ from pallas_kernels.bias_act_triton import bias_act_fwd as bias_act_fwd
 from pallas_kernels.bias_act_triton import bias_act_reference as bias_act_reference
 from pallas_kernels.bias_act_triton import bias_grad as bias_grad
 from pallas_kernels.bias_act_triton import default_tiles as default_tiles
-from pallas_kernels.dense_triton import allow_tf32 as allow_tf32
 from pallas_kernels.dense_triton import dense_bias_act as dense_bias_act
 from pallas_kernels.dense_triton import dense_bias_act_bwd as dense_bias_act_bwd
 from pallas_kernels.dense_triton import dense_bias_act_fwd as dense_bias_act_fwd
 from pallas_kernels.dense_triton import dense_bias_act_reference as dense_bias_act_reference
-from pallas_kernels.dense_triton import supported_dtypes as supported_dtypes
 from pallas_kernels.dense_triton_tiles import BlockConfig as BlockConfig
 from pallas_kernels.dense_triton_tiles import Tiles as Tiles
 from pallas_kernels.dense_triton_tiles import default_block_config as default_block_config

@@ -54,8 +54,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._triton import CompilerParams, load, pl, store
-from pallas_kernels.dense_triton import _DTYPES, _dot, _iota, _slots, allow_tf32
+from pallas_kernels._triton import (
+  DTYPES,
+  CompilerParams,
+  allow_tf32,
+  dot,
+  iota,
+  load,
+  pl,
+  slots,
+  store,
+)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -235,7 +244,7 @@ def _rows(ref, b, r0, head, rows: int):
   mask of those inside it. Every index an int32 (the interpreter's stores need one index type,
   also under x64)."""
   h = ref.shape[3]
-  inside = jnp.broadcast_to(((r0 + _iota(rows)) < ref.shape[1])[:, None], (rows, h))
+  inside = jnp.broadcast_to(((r0 + iota(rows)) < ref.shape[1])[:, None], (rows, h))
   return ref.at[b, pl.ds(r0, rows), head, pl.ds(jnp.int32(0), h)], inside
 
 
@@ -286,7 +295,7 @@ class _Logits:
 def _row_stats(stats_ref, delta_ref, b, n, t0, rows: int, q_len):
   """``(m, l2, delta)`` of rows ``[t0, t0 + rows)``: the row maximum of z, ``l`` in base 2 (+inf
   past ``q_len``, so that its P is exactly 0), and delta."""
-  t = t0 + _iota(rows)
+  t = t0 + iota(rows)
   inside = t < stats_ref.shape[3]
   m = load(stats_ref.at[b, n, jnp.int32(0), pl.ds(t0, rows)], mask=inside, other=0.0)
   l2 = load(stats_ref.at[b, n, jnp.int32(1), pl.ds(t0, rows)], mask=inside, other=0.0) * _LOG2E
@@ -310,7 +319,7 @@ def _fwd_kernel(
   t0 = i * bq
   q_len = _length(qlen_ref, b, q_ref.shape[1])
   kv_len = _length(kvlen_ref, b, k_ref.shape[1])
-  t = t0 + _iota(bq)
+  t = t0 + iota(bq)
   q = _load_rows(q_ref, b, t0, n, bq)
   t_end = jnp.minimum(t0 + bq, q_len)  # the rows whose output counts
   outer, inner = mask.key_range(t0, t_end, kv_len)
@@ -320,15 +329,15 @@ def _fwd_kernel(
     acc, m, total = carry
     u0 = j * bk
     k = _load_rows(k_ref, b, u0, kv_head, bk)
-    z = logits(_dot(q, k, trans_b=True, tf32=tf32))
+    z = logits(dot(q, k, trans_b=True, tf32=tf32))
     if masked:
-      z = jnp.where(mask.valid(t[:, None], (u0 + _iota(bk))[None, :], kv_len), z, -jnp.inf)
+      z = jnp.where(mask.valid(t[:, None], (u0 + iota(bk))[None, :], kv_len), z, -jnp.inf)
     m_next = jnp.maximum(m, jnp.max(z, axis=1))
     base = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # no exp(-inf - -inf)
     p = logits.exp(z, base[:, None])
     alpha = logits.exp(m, base)
     v = _load_rows(v_ref, b, u0, kv_head, bk)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, tf32=tf32)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, tf32=tf32)
     return acc, m_next, total * alpha + jnp.sum(p, axis=1)
 
   init = (
@@ -369,7 +378,7 @@ def _dq_kernel(
   t0 = i * bq
   q_len = _length(qlen_ref, b, q_ref.shape[1])
   kv_len = _length(kvlen_ref, b, k_ref.shape[1])
-  t = t0 + _iota(bq)
+  t = t0 + iota(bq)
   q = _load_rows(q_ref, b, t0, n, bq)
   do = _load_rows(do_ref, b, t0, n, bq)
   m, l2, delta = _row_stats(stats_ref, delta_ref, b, n, t0, bq, q_len)
@@ -381,13 +390,13 @@ def _dq_kernel(
     u0 = j * bk
     k = _load_rows(k_ref, b, u0, kv_head, bk)
     v = _load_rows(v_ref, b, u0, kv_head, bk)
-    z = zm = logits(_dot(q, k, trans_b=True, tf32=tf32))
+    z = zm = logits(dot(q, k, trans_b=True, tf32=tf32))
     if masked:
-      zm = jnp.where(mask.valid(t[:, None], (u0 + _iota(bk))[None, :], kv_len), z, -jnp.inf)
+      zm = jnp.where(mask.valid(t[:, None], (u0 + iota(bk))[None, :], kv_len), z, -jnp.inf)
     p = _probabilities(logits, zm, m[:, None], l2[:, None])
-    dp = _dot(do, v, trans_b=True, tf32=tf32)
+    dp = dot(do, v, trans_b=True, tf32=tf32)
     ds = logits.grad(p * (dp - delta[:, None]), z)
-    return dq + _dot(ds.astype(k.dtype), k, tf32=tf32)
+    return dq + dot(ds.astype(k.dtype), k, tf32=tf32)
 
   dq = _phases(bounds, body, jnp.zeros((bq, q_ref.shape[3]), jnp.float32))
   _store_rows(dq_ref, b, t0, n, dq * logits.scale)
@@ -418,7 +427,7 @@ def _dkv_kernel(
   u0 = j * bk
   q_len = _length(qlen_ref, b, q_ref.shape[1])
   kv_len = _length(kvlen_ref, b, k_ref.shape[1])
-  u = u0 + _iota(bk)
+  u = u0 + iota(bk)
   k = _load_rows(k_ref, b, u0, kv_head, bk)
   v = _load_rows(v_ref, b, u0, kv_head, bk)
   u_end = jnp.minimum(u0 + bk, kv_len)  # the keys whose gradient is not 0
@@ -436,14 +445,14 @@ def _dkv_kernel(
       q = _load_rows(q_ref, b, t0, n, bq)
       do = _load_rows(do_ref, b, t0, n, bq)
       m, l2, delta = _row_stats(stats_ref, delta_ref, b, n, t0, bq, q_len)
-      z = zm = logits(_dot(k, q, trans_b=True, tf32=tf32))  # (keys, rows)
+      z = zm = logits(dot(k, q, trans_b=True, tf32=tf32))  # (keys, rows)
       if masked:
-        zm = jnp.where(mask.valid((t0 + _iota(bq))[None, :], u[:, None], kv_len), z, -jnp.inf)
+        zm = jnp.where(mask.valid((t0 + iota(bq))[None, :], u[:, None], kv_len), z, -jnp.inf)
       p = _probabilities(logits, zm, m[None, :], l2[None, :])
-      dv = dv + _dot(p.astype(do.dtype), do, tf32=tf32)
-      dp = _dot(v, do, trans_b=True, tf32=tf32)
+      dv = dv + dot(p.astype(do.dtype), do, tf32=tf32)
+      dp = dot(v, do, trans_b=True, tf32=tf32)
       ds = logits.grad(p * (dp - delta[None, :]), z)
-      return dk + _dot(ds.astype(q.dtype), q, tf32=tf32), dv
+      return dk + dot(ds.astype(q.dtype), q, tf32=tf32), dv
 
     return _phases(bounds, body, carry)
 
@@ -472,7 +481,7 @@ def attention_unsupported(
 
   Everything else the kernels refuse (shapes that do not fit together, lengths, options) is an
   error in the call, raised by :func:`attention_forward` and :func:`attention_backward`."""
-  if np.dtype(dtype) not in _DTYPES:
+  if np.dtype(dtype) not in DTYPES:
     return f"dtype {np.dtype(dtype).name} (the kernels take float32, bfloat16 or float16)"
   if len(q_shape) != 4 or len(k_shape) != 4:
     return f"q and k must be (B, T, N, H) and (B, S, K, H); got {q_shape} and {k_shape}"
@@ -619,7 +628,7 @@ def attention_forward(
     q, k, scale=scale, causal=causal, window=window, soft_cap=soft_cap, precision=precision
   )
   lengths = (_lengths(q_lengths), _lengths(kv_lengths))
-  kernel = _slots(
+  kernel = slots(
     _fwd_kernel,
     (True, True, True, q_lengths is not None, kv_lengths is not None, True, True),
     tiles=tiles,
@@ -698,7 +707,7 @@ def attention_backward(
   args = (q, k, v, do, stats, delta, *lengths)
 
   dq = pl.pallas_call(
-    _slots(_dq_kernel, (*present, True), tiles=dq_tiles, **static),
+    slots(_dq_kernel, (*present, True), tiles=dq_tiles, **static),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     grid=(pl.cdiv(t, dq_tiles.block_q), b, n),
     compiler_params=_params(dq_tiles),
@@ -706,7 +715,7 @@ def attention_backward(
     name="jaxact_attention_bwd_dq",
   )(*args)
   dk, dv = pl.pallas_call(
-    _slots(_dkv_kernel, (*present, True, True), tiles=dkv_tiles, **static),
+    slots(_dkv_kernel, (*present, True, True), tiles=dkv_tiles, **static),
     out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
     grid=(pl.cdiv(s, dkv_tiles.block_k), b, kv_heads),
     compiler_params=_params(dkv_tiles),

@@ -28,17 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._triton import CompilerParams, pl
-from pallas_kernels.dense_triton import (
-  _DTYPES,
-  Epilogue,
-  _dz_tile,
-  _load_tile,
-  _slots,
-  _store_kept,
-  _store_tile,
-  check_code,
-)
+from pallas_kernels._triton import DTYPES, CompilerParams, load_tile, pl, slots, store_tile
+from pallas_kernels.epilogue import Epilogue
+from pallas_kernels.epilogue_triton import check_code, dz_tile, store_kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +63,13 @@ def default_tiles(shape: tuple[int, int], dtype) -> EltwiseTiles:
 def _fwd_kernel(z_ref, b_ref, y_ref, zb_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
   r0 = pl.program_id(0) * tiles.rows
   c0 = pl.program_id(1) * tiles.cols
-  z = _load_tile(z_ref, r0, c0, tiles.rows, tiles.cols).astype(jnp.float32)
+  z = load_tile(z_ref, r0, c0, tiles.rows, tiles.cols).astype(jnp.float32)
   if b_ref is not None:
-    bias = _load_tile(b_ref, 0, c0, 1, tiles.cols).astype(jnp.float32)
+    bias = load_tile(b_ref, 0, c0, 1, tiles.cols).astype(jnp.float32)
     z = z + bias
-  _store_tile(y_ref, r0, c0, epilogue.fn(z))
+  store_tile(y_ref, r0, c0, epilogue.fn(z))
   if zb_ref is not None:
-    _store_kept(zb_ref, r0, c0, z, epilogue)
+    store_kept(zb_ref, r0, c0, z, epilogue)
 
 
 def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: EltwiseTiles):
@@ -88,19 +80,19 @@ def _bwd_kernel(g_ref, r_ref, dz_ref, db_ref, *, epilogue: Epilogue, tiles: Eltw
 
   def step(s, acc):
     r0 = (i * tiles.steps + s) * tiles.rows
-    dz = _dz_tile(g_ref, r_ref, r0, c0, tiles.rows, tiles.cols, epilogue)  # 0 outside the array
+    dz = dz_tile(g_ref, r_ref, r0, c0, tiles.rows, tiles.cols, epilogue)  # 0 outside the array
     if dz_ref is not None:
-      _store_tile(dz_ref, r0, c0, dz)
+      store_tile(dz_ref, r0, c0, dz)
     return acc + jnp.sum(dz, axis=0, keepdims=True)
 
   acc = jnp.zeros((1, tiles.cols), jnp.float32)
   acc = step(0, acc) if tiles.steps == 1 else lax.fori_loop(0, tiles.steps, step, acc)
   if db_ref is not None:
-    _store_tile(db_ref, i, c0, acc)
+    store_tile(db_ref, i, c0, acc)
 
 
 def _check(name: str, v: Array) -> None:
-  if np.dtype(v.dtype) not in _DTYPES:
+  if np.dtype(v.dtype) not in DTYPES:
     raise TypeError(
       f"pallas_kernels.bias_act_triton: `{name}` has dtype {v.dtype}; accepted: float32, "
       "bfloat16, float16"
@@ -137,7 +129,7 @@ def bias_act_fwd(
         f"b.shape={b.shape}"
       )
   out_dtype = np.dtype(z.dtype if out_dtype is None else out_dtype)
-  if out_dtype not in _DTYPES:
+  if out_dtype not in DTYPES:
     raise TypeError(f"pallas_kernels.bias_act_triton: `out_dtype` {out_dtype} is not supported")
   c = z.shape[-1]
   check_code("bias_act_triton", epilogue, c)
@@ -151,7 +143,7 @@ def bias_act_fwd(
   last = 1 if epilogue.residual == "input" else 0
   aliases = {0: last} if in_place and out_dtype == z.dtype else {}
   outs = pl.pallas_call(
-    _slots(_fwd_kernel, (True, b is not None, True, keep_zb), epilogue=epilogue, tiles=t),
+    slots(_fwd_kernel, (True, b is not None, True, keep_zb), epilogue=epilogue, tiles=t),
     out_shape=(out, kept) if keep_zb else (out,),
     grid=(pl.cdiv(rows, t.rows), pl.cdiv(c, t.cols)),
     input_output_aliases=aliases,
@@ -216,7 +208,7 @@ def _backward(
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((blocks, c), jnp.float32))
   outs = pl.pallas_call(
-    _slots(_bwd_kernel, (True, needs_r, keep_dz, has_bias), epilogue=epilogue, tiles=t),
+    slots(_bwd_kernel, (True, needs_r, keep_dz, has_bias), epilogue=epilogue, tiles=t),
     out_shape=tuple(out_shape),
     grid=(blocks, pl.cdiv(c, t.cols)),
     input_output_aliases={0: 0} if keep_dz and in_place and dz_dtype == g.dtype else {},

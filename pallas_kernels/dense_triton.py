@@ -32,7 +32,6 @@ tile to the operands' dtype before its dot (what cuBLAS does with a half-precisi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,98 +39,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._triton import CompilerParams, load, pl, store
+from pallas_kernels._triton import (
+  DTYPES,
+  CompilerParams,
+  allow_tf32,
+  dot,
+  iota,
+  load,
+  load_tile,
+  pl,
+  slots,
+  store,
+  store_tile,
+)
 from pallas_kernels.dense_triton_tiles import BlockConfig, Tiles, default_block_config
 from pallas_kernels.epilogue import Epilogue
-
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
-
-def supported_dtypes() -> tuple[np.dtype, ...]:
-  return _DTYPES
-
-
-def allow_tf32(precision: Any) -> bool:
-  """Whether float32 dots may use TF32 under `precision` (a ``lax.dot_general`` precision).
-
-  The mapping XLA uses on GPU: TF32 unless an operand asks for more than ``HIGH``. ``None`` defers
-  to ``jax_default_matmul_precision`` (unset: TF32, as XLA's default on Ampere and newer);
-  ``"highest"``/``"float32"``/``Precision.HIGHEST`` give exact float32 (IEEE) dots. Dot algorithm
-  presets are not supported by these kernels.
-  """
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision
-    if precision is None:
-      return True
-  if isinstance(precision, (str, lax.Precision)):
-    precision = (precision, precision)
-  if not isinstance(precision, (tuple, list)) or len(precision) != 2:
-    raise NotImplementedError(f"precision {precision!r} is not supported by the Pallas kernels")
-  allowed = (lax.Precision.DEFAULT, lax.Precision.HIGH)
-  return all(lax.Precision(p) in allowed for p in precision if p is not None)
-
+from pallas_kernels.epilogue_triton import check_code, dz_tile, store_kept
 
 # --------------------------------------------------------------------------------- kernels
-
-
-def _iota(n: int) -> Array:
-  return lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
-def _dot(a: Array, b: Array, *, tf32: bool, trans_a: bool = False, trans_b: bool = False) -> Array:
-  """float32-accumulated ``a @ b`` (optionally of transposes), as the Triton backend lowers it.
-
-  ``lax.dot_general`` directly, not ``pl.dot`` (removed in JAX 0.12): the backend maps the
-  precision pair ``DEFAULT`` to TF32 and ``HIGHEST`` to IEEE float32 for float32 operands.
-  """
-  p = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=(p, p), preferred_element_type=jnp.float32)
-
-
-def _load_tile(ref, r0, c0, rows: int, cols: int) -> Array:
-  """The ``(rows, cols)`` tile of a 2-D ref at ``(r0, c0)``; zeros outside the array."""
-  n_rows, n_cols = ref.shape
-  mask = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
-  block = ref.at[pl.ds(r0, rows), pl.ds(c0, cols)]
-  return load(block, mask=mask, other=jnp.zeros((), ref.dtype))
-
-
-def _store_tile(ref, r0, c0, value: Array) -> None:
-  rows, cols = value.shape
-  n_rows, n_cols = ref.shape
-  mask = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
-  store(ref.at[pl.ds(r0, rows), pl.ds(c0, cols)], value.astype(ref.dtype), mask=mask)
-
-
-def _dz_tile(g_ref, r_ref, r0, c0, rows: int, cols: int, epilogue: Epilogue) -> Array:
-  """The float32 ``(rows, cols)`` tile of ``dz = g * act'(r)``, formed in registers."""
-  g = _load_tile(g_ref, r0, c0, rows, cols).astype(jnp.float32)
-  if epilogue.residual == "none":
-    return g  # out-of-range entries loaded as 0 already
-  n_rows, n_cols = g_ref.shape
-  inside = ((r0 + _iota(rows)) < n_rows)[:, None] & ((c0 + _iota(cols)) < n_cols)[None, :]
-  if epilogue.residual == "code":
-    code = epilogue.code
-    packed = _load_tile(r_ref, r0, _packed_col(c0, code), rows, code.packed_cols(cols))
-    return jnp.where(inside, g * code.decode(code.unpack(packed)), 0.0)
-  r = _load_tile(r_ref, r0, c0, rows, cols).astype(jnp.float32)
-  return jnp.where(inside, g * epilogue.derivative(r), 0.0)
-
-
-def _packed_col(c0, code) -> Array:
-  """The byte column where the codes of column `c0` (a multiple of the code's group) start."""
-  c0 = jnp.asarray(c0)
-  return lax.div(c0, jnp.asarray(code.per_byte(), c0.dtype))
-
-
-def _store_kept(ref, r0, c0, z: Array, epilogue: Epilogue) -> None:
-  """Store what the backward pass reads of the float32 tile `z`: z itself, or its code's bytes."""
-  if epilogue.residual == "code":
-    code = epilogue.code
-    _store_tile(ref, r0, _packed_col(c0, code), code.pack(code.encode(z, epilogue.derivative)))
-  else:
-    _store_tile(ref, r0, c0, z)
 
 
 def _dense_fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref, *, epilogue, tiles, tf32):
@@ -142,18 +67,18 @@ def _dense_fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref, *, epilogue, tiles, tf3
 
   def body(s, acc):
     k0 = pl.multiple_of(s * bk, bk)
-    xt = _load_tile(x_ref, r0, k0, bm, bk)
-    wt = _load_tile(w_ref, k0, c0, bk, bn)
-    return acc + _dot(xt, wt, tf32=tf32)
+    xt = load_tile(x_ref, r0, k0, bm, bk)
+    wt = load_tile(w_ref, k0, c0, bk, bn)
+    return acc + dot(xt, wt, tf32=tf32)
 
   acc = lax.fori_loop(0, pl.cdiv(x_ref.shape[1], bk), body, jnp.zeros((bm, bn), jnp.float32))
   if b_ref is not None:
-    cols = c0 + _iota(bn)
+    cols = c0 + iota(bn)
     bias = load(b_ref.at[pl.ds(c0, bn)], mask=cols < b_ref.shape[0], other=0)
     acc = acc + bias.astype(jnp.float32)[None, :]
-  _store_tile(y_ref, r0, c0, epilogue.fn(acc))
+  store_tile(y_ref, r0, c0, epilogue.fn(acc))
   if z_ref is not None:
-    _store_kept(z_ref, r0, c0, acc, epilogue)
+    store_kept(z_ref, r0, c0, acc, epilogue)
 
 
 def _dense_dx_kernel(g_ref, r_ref, w_ref, dx_ref, *, epilogue, tiles, tf32):
@@ -164,12 +89,12 @@ def _dense_dx_kernel(g_ref, r_ref, w_ref, dx_ref, *, epilogue, tiles, tf32):
 
   def body(s, acc):
     n0 = pl.multiple_of(s * bn, bn)
-    dz = _dz_tile(g_ref, r_ref, r0, n0, bm, bn, epilogue)
-    wt = _load_tile(w_ref, c0, n0, bk, bn)
-    return acc + _dot(dz.astype(wt.dtype), wt, trans_b=True, tf32=tf32)
+    dz = dz_tile(g_ref, r_ref, r0, n0, bm, bn, epilogue)
+    wt = load_tile(w_ref, c0, n0, bk, bn)
+    return acc + dot(dz.astype(wt.dtype), wt, trans_b=True, tf32=tf32)
 
   acc = lax.fori_loop(0, pl.cdiv(g_ref.shape[1], bn), body, jnp.zeros((bm, bk), jnp.float32))
-  _store_tile(dx_ref, r0, c0, acc)
+  store_tile(dx_ref, r0, c0, acc)
 
 
 def _dense_dw_kernel(x_ref, g_ref, r_ref, dw_ref, db_ref, *, epilogue, tiles, tf32):
@@ -181,35 +106,25 @@ def _dense_dw_kernel(x_ref, g_ref, r_ref, dw_ref, db_ref, *, epilogue, tiles, tf
   def body(s, carry):
     acc, db = carry
     m0 = pl.multiple_of(s * bm, bm)
-    xt = _load_tile(x_ref, m0, r0, bm, bk)
-    dz = _dz_tile(g_ref, r_ref, m0, c0, bm, bn, epilogue)
-    acc = acc + _dot(xt, dz.astype(xt.dtype), trans_a=True, tf32=tf32)
+    xt = load_tile(x_ref, m0, r0, bm, bk)
+    dz = dz_tile(g_ref, r_ref, m0, c0, bm, bn, epilogue)
+    acc = acc + dot(xt, dz.astype(xt.dtype), trans_a=True, tf32=tf32)
     if db_ref is not None:
       db = db + jnp.sum(dz, axis=0)
     return acc, db
 
   init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn,), jnp.float32))
   acc, db = lax.fori_loop(0, pl.cdiv(x_ref.shape[0], bm), body, init)
-  _store_tile(dw_ref, r0, c0, acc)
+  store_tile(dw_ref, r0, c0, acc)
   if db_ref is not None:
 
     @pl.when(pl.program_id(0) == 0)
     def _():
-      cols = c0 + _iota(bn)
+      cols = c0 + iota(bn)
       store(db_ref.at[pl.ds(c0, bn)], db.astype(db_ref.dtype), mask=cols < db_ref.shape[0])
 
 
 # --------------------------------------------------------------------------- pallas_calls
-
-
-def _slots(kernel: Callable[..., None], present: tuple[bool, ...], **static):
-  """`kernel` taking one ref per slot, called with the refs of the present slots (None else)."""
-
-  def wrapped(*refs):
-    it = iter(refs)
-    kernel(*(next(it) if p else None for p in present), **static)
-
-  return wrapped
 
 
 def _params(t: Tiles) -> CompilerParams:
@@ -228,7 +143,7 @@ def _check(x: Array, w: Array, b: Array | None) -> None:
       f"pallas_kernels.dense_triton: `b` must have shape ({w.shape[1]},); got b.shape={b.shape}"
     )
   for name, v in (("x", x), ("w", w), ("b", b)):
-    if v is not None and np.dtype(v.dtype) not in _DTYPES:
+    if v is not None and np.dtype(v.dtype) not in DTYPES:
       raise TypeError(
         f"pallas_kernels.dense_triton: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, "
         "float16"
@@ -237,14 +152,6 @@ def _check(x: Array, w: Array, b: Array | None) -> None:
     raise TypeError(
       f"pallas_kernels.dense_triton: `x` and `w` must have one dtype; got {x.dtype} and {w.dtype}"
     )
-
-
-def check_code(where: str, epilogue: Epilogue, features: int) -> None:
-  """Raise ValueError when a ``"code"`` epilogue cannot pack rows of `features` codes."""
-  if epilogue.residual == "code":
-    why = epilogue.code.unsupported(features)
-    if why is not None:
-      raise ValueError(f"pallas_kernels.{where}: {why}")
 
 
 def dense_bias_act_fwd(
@@ -265,7 +172,7 @@ def dense_bias_act_fwd(
   `block_config` replaces :func:`default_block_config`'s choice (only ``.fwd`` is read)."""
   _check(x, w, b)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
-  if out_dtype not in _DTYPES:
+  if out_dtype not in DTYPES:
     raise TypeError(f"pallas_kernels.dense_triton: `out_dtype` {out_dtype} is not supported")
   batch, (k, n) = x.shape[:-1], w.shape
   x2 = x.reshape(-1, k)
@@ -275,7 +182,7 @@ def dense_bias_act_fwd(
   keep_z = epilogue.residual in ("input", "code")
   out = jax.ShapeDtypeStruct((m, n), out_dtype)
   kept = jax.ShapeDtypeStruct(epilogue.kept_shape((m, n)), epilogue.kept_dtype(out_dtype))
-  kernel = _slots(
+  kernel = slots(
     _dense_fwd_kernel,
     (True, True, b is not None, True, keep_z),
     epilogue=epilogue,
@@ -333,7 +240,7 @@ def dense_bias_act_bwd(
   tf32 = allow_tf32(precision)
 
   dx = pl.pallas_call(
-    _slots(
+    slots(
       _dense_dx_kernel, (True, needs_r, True, True), epilogue=epilogue, tiles=cfg.dx, tf32=tf32
     ),
     out_shape=jax.ShapeDtypeStruct((m, k), x.dtype),
@@ -347,7 +254,7 @@ def dense_bias_act_bwd(
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((n,), x.dtype))
   outs = pl.pallas_call(
-    _slots(
+    slots(
       _dense_dw_kernel,
       (True, True, needs_r, True, has_bias),
       epilogue=epilogue,

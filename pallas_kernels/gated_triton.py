@@ -32,17 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from pallas_kernels._triton import CompilerParams, load, pl
-from pallas_kernels.bias_act_triton import EltwiseTiles, default_tiles
-from pallas_kernels.dense_triton import (
-  _DTYPES,
-  _dot,
-  _iota,
-  _load_tile,
-  _slots,
-  _store_tile,
+from pallas_kernels._triton import (
+  DTYPES,
+  CompilerParams,
   allow_tf32,
+  dot,
+  iota,
+  load,
+  load_tile,
+  pl,
+  slots,
+  store_tile,
 )
+from pallas_kernels.bias_act_triton import EltwiseTiles, default_tiles
 from pallas_kernels.dense_triton_tiles import Tiles, _tile
 from pallas_kernels.epilogue import Epilogue
 
@@ -99,7 +101,7 @@ def _value_and_derivative(epilogue: Epilogue, z: Array) -> tuple[Array, Array]:
 def _add_bias(acc: Array, b_ref, c0) -> Array:
   if b_ref is None:
     return acc
-  cols = c0 + _iota(acc.shape[1])
+  cols = c0 + iota(acc.shape[1])
   bias = load(b_ref.at[pl.ds(c0, acc.shape[1])], mask=cols < b_ref.shape[0], other=0)
   return acc + bias.astype(jnp.float32)[None, :]
 
@@ -115,9 +117,9 @@ def _gated_fwd_kernel(
   def body(s, accs):
     acc_a, acc_b = accs
     k0 = pl.multiple_of(s * bk, bk)
-    xt = _load_tile(x_ref, r0, k0, bm, bk)
-    acc_a = acc_a + _dot(xt, _load_tile(wg_ref, k0, c0, bk, bn), tf32=tf32)
-    acc_b = acc_b + _dot(xt, _load_tile(wu_ref, k0, c0, bk, bn), tf32=tf32)
+    xt = load_tile(x_ref, r0, k0, bm, bk)
+    acc_a = acc_a + dot(xt, load_tile(wg_ref, k0, c0, bk, bn), tf32=tf32)
+    acc_b = acc_b + dot(xt, load_tile(wu_ref, k0, c0, bk, bn), tf32=tf32)
     return acc_a, acc_b
 
   zeros = jnp.zeros((bm, bn), jnp.float32)
@@ -127,10 +129,10 @@ def _gated_fwd_kernel(
   # h from a and b as they are kept, so that the backward's recomputed h is the forward's.
   a = acc_a.astype(h_ref.dtype)
   b = acc_b.astype(h_ref.dtype)
-  _store_tile(h_ref, r0, c0, _safe_mul(epilogue.fn(a.astype(jnp.float32)), b.astype(jnp.float32)))
+  store_tile(h_ref, r0, c0, _safe_mul(epilogue.fn(a.astype(jnp.float32)), b.astype(jnp.float32)))
   if a_ref is not None:
-    _store_tile(a_ref, r0, c0, a)
-    _store_tile(b_ref, r0, c0, b)
+    store_tile(a_ref, r0, c0, a)
+    store_tile(b_ref, r0, c0, b)
 
 
 def _gated_bwd_kernel(gh_ref, a_ref, b_ref, da_ref, db_ref, h_ref, *, epilogue, tiles):
@@ -139,21 +141,21 @@ def _gated_bwd_kernel(gh_ref, a_ref, b_ref, da_ref, db_ref, h_ref, *, epilogue, 
   c0 = pl.program_id(1) * tiles.cols
 
   def tile(ref):
-    return _load_tile(ref, r0, c0, tiles.rows, tiles.cols).astype(jnp.float32)
+    return load_tile(ref, r0, c0, tiles.rows, tiles.cols).astype(jnp.float32)
 
   gh, a, b = tile(gh_ref), tile(a_ref), tile(b_ref)
   act_a, d_act = _value_and_derivative(epilogue, a)
-  _store_tile(da_ref, r0, c0, _safe_mul(gh * d_act, b))
-  _store_tile(db_ref, r0, c0, gh * act_a)
+  store_tile(da_ref, r0, c0, _safe_mul(gh * d_act, b))
+  store_tile(db_ref, r0, c0, gh * act_a)
   if h_ref is not None:
-    _store_tile(h_ref, r0, c0, _safe_mul(act_a, b))
+    store_tile(h_ref, r0, c0, _safe_mul(act_a, b))
 
 
 # --------------------------------------------------------------------------- pallas_calls
 
 
 def _check_dtype(name: str, v: Array | None) -> None:
-  if v is not None and np.dtype(v.dtype) not in _DTYPES:
+  if v is not None and np.dtype(v.dtype) not in DTYPES:
     raise TypeError(
       f"pallas_kernels.gated_triton: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, "
       "float16"
@@ -206,14 +208,14 @@ def gated_fwd(
   (only ``.fwd`` is read)."""
   _check_fwd(x, w_gate, w_up, b_gate, b_up)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
-  if out_dtype not in _DTYPES:
+  if out_dtype not in DTYPES:
     raise TypeError(f"pallas_kernels.gated_triton: `out_dtype` {out_dtype} is not supported")
   batch, (k, f) = x.shape[:-1], w_gate.shape
   x2 = x.reshape(-1, k)
   m = x2.shape[0]
   t = (block_config or default_block_config((m, k, f), x.dtype)).fwd
   out = jax.ShapeDtypeStruct((m, f), out_dtype)
-  kernel = _slots(
+  kernel = slots(
     _gated_fwd_kernel,
     (True, True, True, b_gate is not None, b_up is not None, True, keep, keep),
     epilogue=epilogue,
@@ -275,7 +277,7 @@ def gated_bwd(
     pairs = ((0, gh, 0, grad_dtype), (2, b, 1, grad_dtype), (1, a, 2, h_dtype if with_h else None))
     aliases = {i: o for i, v, o, dt in pairs if dt is not None and np.dtype(v.dtype) == dt}
   outs = pl.pallas_call(
-    _slots(_gated_bwd_kernel, (True, True, True, True, True, with_h), epilogue=epilogue, tiles=t),
+    slots(_gated_bwd_kernel, (True, True, True, True, True, with_h), epilogue=epilogue, tiles=t),
     out_shape=tuple(out_shape),
     grid=(pl.cdiv(m, t.rows), pl.cdiv(f, t.cols)),
     input_output_aliases=aliases,
