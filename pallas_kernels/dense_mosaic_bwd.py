@@ -47,7 +47,7 @@ from pallas_kernels._mosaic import (
   write_tile,
 )
 from pallas_kernels.dense_mosaic_bwd_tiles import (  # the tiles, public here too
-  _CHUNK,
+  CHUNK,
   HopperBwdTiles,
   hopper_bwd_tiles,
 )
@@ -80,7 +80,7 @@ def hopper_bwd_unsupported(
   if code is not None:  # N, a multiple of the tiles, fills whole bytes
     per = code.per_byte()
     # Each dz block's bytes are a TMA box and, packed, a wgmma operand: 16 bytes wide at least.
-    narrowest = min(t.dx_n, _CHUNK, t.dw_n)
+    narrowest = min(t.dx_n, CHUNK, t.dw_n)
     if per > 1 and narrowest // per < 16:
       return (
         f"{code.bits}-bit codes in blocks of {narrowest} columns ({narrowest // per} bytes: TMA "
@@ -94,7 +94,7 @@ def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, spread=None):
   """Overwrite the shared-memory tile of ``g`` with ``dz = g * act'(r)`` (computed in float32),
   ready to be a wgmma operand; nothing to do for identity (``dz = g``).
 
-  Column blocks of ``_CHUNK`` (one swizzle span) at a time, so that a warpgroup holds at most two
+  Column blocks of ``CHUNK`` (one swizzle span) at a time, so that a warpgroup holds at most two
   64 x 64-element float32 blocks beside its accumulator (64 registers a thread per 64 x 64 pair).
   `part`: ``(rows, first column, columns)`` of the tiles to work on (a warpgroup's own part), else
   all of them. With a derivative code, `r_smem` holds its bytes (``1 / per_byte`` a column) and
@@ -106,8 +106,8 @@ def _dz_in_place(epilogue: Epilogue, g_smem, r_smem, part=None, spread=None):
   rows, col0, cols = part or (slice(None), 0, g_smem.shape[1])
   code = epilogue.code
   per = code.per_byte() if code is not None else 1
-  for c in range(0, cols, _CHUNK):
-    width = min(_CHUNK, cols - c)
+  for c in range(0, cols, CHUNK):
+    width = min(CHUNK, cols - c)
     g = g_smem.at[rows, pl.ds(col0 + c, width)]
     if code is None:
       d = epilogue.derivative(r_smem.at[rows, pl.ds(col0 + c, width)][...].astype(jnp.float32))
@@ -173,7 +173,7 @@ def _bwd_kernel(
 
   dtype = out_gmem.dtype
   per = code.per_byte() if code is not None else 1
-  packed = _CHUNK // per
+  packed = CHUNK // per
   bf16_swizzle = swizzled(span(packed, jnp.bfloat16), jnp.bfloat16)  # one for both operands
   scratch = dict(
     allocs=pipeline(ignore, ignore).get_allocations(*operands),
@@ -182,7 +182,7 @@ def _bwd_kernel(
     if per == 1
     else (
       plgpu.SMEM((t.wgs, block_rows, packed), jnp.bfloat16, transforms=bf16_swizzle),
-      plgpu.SMEM((t.wgs, _CHUNK, packed), jnp.bfloat16, transforms=bf16_swizzle),  # S.T
+      plgpu.SMEM((t.wgs, CHUNK, packed), jnp.bfloat16, transforms=bf16_swizzle),  # S.T
     ),
   )
 
@@ -193,7 +193,7 @@ def _bwd_kernel(
 
     def compute_context(run_pipeline):
       if spread is not None:
-        spread[1][...] = spreading_matrix_t(code, _CHUNK, plgpu.Layout.WGMMA)
+        spread[1][...] = spreading_matrix_t(code, CHUNK, plgpu.Layout.WGMMA)
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
       def _(acc_ref):
@@ -223,7 +223,7 @@ def _residual_spec(gr_spec, code: DerivativeCode | None):
     return gr_spec
   rows, cols = gr_spec.block_shape
   per = code.per_byte()
-  layout = code_transforms(_CHUNK) if per == 1 else ()
+  layout = code_transforms(CHUNK) if per == 1 else ()
   return dataclasses.replace(gr_spec, block_shape=(rows, cols // per), transforms=layout)
 
 

@@ -10,7 +10,7 @@ from pallas_kernels.epilogue import DerivativeCode
 
 # Columns of g (and of the residual) turned into dz at a time: one 128-byte swizzle span of 16-bit
 # values.
-_CHUNK = 64
+CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,9 @@ class HopperBwdTiles:
     dw = self.dw_stages * (self.dw_k * itemsize + dw_cols * (itemsize + r_bytes)) * self.dw_m
     spread_dx = spread_dw = 0
     if residual and per > 1:  # bytes (rows x chunk / per) and S (chunk / per x chunk), bfloat16
-      s_bytes = _CHUNK // per * _CHUNK * 2
-      spread_dx = self.wgs * (self.dx_m * _CHUNK // per * 2 + s_bytes)
-      spread_dw = self.wgs * (self.dw_m * _CHUNK // per * 2 + s_bytes)
+      s_bytes = CHUNK // per * CHUNK * 2
+      spread_dx = self.wgs * (self.dx_m * CHUNK // per * 2 + s_bytes)
+      spread_dw = self.wgs * (self.dw_m * CHUNK // per * 2 + s_bytes)
     return int(dx) + out + spread_dx + 3072, int(dw) + out + spread_dw + 3072
 
 

@@ -27,7 +27,7 @@ class BlockConfig:
   dw: Tiles  # dw (K, N): rows=block_k, cols=block_n, step over M
 
 
-def _tile(d: int) -> int:
+def tile_side(d: int) -> int:
   return 16 if d <= 16 else 64 if d <= 64 else 128
 
 
@@ -83,7 +83,7 @@ def default_block_config(
 
   bwd_stages = 3 if half else 2
   return BlockConfig(
-    fwd=tiles(_tile(m), _tile(n), step(k, 64 if half else 32), 3),
-    dx=tiles(_tile(m), _tile(k), step(n, 32), bwd_stages),
-    dw=tiles(_tile(k), _tile(n), step(m, 32), bwd_stages),
+    fwd=tiles(tile_side(m), tile_side(n), step(k, 64 if half else 32), 3),
+    dx=tiles(tile_side(m), tile_side(k), step(n, 32), bwd_stages),
+    dw=tiles(tile_side(k), tile_side(n), step(m, 32), bwd_stages),
   )

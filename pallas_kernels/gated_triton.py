@@ -45,7 +45,7 @@ from pallas_kernels._triton import (
   store_tile,
 )
 from pallas_kernels.bias_act_triton import EltwiseTiles, default_tiles
-from pallas_kernels.dense_triton_tiles import Tiles, _tile
+from pallas_kernels.dense_triton_tiles import Tiles, tile_side
 from pallas_kernels.epilogue import Epilogue
 
 
@@ -73,7 +73,7 @@ def default_block_config(shape: tuple[int, int, int], dtype) -> GatedBlockConfig
   """
   m, k, f = shape
   half = np.dtype(dtype).itemsize == 2
-  rows, cols = _tile(m), min(_tile(f), 64)
+  rows, cols = tile_side(m), min(tile_side(f), 64)
   step = 16 if k <= 16 else 64 if half else 32
   fwd = Tiles(rows, cols, step, 8 if rows >= 128 else 4, 3)
   return GatedBlockConfig(fwd=fwd, bwd=default_tiles((m, f), dtype))

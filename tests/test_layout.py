@@ -261,3 +261,35 @@ def test_jaxact_src_shows_its_families_at_its_top():
   families = [p.name for p in SRC.iterdir() if (p / "__init__.py").exists()]
   for family in families:  # each folder says what it holds
     assert ast.get_docstring(ast.parse((SRC / family / "__init__.py").read_text())), family
+
+
+PALLAS = ROOT / "pallas_kernels"
+_BACKENDS = ("triton", "mosaic")
+
+
+def test_pallas_kernels_are_named_op_first_then_backend_and_stay_short():
+  """Each kernel module is ``<op>_<backend>[_<part>].py``; the shared pieces are the two backend
+  imports (``_triton``, ``_mosaic``) and the backend-neutral epilogue; none outgrows a reading."""
+  shared = {"__init__", "_triton", "_mosaic", "epilogue"}
+  misnamed = [
+    p.name
+    for p in PALLAS.glob("*.py")
+    if p.stem not in shared and not any(f"_{b}" in p.stem for b in _BACKENDS)
+  ]
+  assert misnamed == []
+  long = {
+    p.name: n for p in PALLAS.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+  }
+  assert long == {}
+
+
+def test_no_kernel_module_imports_another_ones_private_names():
+  private = {
+    f"{node.module}.{alias.name}"
+    for p in PALLAS.glob("*.py")
+    for node in ast.walk(ast.parse(p.read_text()))
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pallas_kernels.")
+    for alias in node.names
+    if alias.name.startswith("_")
+  }
+  assert private == set()

@@ -366,7 +366,7 @@ def test_the_callers_tiles_replace_the_block_config():
     (4, 2, 4),
     (2, 2, 2),
   ]  # dq by 32 rows, dk by 64 keys
-  cfg = kernels._block_config(q.shape, k.shape, q.dtype)
+  cfg = kernels.block_config(q.shape, k.shape, q.dtype)
   default = [(-(-100 // cfg.dq.block_q), 2, 4), (-(-70 // cfg.dkv.block_k), 2, 2)]
   assert (
     _grids(lambda *a: kernels.attention_backward(*a, scale=0.1), q, k, v, o, stats, do) == default
