@@ -71,6 +71,15 @@ JAX_NN_ULPS = 16.0
 GRAD_ULPS = {jnp.bfloat16: 4.0, jnp.float16: 4.0, jnp.float32: 8.0, jnp.float64: 16.0}
 
 
+def assert_trees_close(got, want, tol: float) -> None:
+  """Leaf by leaf: `got` finite and within `tol` of `want`, relative and absolute (the absolute
+  part scaled by ``max(1, max |want|)``), in float64."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())))
+
+
 def assert_within(got, want, bound, what=""):
   """Elementwise |got - want| <= bound (NaN anywhere fails), with the worst offender reported."""
   got = np.asarray(got, np.float64)

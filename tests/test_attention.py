@@ -22,6 +22,8 @@ from jaxact._src.attention import xla
 from jaxact._src.attention.plan import AttentionPlan
 from jaxact._src.attention.reference import attention_reference
 
+from cases import assert_trees_close
+
 B, T, S, N, K, H = 2, 24, 19, 4, 2, 8
 BLOCKS = ((8, 8), (5, 7))  # several blocks each way, last blocks moved back
 
@@ -76,13 +78,6 @@ def _value_and_grads(f, q, k, v, bias):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
 
 
-def _close(got, want, tol):
-  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, r, rtol=tol, atol=tol * max(1.0, np.abs(r).max()))
-
-
 # Every option alone and together, with several blocks each way whose last ones move back; the
 # default suite runs the combination and the skipping options (the others under -m exhaustive).
 _DEFAULT = {"all": BLOCKS[1], "causal+window": BLOCKS[0], "segments": BLOCKS[0]}
@@ -103,7 +98,7 @@ def test_float64_values_and_gradients_equal_the_plain_formula(option, blocks):
   kw = OPTIONS[option]
   want = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, bias)
   f = functools.partial(jaxact.dot_product_attention, block_sizes=blocks, **kw)
-  _close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
+  assert_trees_close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +120,9 @@ def test_float64_against_jax_nn_xla(option):
     kw["key_value_seq_lengths"] = jnp.array([24, 7], jnp.int32)
   ours = functools.partial(jaxact.dot_product_attention, block_sizes=(8, 8), **kw)
   theirs = functools.partial(jax.nn.dot_product_attention, implementation="xla", **kw)
-  _close(_value_and_grads(ours, q, k, v, bias), _value_and_grads(theirs, q, k, v, bias), 2e-6)
+  assert_trees_close(
+    _value_and_grads(ours, q, k, v, bias), _value_and_grads(theirs, q, k, v, bias), 2e-6
+  )
 
 
 @pytest.mark.parametrize(
@@ -135,7 +132,7 @@ def test_gqa_mqa_mha_and_a_value_head_dim_of_its_own(kv_heads):
   q, k, v, bias = inputs(jnp.float64, kh=kv_heads, hv=5)
   f = functools.partial(jaxact.dot_product_attention, is_causal=True, block_sizes=(8, 8))
   want = _value_and_grads(functools.partial(attention_reference, is_causal=True), q, k, v, bias)
-  _close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
+  assert_trees_close(_value_and_grads(f, q, k, v, bias), want, 1e-12)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +149,7 @@ def test_the_bias_gradient_sums_over_its_broadcast_axes(shape):
   got = _value_and_grads(f, q, k, v, bias)
   want = _value_and_grads(ref, q, k, v, bias4)
   assert got[1][3].shape == shape
-  _close((got[0], got[1][:3], got[1][3].reshape(bias4.shape)), want, 1e-12)
+  assert_trees_close((got[0], got[1][:3], got[1][3].reshape(bias4.shape)), want, 1e-12)
   assert got[1][3].shape == shape
 
 
@@ -364,7 +361,7 @@ def test_dropout_equals_flax_attention_dropout(broadcast):
 
   want = _value_and_grads(theirs, q, k, v, None)
   ours = functools.partial(jaxact.dot_product_attention, block_sizes=(8, 8), **flax_kw)
-  _close(_value_and_grads(ours, q, k, v, None), want, 2e-5)
+  assert_trees_close(_value_and_grads(ours, q, k, v, None), want, 2e-5)
 
 
 def test_dropout_keeps_the_key_not_the_mask():
@@ -401,7 +398,7 @@ def test_the_triton_kernels_through_jaxact_equal_the_xla_path():
     )
     for impl in ("pallas", "xla")
   )
-  _close(got, want, 2e-5)
+  assert_trees_close(got, want, 2e-5)
 
 
 # ----------------------------------------------------------------------------------- errors

@@ -22,6 +22,8 @@ import jaxact
 import jaxact.linen
 import jaxact.nnx
 
+from cases import assert_trees_close
+
 F64 = jnp.float64
 
 
@@ -42,13 +44,6 @@ def _grads(f, *args, weighted: bool = True):
   return jax.value_and_grad(loss, argnums=tuple(range(len(args))))(*args)
 
 
-def _close(got, want, tol):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())))
-
-
 # ------------------------------------------------------------------- a huge uniform bias
 
 
@@ -65,7 +60,7 @@ def test_the_issue_case_a_bias_of_minus_1e9_keeps_dv_at_one_over_s_per_row():
   got = _grads(jaxact.dot_product_attention, q, k, v, bias, weighted=False)
   np.testing.assert_array_equal(got[1][2], np.full(v.shape, 0.5))  # dv of sum(O)
   jax_nn = lambda *a: jax.nn.dot_product_attention(*a, implementation="xla")
-  _close(got, _grads(jax_nn, q, k, v, bias, weighted=False), 1e-6)
+  assert_trees_close(got, _grads(jax_nn, q, k, v, bias, weighted=False), 1e-6)
 
 
 def _near_uniform(c: float, dtype, shape, seed: int):
@@ -106,7 +101,7 @@ def test_huge_uniform_and_near_uniform_biases_against_float64(c, form, dtype):
   got = _grads(f, q, k, v, bias)
   want = _grads(formula, *(x.astype(F64) for x in (q, k, v, bias)))
   tol = {jnp.float64: 1e-12, jnp.float32: 1e-5}.get(dtype, 2e-2)
-  _close(got, want, tol)
+  assert_trees_close(got, want, tol)
 
 
 # ---------------------------------------------------- debug_infs and rank promotion
@@ -157,7 +152,7 @@ def test_debug_infs_and_rank_promotion_stay_quiet(context, option):
   outside = _grads(f, x, kv, kv)
   with CONTEXTS[context]():
     inside = _grads(f, x, kv, kv)
-  _close(inside, outside, 0)
+  assert_trees_close(inside, outside, 0)
 
 
 # --------------------------------------------------------------------- clipped logits
@@ -195,7 +190,7 @@ def test_exported_with_symbolic_batch_and_length_equals_the_jitted_call():
   exported = export.export(jax.jit(step))(jax.ShapeDtypeStruct((b, t, 2, 8), jnp.float32))
   for length in (5, 600):
     x = jax.random.normal(jax.random.key(length), (3, length, 2, 8), jnp.float32)
-    _close(exported.call(x), jax.jit(step)(x), 1e-5)
+    assert_trees_close(exported.call(x), jax.jit(step)(x), 1e-5)
 
 
 # ------------------------------------------------------------------- Flax's contracts

@@ -244,14 +244,14 @@ def decide(family: Family, fn_name: str, implementation: str | None, call: Any) 
         f"jaxact.{fn_name}: implementation={implementation!r} does not support this call: "
         f"{why}; use implementation={instead} or None"
       )
-    decision = Decision(impl.forward, impl.backward)
-    if implementation != "xla":
-      decision = Decision(impl.forward, impl.backward, forced=True, target=target())
-  if family.xla_sharded:
-    return dataclasses.replace(decision, sharding=family.place(sharding))
-  if decision.forward == decision.backward == "xla":
-    return decision
-  return dataclasses.replace(decision, sharding=family.place(sharding))
+    forced = implementation != "xla"
+    decision = Decision(
+      impl.forward, impl.backward, forced, target=target() if forced else Target()
+    )
+  kernels = not decision.forward == decision.backward == "xla"
+  if family.xla_sharded or kernels:
+    decision = dataclasses.replace(decision, sharding=family.place(sharding))
+  return decision
 
 
 def auto(why: str | None, rules, facts: Callable[[], Any]) -> Decision:
