@@ -42,7 +42,7 @@ import numpy as np
 
 import jaxact
 from benchmarks import gated, gemma, lce, timing
-from jaxact._src import test_util
+import support
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
@@ -140,7 +140,7 @@ def longest_fit(label: str, capacity: int, batch: int = 4, step: int = 1024) -> 
     def flat(*leaves):
       return step(*jax.tree.unflatten(tree, leaves))
 
-    m = test_util.compile_for(flat, leaves).memory_analysis()
+    m = support.compile_for(flat, leaves).memory_analysis()
     return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
 
   return gated.largest_fit_of(total, capacity, step=step, start=(2048, 8192))
@@ -172,7 +172,7 @@ def attention_temp(head_dim, dtype, seq, block_sizes, batch=4, heads=8, kv_heads
   """Compiled temp (bytes) of :func:`attention_vjp` for an H100."""
   q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), dtype)
-  compiled = test_util.compile_for(attention_vjp(block_sizes), [q, kv, kv, q])
+  compiled = support.compile_for(attention_vjp(block_sizes), [q, kv, kv, q])
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
   parser.add_argument("--runs", type=int, default=5, help="timing rounds")
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
-  gpu_compiler = test_util.use_gpu_compiler()  # before the first computation starts jax
+  gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
   if "decoder" in sections:
     print("\n## Decoder step, CPU float32, D = 512, 8 heads, V = 32000\n")

@@ -7,7 +7,7 @@
   with gelu, exact and with 8, 4 and 2 bits, against the jax.nn composition; the arrays the
   pullback keeps per layer (in buffers);
 * the same 8-layer MLP in bfloat16 at 8192 x 4096, compiled for an H100 on this machine
-  (``jaxact._src.test_util.compile_for``; needs ``tests/install_gpu_compiler.py``), in MiB;
+  (``support.compile_for``; needs ``tests/install_gpu_compiler.py``), in MiB;
 * step time: the activation alone, ``jit(value_and_grad(sum(act(x))))`` on 2**22 float32, against
   jax.nn; and the fused MLP and CNN with codes against exact (medians of per-round ratios).
 """
@@ -80,7 +80,7 @@ def memory_rows(name: str = "gelu") -> list[str]:
 
 
 def h100_rows(name: str = "gelu", layers: int = 8, m: int = 8192, d: int = 4096) -> list[str]:
-  from jaxact._src.test_util import H100, compile_for
+  from support import H100, compile_for
 
   shapes = [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)]
   shapes += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for _ in range(layers) for s in ((d, d), (d,))]
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   gpu = not args.no_gpu
   if gpu:  # the plugin registers its compiler only before JAX's backends start
-    from jaxact._src.test_util import use_gpu_compiler
+    from support import use_gpu_compiler
 
     gpu = use_gpu_compiler()
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs")

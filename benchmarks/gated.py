@@ -19,7 +19,7 @@ Sections (loss: mean square of the output; gradients with respect to the paramet
 * ``cpu``: float32, 4096 tokens, D = 512, F = 1408: compiled temp of ``jit(value_and_grad)`` for
   1, 2 and 8 blocks, growth per block, and the activation-sized arrays ``jax.vjp``'s pullback keeps
   (``python -m benchmarks`` measures this section too);
-* ``h100``: the same compiled for an H100 on this machine (``jaxact._src.test_util.compile_for``),
+* ``h100``: the same compiled for an H100 on this machine (``support.compile_for``),
   bfloat16, 8192 tokens, D = 4096, F = 11008, and the largest token count that fits the H100
   (found by compiling: :func:`largest_fit`);
 * ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
@@ -52,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import jaxact.linen
 from benchmarks import timing
-from jaxact._src import test_util
+import support
 
 try:
   import tokamax
@@ -220,13 +220,13 @@ def cpu_memory(loss, params, x) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def gpu_memory(loss, params, x, device_kind=test_util.H100) -> tuple[int, int]:
+def gpu_memory(loss, params, x, device_kind=support.H100) -> tuple[int, int]:
   """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU."""
 
   def step(x, *params):
     return jax.value_and_grad(loss)(params, x)
 
-  m = test_util.compile_for(step, [x, *params], device_kind).memory_analysis()
+  m = support.compile_for(step, [x, *params], device_kind).memory_analysis()
   total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
   return m.temp_size_in_bytes, total - m.alias_size_in_bytes
 
@@ -331,11 +331,11 @@ def largest_fit_of(
   return tokens, at(tokens)
 
 
-def capacity(device_kind=test_util.H100) -> int:
+def capacity(device_kind=support.H100) -> int:
   """The GPU's memory in bytes, from XLA's target config for it."""
   import re
 
-  found = re.search(r"device_memory_size:\s*(\d+)", test_util.target_config(device_kind))
+  found = re.search(r"device_memory_size:\s*(\d+)", support.target_config(device_kind))
   return int(found.group(1))
 
 
@@ -545,8 +545,8 @@ def main(argv=None) -> int:
   names = args.sections.split(",")
   if any(n.endswith("h100") for n in names):
     try:  # before the first computation starts jax's backends
-      test_util.device(test_util.H100)
-    except test_util.Unavailable as e:
+      support.device(support.H100)
+    except support.Unavailable as e:
       print(f"benchmarks.gated: {e}", file=sys.stderr)
       return 2
   print(

@@ -7,7 +7,7 @@ One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the e
 
 - ``original``: the example's computation: Gemma's RMS norm ``x_hat * (1 + scale)``, attention
   as the example's ``Attention.__call__`` computes it (``example_attention`` of
-  ``jaxact._src.test_util.flax_gemma``, which tests/test_porting_guide.py checks the guide's
+  ``support.flax_gemma``, which tests/test_porting_guide.py checks the guide's
   recipe against) under train.py's ``make_causal_attn_mask``, with its symmetric sliding window
   on every other layer, GeGLU MLP of three
   ``nnx.Linear``, the tied head ``embedder.attend`` with a final soft cap, and T5X's weighted
@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxact
 import jaxact.nnx as jnnx
-from jaxact._src.test_util.flax_gemma import example_attention, make_causal_attn_mask
+from support.flax_gemma import example_attention, make_causal_attn_mask
 
 MiB = 2**20
 
@@ -417,14 +417,14 @@ def temp(config: Config, name: str, gpu: bool = False) -> int:
   data = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in batch(config)]
   if not gpu:
     return jax.jit(step).lower(params, *data).compile().memory_analysis().temp_size_in_bytes
-  from jaxact._src import test_util
+  import support
 
   leaves, tree = jax.tree.flatten((params, *data))
 
   def flat(*leaves):
     return step(*jax.tree.unflatten(tree, leaves))
 
-  return test_util.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
+  return support.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
 
 
 def section_memory(gpu: bool) -> list[str]:
@@ -566,9 +566,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out", help="also write the tables to this file")
   args = parser.parse_args(argv)
   if "h100" in args.sections:
-    from jaxact._src import test_util
+    import support
 
-    test_util.use_gpu_compiler()  # before the first computation starts jax's backends
+    support.use_gpu_compiler()  # before the first computation starts jax's backends
   if args.check:
     for result in check():
       print(json.dumps(result), flush=True)

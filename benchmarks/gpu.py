@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jaxact
 from benchmarks import timing
 from benchmarks.gpu_common import conv_paths
-from jaxact._src.test_util import layer_paths
+from support import layer_paths
 
 # Data-sheet peaks, (HBM bandwidth in TB/s, dense bfloat16 tensor-core TFLOP/s), matched against
 # jax's device_kind in this order (the first substring found wins: "H100 PCIe" before "H100").

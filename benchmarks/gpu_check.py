@@ -67,7 +67,7 @@ import jax
 
 from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce, gpu_truth
 from benchmarks.gpu_common import gpu_device, section_env
-from jaxact._src.test_util import is_hopper
+from support import is_hopper
 
 
 def _copy_gbps(results):

@@ -17,7 +17,7 @@
    convolution, exact and each code, for ``"xla"``, ``None``, ``"pallas"`` and, on Hopper,
    ``"mosaic"``: ms, against the same path's exact step, and compiled temp memory.
 
-What it checks and times is built in ``jaxact._src.test_util.gpu_codes``, which
+What it checks and times is built in ``support.gpu_codes``, which
 ``tests/test_gpu_codes_section.py`` runs on CPU (interpret mode, small shapes) and lowers for an
 abstract H100.
 """
@@ -33,8 +33,8 @@ import numpy as np
 
 from benchmarks.gpu_common import ROTATE, conv_inputs, inputs, median_seconds
 from benchmarks.gpu_conv import CONV_W, CONV_X
-from jaxact._src.test_util import gpu_codes as gc
-from jaxact._src.test_util import layer_step
+from support import gpu_codes as gc
+from support import layer_step
 
 CODED = gc.BITS[1:]
 DENSE = (8192, 4096, 4096)

@@ -1,5 +1,5 @@
 """What the GPU benchmarks (``python -m benchmarks.gpu_check``) share: the GPU, timing, inputs,
-float32 references, the error rule (:mod:`jaxact._src.test_util.gpu_compare`'s ``TOL``, ``rel``,
+float32 references, the error rule (:mod:`support.gpu_compare`'s ``TOL``, ``rel``,
 ``within``) and the ``env`` section (the ceilings the others are read against)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 from jax import lax
 
 import jaxact
-from jaxact._src.test_util import param_defaults
-from jaxact._src.test_util.gpu_compare import TOL as TOL
-from jaxact._src.test_util.gpu_compare import rel as rel
-from jaxact._src.test_util.gpu_compare import within as within
+from support import param_defaults
+from support.gpu_compare import TOL as TOL
+from support.gpu_compare import rel as rel
+from support.gpu_compare import within as within
 
 SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096))
 ROTATE = 4  # input sets cycled through, so that no call reads what the last left in L2

@@ -21,7 +21,7 @@ from benchmarks.gpu_common import (
   rel,
   within,
 )
-from jaxact._src.test_util import epilogue, layer_step, param_defaults
+from support import epilogue, layer_step, param_defaults
 from pallas_kernels import EltwiseTiles, default_tiles
 from pallas_kernels import bias_act_triton as pk_eltwise
 

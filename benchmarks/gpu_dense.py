@@ -23,7 +23,7 @@ from benchmarks.gpu_common import (
   rel,
   within,
 )
-from jaxact._src.test_util import (
+from support import (
   epilogue,
   fused_dense,
   is_hopper,

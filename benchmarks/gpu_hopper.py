@@ -1,7 +1,7 @@
 """The Hopper kernels on a GPU (sections ``hopper``, ``check-mosaic`` and ``hopper-bwd`` of
 ``python -m benchmarks.gpu_check``): the Mosaic GPU forward checked, timed against ``jnp.dot`` and
 the other paths, its tiles swept, one layer's step with each backward option; the Mosaic GPU
-backward kernels alone, for the tilings ``test_util.hopper_bwd_variants`` lists, against XLA's."""
+backward kernels alone, for the tilings ``support.hopper_bwd_variants`` lists, against XLA's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax import lax
 
 import jaxact
 from benchmarks.gpu_common import ROTATE, TOL, inputs, median_seconds, rel
-from jaxact._src.test_util import epilogue, fused_dense, hopper_bwd_variants, layer_step
+from support import epilogue, fused_dense, hopper_bwd_variants, layer_step
 from pallas_kernels import dense_triton as pk_dense
 
 HOPPER_SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192))

@@ -15,7 +15,7 @@ Two tables, bfloat16:
    imports; each as a ratio to the plain composition (the issue: the kernel <= 1.10x, no slower
    than tokamax).
 
-The functions it times are built by :func:`jaxact._src.test_util.gpu_lce.paths`, which
+The functions it times are built by :func:`support.gpu_lce.paths`, which
 ``tests/test_pallas_lce_hopper.py`` lowers for an abstract H100 so that the section cannot rot
 between GPU sessions.
 """
@@ -30,7 +30,7 @@ import numpy as np
 
 import jaxact
 from benchmarks.gpu_common import median_seconds
-from jaxact._src.test_util import gpu_lce
+from support import gpu_lce
 
 SIZES = ((16384, 4096, 131072), (16384, 4096, 262144))
 CHECK = (4096, 1024, 32768)

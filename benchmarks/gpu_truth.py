@@ -10,7 +10,7 @@ seconds on an H100 (compiles included), function. They run by priority (table or
 one), each skipped (``skipped: budget``) when its estimate would overrun the budget (seconds of
 process age, ``--budget``), each writing its verdicts and tables under ``--out`` (default
 ``$OUT``) as it goes: ``truth.md``, ``truth.json``, tracebacks in ``truth-errors.log``
-(:mod:`jaxact._src.test_util.truth`). Priorities:
+(:mod:`support.truth`). Priorities:
 
 0. the device and its ceilings (``env``);
 1. correctness in bfloat16 of the kernels no GPU has run, or that changed since the last GPU run
@@ -27,8 +27,8 @@ process age, ``--budget``), each writing its verdicts and tables under ``--out``
 Correctness is judged as ``benchmarks.gpu_check``'s ``check`` judges it: the kernel path and the
 XLA path at the inputs' dtype, each against the XLA path on float32 inputs at HIGHEST precision;
 the kernel may be twice as inexact as XLA plus one rounding of its dtype
-(:mod:`jaxact._src.test_util.gpu_compare`). The code kernels keep the same codes as XLA from
-inputs whose pre-activation is exact (:mod:`jaxact._src.test_util.gpu_codes`). Shapes are small,
+(:mod:`support.gpu_compare`). The code kernels keep the same codes as XLA from
+inputs whose pre-activation is exact (:mod:`support.gpu_codes`). Shapes are small,
 but each Hopper check has more output tiles than an H100 has SMs, so that every persistent CTA
 walks a second tile while the others run (the interpreter runs one CTA: it cannot show a race).
 
@@ -70,8 +70,8 @@ from benchmarks.gpu_truth_timings import (
   time_gated,
   time_lce,
 )
-from jaxact._src.test_util import is_hopper
-from jaxact._src.test_util import truth as th
+from support import is_hopper
+from support import truth as th
 
 SG = ("silu", "gelu")  # the gated activations of the float16 and float32 rows
 
@@ -163,7 +163,7 @@ STEPS: tuple[Step, ...] = (
 
 def _standins() -> tuple[Step, ...]:
   """Steps that exercise the harness on the CPU in a second: what each verdict looks like."""
-  from jaxact._src.test_util.gpu_compare import compare_to_xla
+  from support.gpu_compare import compare_to_xla
 
   def build(impl, precision):  # a "kernel" that is the XLA path itself
     return lambda x, w: jnp.tanh(jnp.dot(x, w, precision=precision))

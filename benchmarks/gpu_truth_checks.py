@@ -1,9 +1,9 @@
 """The correctness steps of the GPU truth run (:mod:`benchmarks.gpu_truth`'s table).
 
-Each takes the run's :class:`~jaxact._src.test_util.truth.Context` and the row's parameters,
+Each takes the run's :class:`~support.truth.Context` and the row's parameters,
 records one verdict a kernel (``ctx.verdict``) and returns its markdown lines and data. The checks
 themselves are the GPU sections' (``benchmarks.gpu_dense.check_case``,
-``benchmarks.gpu_conv.check_case``) and ``jaxact._src.test_util``'s (``gpu_codes.check``,
+``benchmarks.gpu_conv.check_case``) and ``support``'s (``gpu_codes.check``,
 ``gpu_gated.check``, ``gpu_lce.check``), at small shapes (``ctx.pick(on_the_gpu, rehearsal)``).
 """
 
@@ -15,10 +15,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from jaxact._src.test_util import gpu_codes as gc
-from jaxact._src.test_util import gpu_gated, gpu_lce
-from jaxact._src.test_util import truth as th
-from jaxact._src.test_util.gpu_compare import Comparison
+from support import gpu_codes as gc
+from support import gpu_gated, gpu_lce
+from support import truth as th
+from support.gpu_compare import Comparison
 
 DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 FAMILIES = ("identity", "relu", "gelu")  # one activation a residual: none, output, input
@@ -97,7 +97,7 @@ def codes(
   ctx: th.Context, dtype: str, op: str, impl: str, cases=(("gelu", 8), ("gelu", 4), ("gelu", 2))
 ):
   """Few-bit derivative codes through the kernels against XLA's: y, the kept codes, dx, dw, db
-  (``test_util.gpu_codes.check``, exact pre-activations)."""
+  (``support.gpu_codes.check``, exact pre-activations)."""
   from benchmarks import gpu_codes
 
   if op == "dense":
@@ -163,7 +163,7 @@ def attention(ctx: th.Context, dtype: str):
   plain, causal, soft-capped, and causal with a window and lengths (a batch row with no key): O
   and the gradients of q, k, v."""
   import jaxact
-  from jaxact._src.test_util.gpu_compare import compare_to_xla
+  from support.gpu_compare import compare_to_xla
 
   b, t, n, h = ctx.pick((2, 1024, 4, 128), (1, 16, 2, 16))
   keys = jax.random.split(jax.random.key(40), 3)

@@ -13,9 +13,9 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from jaxact._src.test_util import gpu_codes as gc
-from jaxact._src.test_util import gpu_gated
-from jaxact._src.test_util import truth as th
+from support import gpu_codes as gc
+from support import gpu_gated
+from support import truth as th
 
 
 def _ratio_verdict(ctx, kernel: str, t: float, base: float, label: str = "xla") -> None:

@@ -11,7 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxact._src.test_util import layer_paths, layer_step
+from support import layer_paths, layer_step
 
 
 def main(argv=None) -> int:

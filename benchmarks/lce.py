@@ -51,7 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 from benchmarks import gated, timing
-from jaxact._src import test_util
+import support
 from jaxact._src.lce import plan as lce_plan
 from jaxact._src.lce import vjp as lce_vjp
 
@@ -176,7 +176,7 @@ def section_head(runs: int = 5, vocabs=CPU_VOCABS, time_it: bool = True) -> list
 
 
 def _gpu_head_total(head, tokens, dim, vocab) -> tuple[int, int]:
-  m = test_util.compile_for(_step(head), _head_args(tokens, dim, vocab, jnp.bfloat16))
+  m = support.compile_for(_step(head), _head_args(tokens, dim, vocab, jnp.bfloat16))
   m = m.memory_analysis()
   total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
   return m.temp_size_in_bytes, total - m.alias_size_in_bytes
@@ -380,7 +380,7 @@ def decoder_temp(c: Decoder, body: str, head: str, gpu: bool, norm=rms_norm) -> 
     def flat(*leaves):
       return step(*jax.tree.unflatten(tree, leaves))
 
-    return test_util.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
+    return support.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
   return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -450,7 +450,7 @@ def section_tied(gpu: bool) -> list[str]:
   for name, head in TIED_HEADS.items():
     w = jax.ShapeDtypeStruct((dim, vocab) if name.startswith("untied") else (vocab, dim), dtype)
     step, args = jax.grad(head, argnums=(0, 1)), (w, x, labels)
-    compile_ = test_util.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
+    compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
     compiled = compile_(step, args)
     rows.append(f"| {name} | {compiled.memory_analysis().temp_size_in_bytes / MiB:.1f} |")
   return rows
@@ -512,7 +512,7 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
-  gpu_compiler = test_util.use_gpu_compiler()  # before the first computation starts jax
+  gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
   print(
     f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
     f"{getattr(tokamax, '__version__', 'not installed')}"

@@ -25,7 +25,7 @@ import time
 
 import jax
 
-from jaxact._src.test_util.sweep import CASES, Row, sweep
+from support.sweep import CASES, Row, sweep
 
 
 def table(rows: list[Row], dtypes: list[str]) -> str:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from jaxact._src import test_util
+import support
 from jaxact._src.activations import api as activations
 
 ACTIVATION = {"gelu": jaxact.gelu, "silu": jaxact.silu, "mish": jaxact.mish}
@@ -59,5 +59,5 @@ def coded_rule(name: str, bits: int):
   """The rule jaxact builds for `name` (default parameters) with a `bits`-bit code."""
   spec = jaxact.get_spec(name)
   z = jax.ShapeDtypeStruct((), jnp.float32)
-  rule, _ = activations._split_params(spec, z, test_util.param_defaults(spec))
+  rule, _ = activations._split_params(spec, z, support.param_defaults(spec))
   return activations.with_code(rule, bits)

@@ -27,16 +27,16 @@ os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 # The suite's programs are small: compiling them costs more than running them. LLVM's expensive
 # passes off (XLA's HLO passes, fusion and buffer assignment, which the memory tests read, still
 # run); here and in every subprocess the tests start (8-device scripts, notebooks, the docs build).
-# test_util.compile_for restores the full backend optimization for the GPU compiles (spill checks).
+# support.compile_for restores the full backend optimization for the GPU compiles (spill checks).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402 (after the environment above)
 import pytest  # noqa: E402
 
-from jaxact._src import test_util  # noqa: E402
+import support  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-test_util.use_gpu_compiler()  # before the first computation starts jax's backends
+support.use_gpu_compiler()  # before the first computation starts jax's backends
 
 
 def pytest_make_parametrize_id(config, val, argname):

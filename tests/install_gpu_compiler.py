@@ -4,7 +4,7 @@ tests/test_gpu_compile.py and ``python -m benchmarks.aot`` compile jaxact's kern
 an A100 on a machine without a GPU through jax's CUDA plugin (XLA's GPU compiler; no CUDA
 libraries). Installed in site-packages, the plugin would load in every jax program of the venv and,
 on a machine without CUDA, print a "Unable to load cuDNN" traceback at each start; kept in its own
-folder it loads only where ``jaxact._src.test_util.use_gpu_compiler`` puts it on ``sys.path``.
+folder it loads only where ``support.use_gpu_compiler`` puts it on ``sys.path``.
 The plugin must match jaxlib's version exactly. Linux only (the plugin's wheels).
 
     .venv/bin/python tests/install_gpu_compiler.py

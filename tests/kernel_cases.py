@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import pallas_kernels
-from jaxact._src.test_util import GPUS
+from support import GPUS
 
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 MOSAIC = "mosaic_gpu_v2"

@@ -176,5 +176,5 @@ def test_kernels_know_no_devices_and_the_target_is_looked_up_in_one_place():
   for path in sorted((ROOT / "pallas_kernels").glob("*.py")):
     assert not _calls(path) & lookups, path.name
   for path in sorted((ROOT / "jaxact").rglob("*.py")):
-    if path.name != "dispatch.py" and "test_util" not in path.parts:
+    if path.name != "dispatch.py":
       assert not _calls(path) & lookups, path.name

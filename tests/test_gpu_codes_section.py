@@ -1,6 +1,6 @@
 """The ``codes`` section of ``python -m benchmarks.gpu_check`` runs here before it runs on a GPU.
 
-What the section checks and times is built in ``jaxact._src.test_util.gpu_codes``. On CPU its
+What the section checks and times is built in ``support.gpu_codes``. On CPU its
 correctness check runs the kernels in interpret mode at small shapes (a kernel keeping other codes
 than XLA's fails it), the epilogue kernels it times run against XLA's fusions of the same passes
 with the bytes each is credited with counted by hand, and every function it times lowers for an
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxact._src.test_util import gpu_codes as gc
-from jaxact._src.test_util import layer_step
+from support import gpu_codes as gc
+from support import layer_step
 from kernel_cases import MOSAIC, TRITON, lowered_text
 
 from cases import representatives

@@ -1,6 +1,6 @@
 """The kernels compiled, not only lowered, for GPUs this machine does not have.
 
-XLA's own GPU compiler runs here through jax's CUDA plugin (``jaxact._src.test_util``): Triton
+XLA's own GPU compiler runs here through jax's CUDA plugin (``support``): Triton
 kernels are compiled to PTX for the target's shared memory and compute capability, so a tile
 configuration that lowers but does not fit the GPU fails here; and XLA's buffer assignment for the
 GPU gives a training step's memory as the GPU would allocate it, checked against jax.nn's step
@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxact._src import test_util
+import support
 from pallas_kernels import Epilogue, dense_triton, dense_triton_tiles
 
 try:
-  test_util.device(test_util.H100)
-except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+  support.device(support.H100)
+except support.Unavailable as e:  # pragma: no cover - depends on the environment
   if os.environ.get("CI"):
     raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
   pytest.skip(f"cannot compile for a GPU here: {e}", allow_module_level=True)
@@ -36,7 +36,7 @@ import jaxact
 
 from cases import EXH
 
-GPUS = test_util.GPUS
+GPUS = support.GPUS
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "mosaic_gpu_v2"
 
 
-shapes = test_util.layer_shapes
+shapes = support.layer_shapes
 
 
 def kernel_calls(compiled, target) -> int:
@@ -71,10 +71,10 @@ def test_compiling_catches_a_tile_that_lowers_but_does_not_fit():
     return dense_triton.dense_bias_act_fwd(x, w, b, epilogue=ep, block_config=wide)[0]
 
   args = shapes(1024, 1024, 1024)
-  with jax.sharding.use_abstract_mesh(test_util.abstract_mesh(test_util.A100)):
+  with jax.sharding.use_abstract_mesh(support.abstract_mesh(support.A100)):
     assert TRITON in jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(Exception, match=r"[Ss]hared memory"):
-    test_util.compile_for(fwd, args, test_util.A100)
+    support.compile_for(fwd, args, support.A100)
 
 
 @pytest.mark.exhaustive
@@ -83,20 +83,20 @@ def test_every_triton_block_config_compiles(gpu):
   """Forward, dx and dw(+db) of every configuration `default_block_config` returns for the GPU,
   through XLA's GPU compiler, with no residual (identity); the register-spill test below compiles
   every configuration with an output-residual (squareplus) and an input-residual (gelu) epilogue."""
-  probes = test_util.triton_probes(gpu == "H100")
+  probes = support.triton_probes(gpu == "H100")
   assert len(probes) >= 20
   for (m, k, n), dt in probes.values():
     activation = "identity"
-    compiled = test_util.compile_for(
-      test_util.train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu]
+    compiled = support.compile_for(
+      support.train_step(activation, "pallas"), shapes(m, k, n, dt), GPUS[gpu]
     )
     assert kernel_calls(compiled, TRITON) == 3, ((m, k, n), dt, activation)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "identity"])
 def test_the_hopper_kernels_compile_for_an_h100(activation):
-  compiled = test_util.compile_for(
-    test_util.train_step(activation, "mosaic"), shapes(512, 512, 512)
+  compiled = support.compile_for(
+    support.train_step(activation, "mosaic"), shapes(512, 512, 512)
   )
   assert kernel_calls(compiled, MOSAIC) == 3  # forward, dx, dw(+db)
 
@@ -104,11 +104,11 @@ def test_the_hopper_kernels_compile_for_an_h100(activation):
 def test_every_hopper_backward_variant_compiles():
   """The tilings `benchmarks.gpu_check --sections hopper-bwd` times (a GPU session picks the
   default from them), for an input-residual epilogue."""
-  variants = test_util.hopper_bwd_variants((512, 512, 512))
+  variants = support.hopper_bwd_variants((512, 512, 512))
   assert len(variants) >= 4
   for label, tiles in variants.items():
-    compiled = test_util.compile_for(
-      test_util.hopper_bwd(tiles), test_util.hopper_bwd_shapes((512, 512, 512))
+    compiled = support.compile_for(
+      support.hopper_bwd(tiles), support.hopper_bwd_shapes((512, 512, 512))
     )
     assert kernel_calls(compiled, MOSAIC) == 2, label
 
@@ -119,7 +119,7 @@ ACTIVATION_MIB = M * N * 2 / 2**20  # one bf16 (M, N) array
 
 def step_temp_mib(f, gpu):
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, K), (K, N), (N,), (M, N))]
-  compiled = test_util.compile_for(test_util.layer_step(f), args, gpu)  # y and the pullback at g
+  compiled = support.compile_for(support.layer_step(f), args, gpu)  # y and the pullback at g
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
@@ -178,8 +178,8 @@ def test_a_tile_that_spills_registers_is_caught():
 
     return f
 
-  assert test_util.spills(backward(bias_act_triton.EltwiseTiles(128, 256, 4)), args)
-  assert not test_util.spills(backward(None), args)
+  assert support.spills(backward(bias_act_triton.EltwiseTiles(128, 256, 4)), args)
+  assert not support.spills(backward(None), args)
 
 
 # The layers whose tiles spilled before the tile and warp choices of default_block_config were made
@@ -210,8 +210,8 @@ def test_no_spill_where_triton_tiles_spilled_before(gpu, activation):
   for (m, k, n), dt in SPILLED_BEFORE:
     if gpu == "A100" and dt == jnp.float32 and min(m, k, n) <= 16:
       continue  # gelu-like epilogues still spill there (results/aot.md): the survey's exception
-    step = test_util.train_step(activation, "pallas")
-    assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
+    step = support.train_step(activation, "pallas")
+    assert not support.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt, activation)
 
 
 @pytest.mark.exhaustive
@@ -222,11 +222,11 @@ def test_no_triton_tile_spills_registers(gpu, activation):
 
   Except, on an A100, float32 layers with a dimension of at most 16 (their 16-wide tiles spill for
   gelu, mish, silu, squareplus or sparse_plus there; benchmarks/results/aot.md)."""
-  for (m, k, n), dt in test_util.triton_probes(gpu == "H100").values():
+  for (m, k, n), dt in support.triton_probes(gpu == "H100").values():
     if gpu == "A100" and dt == jnp.float32 and min(m, k, n) <= 16:
       continue
-    step = test_util.train_step(activation, "pallas")
-    assert not test_util.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt)
+    step = support.train_step(activation, "pallas")
+    assert not support.spills(step, shapes(m, k, n, dt), GPUS[gpu]), ((m, k, n), dt)
 
 
 ELEMENTWISE_NAMES = [a for a in jaxact.ACTIVATIONS if jaxact.get_spec(a).elementwise]
@@ -254,7 +254,7 @@ def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype, names):
   spilling = [
     a
     for a in names
-    if test_util.spills(test_util.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
+    if support.spills(support.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
   ]
   assert spilling == []
 
@@ -292,7 +292,7 @@ def test_linear_cross_entropy_for_an_h100_keeps_no_logits_and_folds_a_tied_trans
     return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
 
   def temp(step, *args):
-    return test_util.compile_for(step, args).memory_analysis().temp_size_in_bytes
+    return support.compile_for(step, args).memory_analysis().temp_size_in_bytes
 
   untied = temp(_lce_step(False), w, x, labels)
   tied = temp(_lce_step(True), emb, x, labels)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxact._src.test_util import truth as th
-from jaxact._src.test_util.gpu_compare import TOL, compare_to_xla, within
+from support import truth as th
+from support.gpu_compare import TOL, compare_to_xla, within
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

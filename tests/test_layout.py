@@ -1,5 +1,5 @@
-"""The repository's boundaries: benchmarks consume the library; only the library is installed; the
-library is laid out as its op families, one folder each, with no import circle and no module
+"""The repository's boundaries: benchmarks consume the library; the support package serves tests and
+benchmarks and is not installed; only the library is installed; the library is laid out as its op families, one folder each, with no import circle and no module
 outgrown one reading."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_nothing_outside_benchmarks_imports_them(folder):
 
 def test_no_test_module_imports_another():
   """Shared test helpers live in helper modules (cases.py, kernel_cases.py, ...) or in
-  jaxact._src.test_util, never in a test module."""
+  support, never in a test module."""
   tests = {p.stem for p in _sources("tests") if p.stem.startswith("test_")}
   offenders = [
     f"{p.relative_to(ROOT)}: {name}"
@@ -69,11 +69,22 @@ def test_no_test_module_imports_another():
   assert offenders == []
 
 
-def test_test_util_imports_only_jax_numpy_and_the_library_at_module_level():
-  allowed = {"jax", "numpy", "jaxact", "pallas_kernels", "__future__"}
+@pytest.mark.parametrize("folder", ["jaxact", "pallas_kernels"])
+def test_the_library_never_imports_the_support_package(folder):
+  offenders = [
+    f"{p.relative_to(ROOT)}: {name}"
+    for p in _sources(folder)
+    for name in imported_modules(p.read_text())
+    if _top(name) == "support"
+  ]
+  assert offenders == [], "support/ serves tests and benchmarks; the library never imports it"
+
+
+def test_support_imports_only_jax_numpy_and_the_library_at_module_level():
+  allowed = {"jax", "numpy", "jaxact", "pallas_kernels", "support", "__future__"}
   outside = {
     f"{path.name}: {name}"
-    for path in sorted((ROOT / "jaxact" / "_src" / "test_util").glob("*.py"))
+    for path in sorted((ROOT / "support").glob("*.py"))
     for name in imported_modules(path.read_text(), top_level_only=True)
     if _top(name) not in allowed and _top(name) not in sys.stdlib_module_names
   }

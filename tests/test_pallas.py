@@ -19,9 +19,9 @@ import pytest
 
 import jaxact
 import pallas_kernels
-from jaxact._src import test_util
-from jaxact._src.test_util import GPUS, train_step
-from jaxact._src.test_util import layer_shapes as shapes
+import support
+from support import GPUS, train_step
+from support import layer_shapes as shapes
 from kernel_cases import TRITON, args, lowered_text
 from pallas_kernels import dense_triton as kernels
 from pallas_kernels import dense_triton_tiles
@@ -162,8 +162,8 @@ def test_unsupported_calls_fall_back_or_raise():
 
 def configs(hopper: bool):
   """One probe (shape, dtype) per configuration `default_block_config` can return for the target
-  (test_util.triton_probes: every size class of every dimension, every dtype)."""
-  return test_util.triton_probes(hopper)
+  (support.triton_probes: every size class of every dimension, every dtype)."""
+  return support.triton_probes(hopper)
 
 
 # Shared memory per SM: A100 164 KiB, H100 228 KiB; Triton needs some for its epilogue.

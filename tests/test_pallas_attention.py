@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxact._src import test_util
+import support
 from kernel_cases import TRITON, lowered_text
 from pallas_kernels import attention_triton as kernels
 
@@ -489,8 +489,8 @@ def test_the_kernels_lower_to_three_triton_calls_for_cuda():
 
 def _gpu_compiler() -> str | None:
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     if os.environ.get("CI"):
       raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
     return str(e)
@@ -557,7 +557,7 @@ def test_the_kernels_compile_without_spills_and_keep_no_t_by_s_buffer(gpu, h, kv
   with jax.enable_x64(False):  # as a GPU user's program: 32-bit index arithmetic
     # NO_SPILLS: XLA fails a kernel ptxas spilled registers for; Triton fails one asking for more
     # shared memory than the GPU has.
-    compiled = test_util.compile_for(fn, args, test_util.GPUS[gpu], test_util.NO_SPILLS)
+    compiled = support.compile_for(fn, args, support.GPUS[gpu], support.NO_SPILLS)
   assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == 3
   # Temp holds delta (B, N, T) float32 and little else: one (T, S) float32 tile is 16 MiB.
   delta = b * n * t * 4

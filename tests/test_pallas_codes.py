@@ -23,7 +23,7 @@ import pytest
 
 import jaxact
 from code_cases import coded, conv_args, dense_args, run
-from jaxact._src import test_util
+import support
 from jaxact._src.codes import code as codes
 from kernel_cases import MOSAIC, TRITON, lowered_text
 from pallas_kernels import DerivativeCode, Epilogue, bias_act_triton, dense_triton
@@ -93,7 +93,7 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
     r"features are not a multiple of 4",
   ):
     jaxact.dense_bias_act(x, w, b, activation=coded("gelu", 2), implementation="pallas")
-  gelu, code = test_util.epilogue("gelu"), codes.get_code("gelu", (("approximate", True),), 2)
+  gelu, code = support.epilogue("gelu"), codes.get_code("gelu", (("approximate", True),), 2)
   ep = Epilogue(gelu.fn, gelu.derivative, "code", DerivativeCode(2, code.boundaries, code.levels))
   with pytest.raises(ValueError, match=r"pallas_kernels.dense_triton: 2-bit codes .* 22 features"):
     dense_triton.dense_bias_act_fwd(x, w, b, epilogue=ep, interpret=True)
@@ -101,8 +101,8 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
     ValueError, match=r"pallas_kernels.bias_act_triton: 2-bit codes .* 22 features"
   ):
     bias_act_triton.bias_act_fwd(x @ w, b, epilogue=ep, interpret=True)
-  step = test_util.train_step(coded("gelu", 2), None)
-  shapes = test_util.layer_shapes(64, 32, 22, jnp.bfloat16)
+  step = support.train_step(coded("gelu", 2), None)
+  shapes = support.layer_shapes(64, 32, 22, jnp.bfloat16)
   assert TRITON not in lowered_text(step, shapes, "cuda", "A100")
 
 
@@ -114,8 +114,8 @@ def test_features_that_do_not_fill_bytes_decline_the_kernels():
 
 def _compiler_or_skip():
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"cannot compile for a GPU here: {e}")
 
 
@@ -149,10 +149,10 @@ def test_coded_kernels_compile_without_spilling(gpu, op, bits, float32_defaults)
       jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))
     ]
   else:
-    shapes = test_util.layer_shapes(512, 512, 512, jnp.bfloat16)
+    shapes = support.layer_shapes(512, 512, 512, jnp.bfloat16)
   impl = None if op == "mosaic" else "pallas"
-  step = test_util.train_step(coded("gelu", bits), impl, conv=op == "conv")
-  compiled = test_util.compile_for(step, shapes, test_util.GPUS[gpu], test_util.NO_SPILLS)
+  step = support.train_step(coded("gelu", bits), impl, conv=op == "conv")
+  compiled = support.compile_for(step, shapes, support.GPUS[gpu], support.NO_SPILLS)
   text = compiled.as_text()
   want = {"dense": (3, 0), "conv": (2, 0), "mosaic": (0, 1)}[op]
   assert (text.count('"__gpu$xla.gpu.triton"'), text.count(f'"{MOSAIC}"')) == want

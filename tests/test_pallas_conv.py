@@ -23,7 +23,7 @@ import pytest
 
 import jaxact
 import pallas_kernels
-from jaxact._src.test_util import GPUS
+from support import GPUS
 from kernel_cases import TRITON, lowered_text
 from pallas_kernels import bias_act_triton
 

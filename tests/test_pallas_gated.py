@@ -24,7 +24,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxact
-from jaxact._src import docs, test_util
+import support
+from jaxact._src import docs
 from jaxact._src.activations import api as activations
 from jaxact._src.activations.resolve import Act
 from jaxact._src.core import dispatch, pallas_sharding
@@ -141,8 +142,8 @@ def test_pallas_matches_xla_without_biases_over_tiles(op):
 
 def _epilogue(name):
   if name == "gelu_exact":
-    return test_util.epilogue("gelu", approximate=False)
-  return test_util.epilogue(name)
+    return support.epilogue("gelu", approximate=False)
+  return support.epilogue(name)
 
 
 def _plan(name) -> GatedPlan:
@@ -295,7 +296,7 @@ def test_per_shard_kernels_lower_for_cuda_without_collectives():
   """The gated kernel calls' wrappers on a 2x4 ("data", "model") mesh of A100s: x's rows and the
   weights' columns split (the forward), any split of gh, a and b (the backward pass); each kernel
   runs once in a shard_map region on its block, and nothing is gathered or summed."""
-  device = AbstractDevice(device_kind=test_util.A100, num_cores=None, platform="cuda")
+  device = AbstractDevice(device_kind=support.A100, num_cores=None, platform="cuda")
   mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Explicit,) * 2, abstract_device=device)
   ep = _epilogue("silu")
 
@@ -327,8 +328,8 @@ def test_per_shard_kernels_lower_for_cuda_without_collectives():
 
 def _gpu_compiler() -> str | None:
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     if os.environ.get("CI"):
       raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
     return str(e)
@@ -380,7 +381,7 @@ def test_the_kernels_compile_without_spills_at_the_issue_layer(gpu, name, dtype)
   with jax.enable_x64(False):  # as a GPU user's program: 32-bit index arithmetic
     fn, args = _kernels(name), _kernel_shapes(*ISSUE, dtype)
     # NO_SPILLS: XLA fails the compilation of a kernel ptxas spilled registers for.
-    compiled = test_util.compile_for(fn, args, test_util.GPUS[gpu], test_util.NO_SPILLS)
+    compiled = support.compile_for(fn, args, support.GPUS[gpu], support.NO_SPILLS)
   assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == 2
 
 
@@ -397,7 +398,7 @@ def test_the_gated_mlp_step_compiles_without_spills(gpu, shape):
   issue's layer, bfloat16 and (ragged) float32."""
   with jax.enable_x64(False):
     for dt in (jnp.bfloat16, jnp.float32) if shape != ISSUE else (jnp.bfloat16,):
-      assert not test_util.spills(_mlp_step("pallas"), _mlp_shapes(*shape, dt), test_util.GPUS[gpu])
+      assert not support.spills(_mlp_step("pallas"), _mlp_shapes(*shape, dt), support.GPUS[gpu])
 
 
 def _probes() -> dict:
@@ -421,7 +422,7 @@ def test_every_block_config_compiles_without_spills(gpu):
   with jax.enable_x64(False):
     for (m, k, f), dt in probes.values():
       args = _kernel_shapes(m, k, f, dt)
-      assert not test_util.spills(_kernels("gelu"), args, test_util.GPUS[gpu]), ((m, k, f), dt)
+      assert not support.spills(_kernels("gelu"), args, support.GPUS[gpu]), ((m, k, f), dt)
 
 
 @needs_gpu_compiler
@@ -447,7 +448,7 @@ def test_the_kernels_keep_the_xla_paths_memory_in_the_compiled_step(op):
     shapes = [(m, k), (k, f), (k, f), (f, k), out]
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     with jax.enable_x64(False):
-      compiled = test_util.compile_for(step, args, test_util.H100)
+      compiled = support.compile_for(step, args, support.H100)
     return compiled.memory_analysis().temp_size_in_bytes
 
   assert temp("pallas") <= temp("xla") + 2**20  # beside 3 hidden-sized arrays (516 MiB)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxact._src import test_util
+import support
 from kernel_cases import MOSAIC, lowered_text
 from pallas_kernels import Epilogue, _mosaic, gated_mosaic
 
@@ -62,7 +62,7 @@ def check(name, ops, keep_ab, tiles=None):
   """Run the kernel in interpret mode and compare with the reference and with jax.nn."""
   x, *_ = ops
   dtype = x.dtype
-  ep = Epilogue(None, None, "none") if name == "identity" else test_util.epilogue(name)
+  ep = Epilogue(None, None, "none") if name == "identity" else support.epilogue(name)
   got = gated_mosaic.gated_forward(
     *ops, epilogue=ep, num_sms=1, keep_ab=keep_ab, tiles=tiles, interpret=True
   )
@@ -164,7 +164,7 @@ def test_block_config_fits_the_shared_memory():
 
 def test_bad_operands_are_refused_with_reasons():
   x, w_gate, w_up, b_gate, b_up = operands((128, 64, 128))
-  silu = test_util.epilogue("silu")
+  silu = support.epilogue("silu")
   run = lambda *ops, **kw: gated_mosaic.gated_forward(*ops, epilogue=silu, num_sms=1, **kw)
   with pytest.raises(ValueError, match=r"w_up.shape=\(64, 256\)"):
     run(x, w_gate, jnp.zeros((64, 256), x.dtype), b_gate, b_up)
@@ -202,7 +202,7 @@ def kernel_shapes(m, k, n, dtype=jnp.bfloat16):
 
 
 def forward(name, keep_ab, tiles=None):
-  ep = test_util.epilogue(name)
+  ep = support.epilogue(name)
 
   def fwd(*ops):
     return gated_mosaic.gated_forward(*ops, epilogue=ep, num_sms=132, keep_ab=keep_ab, tiles=tiles)
@@ -242,10 +242,10 @@ def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
 def test_compiles_for_h100(name, keep_ab):
   """Through XLA's GPU compiler and ptxas (jax's CUDA plugin, no GPU)."""
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     if os.environ.get("CI"):
       raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
     pytest.skip(f"cannot compile for a GPU here: {e}")
-  compiled = test_util.compile_for(forward(name, keep_ab), kernel_shapes(512, 512, 512))
-  assert test_util.custom_calls(compiled) == {MOSAIC}
+  compiled = support.compile_for(forward(name, keep_ab), kernel_shapes(512, 512, 512))
+  assert support.custom_calls(compiled) == {MOSAIC}

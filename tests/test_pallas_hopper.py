@@ -24,9 +24,9 @@ import pytest
 from jax.extend import core as jax_core
 
 import jaxact
-from jaxact._src import test_util
-from jaxact._src.test_util import layer_shapes as shapes
-from jaxact._src.test_util import train_step
+import support
+from support import layer_shapes as shapes
+from support import train_step
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
 from pallas_kernels import Epilogue, _mosaic, dense_mosaic, dense_mosaic_bwd
 
@@ -315,7 +315,7 @@ def test_db_is_not_summed_by_the_kernels_of_two_warpgroups(residual):
   epilogue = Epilogue(fn=jnp.tanh, derivative=derivative.get(residual), residual=residual)
   x, w, _ = shapes(512, 512, 1024, jnp.bfloat16)
   rg = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-  for tiles in test_util.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
+  for tiles in support.hopper_bwd_variants((512, 512, 1024), residual != "none").values():
 
     def bwd(x, w, r, g, tiles=tiles):
       r = None if residual == "none" else r
@@ -364,10 +364,10 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   "residual", representatives([True, False], {"residual"}, ["residual", "identity"])
 )
 def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
-  """benchmarks.gpu_check times test_util.hopper_bwd_variants against each other on a GPU: each
+  """benchmarks.gpu_check times support.hopper_bwd_variants against each other on a GPU: each
   must fit the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
-  variants = test_util.hopper_bwd_variants(shape, residual)
+  variants = support.hopper_bwd_variants(shape, residual)
   assert len(variants) == 5 and variants["default"] == dense_mosaic_bwd.hopper_bwd_tiles(
     shape, residual
   )

@@ -24,7 +24,7 @@ import pytest
 
 import jaxact
 from code_cases import coded, coded_rule, dense_args, run
-from jaxact._src import test_util
+import support
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
@@ -197,8 +197,8 @@ def _float32_defaults():
 def test_every_code_lowers_for_h100(bits):
   """A training step at a layer's shape: "mosaic" runs the forward and both backward kernels
   (and db's Triton pass)."""
-  shapes = test_util.layer_shapes(8192, 4096, 4096, jnp.bfloat16)
-  text = lowered_text(test_util.train_step(coded("gelu", bits), "mosaic"), shapes)
+  shapes = support.layer_shapes(8192, 4096, 4096, jnp.bfloat16)
+  text = lowered_text(support.train_step(coded("gelu", bits), "mosaic"), shapes)
   assert mosaic_calls(text) == 3 and text.count(f"custom_call @{TRITON}(") == 1
 
 
@@ -207,8 +207,8 @@ def test_every_code_lowers_for_h100(bits):
 def test_none_on_hopper_runs_only_the_timed_coded_forward(bits):
   """None on an H100: an 8-bit code's layer takes the Mosaic GPU forward (writing the code) and
   XLA's backward; 4- and 2-bit codes, whose packing forward is untimed, stay on XLA."""
-  shapes = test_util.layer_shapes(256, 128, 256, jnp.bfloat16)
-  text = lowered_text(test_util.train_step(coded("gelu", bits), None), shapes, "cuda", "H100")
+  shapes = support.layer_shapes(256, 128, 256, jnp.bfloat16)
+  text = lowered_text(support.train_step(coded("gelu", bits), None), shapes, "cuda", "H100")
   assert mosaic_calls(text) == (1 if bits == 8 else 0) and TRITON not in text
 
 
@@ -218,11 +218,11 @@ def test_the_coded_kernels_compile_for_h100(bits):
   """Through XLA's GPU compiler and ptxas (jax's CUDA plugin, no GPU): the forward and both
   backward kernels."""
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     if os.environ.get("CI"):
       raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
     pytest.skip(f"cannot compile for a GPU here: {e}")
-  step = test_util.train_step(coded("gelu", bits), "mosaic")
-  compiled = test_util.compile_for(step, test_util.layer_shapes(512, 512, 512))
+  step = support.train_step(coded("gelu", bits), "mosaic")
+  compiled = support.compile_for(step, support.layer_shapes(512, 512, 512))
   assert compiled.as_text().count(f'custom_call_target="{MOSAIC}"') == 3

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src import test_util
+import support
 from jaxact._src.lce import plan as lce_plan
 from kernel_cases import lowered_text
 from pallas_kernels import lce_mosaic, lce_mosaic_bwd
@@ -296,23 +296,23 @@ def test_forward_kernel_lowers_for_an_h100_at_the_issue_size():
 
 def test_forward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   try:
-    device = test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    device = support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"cannot compile for a GPU here: {e}")
   del device
 
   def fwd(x, w, b, labels):
     return lce_mosaic.lce_fwd(x, w, b, labels, soft_cap=None, want_mean=True, num_sms=132)
 
-  compiled = test_util.compile_for(fwd, _shapes(16384, 4096, 131072))
+  compiled = support.compile_for(fwd, _shapes(16384, 4096, 131072))
   # Five float32 statistics a token for each of two warpgroups: 0.6 MiB; the logits would be 4 GiB.
   assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
 
 
 def test_backward_kernel_compiles_for_an_h100_without_a_logits_buffer():
   try:
-    test_util.device(test_util.H100)
-  except test_util.Unavailable as e:  # pragma: no cover - depends on the environment
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"cannot compile for a GPU here: {e}")
   t, d, v = 16384, 4096, 4096  # the issue's tokens and D, one GPU-sized block of columns
   shapes = [*_shapes(t, d, v), jax.ShapeDtypeStruct((4, t), jnp.float32)]
@@ -322,14 +322,14 @@ def test_backward_kernel_compiles_for_an_h100_without_a_logits_buffer():
       x, w, b, labels, rows, soft_cap=30.0, label_term=True, uniform_term=True, num_sms=132
     )
 
-  compiled = test_util.compile_for(bwd, shapes)
+  compiled = support.compile_for(bwd, shapes)
   # G (128 MiB) and db's partial sums are outputs; the logits block never exists.
   assert compiled.memory_analysis().temp_size_in_bytes <= 1 << 20
 
 
 def test_the_gpu_section_lowers_for_an_h100():
   # benchmarks.gpu_lce times these on a GPU: each path's fwd+bwd lowers here, the kernels too.
-  from jaxact._src.test_util import gpu_lce
+  from support import gpu_lce
 
   shapes = _shapes(1024, 256, 2048)
   args = [shapes[0], shapes[1], shapes[3]]

@@ -1,5 +1,5 @@
 """docs/porting-flax.md's attention recipe, run as the page writes it, against the Flax Gemma
-example's own attention (``example_attention`` of ``jaxact._src.test_util.flax_gemma``, written
+example's own attention (``example_attention`` of ``support.flax_gemma``, written
 after its ``Attention.__call__``): the query pre-scaled by a ``query_pre_attn_scalar`` that is not
 ``head_dim**-0.5``, the logits capped, and masks that are not causal. A recipe that drops
 ``scale=``, hard-codes ``is_causal`` or a one-sided window, or ignores the mask it is given fails.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxact._src.test_util.flax_gemma import example_attention, make_causal_attn_mask
+from support.flax_gemma import example_attention, make_causal_attn_mask
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "porting-flax.md"
 B, T, N, K, H, W = 2, 8, 4, 2, 8, 3

@@ -1,4 +1,4 @@
-"""The bit-pattern sweep (jaxact._src.test_util.sweep) at a size the suite can afford: the
+"""The bit-pattern sweep (support.sweep) at a size the suite can afford: the
 parameter corners of issue 19 over every 65537th float32 bit pattern and every bfloat16 and float16
 value. The full sweep (every float32 pattern, every activation): ``python -m benchmarks.sweep``."""
 
@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import pytest
 
-from jaxact._src.test_util import sweep
+from support import sweep
 
 import cases
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from jaxact._src.test_util.gpu_compare import Comparison, compare_to_xla
+from support.gpu_compare import Comparison, compare_to_xla
 
 try:
   import tokamax
@@ -97,7 +97,7 @@ OPTION_CASES: dict[str, dict] = {
 def check(case: str, implementation: str, shape, dtype, seed: int = 0) -> Comparison:
   """``linear_cross_entropy`` of ``shape = (tokens, D, V)`` with :data:`OPTION_CASES`'s `case`
   through `implementation` against XLA's: the loss (or the per-token losses) and the gradients of
-  x, w and the bias (:func:`jaxact._src.test_util.gpu_compare.compare_to_xla`)."""
+  x, w and the bias (:func:`support.gpu_compare.compare_to_xla`)."""
   options = dict(OPTION_CASES[case])
   with_bias, with_where = options.pop("bias", False), options.pop("where", False)
   tokens, dim, vocab = shape

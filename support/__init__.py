@@ -1,6 +1,7 @@
-"""Support shared by jaxact's tests and benchmarks (as jax keeps ``jax._src.test_util``).
+"""Support shared by jaxact's tests and benchmarks, in the repository, not installed with the wheel.
 
-The library never imports this module; ``tests/`` and ``benchmarks/`` both do. It holds
+The library never imports this package; ``tests/`` and ``benchmarks/`` both do (run from the
+repository's root, as ``python -m pytest`` and ``python -m benchmarks`` are). It holds
 
 * deviceless compilation for an NVIDIA GPU: XLA's own GPU compiler through jax's CUDA plugin
   (the compiler, no CUDA libraries; ``tests/install_gpu_compiler.py`` installs it beside the

@@ -3,7 +3,7 @@
 ``jaxact.gated_mlp`` through its kernels (``"pallas"``: the Triton forward and one-pass
 backward; ``"mosaic"``: the Hopper forward with the Triton backward) against the XLA path, with
 every bias, for the gated activations: y and the gradients of x, the three kernels and the three
-biases (:func:`jaxact._src.test_util.gpu_compare.compare_to_xla`).
+biases (:func:`support.gpu_compare.compare_to_xla`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from jaxact._src.test_util.gpu_compare import Comparison, compare_to_xla
+from support.gpu_compare import Comparison, compare_to_xla
 
 ACTIVATIONS = ("silu", "gelu", "relu", "sigmoid")  # SwiGLU, GeGLU, ReGLU, GLU
 NAMES = ("y", "dx", "dw_gate", "dw_up", "dw_down", "db_gate", "db_up", "db_down")

@@ -35,7 +35,7 @@ from jax import lax
 import jaxact
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
-from jaxact._src.test_util import param_defaults
+from support import param_defaults
 from pallas_kernels import Epilogue
 
 BITS = (None, 8, 4, 2)
