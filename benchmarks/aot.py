@@ -43,6 +43,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import default_block_config, default_tiles
 from support import (
   A100,
   H100,
@@ -62,7 +63,6 @@ from support import (
   triton_probes,
 )
 from support import target_config as target_config  # for jax's AOT API (docstring)
-from pallas_kernels import default_block_config, default_tiles
 
 # ------------------------------------------------------------------------------- sections
 

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks import gated, gemma, lce, timing
 import support
+from benchmarks import gated, gemma, lce, timing
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30

@@ -51,8 +51,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 import jaxact.linen
-from benchmarks import timing
 import support
+from benchmarks import timing
 
 try:
   import tokamax

@@ -21,9 +21,9 @@ from benchmarks.gpu_common import (
   rel,
   within,
 )
-from support import epilogue, layer_step, param_defaults
 from pallas_kernels import EltwiseTiles, default_tiles
 from pallas_kernels import bias_act_triton as pk_eltwise
+from support import epilogue, layer_step, param_defaults
 
 CONV_X, CONV_W = (128, 56, 56, 256), (3, 3, 256, 256)
 

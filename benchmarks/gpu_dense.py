@@ -23,6 +23,8 @@ from benchmarks.gpu_common import (
   rel,
   within,
 )
+from pallas_kernels import default_block_config
+from pallas_kernels import dense_triton as pk_dense
 from support import (
   epilogue,
   fused_dense,
@@ -30,8 +32,6 @@ from support import (
   layer_paths,
   layer_step,
 )
-from pallas_kernels import default_block_config
-from pallas_kernels import dense_triton as pk_dense
 
 
 def check_cases(quick: bool = False):

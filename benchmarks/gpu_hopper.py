@@ -18,8 +18,8 @@ from jax import lax
 
 import jaxact
 from benchmarks.gpu_common import ROTATE, TOL, inputs, median_seconds, rel
-from support import epilogue, fused_dense, hopper_bwd_variants, layer_step
 from pallas_kernels import dense_triton as pk_dense
+from support import epilogue, fused_dense, hopper_bwd_variants, layer_step
 
 HOPPER_SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096), (4096, 4096, 4096), (8192, 8192, 8192))
 

@@ -50,8 +50,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
-from benchmarks import gated, timing
 import support
+from benchmarks import gated, timing
 from jaxact._src.lce import plan as lce_plan
 from jaxact._src.lce import vjp as lce_vjp
 

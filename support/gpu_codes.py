@@ -35,8 +35,8 @@ from jax import lax
 import jaxact
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
-from support import param_defaults
 from pallas_kernels import Epilogue
+from support import param_defaults
 
 BITS = (None, 8, 4, 2)
 NAMES = ("gelu", "silu")

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import MOSAIC, TRITON, lowered_text
 from support import gpu_codes as gc
 from support import layer_step
-from kernel_cases import MOSAIC, TRITON, lowered_text
 
 from cases import representatives
 

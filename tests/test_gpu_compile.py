@@ -95,9 +95,7 @@ def test_every_triton_block_config_compiles(gpu):
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "identity"])
 def test_the_hopper_kernels_compile_for_an_h100(activation):
-  compiled = support.compile_for(
-    support.train_step(activation, "mosaic"), shapes(512, 512, 512)
-  )
+  compiled = support.compile_for(support.train_step(activation, "mosaic"), shapes(512, 512, 512))
   assert kernel_calls(compiled, MOSAIC) == 3  # forward, dx, dw(+db)
 
 
@@ -252,9 +250,7 @@ def test_the_conv_epilogue_kernels_do_not_spill(gpu, dtype, names):
   channel count)."""
   conv = [jax.ShapeDtypeStruct(s, dtype) for s in ((4, 16, 16, 32), (3, 3, 32, 256), (256,))]
   spilling = [
-    a
-    for a in names
-    if support.spills(support.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
+    a for a in names if support.spills(support.train_step(a, "pallas", conv=True), conv, GPUS[gpu])
   ]
   assert spilling == []
 

@@ -1,6 +1,6 @@
-"""The repository's boundaries: benchmarks consume the library; the support package serves tests and
-benchmarks and is not installed; only the library is installed; the library is laid out as its op families, one folder each, with no import circle and no module
-outgrown one reading."""
+"""The repository's boundaries: benchmarks consume the library; the support package serves tests
+and benchmarks and is not installed; only the library is installed; the library is laid out as its
+op families, one folder each, with no import circle and no module outgrown one reading."""
 
 from __future__ import annotations
 

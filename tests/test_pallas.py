@@ -20,11 +20,11 @@ import pytest
 import jaxact
 import pallas_kernels
 import support
-from support import GPUS, train_step
-from support import layer_shapes as shapes
 from kernel_cases import TRITON, args, lowered_text
 from pallas_kernels import dense_triton as kernels
 from pallas_kernels import dense_triton_tiles
+from support import GPUS, train_step
+from support import layer_shapes as shapes
 
 from cases import EXH, representatives
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import jaxact
-from code_cases import coded, conv_args, dense_args, run
 import support
+from code_cases import coded, conv_args, dense_args, run
 from jaxact._src.codes import code as codes
 from kernel_cases import MOSAIC, TRITON, lowered_text
 from pallas_kernels import DerivativeCode, Epilogue, bias_act_triton, dense_triton

@@ -23,9 +23,9 @@ import pytest
 
 import jaxact
 import pallas_kernels
-from support import GPUS
 from kernel_cases import TRITON, lowered_text
 from pallas_kernels import bias_act_triton
+from support import GPUS
 
 from cases import representatives
 

@@ -25,10 +25,10 @@ from jax.extend import core as jax_core
 
 import jaxact
 import support
-from support import layer_shapes as shapes
-from support import train_step
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
 from pallas_kernels import Epilogue, _mosaic, dense_mosaic, dense_mosaic_bwd
+from support import layer_shapes as shapes
+from support import train_step
 
 from cases import representatives
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import jaxact
-from code_cases import coded, coded_rule, dense_args, run
 import support
+from code_cases import coded, coded_rule, dense_args, run
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
 from kernel_cases import MOSAIC, TRITON, args, backward_reference, lowered_text
