@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import jaxact
+from jaxact._src.activations import reference as references
 from jaxact._src.core.spec import SPECS, ActivationSpec
-
-import references
 
 F64 = jnp.float64
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)

@@ -20,6 +20,7 @@ from jax.extend.core import jaxprs_in_params
 from jax.test_util import check_grads
 
 import jaxact
+from jaxact._src.fused.reference import conv_reference, dense_reference, reference_activation
 
 from cases import representatives
 
@@ -36,54 +37,6 @@ SLOPES = jnp.linspace(0.1, 0.6, 6, dtype=jnp.float32)  # per output feature
 
 ELEMENTWISE = tuple(n for n in jaxact.ACTIVATIONS if jaxact.get_spec(n).elementwise)
 NOT_ELEMENTWISE = tuple(n for n in jaxact.ACTIVATIONS if not jaxact.get_spec(n).elementwise)
-
-
-def reference_activation(name: str, **params):
-  """jax.nn's function of that name (the spec's formula for jaxact's own gelu_quick)."""
-  spec = jaxact.get_spec(name)
-  fn = getattr(jax.nn, spec.name) if spec.jax_nn else spec.fn
-  return lambda z: fn(z, **params)
-
-
-def dense_reference(act):
-  def f(x, w, b=None):
-    z = x @ w
-    return act(z if b is None else z + b)
-
-  return f
-
-
-def conv_reference(act, **conv):
-  n = conv.pop("n")
-  dn = (
-    conv.pop("dimension_numbers", None)
-    or {
-      1: ("NWC", "WIO", "NWC"),
-      2: ("NHWC", "HWIO", "NHWC"),
-      3: ("NDHWC", "DHWIO", "NDHWC"),
-    }[n]
-  )
-  strides = conv.pop("window_strides", 1)
-  padding = conv.pop("padding", "SAME")
-  if isinstance(padding, int):
-    padding = ((padding, padding),) * n
-  if padding == "VALID":  # lax takes no string padding with lhs_dilation
-    padding = ((0, 0),) * n
-  kw = {
-    k: (v,) * n if isinstance(v, int) and k != "feature_group_count" else v for k, v in conv.items()
-  }
-
-  def f(x, w, b=None):
-    s = (strides,) * n if isinstance(strides, int) else strides
-    z = lax.conv_general_dilated(x, w, s, padding, dimension_numbers=dn, **kw)
-    if b is not None:
-      out_dn = lax.conv_dimension_numbers(x.shape, w.shape, dn).out_spec
-      shape = [1] * z.ndim
-      shape[out_dn[1]] = b.shape[0]
-      z = z + b.reshape(shape)
-    return act(z)
-
-  return f
 
 
 def normal(key, shape, dtype=jnp.float32, scale=1.0):

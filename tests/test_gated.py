@@ -17,6 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxact
+from jaxact._src.gated.reference import composition, reference_activation
 
 from cases import representatives
 
@@ -30,23 +31,6 @@ TOL = {
   jnp.bfloat16: dict(atol=8e-2, rtol=4e-2),
   jnp.float16: dict(atol=1e-2, rtol=5e-3),
 }
-
-
-def reference_activation(name: str, **params):
-  """jax.nn's function of that name (the spec's formula for jaxact's own gelu_quick)."""
-  spec = jaxact.get_spec(name)
-  fn = getattr(jax.nn, spec.name) if spec.jax_nn else spec.fn
-  return lambda z: fn(z, **params)
-
-
-def composition(act, mlp: bool):
-  """The plain composition JAX differentiates, computed in float32 or wider."""
-
-  def f(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-    h = act(x @ w_gate + b_gate) * (x @ w_up + b_up)
-    return h @ w_down + b_down if mlp else h
-
-  return f
 
 
 def ours(activation, mlp: bool, **kw):

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jaxact
+from jaxact._src.activations import reference as references
 from jaxact._src.core.spec import SPECS
 
 import cases
-import references
 from cases import (
   DTYPES,
   ELEMENTWISE,

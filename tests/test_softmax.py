@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jaxact
+from jaxact._src.activations import reference as references
 
 import cases
-import references
 from cases import DTYPES, F64, as_dtype, assert_within, dtype_id, eps, loss_grad
 
 SOFTMAXES = [pytest.param(name, id=name) for name in ("softmax", "log_softmax")]

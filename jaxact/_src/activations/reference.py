@@ -1,4 +1,5 @@
-"""Float64 reference formulas, written from the math and independent of jaxact's implementation.
+"""The activations' plain formulas, for the tests: float64 references written from the math and
+independent of jaxact's implementation, and :func:`jax_nn` (jax.nn's function of a name).
 
 Tests compare jaxact against these, and against ``jax.grad`` / ``jax.hessian`` of these, so every
 formula here is plain ``jax.numpy`` on float64 inputs. They are meant for moderate inputs
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.scipy.special import erfc
+
+from jaxact._src.activations.api import get_spec
 
 SELU_ALPHA = 1.6732632423543772848170429916717
 SELU_SCALE = 1.0507009873554804934193349852946
@@ -223,3 +227,11 @@ LIMITS = {
   "silu": (0.0, 0.0, INF, 1.0),
   "mish": (0.0, 0.0, INF, 1.0),
 }
+
+
+def jax_nn(name: str, **params):
+  """jax.nn's function of that name with `params` bound (the spec's formula for jaxact's own
+  ``gelu_quick``, which jax.nn lacks): the activation the fused, gated and layer tests compose."""
+  spec = get_spec(name)
+  fn = getattr(jax.nn, spec.name) if spec.jax_nn else spec.fn
+  return lambda z: fn(z, **params)
