@@ -258,6 +258,37 @@ def test_families_import_only_the_floors_below_them():
   assert wrong == set()
 
 
+# A family's files, by job (docs/architecture.md); a file that would outgrow one reading is split
+# as `<file>_<part>.py`.
+FAMILY_FILES = (
+  "__init__",
+  "api",
+  "plan",
+  "rules",
+  "vjp",
+  "xla",
+  "kernels",
+  "sharding",
+  "reference",
+  "linen",
+  "nnx",
+)
+
+
+def test_every_family_names_its_files_from_one_vocabulary():
+  families = FLOORS[-1]
+  named = {
+    f"{family}/{p.name}"
+    for family in families
+    for p in (SRC / family).glob("*.py")
+    if p.stem.split("_")[0] not in FAMILY_FILES and p.stem != "__init__"
+  }
+  assert named == set(), f"name these from {FAMILY_FILES} (or <file>_<part>)"
+  # every op family has its plain formula and its Flax layers
+  for family in families:
+    assert {"api", "reference", "linen", "nnx"} <= {p.stem for p in (SRC / family).glob("*.py")}
+
+
 def test_no_module_has_outgrown_one_reading():
   paths = sorted(JAXACT.rglob("*.py"))
   lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in paths}
