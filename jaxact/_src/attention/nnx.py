@@ -7,7 +7,7 @@ together raise nnx's ValueErrors, in its order and words.
 
 from __future__ import annotations
 
-from jaxact._src.attention.api_flax import flax_call, refusal
+from jaxact._src.attention.api_flax import flax_call
 
 
 def _nnx_shapes(query, key, value) -> None:
