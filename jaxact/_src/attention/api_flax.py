@@ -73,5 +73,3 @@ def flax_call(
     precision=precision,
   )
   return out.reshape((*shape[:-1], out.shape[-1]))
-
-

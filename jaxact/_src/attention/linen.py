@@ -91,5 +91,3 @@ def linen_dot_product_attention(
     module,
     False,
   )
-
-
