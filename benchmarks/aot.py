@@ -19,7 +19,7 @@ The process must not initialise CUDA: with ``JAX_PLATFORMS=cpu`` (set by :func:`
 tests' conftest when unset) the plugin registers its compiler without looking for a driver.
 
 The compiling itself (``compile_for``, ``spills``, ``custom_calls``) and the layer steps are
-``support``'s, shared with the tests (tests/test_gpu_compile.py). With jax's own AOT
+``support``'s, shared with the tests (tests/core/test_gpu_compile.py). With jax's own AOT
 API (docs/porting-flax.md, "Compiling for an H100 on a machine without one") the one piece jax
 does not provide is the GPU's description: ``target_config(H100)`` here returns XLA's
 ``h100_sxm.txtpb`` as the installed plugin carries it (``Unavailable`` without the plugin).

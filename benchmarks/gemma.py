@@ -7,7 +7,7 @@ One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the e
 
 - ``original``: the example's computation: Gemma's RMS norm ``x_hat * (1 + scale)``, attention
   as the example's ``Attention.__call__`` computes it (``example_attention`` of
-  ``support.flax_gemma``, which tests/test_porting_guide.py checks the guide's
+  ``support.flax_gemma``, which tests/repo/test_porting_guide.py checks the guide's
   recipe against) under train.py's ``make_causal_attn_mask``, with its symmetric sliding window
   on every other layer, GeGLU MLP of three
   ``nnx.Linear``, the tied head ``embedder.attend`` with a final soft cap, and T5X's weighted

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     print(
       "benchmarks.gpu_check needs a CUDA GPU; this machine has none (jax sees: "
       f"{', '.join(sorted({d.platform for d in jax.devices()}))}). On CPU the kernels are tested "
-      "in interpret mode by tests/test_pallas.py instead.",
+      "in interpret mode by tests/fused/test_dense_triton.py instead.",
       file=sys.stderr,
     )
     return 2

@@ -18,8 +18,8 @@
    ``"mosaic"``: ms, against the same path's exact step, and compiled temp memory.
 
 What it checks and times is built in ``support.gpu_codes``, which
-``tests/test_gpu_codes_section.py`` runs on CPU (interpret mode, small shapes) and lowers for an
-abstract H100.
+``tests/codes/test_gpu_codes_section.py`` runs on CPU (interpret mode, small shapes) and lowers for
+an abstract H100.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Two tables, bfloat16:
    than tokamax).
 
 The functions it times are built by :func:`support.gpu_lce.paths`, which
-``tests/test_pallas_lce_hopper.py`` lowers for an abstract H100 so that the section cannot rot
+``tests/lce/test_lce_mosaic.py`` lowers for an abstract H100 so that the section cannot rot
 between GPU sessions.
 """
 

@@ -38,7 +38,7 @@ The steps' functions live in :mod:`benchmarks.gpu_truth_checks` and
 ``"mosaic"`` are recorded as unsupported until they land, then checked).
 
 ``--dry-run`` (on the CPU) lists the steps and proves the harness with stand-in steps: the budget,
-the files under ``--out``, the verdict lines, an exception caught; ``tests/test_gpu_truth.py``
+the files under ``--out``, the verdict lines, an exception caught; ``tests/repo/test_gpu_truth.py``
 runs it. ``--dry-run --rehearse`` runs the real steps at tiny shapes with the kernels in
 interpret mode and one repetition per timing (minutes): what the GPU will run, traced before.
 """
