@@ -9,7 +9,7 @@ machine:
   Pallas kernels compiled, Triton's to PTX, so that what lowering cannot see fails here (a kernel
   asking for more shared memory than the GPU has fails to compile, where it lowers fine);
 * XLA's buffer assignment for that GPU: ``memory_analysis()``, the figure the GPU benchmarks
-  report (``benchmarks.gpu_check``'s memory section), for any shape, without lending a GPU.
+  report (``benchmarks.gpu.check``'s memory section), for any shape, without lending a GPU.
 
 What it does not give: autotuning, which needs the GPU. XLA takes its default choice for each gemm
 (a Triton gemm fusion rather than cuBLAS, whose workspace, up to 32 MiB on Hopper, then does not
@@ -24,19 +24,15 @@ API (docs/porting-flax.md, "Compiling for an H100 on a machine without one") the
 does not provide is the GPU's description: ``target_config(H100)`` here returns XLA's
 ``h100_sxm.txtpb`` as the installed plugin carries it (``Unavailable`` without the plugin).
 
-    python -m benchmarks.aot [--sections memory,compile] [--out DIR]
+    python -m benchmarks aot [--sections memory,compile] [--out DIR]
 """
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax is imported: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import dataclasses
 import datetime
+import os
 import sys
 from collections.abc import Callable
 
@@ -284,7 +280,3 @@ def main(argv=None) -> int:
       json.dump(data, fh, indent=1)
   failed = [r for r in data.get("compile", []) if not r["ok"]]
   return 1 if failed else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.attention [--sections ...]`: attention that keeps its output, in a decoder.
+"""`python -m benchmarks attention [--sections ...]`: attention that keeps its output, in a decoder.
 
 Sections:
 
@@ -27,11 +27,6 @@ Results: benchmarks/results/attention.md.
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import dataclasses
 import sys
@@ -42,7 +37,8 @@ import numpy as np
 
 import jaxact
 import support
-from benchmarks import gated, gemma, lce, timing
+from benchmarks import gated, gemma, lce
+from benchmarks.harness import timing
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
@@ -258,7 +254,7 @@ def render_gemma_blocks(result: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks attention", description=__doc__)
   parser.add_argument(
     "--sections",
     default="decoder,time,decoder-h100,fits-h100",
@@ -297,7 +293,3 @@ def main(argv=None) -> int:
     print("\n## Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB\n")
     print("\n".join(render_blocks(section_blocks())), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """Gated MLP stack: `jaxact.gated_mlp` against Flax, Flax + remat and tokamax; memory and time.
 
-Run with ``JAX_PLATFORMS=cpu python -m benchmarks.gated [--sections S,...]``. The model
+Run with ``JAX_PLATFORMS=cpu python -m benchmarks gated [--sections S,...]``. The model
 is a stack of residual gated-MLP blocks, ``x = x + mlp(rms_norm(x))`` with the plain-jnp RMS norm
 ``x * rsqrt(mean(x^2) + eps)`` (no scale, the same in every peer, evaluated once a block in float32)
 and a silu gate, built both unrolled under ``jit`` and as ``jax.lax.scan`` over stacked block
@@ -24,17 +24,12 @@ Sections (loss: mean square of the output; gradients with respect to the paramet
   (found by compiling: :func:`largest_fit`);
 * ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
   interleaved repeats;
-* ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused_memory` (``dense_bias_act``
+* ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused` (``dense_bias_act``
   / ``conv_bias_act`` as ``jaxact.linen`` layers against ``nn.Dense`` / ``nn.Conv`` + jax.nn),
   unrolled and scanned, on CPU (``layers``) and compiled for an H100 (``layers-h100``).
 """
 
 from __future__ import annotations
-
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import dataclasses
@@ -52,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import jaxact.linen
 import support
-from benchmarks import timing
+from benchmarks.harness import timing
 
 try:
   import tokamax
@@ -149,7 +144,7 @@ LABELS = {
   "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
   "tokamax": "tokamax GLU + Dense",
 }
-# The frontier's points (benchmarks.frontier's keys) and the peer each is: every block under one
+# The frontier's points (harness.frontier's keys) and the peer each is: every block under one
 # remat policy, or none.
 FRONTIER = {
   "flax": "flax",
@@ -574,7 +569,3 @@ def main(argv=None) -> int:
     print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)
     print("\n".join(lines), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

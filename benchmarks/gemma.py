@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gemma [--sections cpu,h100] [--check] [--out FILE]`: a trimmed Gemma, as
+"""`python -m benchmarks gemma [--sections cpu,h100] [--check] [--out FILE]`: a trimmed Gemma, as
 Flax's ``examples/gemma`` writes it and ported to jaxact.
 
 One nnx model, :class:`Gemma`, in two builds with the same parameter tree (the example's names:
@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -588,7 +587,3 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
       f.write(text + "\n")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

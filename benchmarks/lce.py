@@ -1,4 +1,4 @@
-"""`python -m benchmarks.lce [--sections ...]`: the LM head and its loss, alone and in a decoder.
+"""`python -m benchmarks lce [--sections ...]`: the LM head and its loss, alone and in a decoder.
 
 Sections:
 
@@ -24,22 +24,16 @@ Sections:
   table for the untied head (D, V), the table passed as ``emb.T``, the table read by rows
   (``w_layout="vd"``, what ``attend_cross_entropy`` calls) and the plain ``x @ emb.T``.
 
-Training parity is ``python -m benchmarks.lm --mlp flax,flax+lce --reference``. Results:
+Training parity is ``python -m benchmarks lm --mlp flax,flax+lce --reference``. Results:
 benchmarks/results/lce.md.
 """
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import dataclasses
 import functools
 import re
-import sys
 from collections.abc import Callable
 
 import jax
@@ -51,7 +45,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 import support
-from benchmarks import gated, timing
+from benchmarks import gated
+from benchmarks.harness import timing
 from jaxact._src.lce import plan as lce_plan
 from jaxact._src.lce import vjp as lce_vjp
 
@@ -332,7 +327,7 @@ BODY_LABELS = {
   "jaxact_attn_dots": "jaxact.gated_mlp + jaxact attention + remat, dots_saveable",
   "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by name",
 }
-# The main job's frontier: each point (benchmarks.frontier's keys) as (body, head). jaxact's bodies
+# The main job's frontier: each point (harness.frontier's keys) as (body, head). jaxact's bodies
 # run with jaxact.rms_norm (decoder_norm); its `jaxact_nn_attn` points with jax.nn's attention.
 FRONTIER = {
   "flax": ("flax", "plain"),
@@ -500,7 +495,7 @@ def render_decoder(temps: dict[tuple[str, str], int], unit=MiB) -> list[str]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.lce", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks lce", description=__doc__)
   parser.add_argument(
     "--sections",
     default="head,head-h100,decoder,decoder-h100",
@@ -540,7 +535,3 @@ def main(argv=None) -> int:
       print("\n## Tied head, compiled for an H100, bfloat16, V = 32768\n")
       print("\n".join(section_tied(gpu=True)))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
+"""`python -m benchmarks norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
 
 jaxact's output-keeping RMS norm against the plain one (Flax's formula, differentiated by JAX):
 
@@ -17,11 +17,6 @@ jaxact's output-keeping RMS norm against the plain one (Flax's formula, differen
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import functools
 
@@ -30,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks import gated, lce, timing
+from benchmarks import gated, lce
+from benchmarks.harness import timing
 
 MiB = 2**20
 SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
@@ -194,7 +190,3 @@ def main(argv=None) -> int:
     print(f"\n## {name}\n")
     print("\n".join(out[name]()), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

@@ -13,7 +13,7 @@ what the output residual cannot know and XLA:CPU does (docs/numerics.md): the ki
 and inputs within 4 ulps of a nonzero kink (the output rounds onto it), and, for float32 and
 bfloat16 (whose subnormals float32 arithmetic flushes to zero on XLA:CPU), subnormal inputs.
 
-tests/test_sweep.py runs it at a stride the suite affords; ``python -m benchmarks.sweep`` at full
+tests/test_sweep.py runs it at a stride the suite affords; ``python -m benchmarks sweep`` at full
 size.
 """
 

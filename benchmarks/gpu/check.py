@@ -1,9 +1,9 @@
 """Check the Pallas kernels against the XLA path on a GPU, time both, and measure memory.
 
-    python -m benchmarks.gpu_check [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
-    python -m benchmarks.gpu_check --truth [--budget 540] [--out DIR] [--only STEP,...] [--dry-run]
+    python -m benchmarks gpu [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
+    python -m benchmarks gpu --truth [--budget 540] [--out DIR] [--only STEP,...] [--dry-run]
 
-``--truth`` is the prepared run of a short GPU loan (:mod:`benchmarks.gpu_truth`): every kernel
+``--truth`` is the prepared run of a short GPU loan (:mod:`benchmarks.gpu.truth`): every kernel
 no GPU has run, checked against XLA, then the timings, in priority order within a time budget,
 each result written as it comes. The sections below are the longer runs, one at a time.
 
@@ -65,8 +65,13 @@ import traceback
 
 import jax
 
-from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce, gpu_truth
-from benchmarks.gpu_common import gpu_device, section_env
+from benchmarks.gpu import codes as gpu_codes
+from benchmarks.gpu import conv as gpu_conv
+from benchmarks.gpu import dense as gpu_dense
+from benchmarks.gpu import hopper as gpu_hopper
+from benchmarks.gpu import lce as gpu_lce
+from benchmarks.gpu import truth as gpu_truth
+from benchmarks.gpu.common import gpu_device, section_env
 from support import is_hopper
 
 
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
   gpu = gpu_device()
   if gpu is None:
     print(
-      "benchmarks.gpu_check needs a CUDA GPU; this machine has none (jax sees: "
+      "python -m benchmarks gpu needs a CUDA GPU; this machine has none (jax sees: "
       f"{', '.join(sorted({d.platform for d in jax.devices()}))}). On CPU the kernels are tested "
       "in interpret mode by tests/test_pallas.py instead.",
       file=sys.stderr,
@@ -157,7 +162,3 @@ def main(argv=None) -> int:
       traceback.print_exc()
     print(f"[{section}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
   return 0 if ok else 1
-
-
-if __name__ == "__main__":
-  sys.exit(main())

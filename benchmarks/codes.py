@@ -1,6 +1,6 @@
 """Few-bit derivative codes (``residual_bits``): memory and step time against the exact residual.
 
-``python -m benchmarks.fewbit_memory [--no-time] [--no-gpu]`` prints markdown tables:
+``python -m benchmarks codes [--no-time] [--no-gpu]`` prints markdown tables:
 
 * compiled temp of ``jit(grad(loss))`` in activation buffers for the benchmark's 8-layer MLP
   (8192 x 512 float32, ``dense_bias_act``) and 6-layer CNN (NHWC 32x32x32x64, ``conv_bias_act``)
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from benchmarks import fused_memory, timing
+from benchmarks import fused as fused_memory
+from benchmarks.harness import timing
 
 BITS = (None, 8, 4, 2)
 ACTIVATIONS = ("gelu", "silu", "mish")
@@ -163,7 +164,3 @@ def main(argv=None) -> None:
   for section in sections:
     print()
     print("\n".join(section()), flush=True)
-
-
-if __name__ == "__main__":
-  main()

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.fewbit [--quick] [--seeds N] [--out DIR]`: training with few-bit codes.
+"""`python -m benchmarks fewbit [--quick] [--seeds N] [--out DIR]`: training with few-bit codes.
 
 Trains three small models with gelu, each from the same initialisation on the same batches, with
 the exact residual (`residual_bits=None`: the backward keeps x) and with f'(x) coded in 8, 4 and 2
@@ -46,7 +46,7 @@ from sklearn.model_selection import train_test_split
 
 import jaxact
 import jaxact.linen
-from benchmarks import plots
+from benchmarks.harness import plots
 
 BITS = (None, 8, 4, 2)
 EXACT, NOISE = "exact", "exact, other batch order"
@@ -449,7 +449,7 @@ def render(res: Results, figure: str) -> str:
     "",
     f"- date: {datetime.date.today().isoformat()}",
     f"- machine: {_machine()}",
-    f"- command: `python -m benchmarks.fewbit{' --quick' if res.quick else ''}"
+    f"- command: `python -m benchmarks fewbit{' --quick' if res.quick else ''}"
     f"{f' --seeds {res.seeds}' if res.seeds != (1 if res.quick else 2) else ''}`",
     f"- run time: {res.seconds:.0f} s; seeds: {res.seeds} (initialisation and batch order)",
     *setups,
@@ -503,7 +503,7 @@ def measure(quick: bool, seeds: int) -> Results:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.fewbit", description=__doc__.splitlines()[0]
+    prog="python -m benchmarks fewbit", description=__doc__.splitlines()[0]
   )
   parser.add_argument("--quick", action="store_true", help="fewer steps, one seed")
   parser.add_argument(
@@ -524,7 +524,3 @@ def main(argv: list[str] | None = None) -> int:
   print("\n".join([*table(res), "", *targets(res)]))
   print(f"\n{args.out / 'fewbit.md'}, {args.out / figure} ({res.seconds:.0f} s)", file=sys.stderr)
   return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
