@@ -238,7 +238,7 @@ def time_codes_step(ctx: th.Context):
 
 
 def time_decoder(ctx: th.Context):
-  """A Llama-style decoder's training step (``benchmarks.lce``'s: 2 scanned blocks of RMS norm,
+  """A Llama-style decoder's training step (``benchmarks.decoder``'s: 2 scanned blocks of RMS norm,
   causal attention, a SwiGLU MLP; final norm and head), bfloat16, 16 x 1024 tokens, D 4096,
   F 14336, V 128256: Flax's composition and optax's loss, against jaxact's rms_norm, gated_mlp and
   linear_cross_entropy with ``implementation=None`` and with the kernels asked for."""
@@ -248,16 +248,16 @@ def time_decoder(ctx: th.Context):
   from jax import lax
 
   import jaxact
-  from benchmarks import lce as lce_bench
+  from benchmarks import decoder
   from benchmarks.gpu.common import median_seconds
 
-  c = dataclasses.replace(lce_bench.DECODER_GPU, blocks=2)
+  c = dataclasses.replace(decoder.DECODER_GPU, blocks=2)
   if ctx.small:
     c = dataclasses.replace(c, batch=1, seq=128, dim=64, hidden=128, heads=2, vocab=512, blocks=1)
   kernels = "mosaic" if ctx.hopper else "pallas"
 
   def loss_of(norm, mlp, head):
-    block = lce_bench.make_block(mlp, c.heads, norm)
+    block = decoder.make_block(mlp, c.heads, norm)
 
     def loss(params, tokens, labels):
       x = params["embed"][tokens]
@@ -280,15 +280,15 @@ def time_decoder(ctx: th.Context):
     return lambda h, w, labels: jaxact.linear_cross_entropy(h, w, labels, implementation=impl)
 
   paths = {
-    "Flax + optax": loss_of(lce_bench.rms_norm, lce_bench._flax_mlp, plain_head),
-    "jaxact None": loss_of(lce_bench.jaxact_rms_norm, jaxact_mlp(None), jaxact_head(None)),
+    "Flax + optax": loss_of(decoder.rms_norm, decoder._flax_mlp, plain_head),
+    "jaxact None": loss_of(decoder.jaxact_rms_norm, jaxact_mlp(None), jaxact_head(None)),
     f"jaxact {kernels}": loss_of(
-      lce_bench.jaxact_rms_norm,
+      decoder.jaxact_rms_norm,
       jaxact_mlp(kernels),
       jaxact_head("mosaic" if ctx.hopper else None),
     ),
   }
-  shapes = lce_bench.decoder_shapes(c)
+  shapes = decoder.decoder_shapes(c)
   leaves, tree = jax.tree.flatten(shapes[0])
   keys = jax.random.split(jax.random.key(70), len(leaves) + 1)
   params = jax.tree.unflatten(

@@ -1,9 +1,10 @@
 """Every job's measurements as rows of data, one JSON object a line.
 
 A row is ``{"job", "section", "case", "figures": {name: number or text}, "meta": {...}}``; `meta`
-is the run's: date, the command line, the device (kind, platform, count), the host, and the
-versions of Python, jax, jaxlib, flax and jaxact. The main job adds typed rows as it measures
-(``DIR/rows.jsonl``, from which its ``results.md`` is rendered); a job that adds none has the
+is the run's: date, the command line, the device (kind, platform, count), the host and its load
+average, the versions of Python, jax, jaxlib, flax and jaxact. The main job adds typed rows as
+it measures (``DIR/rows.jsonl``, from which its ``results.md`` is rendered); a job that adds none
+has the
 Markdown tables and JSON lines it prints kept as rows instead (cells as numbers where they are
 numbers, else as text) in ``DIR/<job>.rows.jsonl``, ``DIR`` its ``--out`` (else ``bench-out``).
 Pure Python until a row is written (``python -m benchmarks render`` never starts jax).
@@ -32,6 +33,7 @@ def metadata(command: str) -> dict[str, Any]:
     "host": platform.node() or "host",
     "processor": platform.processor() or platform.machine(),
     "cores": os.cpu_count(),
+    "load": round(os.getloadavg()[0], 2),  # other processes' share of a shared machine
     "python": platform.python_version(),
   }
   if "jax" in sys.modules:
@@ -49,6 +51,16 @@ def metadata(command: str) -> dict[str, Any]:
     if name in sys.modules:
       meta[name] = sys.modules[name].__version__
   return meta
+
+
+def describe(meta: dict) -> str:
+  """The machine and versions of :func:`metadata`, as one line of a page."""
+  return (
+    f"{meta.get('host')}: {meta.get('processor')}, {meta.get('cores')} cores, "
+    f"{meta.get('devices')} x {meta.get('device')} ({meta.get('platform')}); "
+    f"Python {meta.get('python')}, jax {meta.get('jax')}, jaxlib {meta.get('jaxlib')}, "
+    f"flax {meta.get('flax')}, jaxact {meta.get('jaxact')}"
+  )
 
 
 def row(job: str, section: str, case: str, figures: dict[str, Any], meta: dict) -> dict:

@@ -27,7 +27,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
-from benchmarks import fused, gated, lce  # noqa: E402
+from benchmarks import decoder, fused, gated  # noqa: E402
 from benchmarks import fused_models as flax_models  # noqa: E402
 from benchmarks.gpu import suite as gpu  # noqa: E402
 from benchmarks.harness.progress import Progress  # noqa: E402
@@ -133,8 +133,8 @@ def _gated_frontier(rec: Recorder, rows: list[gated.MemoryRow], runs: int, warmu
 
 
 def _decoder_frontier(rec: Recorder, runs: int, warmup: bool) -> None:
-  c = lce.DECODER_MAIN
-  seconds, found = lce.decoder_frontier(c, runs, warmup)
+  c = decoder.DECODER_MAIN
+  seconds, found = decoder.decoder_frontier(c, runs, warmup)
   title = (
     f"{c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, D = {c.dim}, F = {c.hidden}, "
     f"{c.heads} heads, V = {c.vocab}, float32"

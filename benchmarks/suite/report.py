@@ -8,6 +8,7 @@ import re
 
 from benchmarks.harness import frontier as fr
 from benchmarks.harness.render import fmt, table
+from benchmarks.harness.rows import describe
 from benchmarks.suite.run import Frontier, Run
 
 TEMPLATE = pathlib.Path(__file__).with_name("template.md")
@@ -263,15 +264,6 @@ def _gpu(run: Run) -> list[str]:
   ]  # fmt: skip
 
 
-def machine(meta: dict) -> str:
-  return (
-    f"{meta.get('host')}: {meta.get('processor')}, {meta.get('cores')} cores, "
-    f"{meta.get('devices')} x {meta.get('device')} ({meta.get('platform')}); "
-    f"Python {meta.get('python')}, jax {meta.get('jax')}, jaxlib {meta.get('jaxlib')}, "
-    f"flax {meta.get('flax')}, jaxact {meta.get('jaxact')}"
-  )
-
-
 def run_time(run: Run) -> str:
   t = run.time
   sections = ", ".join(f"{k} {w:.0f} s ({c:.0f} s CPU)" for k, (w, c) in t["sections"].items())
@@ -288,7 +280,7 @@ def render(run: Run, figures: list[str], rows: str = "rows.jsonl") -> str:
   blocks = {
     "rows": rows,
     "date": run.meta["date"][:10],
-    "machine": machine(run.meta),
+    "machine": describe(run.meta),
     "command": run.meta["command"],
     "run_time": run_time(run),
     "frontier_summary": frontier_summary(run),
