@@ -4,8 +4,9 @@ The main job's rows of its latest committed run (``benchmarks/results/data/rows.
 there from ``python -m benchmarks --quick --out DIR``'s ``DIR/rows.jsonl``) give the README's
 Measured block (``<!-- rows:main:begin -->`` ... ``end``) and the latest table of
 ``benchmarks/results/frontier.md`` (``<!-- rows:frontier:begin -->`` ... ``end``). ``--check``
-writes nothing and fails where a page's block is not what its rows give (tests/test_layout.py
-runs it). Every other page is kept by hand. Pure Python: never starts jax.
+writes nothing and fails where a page's block is not what its rows give
+(tests/test_benchmark_rows.py runs it). Every other page is kept by hand. Pure Python: never
+starts jax.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ README_MODELS = {
 
 
 def _short(p: fr.Point) -> str:
-  return p.label.replace("jaxact ", "", 1) if " bits" in p.label else p.label
+  """A point's label in the README: ``jaxact 2 bits`` is ``2-bit codes``."""
+  return (
+    p.label.replace("jaxact ", "").replace(" bits", "-bit codes") if " bits" in p.label else p.label
+  )
 
 
 def _readme_row(f: Frontier) -> list[str]:
@@ -46,20 +50,25 @@ def _readme_row(f: Frontier) -> list[str]:
     else f"{fr.fmt_time(v.fastest.time)}: {_short(v.fastest)}, {mem(v.fastest)}"
   )
   smallest = "none" if v.smallest is None else f"{mem(v.smallest)}: {_short(v.smallest)}"
-  front = "; ".join(f"{p.key}: {mem(p)}, {fr.fmt_time(p.time)}" for p in v.flax_front) or "none"
+  front = "; ".join(
+    f"{p.label.removeprefix('Flax + ')}: {mem(p)}, {fr.fmt_time(p.time)}" for p in v.flax_front
+  )
   return [
     README_MODELS.get(f.key, f"{f.name} ({f.unit})"),
     mem(v.flax),
     remat,
     fastest,
     smallest,
-    front,
+    front or "none",
   ]
 
 
 def _range(values: list[float]) -> str:
   lo, hi = min(values), max(values)
   return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
+KEPT = {"output": "the output kept", "input": "the input kept", "none": "nothing kept"}
 
 
 def readme_block(run: Run) -> list[str]:
@@ -72,11 +81,14 @@ def readme_block(run: Run) -> list[str]:
     "at Flax's time or less, jaxact's least temp",
     "Flax's points on the front",
   ]
-  lines = [
+  intro = (
     f"The main job's frontier (`{m['command']}`, {m['date'][:10]}, {m['cores']} cores "
-    f"{m['processor']}, jax {m.get('jax')}, {run.time['seconds']:.0f} s; memory exact, step",
-    "times relative to Flax's; rendered by `python -m benchmarks render` from",
-    "[its rows](benchmarks/results/data/rows.jsonl)):",
+    f"{m['processor']}, jax {m.get('jax')}, {run.time['seconds']:.0f} s; memory exact, step "
+    "times relative to Flax's; rendered by `python -m benchmarks render` from "
+    "its rows (`benchmarks/results/data/rows.jsonl`)):"
+  )
+  lines = [
+    *render.wrap(intro),
     "",
     *render.table(header, "llllll", (_readme_row(f) for f in run.frontiers.values())),
     "",
@@ -93,26 +105,41 @@ def readme_block(run: Run) -> list[str]:
     above += [
       g["name"] for g in group if g["temp_jaxnn"] is not None and g["temp_jaxact"] > g["temp_jaxnn"]
     ]
-    parts.append(f"{residual} residual ({len(group)}): {_range(ours)} against {_range(theirs)}")
+    kept = KEPT.get(residual, residual)
+    n = f"{len(group)} activation" + ("s" if len(group) > 1 else "")
+    parts.append(f"{kept} ({n}): {_range(ours)} against {_range(theirs)}")
   verdict = "Never above jax.nn." if not above else f"Above jax.nn: {', '.join(above)}."
   totals = run.nan_totals()
   lines += [
-    f"- Per activation (8-layer MLP temp in buffers, jaxact against jax.nn): {'; '.join(parts)}.",
-    f"  {verdict}",
-    f"- NaN: on a grid of finite extreme inputs in four dtypes, jaxact {totals['jaxact'][1]} "
-    f"non-finite gradients, jax.nn {totals['jax.nn'][1]}.",
+    *render.wrap(
+      f"Per activation, the 8-layer MLP's temp in buffers, jaxact against jax.nn: "
+      f"{'; '.join(parts)}. {verdict}",
+      "- ",
+      "  ",
+    ),
+    *render.wrap(
+      f"NaN: on a grid of finite extreme inputs in four dtypes, jaxact {totals['jaxact'][1]} "
+      f"non-finite gradients, jax.nn {totals['jax.nn'][1]}.",
+      "- ",
+      "  ",
+    ),
   ]
   return lines
 
 
 def frontier_block(run: Run) -> list[str]:
   m = run.meta
+  machine = (
+    f"{m['cores']} cores {m['processor']}, {m.get('device')}; Python {m['python']}, "
+    f"jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, flax {m.get('flax')}, jaxact {m.get('jaxact')}"
+  )
   return [
-    f"## {m['date'][:10]}: `{m['command']}` (rendered from [its rows](data/rows.jsonl))",
+    f"## {m['date'][:10]}: `{m['command']}`",
     "",
-    f"- machine: {m['cores']} cores {m['processor']}, {m.get('device')}; Python {m['python']}, "
-    f"jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, flax {m.get('flax')}, jaxact {m.get('jaxact')}",
-    f"- run time: {run_time(run)}",
+    "Rendered from its rows (`data/rows.jsonl`) by `python -m benchmarks render`.",
+    "",
+    *render.wrap(f"machine: {machine}", "- ", "  "),
+    *render.wrap(f"run time: {run_time(run)}", "- ", "  "),
     "",
     *frontier_summary(run),
   ]

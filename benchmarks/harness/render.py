@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Iterable, Sequence
 
 
@@ -17,6 +18,14 @@ def fmt(value, spec: str = "{:.1f}") -> str:
 def geomean(values: Iterable[float]) -> float:
   values = list(values)
   return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def wrap(text: str, first: str = "", rest: str = "") -> list[str]:
+  """`text` as lines of at most 100 characters, the first after `first`, the others after
+  `rest` (a Markdown bullet: ``"- "`` and ``"  "``)."""
+  return textwrap.wrap(
+    text, 100, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False
+  )
 
 
 def table(header: Sequence[str], align: str, body: Iterable[Sequence[str]]) -> list[str]:
