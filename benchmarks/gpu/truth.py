@@ -53,7 +53,9 @@ os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import argparse
 import functools
+import json
 import math
+import pathlib
 import sys
 import tempfile
 
@@ -70,6 +72,7 @@ from benchmarks.gpu.truth_timings import (
   time_gated,
   time_lce,
 )
+from benchmarks.harness import rows
 from support import is_hopper
 from support import truth as th
 
@@ -226,6 +229,16 @@ def _prove_harness(out: str, budget: float) -> int:
   return 1 if problems else 0
 
 
+def add_rows(path: pathlib.Path) -> None:
+  """The run's results (``truth.json``) as rows: a ``verdict`` row a kernel checked, a ``step``
+  row a step with what it measured (``benchmarks.harness.rows``)."""
+  rec = rows.current()
+  for step in json.loads(path.read_text())["steps"]:
+    for v in step["verdicts"]:
+      rec.add("verdict", v["kernel"], step=step["name"], status=v["status"], detail=v["detail"])
+    rec.add("step", step["name"], state=step["state"], seconds=step["seconds"], data=step["data"])
+
+
 def _rerun_command(names: list[str]) -> str:
   return (
     f"PYTHONPATH=. python -m benchmarks gpu --truth --only {','.join(names)} "
@@ -292,4 +305,6 @@ def main(argv=None) -> int:
   runner = th.Runner(steps, budget, report, rerun=_rerun_command)
   verdicts = runner.run(ctx)
   runner.summary()
+  if args.out:
+    add_rows(pathlib.Path(args.out) / "truth.json")
   return 1 if any(v.status in ("FAIL", "ERROR") for v in verdicts) else 0

@@ -141,6 +141,16 @@ class _Tee(io.TextIOBase):
   def flush(self) -> None:
     self.stream.flush()
 
+  def fileno(self) -> int:  # a subprocess given sys.stdout writes past the copy
+    return self.stream.fileno()
+
+  def isatty(self) -> bool:
+    return self.stream.isatty()
+
+  @property
+  def encoding(self) -> str:
+    return self.stream.encoding
+
 
 class Recorder:
   """One job's rows: those it adds, else those of the tables it prints."""
