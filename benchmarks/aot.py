@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import sys
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.harness.sections import Sections
 from pallas_kernels import default_block_config, default_tiles
 from support import (
   A100,
@@ -259,24 +259,10 @@ def main(argv=None) -> int:
     print(f"benchmarks.aot: {e}", file=sys.stderr)
     return 2
   today = datetime.date.today().isoformat()
-  report = [
-    f"# Compiled for GPUs on a machine without one ({today}, jax {jax.__version__}, "
-    f"{sys.platform})",
-    "",
-  ]
-  data = {}
+  title = f"# Compiled for GPUs on a machine without one ({today}, jax {jax.__version__}, "
+  sections = Sections(args.out, "aot", [f"{title}{sys.platform})", ""])
   for name in args.sections.split(","):
-    rows, lines = SECTIONS[name]()
-    data[name] = rows
-    report += [f"## {name}", "", *lines, ""]
-    print("\n".join([f"## {name}", "", *lines, ""]), flush=True)
-  if args.out:
-    import json
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "aot.md"), "w") as fh:
-      fh.write("\n".join(report))
-    with open(os.path.join(args.out, "aot.json"), "w") as fh:
-      json.dump(data, fh, indent=1)
+    sections.emit(name, *SECTIONS[name]())
+  data = sections.data
   failed = [r for r in data.get("compile", []) if not r["ok"]]
   return 1 if failed else 0

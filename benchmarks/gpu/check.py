@@ -57,8 +57,6 @@ Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
@@ -72,6 +70,7 @@ from benchmarks.gpu import hopper as gpu_hopper
 from benchmarks.gpu import lce as gpu_lce
 from benchmarks.gpu import truth as gpu_truth
 from benchmarks.gpu.common import gpu_device, section_env
+from benchmarks.harness.sections import Sections
 from support import is_hopper
 
 
@@ -136,19 +135,8 @@ def main(argv=None) -> int:
       f"{gpu.device_kind} has compute capability {cc}; the kernels need >= 8.0", file=sys.stderr
     )
     return 2
-  results, report = {}, []
-  ok = True
-
-  def emit(title, data, lines):
-    results[title] = data
-    report.extend([f"### {title}", "", *lines, ""])
-    print("\n".join([f"### {title}", "", *lines, ""]), flush=True)
-    if args.out:
-      os.makedirs(args.out, exist_ok=True)
-      with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
-        fh.write("\n".join(report))
-      with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
-        json.dump(results, fh, indent=1, default=str)
+  report = Sections(args.out, "gpu_check", level="###")
+  results, ok = report.data, True
 
   for section in sections:
     t0 = time.perf_counter()
@@ -156,7 +144,7 @@ def main(argv=None) -> int:
       data, lines = SECTIONS[section](gpu, args, results)
       if isinstance(data, dict):
         ok &= not data.get("failed") and not data.get("check_failed")
-      emit(section, data, lines)
+      report.emit(section, data, lines)
     except Exception:
       ok = False
       traceback.print_exc()
