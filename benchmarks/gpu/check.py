@@ -47,8 +47,8 @@ float32
   against the XLA path, and fwd+bwd time of the plain composition, jaxact's paths and tokamax at
   16384 x 4096 x 128k / 256k.
 
-The sections live by what they measure: ``gpu_common`` (env, timing, inputs), ``gpu_dense``,
-``gpu_conv``, ``gpu_hopper``, ``gpu_codes`` and ``gpu_lce``; this module runs them and writes the
+The sections live by what they measure: ``common`` (env, timing, inputs), ``dense``,
+``conv``, ``hopper``, ``codes`` and ``lce`` of this package; this module runs them and writes the
 report.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.

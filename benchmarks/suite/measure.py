@@ -27,8 +27,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
-from benchmarks import decoder, fused, gated  # noqa: E402
-from benchmarks import fused_models as flax_models  # noqa: E402
+from benchmarks import decoder, fused, fused_models, gated  # noqa: E402
 from benchmarks.gpu import suite as gpu  # noqa: E402
 from benchmarks.harness.progress import Progress  # noqa: E402
 from benchmarks.harness.rows import Recorder  # noqa: E402
@@ -69,7 +68,7 @@ class Plan:
       fused_timed=set()
       if quick or not models
       else {(m, a) for m, _, _ in MODELS for a in fused.ACTIVATIONS},
-      flax=[(m, a) for m in flax_models.MODELS for a in MODEL_ACTIVATIONS] if models else [],
+      flax=[(m, a) for m in fused_models.MODELS for a in MODEL_ACTIVATIONS] if models else [],
       kept=models and not quick,
       gated_table=models and not quick,
       stacks=models,
@@ -115,7 +114,7 @@ def _frontier(
 
 
 def _flax_frontier(rec: Recorder, model: str, act: str, runs: int, warmup: bool) -> None:
-  seconds, found = flax_models.frontier(model, act, runs, warmup)
+  seconds, found = fused_models.frontier(model, act, runs, warmup)
   if model == "MLP":
     title = f"{fused.MLP_LAYERS} layers, {fused.MLP_BATCH} x {fused.MLP_WIDTH} float32"
   else:
@@ -201,7 +200,7 @@ def measure(rec: Recorder, quick: bool, activations_only: bool = False) -> None:
   for label, act in plan.flax:
     _flax_frontier(rec, label, act, flax_runs, warmup)
     if plan.kept:
-      kept = {v: flax_models.kept(label, v, act) for v in ("flax", "remat", "dots", "jaxact")}
+      kept = {v: fused_models.kept(label, v, act) for v in ("flax", "remat", "dots", "jaxact")}
       rec.add("kept", f"{label}, {act}", model=label, activation=act, **kept)
     progress.step(f"{label} {act}")
 
