@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None, job: str = "main") -> int:
   t = run.time
   print(
     f"\nfull tables in {page}, figures in {args.out}/*.png, rows in "
-    f"{rec.path} ({t['seconds']:.0f} s, {t['cpu_seconds']:.0f} s of CPU)",
+    f"{args.from_rows or rec.path} ({t['seconds']:.0f} s, {t['cpu_seconds']:.0f} s of CPU)",
     file=sys.stderr,
   )
   return 0
