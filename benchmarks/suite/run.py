@@ -79,7 +79,3 @@ class Run:
           totals[lib][0] += counts[0]
           totals[lib][1] += counts[1]
     return totals
-
-  def kept_buffers(self) -> dict[str, float]:
-    """Each activation's 8-layer MLP temp, jaxact's and jax.nn's, by `residual`."""
-    return {r["case"]: r["figures"] for r in self.section("memory")}
