@@ -23,14 +23,8 @@ from jaxact._src.core import pallas_sharding, shardings
 from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla import (
-  grads_by_tokens,
-  grads_by_vocab,
-  lift_gap,
-  mean_gap,
-  stats_by_tokens,
-  stats_by_vocab,
-)
+from jaxact._src.lce.xla import grads_by_tokens, grads_by_vocab, stats_by_tokens, stats_by_vocab
+from jaxact._src.lce.xla_tiles import lift_gap, mean_gap
 
 # ------------------------------------------------------------------------ per device (shards)
 

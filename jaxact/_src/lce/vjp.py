@@ -47,7 +47,7 @@ from jax import Array
 from jaxact._src.core import shardings
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.sharding import gathered, gradients, statistics
-from jaxact._src.lce.xla import loss_of, scales
+from jaxact._src.lce.xla_tiles import loss_of, scales
 
 # ------------------------------------------------------------------------- the custom_vjp
 
