@@ -47,7 +47,7 @@ from jax import Array
 from jaxact._src.core import shardings
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.sharding import gathered, gradients, statistics
-from jaxact._src.lce.xla_tiles import loss_of, scales
+from jaxact._src.lce.xla_tiles import entropy_of, loss_of, scales
 
 # ------------------------------------------------------------------------- the custom_vjp
 
@@ -55,10 +55,13 @@ from jaxact._src.lce.xla_tiles import loss_of, scales
 def _fwd(plan: LcePlan, x, w, b, labels, where):
   vocab = w.shape[plan.vocab_axis]
   x = gathered(plan, x)  # kept so: the backward needs the features whole again
-  m, se, sy, gap, pred = statistics(plan, x, w, b, labels, vocab)
+  m, se, sy, gap, pred, moment = statistics(plan, x, w, b, labels, vocab)
   loss = loss_of(plan, m, se, sy, gap, labels, vocab, where)
-  out = (loss, pred) if plan.predictions else loss
-  return out, (x, w, b, labels, where, m, se)
+  extra = (pred,) if plan.predictions else ()
+  if plan.entropy:
+    extra = (*extra, entropy_of(se, moment, where))
+  out = (loss, *extra) if extra else loss
+  return out, (x, w, b, labels, where, m, se, moment)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -68,17 +71,22 @@ def per_token_loss(
   """The loss per token (``labels.shape``, the accumulation dtype; 0 where `where` is False),
   keeping ``x``, ``w``, ``b``, ``labels``, ``where``, each row's max and sum of exponentials; see
   the module docstring. With ``plan.predictions``, ``(loss, argmax column)``, the columns int32 (of
-  every token)."""
+  every token); with ``plan.entropy``, the softmax's entropy last (``(loss, entropy)``, 0 where
+  `where` is False), and its moment kept too."""
   return _fwd(plan, x, w, b, labels, where)[0]
 
 
 def _bwd(plan: LcePlan, res, g):
-  x, w, b, labels, where, m, se = res
-  if plan.predictions:
+  x, w, b, labels, where, m, se, moment = res
+  gh = None
+  if plan.entropy:
+    g, gh = g[0], g[-1]
+  elif plan.predictions:
     g = g[0]  # the predictions' cotangent is float0
   if where is not None:
     g = jnp.where(where, g, 0)
-  row_scales = scales(plan, g, m, se, labels, w.shape[plan.vocab_axis])
+    gh = None if gh is None else jnp.where(where, gh, 0)
+  row_scales = scales(plan, g, m, se, labels, w.shape[plan.vocab_axis], gh, moment)
   dx, dw, db = gradients(plan, x, w, b, labels, m, row_scales)
   dx, dw, db = shardings.retype((dx, dw, db), plan.shardings)
   return dx, dw, db, None, None

@@ -62,24 +62,25 @@ def _no_argmax(t: int, acc) -> tuple[Array, Array]:
 
 
 def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(max, sum, label logit, gap, argmax)`` per token of ``x @ w + b`` over `w`'s columns,
-  for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole
-  vocabulary (the mean's divisor). ``gap`` is :func:`tile_stats`'s ``(gap, count)`` pair, None
-  without smoothing; ``argmax`` (the running ``(max, column)`` of the capped logits) None unless
-  ``plan.predictions``."""
+  """``(max, sum, label logit, gap, argmax, moment)`` per token of ``x @ w + b`` over `w`'s
+  columns, for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is
+  the whole vocabulary (the mean's divisor). ``gap`` is :func:`tile_stats`'s ``(gap, count)``
+  pair, None without smoothing; ``argmax`` (the running ``(max, column)`` of the capped logits)
+  None unless ``plan.predictions``; ``moment`` (``Σ exp(s - max) (s - max)``, the entropy's) None
+  unless ``plan.entropy``."""
   vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc, t = plan.acc_dtype, x.shape[0]
 
   def body(j, carry):
-    m, se, sy, gap, best = carry
+    m, se, sy, gap, best, moment = carry
     _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
     s, _ = capped(plan, logits(plan, x, wj, bj))
-    tm, tse, tsy, tgap = tile_stats(plan, s, labels, cols, fresh, vocab, bj)
-    m, se, gap = merge((m, se, gap), (tm, tse, tgap), vocab)
+    tm, tse, tsy, tgap, tmoment = tile_stats(plan, s, labels, cols, fresh, vocab, bj)
+    m, se, gap, moment = merge((m, se, gap, moment), (tm, tse, tgap, tmoment), vocab)
     if best is not None:
       best = merge_argmax(best, tile_argmax(s, cols))
-    return m, se, sy + tsy, gap, best
+    return m, se, sy + tsy, gap, best, moment
 
   zeros = jnp.zeros((t,), acc)
   init = (
@@ -88,6 +89,7 @@ def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
     zeros,
     (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, acc) if plan.predictions else None,
+    zeros if plan.entropy else None,
   )
   return _loop(n, body, init)
 
@@ -109,13 +111,14 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
     g_dx = g if fresh is None else jnp.where(fresh[None, :], g, 0)
     return g, g_dx, None if bj is None else jnp.sum(g, 0)
 
-  if plan.decision.backward == "mosaic":  # every block whole (rules.mosaic_unsupported)
+  if plan.decision.backward == "mosaic":  # every block whole, no entropy (rules.mosaic_unsupported)
     zero = jnp.zeros_like(m)
-    kernel_rows = jnp.stack([m] + [zero if r is None else r for r in row_scales])
+    kernel_rows = jnp.stack([m] + [zero if r is None else r for r in row_scales[:3]])
 
     def block_grads(x, wj, bj, labels, cols, fresh):
       def xla(x, wj, bj, labels_j, rows):
-        scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales))
+        scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales[:3]))
+        scales_j = (*scales_j, None)
         cols_j = jnp.arange(wj.shape[plan.vocab_axis])
         g, _, db = xla_block(x, wj, bj, labels_j, cols_j, None, rows[0], scales_j)
         return g.astype(ops), db
@@ -168,7 +171,8 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     li = lax.dynamic_slice_in_dim(labels, start, bt, axis=0)
     s, _ = capped(plan, logits(plan, xi, w, b))
     best = tile_argmax(s, cols) if plan.predictions else None
-    stats = (*tile_stats(plan, s, li, cols, None, vocab, b), best)
+    m, se, sy, gap, moment = tile_stats(plan, s, li, cols, None, vocab, b)
+    stats = (m, se, sy, gap, best, moment)
     # Rows a block shares with its predecessor get the same values again.
     return jax.tree.map(
       lambda c, v: lax.dynamic_update_slice_in_dim(c, v, start, axis=0), carry, stats
@@ -181,6 +185,7 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     zeros,
     (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, plan.acc_dtype) if plan.predictions else None,
+    zeros if plan.entropy else None,
   )
   return _loop(n, body, init)
 

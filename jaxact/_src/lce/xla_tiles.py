@@ -46,13 +46,16 @@ def weight_grad(plan: LcePlan, x: Array, g: Array) -> Array:
 
 
 def capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
-  """``(s, ds/dz)``: the soft-capped logits (-inf stays -inf) and their derivative (None without
-  a cap; 0 at -inf)."""
+  """``(s, ds/dz)``: the logits the softmax reads, ``c tanh(z / c) / T`` (soft cap ``c``,
+  temperature ``T``; -inf stays -inf), and their derivative (None without a cap at ``T = 1``; 0 at
+  -inf). The forward and the backward both transform each block through this one function."""
+  t_inv = None if plan.temperature == 1 else 1 / plan.temperature
   if plan.soft_cap is None:
-    return z, None
+    return (z, None) if t_inv is None else (z / plan.temperature, t_inv)
   c = plan.soft_cap
   t = jnp.tanh(z / c)
-  return jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
+  s, ds = jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
+  return (s, ds) if t_inv is None else (s / plan.temperature, ds * t_inv)
 
 
 def lowest(dtype) -> np.ndarray:
@@ -62,13 +65,15 @@ def lowest(dtype) -> np.ndarray:
 
 
 def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
-  """One tile's ``(max, Σ exp(s - max), label logit, gap)`` per row over its `fresh` columns
+  """One tile's ``(max, Σ exp(s - max), label logit, gap, moment)`` per row over its `fresh` columns
   (all when None). The max is at least :func:`lowest`, as :func:`merge` wants. ``gap`` (None
   without smoothing) is ``(Σ (max - s) / V, count)`` over the columns that count in the smoothing
   mean (those whose `bias` is not -inf): how far below the max the mean lies, kept relative to the
   max as the log-sum-exp is (a mean summed from logits of -1e9 would round away the loss), and how
   many columns it covers (the same for every row, so that no second mask of the tile's shape is
-  formed)."""
+  formed). ``moment`` (None unless ``plan.entropy``) is ``Σ exp(s - max) (s - max)``, the
+  entropy's one more number: each term only where its exponential is not 0 (a masked logit's
+  ``0 · -inf`` is never formed)."""
   hit = cols[None, :] == labels[:, None]
   kept = s
   if fresh is not None:
@@ -91,7 +96,10 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
       below = jnp.where(counted[None, :], below, 0)
       count = jnp.broadcast_to(jnp.sum(counted, dtype=s.dtype), m.shape)
     gap = jnp.sum(below, axis=-1), count
-  return m, se, sy, gap
+  moment = None
+  if plan.entropy:  # e > 0 only where fresh or where m is the lowest float (then s - m = 0)
+    moment = jnp.sum(jnp.where(e > 0, e * (kept - m[:, None]), 0), axis=-1)
+  return m, se, sy, gap, moment
 
 
 def lift_gap(gap, m_old: Array, m: Array, vocab: int):
@@ -111,15 +119,28 @@ def mean_gap(m: Array, gap, vocab: int) -> Array:
   return g + (vocab - count) / vocab * m
 
 
+def lift_moment(moment: Array, se: Array, m_old: Array, m: Array) -> Array:
+  """A ``Σ exp(s - m_old) (s - m_old)`` of :func:`tile_stats` (its row's ``se`` beside it) measured
+  from a max ``m >= m_old`` instead: ``exp(m_old - m) (moment + (m_old - m) se)``. The difference
+  is taken only where the factor is not 0, where it is at most a few hundred (by halves: that of
+  two finite floats may overflow); elsewhere the moment is 0 (no ``0 · inf``)."""
+  scale = exp_diff(m_old, m)
+  shift = jnp.where(scale > 0, m_old / 2 - m / 2, 0) * 2
+  return scale * (moment + shift * se)
+
+
 def merge(a, b, vocab: int):
-  """Two ``(m, Σ exp(s - m), gap)`` of :func:`tile_stats` as one: the online log-sum-exp step."""
-  (ma, sa, ga), (mb, sb, gb) = a, b
+  """Two ``(m, Σ exp(s - m), gap, moment)`` of :func:`tile_stats` as one: the online log-sum-exp
+  step, the entropy's moment rescaled with the sum."""
+  (ma, sa, ga, da), (mb, sb, gb, db) = a, b
   m = jnp.maximum(ma, mb)
-  gap = None
+  gap = moment = None
   if ga is not None:
     (g1, c1), (g2, c2) = lift_gap(ga, ma, m, vocab), lift_gap(gb, mb, m, vocab)
     gap = g1 + g2, c1 + c2
-  return m, sa * exp_diff(ma, m) + sb * exp_diff(mb, m), gap
+  if da is not None:
+    moment = lift_moment(da, sa, ma, m) + lift_moment(db, sb, mb, m)
+  return m, sa * exp_diff(ma, m) + sb * exp_diff(mb, m), gap, moment
 
 
 def tile_argmax(s: Array, cols: Array) -> tuple[Array, Array]:
@@ -141,10 +162,16 @@ def merge_argmax(best, tile):
 
 def tile_grad(plan: LcePlan, s, dcap, labels, cols, m, scales, vocab_dtype) -> Array:
   """``G`` of one tile from the rows' max `m` and the per-row scales (:func:`scales`: the first
-  holds ``1 / se``). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's (a huge
-  exponent next to huge logits), hence the ``minimum``."""
-  p_scale, label_scale, uniform_scale = scales
-  g = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
+  holds ``1 / se``; the last, the entropy's, multiplies ``p (s - m)``, taken only where ``p`` is
+  not 0). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's (a huge exponent
+  next to huge logits), hence the ``minimum``."""
+  p_scale, label_scale, uniform_scale, h_scale = scales
+  d = jnp.minimum(s - m[:, None], 0)
+  e = jnp.exp(d)
+  if h_scale is None:
+    g = p_scale[:, None] * e
+  else:
+    g = e * (p_scale[:, None] - jnp.where(e > 0, h_scale[:, None] * d, 0))
   if label_scale is not None:
     g = g - jnp.where(cols[None, :] == labels[:, None], label_scale[:, None], 0)
   if uniform_scale is not None:
@@ -168,22 +195,41 @@ def lse_of(m: Array, se: Array) -> Array:
   return jnp.where(empty, 0, m + log_se)
 
 
-def scales(plan: LcePlan, g: Array, m: Array, se: Array, labels: Array, vocab: int):
-  """The per-token factors of ``G``: ``(g (1 + 2 k lse) / se, g (1 - a) [label valid], g a / V)``
-  (None where a term is absent); 0 in the first where no logit is finite (``se = 0``)."""
+def scales(
+  plan: LcePlan, g: Array, m: Array, se: Array, labels: Array, vocab: int, gh=None, moment=None
+):
+  """The per-token factors of ``G`` for the loss's cotangent `g` and the entropy's `gh` (None
+  without): ``((g (1 + 2 k lse) + gh μ) / se, g (1 - a) [label valid], g a / V, gh / se)``, with
+  ``μ = moment / se = E_p[s] - m`` (the entropy's ``dH/ds = -p (s - m - μ)``); None where a term is
+  absent, 0 in the first and last where no logit is finite (``se = 0``)."""
   acc = plan.acc_dtype
   g = g.astype(acc)
   empty = se == 0
-  p_scale = g / jnp.where(empty, 1, se)
+  inv = 1 / jnp.where(empty, 1, se)
+  p_scale = g * inv
   if plan.z_loss:
     p_scale = p_scale * (1 + 2 * plan.z_loss * lse_of(m, se))
+  h_scale = None
+  if gh is not None:
+    h_scale = jnp.where(empty, 0, gh.astype(acc) * inv)
+    p_scale = p_scale + h_scale * (moment * inv)
   p_scale = jnp.where(empty, 0, p_scale)
   label_scale = None
   if plan.label_smoothing != 1:
     valid = (labels >= 0) & (labels < vocab)
     label_scale = jnp.where(valid, g * (1 - plan.label_smoothing), 0).astype(acc)
   uniform_scale = g * (plan.label_smoothing / vocab) if plan.label_smoothing else None
-  return p_scale, label_scale, uniform_scale
+  return p_scale, label_scale, uniform_scale, h_scale
+
+
+def entropy_of(se: Array, moment: Array, where: Array | None = None) -> Array:
+  """The entropy of each row's softmax, ``H = lse - E_p[s] = log se - moment / se``, both terms
+  relative to the max (exact for equal logits of any size: ``log V``), at least 0; 0 where no
+  logit is finite and where `where` is False."""
+  log_se, empty = _log_sum(se)
+  h = jnp.maximum(log_se - moment / jnp.where(empty, 1, se), 0)
+  keep = ~empty if where is None else where & ~empty
+  return jnp.where(keep, h, 0)
 
 
 def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
