@@ -1,8 +1,8 @@
-"""The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy`.
+"""The ``custom_vjp`` of :func:`jaxact.linear_cross_entropy` and :func:`jaxact.linear_log_probs`.
 
 Per token ``t``, with logits ``z = x_t @ w + b`` accumulated in float32 (float64 for float64
-inputs), capped logits ``s = c tanh(z / c)`` (or ``s = z``), label smoothing ``a`` and z-loss
-``k``, the op returns the per-token loss
+inputs), capped logits ``s = c tanh(z / c) / T`` (or ``s = z / T``; the temperature ``T`` is 1
+for the loss), label smoothing ``a`` and z-loss ``k``, the op returns the per-token loss
 
     loss_t = lse_t - (1 - a) s[t, y_t] - a mean_v s[t, v] + k lse_t^2,
     lse_t = m_t + log se_t,   m_t = max_v s[t, v],   se_t = sum_v exp(s[t, v] - m_t),
@@ -22,8 +22,12 @@ T5X's label smoothing is optax's with ``a V / (V - 1)`` and a constant subtracte
 (``loss_offset``: :func:`jaxact._src.lce.plan.t5x_smoothing`); per-token weights multiply ``g_t``
 outside this rule. With ``predictions`` the forward also returns each token's argmax column of
 ``s``, tracked in the same loop (a running max and its column; across vocabulary shards a ``pmax``
-and a ``pmin``). ``w`` is (D, V), or (V, D) for ``w_layout="vd"`` (an embedding table, sliced by
-rows, its gradient written by rows: no transposed copy).
+and a ``pmin``). With ``entropy`` it also returns ``H_t = log se_t - mo_t / se_t``, the softmax's
+entropy, from a third number a token kept for the backward, ``mo_t = sum_v exp(s - m_t)(s - m_t)``
+(accumulated in the same loop, rescaled as ``se`` is), whose cotangent ``h_t`` adds
+``-h_t p[t, v] (s[t, v] - m_t - mo_t / se_t)`` to ``G``. ``w`` is (D, V), or (V, D) for
+``w_layout="vd"`` (an embedding table, sliced by rows, its gradient written by rows: no transposed
+copy).
 
 Masked vocabulary entries (``z = -inf``, from a bias of -inf) stay ``-inf`` under the cap, count
 neither in the smoothing mean nor in ``G``, and get zero gradients. A row whose every logit is

@@ -58,6 +58,11 @@ def capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
   return (s, ds) if t_inv is None else (s / plan.temperature, ds * t_inv)
 
 
+# Below this, s - m is the same as -inf to exp (0 in float32 and float64): the entropy's terms
+# ``p (s - m)`` read s - m clipped to it, so that a masked logit's term is 0 times a finite number.
+_FAR = -1e4
+
+
 def lowest(dtype) -> np.ndarray:
   """The float's lowest finite value: the running max before any column, and a row's max where
   no logit is finite (so that ``s - m`` is never ``-inf - -inf``)."""
@@ -72,8 +77,8 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
   max as the log-sum-exp is (a mean summed from logits of -1e9 would round away the loss), and how
   many columns it covers (the same for every row, so that no second mask of the tile's shape is
   formed). ``moment`` (None unless ``plan.entropy``) is ``Σ exp(s - max) (s - max)``, the
-  entropy's one more number: each term only where its exponential is not 0 (a masked logit's
-  ``0 · -inf`` is never formed)."""
+  entropy's one more number, with ``s - max`` clipped at ``_FAR`` (where its exponential is 0: a
+  masked logit's ``0 · -inf`` is never formed)."""
   hit = cols[None, :] == labels[:, None]
   kept = s
   if fresh is not None:
@@ -98,7 +103,7 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
     gap = jnp.sum(below, axis=-1), count
   moment = None
   if plan.entropy:  # e > 0 only where fresh or where m is the lowest float (then s - m = 0)
-    moment = jnp.sum(jnp.where(e > 0, e * (kept - m[:, None]), 0), axis=-1)
+    moment = jnp.sum(e * jnp.maximum(kept - m[:, None], _FAR), axis=-1)
   return m, se, sy, gap, moment
 
 
@@ -162,16 +167,15 @@ def merge_argmax(best, tile):
 
 def tile_grad(plan: LcePlan, s, dcap, labels, cols, m, scales, vocab_dtype) -> Array:
   """``G`` of one tile from the rows' max `m` and the per-row scales (:func:`scales`: the first
-  holds ``1 / se``; the last, the entropy's, multiplies ``p (s - m)``, taken only where ``p`` is
-  not 0). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's (a huge exponent
-  next to huge logits), hence the ``minimum``."""
+  holds ``1 / se``; the last, the entropy's, multiplies ``p (s - m)``, ``s - m`` clipped at
+  ``_FAR`` where ``p`` is 0). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's
+  (a huge exponent next to huge logits), hence the ``minimum``."""
   p_scale, label_scale, uniform_scale, h_scale = scales
-  d = jnp.minimum(s - m[:, None], 0)
-  e = jnp.exp(d)
   if h_scale is None:
-    g = p_scale[:, None] * e
+    g = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
   else:
-    g = e * (p_scale[:, None] - jnp.where(e > 0, h_scale[:, None] * d, 0))
+    d = jnp.clip(s - m[:, None], _FAR, 0)
+    g = jnp.exp(d) * (p_scale[:, None] - h_scale[:, None] * d)
   if label_scale is not None:
     g = g - jnp.where(cols[None, :] == labels[:, None], label_scale[:, None], 0)
   if uniform_scale is not None:
