@@ -482,6 +482,35 @@ def test_the_hopper_kernels_decline_the_entropy_and_a_temperature():
     np.testing.assert_array_equal(a, r)
 
 
+@EXHAUSTIVE
+def test_the_hopper_kernels_run_the_log_probs_without_entropy(monkeypatch):
+  """Log-probabilities alone at temperature 1 are the cross-entropy's kernels' work: forced
+  ("mosaic", Mosaic GPU's interpreter on CPU) they run and equal the XLA path (G rounded to
+  bfloat16 on both, one ulp apart at most)."""
+  from pallas_kernels import lce_mosaic
+
+  x, w, b, tokens, _ = inputs(jnp.float32, t=128, d=128, v=512, scale=1.0)
+  x, w, b = (a.astype(jnp.bfloat16) for a in (x, w, b))
+  c, _ = cotangents(jnp.float32, tokens.shape)
+  calls, kernel = [], lce_mosaic.lce_fwd
+  monkeypatch.setattr(lce_mosaic, "lce_fwd", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+
+  def step(impl):
+    def f(x, w, b):
+      lp = jaxact.linear_log_probs(x, w, tokens, bias=b, logit_soft_cap=10.0, implementation=impl)
+      return jnp.sum(c * lp)
+
+    return jax.value_and_grad(f, (0, 1, 2))(x, w, b)
+
+  got = step("mosaic")
+  assert calls  # the kernel ran
+  want = step("xla")
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for a, r in zip(got[1], want[1], strict=True):
+    a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+    assert np.linalg.norm(a - r) <= 2**-9 * np.linalg.norm(r)
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
