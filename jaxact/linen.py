@@ -25,7 +25,7 @@ from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.linen")
 
-from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
+from jaxact._src.attention.linen import (  # noqa: E402 (after the check)
   linen_dot_product_attention as dot_product_attention,
 )
 from jaxact._src.fused.linen import ConvAct as ConvAct  # noqa: E402 (after the check)

@@ -22,7 +22,7 @@ from jaxact._src.core.validation import require_flax
 
 require_flax("jaxact.nnx")
 
-from jaxact._src.attention.flax_fn import (  # noqa: E402 (after the check)
+from jaxact._src.attention.nnx import (  # noqa: E402 (after the check)
   nnx_dot_product_attention as dot_product_attention,
 )
 from jaxact._src.fused.nnx import ConvAct as ConvAct  # noqa: E402 (after the check)

@@ -4,7 +4,7 @@ The notebooks are generated so that their cells stay reviewable as code and thei
 install commands follow the repository URL in pyproject.toml. They are committed executed, so that
 GitHub and the docs site show their outputs and plots: `python notebooks/build.py` writes the cells
 and runs each notebook in this interpreter (nbclient; about a minute each on a CPU);
-`--no-execute` writes them without outputs. tests/test_notebooks.py executes each one again and
+`--no-execute` writes them without outputs. tests/repo/test_notebooks.py executes each one again and
 checks that the committed cells, outputs aside, are the ones written here.
 """
 

@@ -52,7 +52,7 @@ def block_config(q_shape, k_shape, dtype) -> AttentionBlockConfig:
   128 forward, 4 warps up to H = 64 and 8 above), tokamax's Triton flash attention (64 x 32 for
   dq, 32 x 64 for dk, dv) and Triton's fused-attention tutorial (128 x 64 forward on Hopper, more
   stages in the backward), tuned on A100s and H100s, then cut where XLA's register-spill check
-  failed them compiled for an A100 or an H100 (tests/test_pallas_attention.py: B 4,
+  failed them compiled for an A100 or an H100 (tests/attention/test_attention_triton.py: B 4,
   T = S = 2048, every head dimension and dtype, causal alone and with a window, a soft cap and
   lengths, which cost registers):
   * Forward: 128 query rows by 64 keys a step. q and the float32 accumulator (block_q x H) stay in

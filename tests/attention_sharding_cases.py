@@ -1,11 +1,11 @@
 """jaxact.dot_product_attention on 8 virtual CPU devices: run as a script (tests/eight_devices.py).
 
 ``python tests/attention_sharding_cases.py [case ...]`` prints one JSON object per case
-(tests/test_attention_sharding.py asserts on them): batch and heads sharded (data and tensor
-parallel, multi- and grouped-query attention with fewer key/value heads than devices), Explicit
-and Auto mesh axes, with bias, lengths, segment ids and dropout; each against the same program on
-one device (``err``: the largest relative difference of the value and the gradients of q, k, v,
-bias), with the collectives of the compiled gradient (``collectives``, with the shapes they
+(tests/attention/test_attention_sharding.py asserts on them): batch and heads sharded (data and
+tensor parallel, multi- and grouped-query attention with fewer key/value heads than devices),
+Explicit and Auto mesh axes, with bias, lengths, segment ids and dropout; each against the same
+program on one device (``err``: the largest relative difference of the value and the gradients of
+q, k, v, bias), with the collectives of the compiled gradient (``collectives``, with the shapes they
 produce) and the error a sequence-sharded query raises.
 """
 

@@ -1,8 +1,9 @@
 """Test parametrization derived from the spec table, and the dtype tolerance tables.
 
 Everything here is read from ``jaxact._src.core.spec.SPECS``: a new spec row is picked up by every
-test that iterates over ``SPECS`` / ``ELEMENTWISE`` (and the coverage test in test_activations.py
-fails until tests/references.py has a reference and limits for it).
+test that iterates over ``SPECS`` / ``ELEMENTWISE`` (and the coverage test in
+tests/activations/test_activations.py fails until jaxact/_src/activations/reference.py has a
+reference and limits for it).
 """
 
 from __future__ import annotations

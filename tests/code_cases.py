@@ -1,6 +1,7 @@
-"""Helpers shared by the derivative-code kernel tests (test_pallas_codes.py, the Triton kernels;
-test_pallas_hopper_codes.py, the Mosaic GPU ones): exact inputs, coded activations, one run of a
-fused op with what its pullback keeps.
+"""Helpers shared by the derivative-code kernel tests (tests/codes/test_codes_triton.py, the Triton
+kernels; tests/codes/test_codes_mosaic.py, the Mosaic GPU ones): exact inputs, coded activations,
+one run of
+a fused op with what its pullback keeps.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Install jax's CUDA compiler into ``<venv>/gpu-compiler``, outside the venv's site-packages.
 
-tests/test_gpu_compile.py and ``python -m benchmarks.aot`` compile jaxact's kernels for an H100 or
-an A100 on a machine without a GPU through jax's CUDA plugin (XLA's GPU compiler; no CUDA
+tests/core/test_gpu_compile.py and ``python -m benchmarks aot`` compile jaxact's kernels for an
+H100 or an A100 on a machine without a GPU through jax's CUDA plugin (XLA's GPU compiler; no CUDA
 libraries). Installed in site-packages, the plugin would load in every jax program of the venv and,
 on a machine without CUDA, print a "Unable to load cuDNN" traceback at each start; kept in its own
 folder it loads only where ``support.use_gpu_compiler`` puts it on ``sys.path``.
@@ -19,7 +19,7 @@ import jaxlib
 
 def main() -> int:
   if sys.platform != "linux":
-    print("jax's CUDA plugin has Linux wheels only: tests/test_gpu_compile.py will skip")
+    print("jax's CUDA plugin has Linux wheels only: tests/core/test_gpu_compile.py will skip")
     return 0
   target = pathlib.Path(sys.prefix) / "gpu-compiler"
   version = jaxlib.__version__

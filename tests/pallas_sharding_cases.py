@@ -1,8 +1,9 @@
 """Per-shard Pallas kernels on 8 virtual CPU devices (interpret mode): run as a script.
 
 ``python tests/pallas_sharding_cases.py [case ...]`` prints one JSON object per case
-(tests/test_pallas_sharding.py runs it in a subprocess and asserts on them). It needs 8 devices,
-which XLA:CPU gives only if ``--xla_force_host_platform_device_count=8`` is in ``XLA_FLAGS`` before
+(tests/core/test_pallas_sharding.py runs it in a subprocess and asserts on them). It needs 8
+devices, which XLA:CPU gives only if ``--xla_force_host_platform_device_count=8`` is in
+``XLA_FLAGS`` before
 JAX initialises its backend, so, run as a script, it sets that flag itself before importing JAX.
 
 Every case shards the operands of one layer over an Explicit mesh (``jax.make_mesh``'s default

@@ -1,7 +1,7 @@
 """Sharded training of jaxact Flax layers on 8 virtual CPU devices: run as a script.
 
 ``python tests/sharding_cases.py [case ...]`` prints one JSON object per case
-(tests/test_sharding.py runs it in a subprocess and asserts on them). It needs 8 devices, which
+(tests/core/test_sharding.py runs it in a subprocess and asserts on them). It needs 8 devices, which
 XLA:CPU gives only if ``--xla_force_host_platform_device_count=8`` is in ``XLA_FLAGS`` before JAX
 initialises its backend, so, run as a script, it sets that flag itself before importing JAX.
 

@@ -1,8 +1,8 @@
 """The docs' generated tables: the residual policy (from the spec table) and the dispatch rules.
 
 `python -m jaxact._src.docs` rewrites them in place, between their markers, in
-docs/residual-policy.md and docs/dispatch.md; tests/test_docs.py fails when a copy differs, so the
-documentation cannot drift from the rules.
+docs/residual-policy.md and docs/dispatch.md; tests/repo/test_docs.py fails when a copy differs, so
+the documentation cannot drift from the rules.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ def _jaxact_functions() -> dict[Callable[..., Array], str]:
 
 # The namespaces whose functions of a spec row's name (or alias) compute that row's activation with
 # the same parameters: jax.nn, and Flax's re-exports of it.
-# Checked by tests/test_activation_resolution.py against the functions' signatures and values.
+# Checked by tests/activations/test_activation_resolution.py against the functions' signatures and
+# values.
 FOREIGN_NAMESPACES = ("jax.nn", "flax.linen", "flax.nnx")
 
 

@@ -3,6 +3,6 @@
 ``api`` checks the arguments and builds the plan (``plan``), ``rules`` decides the backend (the
 one decision point's attention rows), ``vjp`` is the ``custom_vjp`` every backend shares, ``xla``
 the blocked XLA path, ``kernels`` the calls of the Pallas kernels, ``sharding`` the per-device
-runs under Explicit mesh axes, ``flax_fn`` Flax's ``attention_fn`` signatures, and ``reference``
-the plain formula the tests compare against.
+runs under Explicit mesh axes, ``linen`` and ``nnx`` Flax's ``attention_fn`` signatures (what
+they share in ``api_flax``), and ``reference`` the plain formula the tests compare against.
 """

@@ -1,12 +1,62 @@
-"""The LM head's plain formulas, as a JAX user writes them without jaxact: the full (tokens,
-vocabulary) logits ``x @ w + b``, Gemma 2's soft cap, a sampling temperature, and
-:func:`jax.nn.log_softmax`. The tests compare jaxact's ops and their gradients (JAX's autodiff of
-these) against them."""
+"""The LM head's plain formulas, for the tests: :func:`jaxact.linear_cross_entropy`'s loss and
+:func:`jaxact.linear_log_probs`' log-probabilities and entropy.
+
+What a JAX user writes without jaxact: ``x @ w + b``, Gemma 2's cap, a sampling temperature,
+optax's ``softmax_cross_entropy`` against ``optax.smooth_labels`` of the one-hot labels (written out
+here with ``jax.nn.log_softmax``), PaLM's z-loss on ``jax.nn.logsumexp``, and numpy's ``where`` /
+mean, every (tokens, vocabulary) array built and differentiated by JAX's autodiff. Masked
+vocabulary entries (logits of -inf) would make the smoothed loss infinite; there the reference
+takes the smoothing mean over finite logits only, as jaxact documents (``masked=True``).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def cross_entropy_reference(
+  x,
+  w,
+  labels,
+  *,
+  bias=None,
+  where=None,
+  reduction="mean",
+  label_smoothing=0.0,
+  z_loss=0.0,
+  logit_soft_cap=None,
+  precision=None,
+  masked=False,
+):
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  z = jnp.matmul(x, w, precision=precision, preferred_element_type=acc)
+  if bias is not None:
+    z = z + bias.astype(acc)
+  if logit_soft_cap is not None:
+    z = jnp.where(z == -jnp.inf, z, logit_soft_cap * jnp.tanh(z / logit_soft_cap))
+  vocab = w.shape[-1]
+  onehot = jax.nn.one_hot(labels, vocab, dtype=acc)
+  if not masked:
+    targets = (1 - label_smoothing) * onehot + label_smoothing / vocab  # optax.smooth_labels
+    loss = -jnp.sum(targets * jax.nn.log_softmax(z, axis=-1), axis=-1)  # softmax_cross_entropy
+  else:
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.sum(jnp.where(onehot > 0, z, 0), axis=-1)
+    mean = jnp.sum(jnp.where(jnp.isfinite(z), z, 0), axis=-1) / vocab
+    loss = lse - label_smoothing * mean
+    if label_smoothing < 1:  # full smoothing does not look at the label (0 * -inf would be NaN)
+      loss = loss - (1 - label_smoothing) * picked
+  if z_loss:
+    loss = loss + z_loss * jax.nn.logsumexp(z, axis=-1) ** 2
+  if where is not None:
+    loss = jnp.where(where, loss, 0)
+  if reduction == "none":
+    return loss
+  if reduction == "sum":
+    return jnp.sum(loss)
+  count = loss.size if where is None else jnp.sum(where)
+  return jnp.sum(loss) / jnp.maximum(count, 1)
 
 
 def _log_softmax(x, w, *, bias=None, temperature=1.0, logit_soft_cap=None, w_layout="dv"):

@@ -1,0 +1,166 @@
+"""Few-bit derivative codes (``residual_bits``): memory and step time against the exact residual.
+
+``python -m benchmarks codes [--no-time] [--no-gpu]`` prints markdown tables:
+
+* compiled temp of ``jit(grad(loss))`` in activation buffers for the benchmark's 8-layer MLP
+  (8192 x 512 float32, ``dense_bias_act``) and 6-layer CNN (NHWC 32x32x32x64, ``conv_bias_act``)
+  with gelu, exact and with 8, 4 and 2 bits, against the jax.nn composition; the arrays the
+  pullback keeps per layer (in buffers);
+* the same 8-layer MLP in bfloat16 at 8192 x 4096, compiled for an H100 on this machine
+  (``support.compile_for``; needs ``tests/install_gpu_compiler.py``), in MiB;
+* step time: the activation alone, ``jit(value_and_grad(sum(act(x))))`` on 2**22 float32, against
+  jax.nn; and the fused MLP and CNN with codes against exact (medians of per-round ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+import jaxact
+from benchmarks import fused
+from benchmarks.harness import timing
+
+BITS = (None, 8, 4, 2)
+ACTIVATIONS = ("gelu", "silu", "mish")
+
+
+def _act(name: str, bits):
+  return functools.partial(jaxact.get_activation(name), residual_bits=bits)
+
+
+def _model(model, name: str, bits):
+  """benchmarks.fused's MLP/CNN builder, with the coded activation in every layer."""
+  forward, params, x, buffer = model("relu", True)  # shapes and params; the activation replaced
+
+  def coded(params, x):
+    for w, b in params:
+      if x.ndim == 2:
+        x = jaxact.dense_bias_act(x, w, b, activation=_act(name, bits))
+      else:
+        x = jaxact.conv_bias_act(x, w, b, activation=_act(name, bits), padding="SAME")
+    return x
+
+  del forward
+  return coded, params, x, buffer
+
+
+def memory_rows(name: str = "gelu") -> list[str]:
+  lines = [
+    f"{name}: compiled temp of jit(grad(loss)) and arrays the pullback keeps, in activation "
+    "buffers; jax.nn composition in the same run.",
+    "",
+    "| model | residual | temp | kept per layer | jax.nn temp |",
+    "|---|---|---|---|---|",
+  ]
+  for label, model in (
+    ("MLP 8 x (8192, 512)", fused._mlp),
+    ("CNN 6 x NHWC", fused._cnn),
+  ):
+    comp = fused.temp_buffers(model, name, False)
+    for bits in BITS:
+      forward, params, x, buffer = _model(model, name, bits)
+      loss = fused._loss(forward)
+      compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+      temp = compiled.memory_analysis().temp_size_in_bytes / buffer
+      _, pull = jax.vjp(forward, params, x)
+      weights = {id(leaf) for leaf in jax.tree.leaves(params)}
+      kept = sum(
+        leaf.nbytes
+        for leaf in jax.tree.leaves(pull)
+        if id(leaf) not in weights and leaf.nbytes > 4096
+      )
+      per_layer = kept / buffer / len(params)
+      residual = "exact (z)" if bits is None else f"{bits} bits"
+      lines.append(f"| {label} | {residual} | {temp:.2f} | {per_layer:.3f} | {comp:.2f} |")
+  return lines
+
+
+def h100_rows(name: str = "gelu", layers: int = 8, m: int = 8192, d: int = 4096) -> list[str]:
+  from support import H100, compile_for
+
+  shapes = [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)]
+  shapes += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for _ in range(layers) for s in ((d, d), (d,))]
+
+  def temp(layer):
+    def loss(x, *params):
+      for w, b in zip(params[::2], params[1::2], strict=True):
+        x = layer(x, w, b)
+      return jnp.mean(x.astype(jnp.float32))
+
+    grad = jax.value_and_grad(loss, argnums=tuple(range(1, 2 * layers + 1)))
+    return compile_for(grad, shapes, H100).memory_analysis().temp_size_in_bytes / 2**20
+
+  act = getattr(jax.nn, name)
+  lines = [
+    f"{name}, {layers}-layer MLP ({m}, {d}) x ({d}, {d}) bfloat16, jit(value_and_grad), compiled "
+    f"for an {H100} on the CPU machine: XLA's temp in MiB.",
+    "",
+    "| path | temp MiB |",
+    "|---|---|",
+    f"| jax.nn | {temp(lambda x, w, b: act(x @ w + b)):.0f} |",
+  ]
+  for bits in BITS:
+    layer = functools.partial(jaxact.dense_bias_act, activation=_act(name, bits))
+    label = "exact" if bits is None else f"{bits} bits"
+    lines.append(f"| jaxact, {label} | {temp(layer):.0f} |")
+  return lines
+
+
+def time_rows(runs: int) -> list[str]:
+  x = jax.random.normal(jax.random.key(0), (1 << 22,), jnp.float32)
+
+  def step(f):
+    g = jax.jit(jax.value_and_grad(lambda v: jnp.sum(f(v))))
+    return lambda: g(x)
+
+  lines = [
+    "Activation alone, jit(value_and_grad(sum(act(x)))), 2**22 float32: time against jax.nn's, "
+    "the median over alternated rounds of the ratio within a round.",
+    "",
+    "| activation | jax.nn ms | exact | 8 bits | 4 bits | 2 bits |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name in ACTIVATIONS:
+    calls = [step(getattr(jax.nn, name))] + [step(_act(name, b)) for b in BITS]
+    base, ratios = timing.alternated_ratios(calls, runs)
+    lines.append(f"| {name} | {base * 1e3:.1f} | {' | '.join(f'{r:.2f}x' for r in ratios)} |")
+  lines += ["", "Fused gelu layers, training step: time against the exact residual's.", ""]
+  lines += ["| model | exact ms | 8 bits | 4 bits | 2 bits |", "|---|---|---|---|---|"]
+  for label, model in (("MLP", fused._mlp), ("CNN", fused._cnn)):
+    calls = []
+    for bits in BITS:
+      forward, params, x_, _ = _model(model, "gelu", bits)
+      g = jax.jit(jax.value_and_grad(fused._loss(forward)))
+      calls.append(functools.partial(g, params, x_))
+    base, ratios = timing.alternated_ratios(calls, runs)
+    lines.append(f"| {label} | {base * 1e3:.1f} | {' | '.join(f'{r:.2f}x' for r in ratios)} |")
+  return lines
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", type=int, default=15)
+  parser.add_argument("--no-time", action="store_true")
+  parser.add_argument("--no-gpu", action="store_true", help="skip the compile for an H100")
+  args = parser.parse_args(argv)
+  gpu = not args.no_gpu
+  if gpu:  # the plugin registers its compiler only before JAX's backends start
+    from support import use_gpu_compiler
+
+    gpu = use_gpu_compiler()
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs")
+  sections = [memory_rows]
+  if gpu:
+    sections.append(h100_rows)
+  elif not args.no_gpu:
+    print("(no CUDA compiler plugin: run tests/install_gpu_compiler.py for the H100 figures)")
+  if not args.no_time:
+    sections.append(functools.partial(time_rows, args.runs))
+  for section in sections:
+    print()
+    print("\n".join(section()), flush=True)
