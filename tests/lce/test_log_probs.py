@@ -14,11 +14,14 @@ import json
 import os
 import sys
 
-# Only when run as the 8-device script: pytest's own process must not get 8 devices.
-if __name__ == "__main__" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-  flags = os.environ.get("XLA_FLAGS", "")
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Only when run as the 8-device script: pytest's own process must not get 8 devices; the shared
+# test helpers (eight_devices) are in tests/, which pytest's conftest puts on the path.
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools
 import re
