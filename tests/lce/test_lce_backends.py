@@ -1,9 +1,9 @@
-"""One behaviour suite for ``linear_cross_entropy`` over every implementation the family declares
-(``lce.rules.FAMILY``: the blocked XLA path, the Mosaic GPU (Hopper) kernels, ``"pallas"``, which
-has no Triton kernel and says so, and None), each meeting the same assertions against autodiff of
-the plain formula (``jaxact/_src/lce/reference.py``). Off a GPU the kernels run in Pallas'
-interpreter; a backend that cannot run a call skips with its own reason. The kernels' own corners
-are in ``test_lce_mosaic.py``.
+"""One behaviour suite for ``linear_cross_entropy`` and ``linear_log_probs`` over every
+implementation the family declares (``lce.rules.FAMILY``: the blocked XLA path, the Mosaic GPU
+(Hopper) kernels, ``"pallas"``, which has no Triton kernel and says so, and None), each meeting the
+same assertions against autodiff of the plain formula (``jaxact/_src/lce/reference.py``). Off a GPU
+the kernels run in Pallas' interpreter; a backend that cannot run a call skips with its own reason.
+The kernels' own corners are in ``test_lce_mosaic.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import jax.numpy as jnp
 import pytest
 
 import jaxact
-from jaxact._src.lce.reference import cross_entropy_reference
+from jaxact._src.lce.reference import (
+  cross_entropy_reference,
+  entropy_reference,
+  log_probs_reference,
+)
 from jaxact._src.lce.rules import FAMILY
 
 from cases import assert_trees_close, backends, value_and_grads_or_skip
@@ -44,4 +48,32 @@ def test_equals_autodiff_of_the_formula(implementation, dtype):
   up = lambda a: a.astype(jnp.float32)
   plain = lambda x, w, b: cross_entropy_reference(x, w, labels, bias=b, **kw_)[None]
   want = value_and_grads_or_skip(plain, up(x), up(w), up(b))
+  assert_trees_close(got, want, TOL[dtype])
+
+
+@pytest.mark.sample(1, "xla-bfloat16")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("implementation", backends(FAMILY))
+def test_log_probs_and_entropy_equal_autodiff_of_the_formula(implementation, dtype):
+  """``linear_log_probs`` with its entropy, a temperature and a soft cap, on the same call: the
+  cotangents reach both outputs."""
+  kx, kw, kl = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(kx, (T, D), jnp.float32).astype(dtype)
+  w = (D**-0.5 * jax.random.normal(kw, (D, V), jnp.float32)).astype(dtype)
+  tokens = jax.random.randint(kl, (T,), 0, V)
+  options = dict(temperature=0.7, logit_soft_cap=30.0)
+
+  def ours(x, w):
+    logp, h = jaxact.linear_log_probs(
+      x, w, tokens, return_entropy=True, implementation=implementation, **options
+    )
+    return jnp.stack([logp, h])
+
+  def plain(x, w):
+    return jnp.stack(
+      [log_probs_reference(x, w, tokens, **options), entropy_reference(x, w, **options)]
+    )
+
+  got = value_and_grads_or_skip(ours, x, w)
+  want = value_and_grads_or_skip(plain, x.astype(jnp.float32), w.astype(jnp.float32))
   assert_trees_close(got, want, TOL[dtype])
