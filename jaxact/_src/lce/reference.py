@@ -88,3 +88,54 @@ def entropy_reference(x, w, *, where=None, **options):
   finite = jnp.where(jnp.isfinite(logp), logp, 0)
   h = -jnp.sum(jnp.exp(logp) * finite, axis=-1)
   return h if where is None else jnp.where(where, h, 0)
+
+
+def policy_gradient_reference(
+  x,
+  w,
+  tokens,
+  advantages,
+  *,
+  mask=None,
+  old_log_probs=None,
+  ref_log_probs=None,
+  loss_type="grpo",
+  epsilon=0.2,
+  epsilon_high=None,
+  beta=0.0,
+  entropy_coef=0.0,
+  max_length=None,
+  **options,
+):
+  """:func:`jaxact.policy_gradient_loss` written from the papers over the full logits: the ratio
+  ``exp(log pi - log pi_old)``, ``min(r A, clip(r, 1 - eps, 1 + eps_high) A)``, the k3 KL and the
+  entropy bonus, averaged as each variant averages (GRPO and GSPO over each sequence's tokens and
+  then the sequences, DAPO and PPO over the batch's tokens, Dr. GRPO over sequences times a
+  constant length). Returns the loss alone."""
+  logp = log_probs_reference(x, w, tokens, **options)
+  entropy = entropy_reference(x, w, **options)
+  m = jnp.ones(tokens.shape, logp.dtype) if mask is None else mask.astype(logp.dtype)
+  adv = jnp.asarray(advantages, logp.dtype)
+  if adv.ndim == tokens.ndim - 1:
+    adv = jnp.broadcast_to(adv[..., None], tokens.shape)
+  old = jax.lax.stop_gradient(logp) if old_log_probs is None else old_log_probs
+  high = epsilon_high if epsilon_high is not None else (0.28 if loss_type == "dapo" else epsilon)
+  lengths = jnp.maximum(jnp.sum(m, -1), 1)
+  if loss_type == "gspo":
+    ratio = jnp.exp(jnp.sum((logp - old) * m, -1) / lengths)
+    seq_adv = jnp.sum(adv * m, -1) / lengths
+    surrogate = jnp.minimum(ratio * seq_adv, jnp.clip(ratio, 1 - epsilon, 1 + high) * seq_adv)
+    per_token = jnp.broadcast_to(surrogate[..., None], tokens.shape)
+  else:
+    ratio = jnp.exp(logp - old)
+    per_token = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - epsilon, 1 + high) * adv)
+  if ref_log_probs is not None:
+    d = ref_log_probs - logp
+    per_token = per_token - beta * (jnp.exp(d) - d - 1)
+  per_token = per_token + entropy_coef * entropy
+  sequences = per_token.size // tokens.shape[-1]
+  if loss_type in ("grpo", "gspo"):
+    return -jnp.mean(jnp.sum(per_token * m, -1) / lengths)
+  if loss_type == "dr_grpo":
+    return -jnp.sum(per_token * m) / (sequences * (max_length or tokens.shape[-1]))
+  return -jnp.sum(per_token * m) / jnp.maximum(jnp.sum(m), 1)
