@@ -35,6 +35,7 @@ def _close(a, b, dtype):
 
 @pytest.mark.parametrize(("ours", "theirs"), PAIRS, ids=["rms", "layer"])
 def test_linen_attributes_are_flax_plus_residual(ours, theirs):
+  assert issubclass(ours, theirs)
   fields = [f for f in dataclasses.fields(ours) if f.name not in ("parent", "name")]
   flax_fields = [f for f in dataclasses.fields(theirs) if f.name not in ("parent", "name")]
   assert [f.name for f in fields] == [f.name for f in flax_fields] + ["residual", "scale_offset"]
@@ -45,6 +46,7 @@ def test_linen_attributes_are_flax_plus_residual(ours, theirs):
 
 @pytest.mark.parametrize(("ours", "theirs"), NNX_PAIRS, ids=["rms", "layer"])
 def test_nnx_arguments_are_flax_plus_residual(ours, theirs):
+  assert issubclass(ours, theirs)
   mine = list(inspect.signature(ours.__init__).parameters.values())
   flax_params = list(inspect.signature(theirs.__init__).parameters.values())
   describe = lambda p: (p.name, p.kind, p.default)
