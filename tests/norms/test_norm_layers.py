@@ -163,6 +163,20 @@ def test_refusals_name_the_attribute(module, call, match):
     module.init(jax.random.key(0), jnp.ones((2, 8)), **call)
 
 
+def test_nnx_promote_dtype_takes_flax_arguments():
+  """A custom ``promote_dtype`` gets what Flax's layer gives it: ``(x, scale)`` in RMSNorm."""
+
+  def to_bf16(arrays, dtype=None):
+    x, scale = arrays  # RMSNorm's pair
+    return x.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+
+  x = _x()
+  mine = jnnx.RMSNorm(16, promote_dtype=to_bf16, rngs=nnx.Rngs(0))
+  flax_layer = nnx.RMSNorm(16, promote_dtype=to_bf16, rngs=nnx.Rngs(0))
+  assert mine(x).dtype == flax_layer(x).dtype == jnp.bfloat16
+  _close(mine(x), flax_layer(x), jnp.bfloat16)
+
+
 def test_nnx_refuses_a_wrong_feature_count():
   with pytest.raises(ValueError, match=r"num_features=8"):
     jnnx.RMSNorm(8, rngs=nnx.Rngs(0))(jnp.ones((2, 6)))

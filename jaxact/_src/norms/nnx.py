@@ -31,8 +31,11 @@ def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
       f"num_features={module.num_features}"
     )
   scale = module.scale[...] if module.scale is not None else None
-  bias = module.bias[...] if center and module.bias is not None else None
-  x, scale, bias = module.promote_dtype((x, scale, bias), dtype=module.dtype)
+  if center:  # Flax's promote_dtype takes (x, scale, bias) in LayerNorm, (x, scale) in RMSNorm
+    bias = module.bias[...] if module.bias is not None else None
+    x, scale, bias = module.promote_dtype((x, scale, bias), dtype=module.dtype)
+  else:
+    (x, scale), bias = module.promote_dtype((x, scale), dtype=module.dtype), None
   return norms.norm(
     layer,
     center,
