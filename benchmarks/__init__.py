@@ -1,4 +1,9 @@
-"""jaxact's benchmark suite: `python -m benchmarks [--quick] [--out DIR]`.
+"""jaxact's measurements, one command line: `python -m benchmarks [JOB] [options]`.
 
-Measures jaxact against jax.nn in one run on this machine and writes `results.md` to `--out`.
+Without a job, the main job (`benchmarks.suite`): `python -m benchmarks [--quick] [--out DIR]`
+writes DIR/rows.jsonl, DIR/results.md rendered from them and the frontier pictures;
+`python -m benchmarks --help` lists every job. Laid out as: one module a family declaring its
+cases (`activations`, `fused`, `gated`, `norms`, `lce`, `decoder`, `attention`, `codes`, ...),
+what the jobs share in `benchmarks.harness` (timing, compiled memory, frontier, plots, rows and
+their rendering), the GPU jobs in `benchmarks.gpu`.
 """

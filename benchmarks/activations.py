@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks import timing
+from benchmarks.harness import timing
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 

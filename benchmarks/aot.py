@@ -9,7 +9,7 @@ machine:
   Pallas kernels compiled, Triton's to PTX, so that what lowering cannot see fails here (a kernel
   asking for more shared memory than the GPU has fails to compile, where it lowers fine);
 * XLA's buffer assignment for that GPU: ``memory_analysis()``, the figure the GPU benchmarks
-  report (``benchmarks.gpu_check``'s memory section), for any shape, without lending a GPU.
+  report (``benchmarks.gpu.check``'s memory section), for any shape, without lending a GPU.
 
 What it does not give: autotuning, which needs the GPU. XLA takes its default choice for each gemm
 (a Triton gemm fusion rather than cuBLAS, whose workspace, up to 32 MiB on Hopper, then does not
@@ -24,15 +24,10 @@ API (docs/porting-flax.md, "Compiling for an H100 on a machine without one") the
 does not provide is the GPU's description: ``target_config(H100)`` here returns XLA's
 ``h100_sxm.txtpb`` as the installed plugin carries it (``Unavailable`` without the plugin).
 
-    python -m benchmarks.aot [--sections memory,compile] [--out DIR]
+    python -m benchmarks aot [--sections memory,compile] [--out DIR]
 """
 
 from __future__ import annotations
-
-import os
-
-if __name__ == "__main__":  # before jax is imported: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import dataclasses
@@ -43,6 +38,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from benchmarks.harness.sections import Sections
 from pallas_kernels import default_block_config, default_tiles
 from support import (
   A100,
@@ -263,28 +259,10 @@ def main(argv=None) -> int:
     print(f"benchmarks.aot: {e}", file=sys.stderr)
     return 2
   today = datetime.date.today().isoformat()
-  report = [
-    f"# Compiled for GPUs on a machine without one ({today}, jax {jax.__version__}, "
-    f"{sys.platform})",
-    "",
-  ]
-  data = {}
+  title = f"# Compiled for GPUs on a machine without one ({today}, jax {jax.__version__}, "
+  sections = Sections(args.out, "aot", [f"{title}{sys.platform})", ""])
   for name in args.sections.split(","):
-    rows, lines = SECTIONS[name]()
-    data[name] = rows
-    report += [f"## {name}", "", *lines, ""]
-    print("\n".join([f"## {name}", "", *lines, ""]), flush=True)
-  if args.out:
-    import json
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "aot.md"), "w") as fh:
-      fh.write("\n".join(report))
-    with open(os.path.join(args.out, "aot.json"), "w") as fh:
-      json.dump(data, fh, indent=1)
+    sections.emit(name, *SECTIONS[name]())
+  data = sections.data
   failed = [r for r in data.get("compile", []) if not r["ok"]]
   return 1 if failed else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

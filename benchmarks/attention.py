@@ -1,4 +1,4 @@
-"""`python -m benchmarks.attention [--sections ...]`: attention that keeps its output, in a decoder.
+"""`python -m benchmarks attention [--sections ...]`: attention that keeps its output, in a decoder.
 
 Sections:
 
@@ -27,11 +27,6 @@ Results: benchmarks/results/attention.md.
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import dataclasses
 import sys
@@ -42,7 +37,8 @@ import numpy as np
 
 import jaxact
 import support
-from benchmarks import gated, gemma, lce, timing
+from benchmarks import decoder, gemma
+from benchmarks.harness import memory, timing
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
@@ -61,33 +57,33 @@ STEPS = {
 BASE = "jaxact, jax.nn attention"  # the step the goals compare jaxact's attention with
 
 
-def cpu_decoder(batch: int, seq: int) -> lce.Decoder:
-  return lce.Decoder(batch=batch, seq=seq, dim=512, hidden=1408, heads=8, vocab=32000)
+def cpu_decoder(batch: int, seq: int) -> decoder.Decoder:
+  return decoder.Decoder(batch=batch, seq=seq, dim=512, hidden=1408, heads=8, vocab=32000)
 
 
-def gpu_decoder(seq: int, batch: int = 4) -> lce.Decoder:
-  return lce.Decoder(
+def gpu_decoder(seq: int, batch: int = 4) -> decoder.Decoder:
+  return decoder.Decoder(
     batch=batch, seq=seq, dim=2048, hidden=5632, heads=16, vocab=128256, dtype="bfloat16"
   )
 
 
 def _norm(body: str):
-  return lce.jaxact_rms_norm if body.startswith("jaxact") else lce.rms_norm
+  return decoder.jaxact_rms_norm if body.startswith("jaxact") else decoder.rms_norm
 
 
-def step_temp(c: lce.Decoder, label: str, gpu: bool) -> int:
+def step_temp(c: decoder.Decoder, label: str, gpu: bool) -> int:
   body, head = STEPS[label]
-  return lce.decoder_temp(c, body, head, gpu, norm=_norm(body))
+  return decoder.decoder_temp(c, body, head, gpu, norm=_norm(body))
 
 
-def _no_attention_temp(c: lce.Decoder, gpu: bool) -> int:
+def _no_attention_temp(c: decoder.Decoder, gpu: bool) -> int:
   """The jaxact step with attention replaced by ``v``: what the rest of the step takes."""
-  saved = lce.BODIES["jaxact"]
-  lce.BODIES["jaxact"] = (saved[0], None, lambda q, k, v: v)
+  saved = decoder.BODIES["jaxact"]
+  decoder.BODIES["jaxact"] = (saved[0], None, lambda q, k, v: v)
   try:
     return step_temp(c, BASE, gpu)
   finally:
-    lce.BODIES["jaxact"] = saved
+    decoder.BODIES["jaxact"] = saved
 
 
 @dataclasses.dataclass
@@ -114,14 +110,14 @@ def section_time(runs: int = 5, batch: int = 4, seq: int = 512) -> dict[str, flo
   median seconds."""
   c = cpu_decoder(batch, seq)
   rng = np.random.default_rng(0)
-  params, tokens, _ = lce.decoder_shapes(c)
+  params, tokens, _ = decoder.decoder_shapes(c)
   params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.02, s.dtype), params)
   toks = jnp.asarray(rng.integers(0, c.vocab, tokens.shape), jnp.int32)
   labels = [BASE, "jaxact, jaxact attention", "Flax", "Flax + block remat"]
   calls = []
   for label in labels:
     body, head = STEPS[label]
-    f = jax.jit(jax.value_and_grad(lce.decoder_loss(c, body, head, norm=_norm(body))))
+    f = jax.jit(jax.value_and_grad(decoder.decoder_loss(c, body, head, norm=_norm(body))))
     calls.append(lambda f=f: f(params, toks, toks))
   base, ratios = timing.alternated_ratios(calls, runs)
   return {BASE: base, **dict(zip(labels[1:], ratios, strict=True))}
@@ -134,8 +130,8 @@ def longest_fit(label: str, capacity: int, batch: int = 4, step: int = 1024) -> 
   def total(seq: int) -> int:
     body, head = STEPS[label]
     c = gpu_decoder(seq, batch)
-    step = jax.value_and_grad(lce.decoder_loss(c, body, head, norm=_norm(body)))
-    leaves, tree = jax.tree.flatten(lce.decoder_shapes(c))
+    step = jax.value_and_grad(decoder.decoder_loss(c, body, head, norm=_norm(body)))
+    leaves, tree = jax.tree.flatten(decoder.decoder_shapes(c))
 
     def flat(*leaves):
       return step(*jax.tree.unflatten(tree, leaves))
@@ -143,7 +139,7 @@ def longest_fit(label: str, capacity: int, batch: int = 4, step: int = 1024) -> 
     m = support.compile_for(flat, leaves).memory_analysis()
     return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
 
-  return gated.largest_fit_of(total, capacity, step=step, start=(2048, 8192))
+  return memory.largest_fit_of(total, capacity, step=step, start=(2048, 8192))
 
 
 # -------------------------------------------------------------------------- block sizes
@@ -258,7 +254,7 @@ def render_gemma_blocks(result: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks attention", description=__doc__)
   parser.add_argument(
     "--sections",
     default="decoder,time,decoder-h100,fits-h100",
@@ -286,7 +282,7 @@ def main(argv=None) -> int:
     print("\n".join(render_decoder(section_decoder(gpu=True), GiB)), flush=True)
   if "fits-h100" in sections:
     print("\n## Longest sequence whose step fits an 80 GB H100 (B = 4)\n")
-    cap = gated.capacity()
+    cap = memory.capacity()
     print("| step | T | GiB |\n|---|---:|---:|")
     for label in STEPS:
       seq, total = longest_fit(label, cap)
@@ -297,7 +293,3 @@ def main(argv=None) -> int:
     print("\n## Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB\n")
     print("\n".join(render_blocks(section_blocks())), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

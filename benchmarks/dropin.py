@@ -1,4 +1,4 @@
-"""`python -m benchmarks.dropin [--tokens N] [--runs R]`: jaxact swapped into a Flax example's MLP.
+"""`python -m benchmarks dropin [--tokens N] [--runs R]`: jaxact swapped into a Flax example's MLP.
 
 The MLP block of Flax's official transformer examples (wmt, lm1b: ``Dense -> relu -> Dropout ->
 Dense -> Dropout``), two blocks with residual adds, trained with dropout 0.1 (CPU float32),
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxact.linen as jnn
-from benchmarks import timing
+from benchmarks.harness import timing
 
 MODELS = ("flax", "flax+remat", "first", "both")
 
@@ -156,7 +156,3 @@ def main(argv=None) -> int:
   a = parser.parse_args(argv)
   print("\n".join(measure(a.tokens, a.dim, a.mlp_dim, a.blocks, a.runs)))
   return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

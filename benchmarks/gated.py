@@ -1,6 +1,6 @@
 """Gated MLP stack: `jaxact.gated_mlp` against Flax, Flax + remat and tokamax; memory and time.
 
-Run with ``JAX_PLATFORMS=cpu python -m benchmarks.gated [--sections S,...]``. The model
+Run with ``JAX_PLATFORMS=cpu python -m benchmarks gated [--sections S,...]``. The model
 is a stack of residual gated-MLP blocks, ``x = x + mlp(rms_norm(x))`` with the plain-jnp RMS norm
 ``x * rsqrt(mean(x^2) + eps)`` (no scale, the same in every peer, evaluated once a block in float32)
 and a silu gate, built both unrolled under ``jit`` and as ``jax.lax.scan`` over stacked block
@@ -24,17 +24,12 @@ Sections (loss: mean square of the output; gradients with respect to the paramet
   (found by compiling: :func:`largest_fit`);
 * ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
   interleaved repeats;
-* ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused_memory` (``dense_bias_act``
+* ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused` (``dense_bias_act``
   / ``conv_bias_act`` as ``jaxact.linen`` layers against ``nn.Dense`` / ``nn.Conv`` + jax.nn),
   unrolled and scanned, on CPU (``layers``) and compiled for an H100 (``layers-h100``).
 """
 
 from __future__ import annotations
-
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import dataclasses
@@ -52,7 +47,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import jaxact.linen
 import support
-from benchmarks import timing
+from benchmarks.harness import timing
+from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of
 
 try:
   import tokamax
@@ -149,7 +145,7 @@ LABELS = {
   "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
   "tokamax": "tokamax GLU + Dense",
 }
-# The frontier's points (benchmarks.frontier's keys) and the peer each is: every block under one
+# The frontier's points (harness.frontier's keys) and the peer each is: every block under one
 # remat policy, or none.
 FRONTIER = {
   "flax": "flax",
@@ -213,22 +209,6 @@ def make(blocks, size, dtype, key=0):
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def cpu_memory(loss, params, x) -> int:
-  compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
-
-
-def gpu_memory(loss, params, x, device_kind=support.H100) -> tuple[int, int]:
-  """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU."""
-
-  def step(x, *params):
-    return jax.value_and_grad(loss)(params, x)
-
-  m = support.compile_for(step, [x, *params], device_kind).memory_analysis()
-  total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-  return m.temp_size_in_bytes, total - m.alias_size_in_bytes
 
 
 def kept(forward, params, x, size) -> str:
@@ -295,48 +275,6 @@ def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int
   """The largest multiple of `step` tokens whose stack step fits `capacity` bytes
   (:func:`largest_fit_of`)."""
   return largest_fit_of(lambda t: _gpu_total(loss, t, size), capacity, step)
-
-
-def largest_fit_of(
-  total: Callable[[int], int], capacity: int, step=1024, start=(8192, 16384)
-) -> tuple[int, int]:
-  """``(tokens, bytes)``: the largest multiple of `step` tokens whose ``total(tokens)`` (a step's
-  temp, arguments and outputs) fits `capacity` bytes: secant steps from compiles at the two
-  `start` sizes, then `step` at a time, every candidate compiled (near the limit XLA's
-  rematerialization makes memory non-linear)."""
-  known = {t: total(t) for t in start}
-  for _ in range(4):  # secant through the two candidates nearest the limit
-    (t0, m0), (t1, m1) = sorted(known.items(), key=lambda tm: abs(tm[1] - capacity))[:2]
-    if m1 == m0:
-      break
-    guess = int((t0 + (capacity - m0) * (t1 - t0) / (m1 - m0)) // step * step)
-    if guess in known or guess <= 0:
-      break
-    known[guess] = total(guess)
-
-  def at(t):
-    if t not in known:
-      known[t] = total(t)
-    return known[t]
-
-  fits = [t for t, m in known.items() if m <= capacity]
-  if fits:  # walk up from the largest that fits
-    tokens = max(fits)
-    while at(tokens + step) <= capacity:
-      tokens += step
-  else:  # walk down from the smallest tried
-    tokens = min(known) - step
-    while tokens > step and at(tokens) > capacity:
-      tokens -= step
-  return tokens, at(tokens)
-
-
-def capacity(device_kind=support.H100) -> int:
-  """The GPU's memory in bytes, from XLA's target config for it."""
-  import re
-
-  found = re.search(r"device_memory_size:\s*(\d+)", support.target_config(device_kind))
-  return int(found.group(1))
 
 
 def section_h100(fits: bool = True, tokamax_implementation=None) -> list[MemoryRow]:
@@ -413,66 +351,6 @@ def frontier(
   return seconds, timing.with_ratios(temps, by_round)
 
 
-# ----------------------------------------------------- the MLP and CNN of fused_memory, scanned
-
-LAYER_PEERS = ("flax", "remat", "jaxact")
-LAYER_LABELS = {"flax": "Flax", "remat": "Flax + remat", "jaxact": "jaxact layers"}
-LAYER_SIZES = {
-  # model: (layers, CPU x shape, GPU x shape)
-  "MLP": (8, (8192, 512), (8192, 4096)),
-  "CNN": (6, (32, 32, 32, 64), (128, 56, 56, 256)),
-}
-
-
-def _layer(model: str, peer: str, activation: str, features: int):
-  conv = model == "CNN"
-  if peer == "jaxact":
-    if conv:
-      module = jaxact.linen.ConvAct(features, (3, 3), activation=activation)
-    else:
-      module = jaxact.linen.DenseAct(features, activation=activation)
-    return lambda x, p: module.apply({"params": {"kernel": p[0], "bias": p[1]}}, x)
-  module = nn.Conv(features, (3, 3)) if conv else nn.Dense(features)
-  act = getattr(jax.nn, activation)
-
-  def layer(x, p):
-    return act(module.apply({"params": {"kernel": p[0], "bias": p[1]}}, x))
-
-  if peer == "remat":
-    return jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return layer
-
-
-def layer_shapes(model: str, layers: int, x_shape, dtype):
-  c = x_shape[-1]
-  kernel = (3, 3, c, c) if model == "CNN" else (c, c)
-  params = (
-    jax.ShapeDtypeStruct((layers, *kernel), dtype),
-    jax.ShapeDtypeStruct((layers, c), dtype),
-  )
-  return params, jax.ShapeDtypeStruct(x_shape, dtype)
-
-
-def section_layers(gpu: bool, activations=("relu", "gelu")) -> list[dict]:
-  rows = []
-  for model, (layers, cpu_x, gpu_x) in LAYER_SIZES.items():
-    x_shape, dtype = (gpu_x, jnp.bfloat16) if gpu else (cpu_x, jnp.float32)
-    buffer = jnp.dtype(dtype).itemsize
-    for s in x_shape:
-      buffer *= s
-    for activation in activations:
-      for peer in LAYER_PEERS:
-        row = {"model": model, "activation": activation, "peer": peer}
-        layer = _layer(model, peer, activation, x_shape[-1])
-        for scan in (False, True):
-          _, loss = stack(layer, scan)
-          params, x = layer_shapes(model, layers, x_shape, dtype)
-          temp = gpu_memory(loss, params, x)[0] if gpu else cpu_memory(loss, params, x)
-          row["scan" if scan else "unrolled"] = temp / buffer
-        rows.append(row)
-  return rows
-
-
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -513,26 +391,6 @@ def render_times(times: dict[tuple[str, str], tuple[float, float]]) -> list[str]
   return lines
 
 
-def render_layers(rows: list[dict]) -> list[str]:
-  lines = [
-    "| model | activation | peer | unrolled temp, buffers | scan temp, buffers | "
-    "unrolled / Flax | scan / Flax |",
-    "|---|---|---|---:|---:|---:|---:|",
-  ]
-  for r in rows:
-    ref = next(
-      f
-      for f in rows
-      if f["peer"] == "flax" and f["model"] == r["model"] and f["activation"] == r["activation"]
-    )
-    lines.append(
-      f"| {r['model']} | {r['activation']} | {LAYER_LABELS[r['peer']]} | {r['unrolled']:.1f} | "
-      f"{r['scan']:.1f} | {_ratio(r['unrolled'], ref['unrolled'])} | "
-      f"{_ratio(r['scan'], ref['scan'])} |"
-    )
-  return lines
-
-
 SECTIONS = ("cpu", "h100", "time", "layers", "layers-h100")
 
 
@@ -554,6 +412,8 @@ def main(argv=None) -> int:
     f"{getattr(tokamax, '__version__', 'not installed')}",
     flush=True,
   )
+  from benchmarks import fused_scanned
+
   for name in names:
     start = time.perf_counter()
     if name == "cpu":
@@ -566,15 +426,11 @@ def main(argv=None) -> int:
     elif name == "time":
       lines = render_times(step_times(repeats=args.repeats))
     elif name == "layers":
-      lines = render_layers(section_layers(gpu=False))
+      lines = fused_scanned.render_layers(fused_scanned.section_layers(gpu=False))
     elif name == "layers-h100":
-      lines = render_layers(section_layers(gpu=True))
+      lines = fused_scanned.render_layers(fused_scanned.section_layers(gpu=True))
     else:
       parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}")
     print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)
     print("\n".join(lines), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

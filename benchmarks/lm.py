@@ -1,4 +1,4 @@
-"""`python -m benchmarks.lm [--mlp flax,jaxact] [--steps N] [--out DIR]`: a training check.
+"""`python -m benchmarks lm [--mlp flax,jaxact] [--steps N] [--out DIR]`: a training check.
 
 A small Llama-style language model (byte vocabulary, rotary embeddings, pre-RMSNorm attention and
 gated MLP blocks) trained on real English text that ships with Python: the documentation topics of
@@ -35,7 +35,7 @@ import optax
 
 import jaxact
 import jaxact.linen as jnn
-from benchmarks import plots
+from benchmarks.harness import plots
 
 VOCAB = 256  # UTF-8 bytes
 
@@ -254,7 +254,7 @@ def ulp_nudge(params, seed: int):
 
 def main(argv: list[str] | None = None) -> list[Run]:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.lm", description=__doc__.split("\n")[0]
+    prog="python -m benchmarks lm", description=__doc__.split("\n")[0]
   )
   parser.add_argument(
     "--mlp",
@@ -322,7 +322,3 @@ def main(argv: list[str] | None = None) -> list[Run]:
   plots.lm_loss({r.name: r.losses for r in runs}, out / "lm_loss.png")
   print(f"wrote {out / 'lm_losses.csv'} and {out / 'lm_loss.png'}")
   return runs
-
-
-if __name__ == "__main__":
-  main()

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
+"""`python -m benchmarks norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
 
 jaxact's output-keeping RMS norm against the plain one (Flax's formula, differentiated by JAX):
 
@@ -17,11 +17,6 @@ jaxact's output-keeping RMS norm against the plain one (Flax's formula, differen
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # before jax starts: compile for the GPU, never look for one
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import functools
 
@@ -30,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks import gated, lce, timing
+from benchmarks import decoder, gated
+from benchmarks.harness import memory, timing
 
 MiB = 2**20
 SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
@@ -68,7 +64,7 @@ def stack_rows(gpu: bool) -> list[str]:
         _, loss = gated.stack(_block(mlp, norm, policy), scan)
         for n in (1, 2, gated.BLOCKS):
           args = gated.shapes(n, size, dtype)
-          m = gated.gpu_memory(loss, *args)[0] if gpu else gated.cpu_memory(loss, *args)
+          m = memory.gpu_memory(loss, *args)[0] if gpu else memory.cpu_memory(loss, *args)
           temps[scan, mlp_name, norm_name, n] = m
   lines = [
     f"{'compiled for an H100, bfloat16' if gpu else 'CPU, float32'}, (tokens, D, F) = {size}.",
@@ -96,7 +92,7 @@ def stack_rows(gpu: bool) -> list[str]:
 
 
 def decoder_rows(gpu: bool) -> list[str]:
-  c = lce.DECODER_GPU if gpu else lce.DECODER_CPU
+  c = decoder.DECODER_GPU if gpu else decoder.DECODER_CPU
   lines = [
     f"Decoder step {'compiled for an H100, bfloat16' if gpu else 'on CPU, float32'}: {c}.",
     "",
@@ -104,10 +100,10 @@ def decoder_rows(gpu: bool) -> list[str]:
     "|---|---|---|---|---|",
   ]
   for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
-    plain = lce.decoder_temp(c, body, head, gpu)
-    ours = lce.decoder_temp(c, body, head, gpu, norm=lce.jaxact_rms_norm)
+    plain = decoder.decoder_temp(c, body, head, gpu)
+    ours = decoder.decoder_temp(c, body, head, gpu, norm=decoder.jaxact_rms_norm)
     lines.append(
-      f"| {lce.BODY_LABELS[body]} | {head} | {plain / MiB:.1f} | {ours / MiB:.1f} | "
+      f"| {decoder.BODY_LABELS[body]} | {head} | {plain / MiB:.1f} | {ours / MiB:.1f} | "
       f"{ours / plain:.3f} |"
     )
   return lines
@@ -194,7 +190,3 @@ def main(argv=None) -> int:
     print(f"\n## {name}\n")
     print("\n".join(out[name]()), flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Bit-pattern sweep: every elementwise activation and parameter corner, value and gradient.
 
-``python -m benchmarks.sweep [--stride N] [--dtypes float32,bfloat16,float16] [--finite-only]``
+``python -m benchmarks sweep [--stride N] [--dtypes float32,bfloat16,float16] [--finite-only]``
 
 Inputs are bit patterns: every ``stride``-th float32 pattern (``--stride 1``: all 2**32), and every
 bfloat16 and float16 pattern; the finite ones are kept (NaN propagation is tested in tests/). Each
@@ -88,7 +88,3 @@ def main(argv=None) -> None:
     f"{time.perf_counter() - start:.0f} s\n"
   )
   print(table(rows, dtypes))
-
-
-if __name__ == "__main__":
-  main()

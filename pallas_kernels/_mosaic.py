@@ -11,6 +11,8 @@
   accumulator (:func:`write_tile`).
 * Packing 4- and 2-bit derivative codes and spreading them back (:func:`packing_matrix`,
   :func:`spreading_matrix_t`, :func:`tensor_core_product`): small wgmma against constant matrices.
+* The launch (:func:`launch`): warpgroup semantics, one producer and the compute warpgroups, a
+  persistent grid of one CTA per SM (one CTA in the interpreter) unless a grid is given.
 """
 
 from __future__ import annotations
@@ -308,3 +310,33 @@ def half_tile_mma(wg, tile_n: int):
     return acc_ref
 
   return mma
+
+
+def launch(
+  body,
+  out_type,
+  *,
+  interpret,
+  num_sms: int | None = None,
+  grid: tuple[int, ...] | None = None,
+  grid_names: tuple[str, ...] = ("sm",),
+  compute_wgs: int = 2,
+):
+  """``plgpu.kernel`` of `body` as every Hopper kernel here launches it: warpgroup lowering
+  semantics, `compute_wgs` compute warpgroups and one producer (``thread_name="wg"``), and either
+  a persistent grid of `num_sms` CTAs (one in the interpreter) or the given `grid`. `interpret`:
+  False, True (Mosaic GPU's interpreter with its defaults) or a ``plgpu.InterpretGPUParams``."""
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  if grid is None:
+    grid = (1 if interpret else num_sms,)
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    grid=grid,
+    grid_names=grid_names,
+    num_threads=compute_wgs + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=interpret or None,
+  )

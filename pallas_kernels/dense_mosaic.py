@@ -45,6 +45,7 @@ from pallas_kernels._mosaic import (
   epilogue_unsupported,
   for_kernel,
   half_tile_mma,
+  launch,
   packing_matrix,
   pipeline_allocations,
   pl,
@@ -263,25 +264,13 @@ def hopper_dense_bias_act_fwd(
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
   kept = jax.ShapeDtypeStruct(epilogue.kept_shape((m, n)), epilogue.kept_dtype(x.dtype))
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
 
   def body(x_ref, w_ref, *refs):
     b_ref = refs[0] if b is not None else None
     y_ref, *z_ref = refs[1:] if b is not None else refs
     _fwd_kernel(x_ref, w_ref, b_ref, y_ref, z_ref[0] if keep_z else None, epilogue=epilogue, t=t)
 
-  sms = 1 if interpret else num_sms
-  kernel = plgpu.kernel(
-    body,
-    out_type=(out, kept) if keep_z else (out,),
-    grid=(sms,),
-    grid_names=("sm",),
-    num_threads=3,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    interpret=interpret or None,
-  )
+  kernel = launch(body, (out, kept) if keep_z else (out,), interpret=interpret, num_sms=num_sms)
   outs = kernel(*(v for v in (x2, w, b) if v is not None))
   y = outs[0].reshape(*batch, n)
   return y, (outs[1].reshape(epilogue.kept_shape((*batch, n))) if keep_z else None)

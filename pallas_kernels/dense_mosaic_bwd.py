@@ -36,6 +36,7 @@ from pallas_kernels._mosaic import (
   HALF,
   code_transforms,
   for_kernel,
+  launch,
   pl,
   plgpu,
   span,
@@ -385,15 +386,7 @@ def hopper_dense_bias_act_bwd(
     db = bias_act_triton.bias_grad(g2, r2, epilogue=epilogue, interpret=bool(interpret))
     db = db.astype(x.dtype)
   epilogue = for_kernel(epilogue)
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  kernel = functools.partial(
-    plgpu.kernel,
-    num_threads=t.wgs + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    interpret=interpret or None,
-  )
+  kernel = functools.partial(launch, interpret=interpret, compute_wgs=t.wgs)
 
   def dx_body(g_ref, *refs):
     *r_ref, w_ref, dx_ref = refs
@@ -406,13 +399,13 @@ def hopper_dense_bias_act_bwd(
   r_args = (r2,) if needs_r else ()
   dx = kernel(
     dx_body,
-    out_type=jax.ShapeDtypeStruct((m, k), x.dtype),
+    jax.ShapeDtypeStruct((m, k), x.dtype),
     grid=(m // (t.wgs * t.dx_m), k // t.dx_k),
     grid_names=("m", "k"),
   )(g2, *r_args, w)
   dw = kernel(
     dw_body,
-    out_type=jax.ShapeDtypeStruct((k, n), w.dtype),
+    jax.ShapeDtypeStruct((k, n), w.dtype),
     grid=(k // t.dw_k, n // (t.wgs * t.dw_n)),
     grid_names=("k", "n"),
   )(x2, g2, *r_args)

@@ -36,6 +36,7 @@ from pallas_kernels._mosaic import (
   HOPPER_SMEM,
   epilogue_unsupported,
   for_kernel,
+  launch,
   pl,
   plgpu,
   transforms,
@@ -324,8 +325,6 @@ def gated_forward(
     raise ValueError(f"pallas_kernels.gated_mosaic: {why}")
   epilogue = for_kernel(epilogue)
   out = jax.ShapeDtypeStruct((m, n), x.dtype)
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
 
   def gated_hopper_forward(x_ref, wg_ref, wu_ref, *refs):  # names the kernel in profiles
     refs = list(refs)
@@ -336,16 +335,8 @@ def gated_forward(
       x_ref, wg_ref, wu_ref, bg_ref, bu_ref, a_ref, b_ref, h_ref, epilogue=epilogue, t=t
     )
 
-  kernel = plgpu.kernel(
-    gated_hopper_forward,
-    out_type=(out, out, out) if keep_ab else (out,),
-    grid=(1 if interpret else num_sms,),
-    grid_names=("sm",),
-    num_threads=3,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    interpret=interpret or None,
-  )
+  out_type = (out, out, out) if keep_ab else (out,)
+  kernel = launch(gated_hopper_forward, out_type, interpret=interpret, num_sms=num_sms)
   outs = kernel(*(v for v in (x2, w_gate, w_up, b_gate, b_up) if v is not None))
   outs = [o.reshape(*batch, n) for o in outs]
   return tuple(outs) if keep_ab else (None, None, outs[0])

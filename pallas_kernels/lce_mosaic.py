@@ -44,6 +44,7 @@ from pallas_kernels._mosaic import (
   HALF,
   HOPPER_SMEM,
   half_tile_mma,
+  launch,
   pipeline_allocations,
   pl,
   plgpu,
@@ -251,8 +252,6 @@ def lce_fwd(
   why = lce_unsupported((tokens, d, v), x.dtype, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.lce_mosaic: {why}")
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
   args = [x, w] + ([] if b is None else [b.astype(jnp.float32)]) + [labels.astype(jnp.int32)]
 
   def body(x_ref, w_ref, *refs):
@@ -260,16 +259,8 @@ def lce_fwd(
     labels_ref, stats_ref = refs[-2:]
     _fwd_kernel(x_ref, w_ref, b_ref, labels_ref, stats_ref, t=t, soft_cap=soft_cap, mean=want_mean)
 
-  kernel = plgpu.kernel(
-    body,
-    out_type=jax.ShapeDtypeStruct((2, _STATS, tokens), jnp.float32),
-    grid=(1 if interpret else num_sms,),
-    grid_names=("sm",),
-    num_threads=3,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    interpret=interpret or None,
-  )
+  out_type = jax.ShapeDtypeStruct((2, _STATS, tokens), jnp.float32)
+  kernel = launch(body, out_type, interpret=interpret, num_sms=num_sms)
   stats = kernel(*args)
   return merge_halves(stats, want_mean, v)
 

@@ -43,6 +43,7 @@ from pallas_kernels._mosaic import (
   HALF,
   HOPPER_SMEM,
   half_tile_mma,
+  launch,
   pipeline_allocations,
   pl,
   plgpu,
@@ -247,8 +248,6 @@ def lce_bwd(
   why = lce_bwd_unsupported((tokens, d, v), x.dtype, t)
   if why is not None:
     raise ValueError(f"pallas_kernels.lce_mosaic_bwd: {why}")
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
   with_bias = b is not None
   args = [x, w] + ([b.astype(jnp.float32)] if with_bias else [])
   args += [labels.astype(jnp.int32), rows.astype(jnp.float32)]
@@ -272,16 +271,7 @@ def lce_bwd(
       terms=(soft_cap, label_term, uniform_term),
     )
 
-  kernel = plgpu.kernel(
-    body,
-    out_type=tuple(out_type),
-    grid=(1 if interpret else num_sms,),
-    grid_names=("sm",),
-    num_threads=3,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    interpret=interpret or None,
-  )
+  kernel = launch(body, tuple(out_type), interpret=interpret, num_sms=num_sms)
   outs = kernel(*args)
   return outs[0], outs[1] if with_bias else None
 

@@ -268,7 +268,7 @@ def triton_probes(hopper: bool) -> dict:
 
 
 def hopper_bwd_variants(shape: tuple[int, int, int], residual: bool = True) -> dict[str, Any]:
-  """Tilings of the Hopper backward to time against each other on a GPU (``benchmarks.gpu_check``'s
+  """Tilings of the Hopper backward to time against each other on a GPU (``benchmarks.gpu.check``'s
   ``hopper-bwd`` section), each with its deepest pipeline: ``hopper_bwd_tiles``' choice; the same
   with each warpgroup's wgmma left running into the next step (``delay=1``); one compute warpgroup
   a CTA, overlapping its own dz arithmetic and wgmma that way (deeper pipelines); dw at 64 columns a

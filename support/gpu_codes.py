@@ -1,6 +1,6 @@
 """What the few-bit derivative codes' GPU section checks and times, built where tests reach it.
 
-``python -m benchmarks.gpu_check --sections codes`` (``benchmarks/gpu_codes.py``) prints the
+``python -m benchmarks gpu --sections codes`` (``benchmarks/gpu/codes.py``) prints the
 tables and times what this module builds; ``tests/codes/test_gpu_codes_section.py`` runs the same
 checks on CPU (the kernels in interpret mode) at small shapes and lowers every timed function for an
 abstract H100, so that the section a GPU session runs has run before. It holds

@@ -6,7 +6,7 @@ cotangent) passes when its relative error ``‖got - ref‖ / ‖ref‖`` is fin
 ``max(2 x XLA's, 1e-5)`` plus its dtype's rounding tolerance (:data:`TOL`): a kernel may be as
 inexact as XLA's own path, twice over, and round once more, no worse.
 
-``benchmarks/gpu_dense.py`` (``check``) and ``benchmarks/gpu_conv.py`` judge dense and
+``benchmarks/gpu/dense.py`` (``check``) and ``benchmarks/gpu/conv.py`` judge dense and
 convolution layers by the same rule; :func:`compare_to_xla` applies it to any op given as
 ``build(implementation, precision) -> f(*args)`` (the gated MLP, the LM head's loss).
 """

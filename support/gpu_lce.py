@@ -1,6 +1,6 @@
 """What the LM head's GPU section times and the GPU truth run checks, built where tests reach it.
 
-``python -m benchmarks.gpu_check --sections lce`` (``benchmarks/gpu_lce.py``) times the paths of
+``python -m benchmarks gpu --sections lce`` (``benchmarks/gpu/lce.py``) times the paths of
 :func:`paths`; ``tests/lce/test_lce_mosaic.py`` lowers each of them for an abstract H100, so
 that the section a GPU session runs has been traced before. :func:`check` runs the loss with each
 of :data:`OPTION_CASES` through a kernel path against the XLA path (``--truth``).

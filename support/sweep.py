@@ -13,8 +13,8 @@ what the output residual cannot know and XLA:CPU does (docs/numerics.md): the ki
 and inputs within 4 ulps of a nonzero kink (the output rounds onto it), and, for float32 and
 bfloat16 (whose subnormals float32 arithmetic flushes to zero on XLA:CPU), subnormal inputs.
 
-tests/activations/test_sweep.py runs it at a stride the suite affords; ``python -m
-benchmarks.sweep`` at full size.
+tests/activations/test_sweep.py runs it at a stride the suite affords; ``python -m benchmarks
+sweep`` at full size.
 """
 
 from __future__ import annotations

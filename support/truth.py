@@ -1,4 +1,4 @@
-"""The harness of the GPU truth run (``python -m benchmarks.gpu_check --truth``, issue 34).
+"""The harness of the GPU truth run (``python -m benchmarks gpu --truth``, issue 34).
 
 A GPU is lent now and then for minutes, so one command must spend them well: the steps of a table
 (:class:`Step`: name, priority, estimated seconds, function) run in priority order under a
@@ -11,7 +11,7 @@ replaced whole (never half written), tracebacks in their own file. A step that r
 (a kernel that deadlocks cannot be interrupted) is recorded as hung and the process exits, with
 everything before it on disk.
 
-The steps themselves (what runs on the GPU) are ``benchmarks/gpu_truth.py``'s; this module knows
+The steps themselves (what runs on the GPU) are ``benchmarks/gpu/truth.py``'s; this module knows
 nothing of kernels, so that tests exercise it with stand-ins.
 """
 

@@ -255,3 +255,28 @@ def representatives(cases, default, ids=None):
 
 
 EXH = [pytest.mark.exhaustive]
+
+
+# ------------------------------------------------------------------------------- every backend
+
+
+def backends(family) -> list:
+  """One ``pytest.param`` per implementation a family declares (its ``rules.FAMILY``, a
+  :class:`jaxact._src.core.dispatch.Family`), None (the automatic choice) first: a backend added
+  to the family joins its behaviour suite without a line here."""
+  return [pytest.param(None, id="none")] + [pytest.param(i, id=i) for i in family.implementations]
+
+
+def value_and_grads_or_skip(f, *args, cotangent_seed: int = 1):
+  """``f(*args)`` and the gradients of ``sum(f * c)`` for every argument (c drawn from a fixed
+  seed), float64 copies; skips with the backend's own reason where it cannot run the call
+  (``NotImplementedError``: no kernel of that name, or one that declines these shapes or this
+  machine)."""
+  try:
+    y = f(*args)
+  except NotImplementedError as e:
+    pytest.skip(f"the backend declines: {e}")
+  c = jax.random.normal(jax.random.key(cotangent_seed), y.shape, jnp.float32).astype(y.dtype)
+  grads = jax.grad(lambda *a: jnp.sum((f(*a) * c).astype(jnp.float32)), range(len(args)))(*args)
+  as64 = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float64), t)
+  return as64(y), as64(grads)

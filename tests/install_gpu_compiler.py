@@ -1,6 +1,6 @@
 """Install jax's CUDA compiler into ``<venv>/gpu-compiler``, outside the venv's site-packages.
 
-tests/core/test_gpu_compile.py and ``python -m benchmarks.aot`` compile jaxact's kernels for an
+tests/core/test_gpu_compile.py and ``python -m benchmarks aot`` compile jaxact's kernels for an
 H100 or an A100 on a machine without a GPU through jax's CUDA plugin (XLA's GPU compiler; no CUDA
 libraries). Installed in site-packages, the plugin would load in every jax program of the venv and,
 on a machine without CUDA, print a "Unable to load cuDNN" traceback at each start; kept in its own

@@ -1,6 +1,6 @@
 """The bit-pattern sweep (support.sweep) at a size the suite can afford: the
 parameter corners of issue 19 over every 65537th float32 bit pattern and every bfloat16 and float16
-value. The full sweep (every float32 pattern, every activation): ``python -m benchmarks.sweep``."""
+value. The full sweep (every float32 pattern, every activation): ``python -m benchmarks sweep``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Training with a few-bit derivative code tracks the exact residual (issue 18; the full comparison,
-MLP, CNN and a transformer over hundreds of steps, is ``python -m benchmarks.fewbit``)."""
+MLP, CNN and a transformer over hundreds of steps, is ``python -m benchmarks fewbit``)."""
 
 import functools
 

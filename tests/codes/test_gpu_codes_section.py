@@ -1,4 +1,4 @@
-"""The ``codes`` section of ``python -m benchmarks.gpu_check`` runs here before it runs on a GPU.
+"""The ``codes`` section of ``python -m benchmarks gpu`` runs here before it runs on a GPU.
 
 What the section checks and times is built in ``support.gpu_codes``. On CPU its
 correctness check runs the kernels in interpret mode at small shapes (a kernel keeping other codes

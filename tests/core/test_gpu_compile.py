@@ -102,7 +102,7 @@ def test_the_hopper_kernels_compile_for_an_h100(activation):
 
 @pytest.mark.exhaustive
 def test_every_hopper_backward_variant_compiles():
-  """The tilings `benchmarks.gpu_check --sections hopper-bwd` times (a GPU session picks the
+  """The tilings `benchmarks gpu --sections hopper-bwd` times (a GPU session picks the
   default from them), for an input-residual epilogue."""
   variants = support.hopper_bwd_variants((512, 512, 512))
   assert len(variants) >= 4
@@ -156,7 +156,7 @@ def test_the_fused_backward_keeps_no_dz_in_the_compiled_step(gpu, implementation
 # ----------------------------------------------------------------------- register spills
 
 # Long derivatives of the spec table. mish's is not here: its backward spills on an H100 at the
-# 128-row tiles of the large layers (found by python -m benchmarks.aot, not yet timed on a GPU).
+# 128-row tiles of the large layers (found by python -m benchmarks aot, not yet timed on a GPU).
 HEAVY = ("gelu", "squareplus")
 
 
@@ -184,7 +184,7 @@ def test_a_tile_that_spills_registers_is_caught():
 
 
 # The layers whose tiles spilled before the tile and warp choices of default_block_config were made
-# (python -m benchmarks.aot --sections spills; benchmarks/results/aot.md), and the largest tiles of
+# (python -m benchmarks aot --sections spills; benchmarks/results/aot.md), and the largest tiles of
 # each dtype: what the default suite compiles with the spill check. The exhaustive survey below
 # covers every configuration.
 SPILLED_BEFORE = (

@@ -363,14 +363,14 @@ def test_flax_layers_take_out_sharding_at_the_call(index):
 
 @pytest.mark.exhaustive
 def test_the_gemma_port_under_the_examples_mesh():
-  """``python -m benchmarks.gemma --check``: the jaxact port of Flax's examples/gemma (a trimmed
+  """``python -m benchmarks gemma --check``: the jaxact port of Flax's examples/gemma (a trimmed
   model: Gemma's norms, GQA attention with windows and soft caps, GeGLU MLP, the tied head with
   T5X smoothing and weights), built under the example's ("fsdp", "tensor") mesh with its
   fsdp_tp_sharding metadata and no other change, 8 x 1 (every shipped config's on 8 devices) and
   4 x 2 (tensor parallelism on), gives the loss, accuracy and gradients of the same model on one
   device, each gradient in its parameter's sharding; and on one device the original's, its
   parameters loaded by the same names."""
-  results = eight_devices.run_command(["-m", "benchmarks.gemma", "--check"], "benchmarks.gemma")
+  results = eight_devices.run_command(["-m", "benchmarks", "gemma", "--check"], "benchmarks gemma")
   assert sorted(results) == ["gemma_4x2", "gemma_8x1"], sorted(results)
   for result in results.values():
     assert result["devices"] == 8

@@ -370,7 +370,7 @@ def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
   "residual", representatives([True, False], {"residual"}, ["residual", "identity"])
 )
 def test_every_backward_tiling_the_benchmark_times_lowers_for_h100(residual):
-  """benchmarks.gpu_check times support.hopper_bwd_variants against each other on a GPU: each
+  """benchmarks gpu times support.hopper_bwd_variants against each other on a GPU: each
   must fit the shared memory and lower, or the GPU run would learn nothing about it."""
   shape = (8192, 4096, 4096)
   variants = support.hopper_bwd_variants(shape, residual)

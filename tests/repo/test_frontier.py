@@ -1,8 +1,8 @@
-"""The main job's frontier logic (benchmarks/frontier.py) on made-up points: the Pareto front, the
-two summary numbers, and what the table says when Flax holds part of the front.
+"""The main job's frontier logic (benchmarks/harness/frontier.py) on made-up points: the Pareto
+front, the two summary numbers, and what the table says when Flax holds part of the front.
 
-benchmarks/frontier.py is pure Python; it is loaded from its file (tests import nothing from
-benchmarks/, tests/repo/test_layout.py), as tests/repo/test_notebooks.py loads
+benchmarks/harness/frontier.py is pure Python; it is loaded from its file (tests import nothing
+from benchmarks/, tests/repo/test_layout.py), as tests/repo/test_notebooks.py loads
 notebooks/build.py."""
 
 import importlib.util
@@ -16,7 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _load():
   name = "benchmarks_frontier"
-  spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "frontier.py")
+  spec = importlib.util.spec_from_file_location(
+    name, ROOT / "benchmarks" / "harness" / "frontier.py"
+  )
   module = importlib.util.module_from_spec(spec)
   sys.modules[name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
@@ -136,7 +138,8 @@ def test_every_benchmark_module_imports():
   import pathlib
 
   folder = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-  for path in sorted(folder.glob("*.py")):
-    if path.stem != "__main__":
-      importlib.import_module(f"benchmarks.{path.stem}")
-  assert "benchmarks.flax_models" in __import__("sys").modules
+  for path in sorted(folder.rglob("*.py")):
+    name = ".".join(path.relative_to(folder.parent).with_suffix("").parts)
+    if not name.endswith("__main__"):
+      importlib.import_module(name.removesuffix(".__init__"))
+  assert "benchmarks.fused_models" in __import__("sys").modules

@@ -1,4 +1,4 @@
-"""The GPU truth run's harness (``python -m benchmarks.gpu_check --truth``, issue 34) before a GPU
+"""The GPU truth run's harness (``python -m benchmarks gpu --truth``, issue 34) before a GPU
 meets it: steps in priority order under a budget, skipped when their estimate would overrun it,
 exceptions caught, verdicts and tables on disk as they are made, a hung step recorded before the
 process ends; the check that judges kernels against XLA failing what it should; and the command's
@@ -238,7 +238,7 @@ def _command(*args, timeout=120):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.pop("OUT", None)
   return subprocess.run(
-    [sys.executable, "-m", "benchmarks.gpu_check", "--truth", *args],
+    [sys.executable, "-m", "benchmarks", "gpu", "--truth", *args],
     cwd=ROOT,
     env=env,
     capture_output=True,

@@ -6,7 +6,7 @@ documentation's text from one initialisation on the same batches, once with the 
 ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` and once as :func:`jaxact.gated_mlp`; then with the
 head and loss as optax's composition and as :func:`jaxact.linear_cross_entropy`. The first
 step's gradients are compared directly (Adam's update hardly changes when a gradient is scaled),
-then the losses of every step. ``python -m benchmarks.lm`` is the full-size run.
+then the losses of every step. ``python -m benchmarks lm`` is the full-size run.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Literal
 
 import jax
@@ -23,157 +22,16 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src.core import args, dispatch, shardings, validation
+from jaxact._src.core import args, dispatch, shardings
 from jaxact._src.core.dispatch import Implementation
+from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import rules
-from jaxact._src.lce.plan import LcePlan, default_block, kernel_block, t5x_smoothing
+from jaxact._src.lce.plan import LcePlan, t5x_smoothing
 from jaxact._src.lce.vjp import per_token_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 SMOOTHING_STYLES = ("optax", "t5x")
-W_LAYOUTS = ("dv", "vd")
 _FN = "linear_cross_entropy"
-
-
-def _err(msg: str) -> str:
-  return f"jaxact.{_FN}: {msg}"
-
-
-def _number(name: str, value, *, low: float, high: float | None = None, low_open=False) -> float:
-  """A static Python number in ``[low, high]`` (``(low, ...`` when `low_open`), else an error."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, Array)
-  ):
-    raise TypeError(_err(f"`{name}` must be a Python float; got {type(value).__name__} {value!r}"))
-  try:
-    v = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise TypeError(
-      _err(
-        f"`{name}` must be a static Python float (it shapes the computation), not a traced "
-        "array; pass it as a number outside jit"
-      )
-    ) from None
-  bad = (
-    not math.isfinite(v) or v < low or (low_open and v == low) or (high is not None and v > high)
-  )
-  if bad:
-    lo = f"({low}" if low_open else f"[{low}"
-    hi = f"{high}]" if high is not None else "inf)"
-    raise ValueError(_err(f"`{name}` is {value!r}; accepted: a finite number in {lo}, {hi}"))
-  return v
-
-
-def _check_shapes(x: Array, w: Array, labels: Array, b: Array | None, layout: str) -> int:
-  """The vocabulary size, after checking the shapes against each other."""
-  shapes = f"x.shape={x.shape}, w.shape={w.shape}, labels.shape={labels.shape}"
-  if x.ndim < 1:
-    raise ValueError(_err(f"`x` must have rank >= 1 (..., features); got {shapes}"))
-  axes = "(features, vocabulary)" if layout == "dv" else "(vocabulary, features): w_layout='vd'"
-  if w.ndim != 2:
-    raise ValueError(_err(f"`w` must have rank 2 {axes}; got {shapes}"))
-  features, vocab = w.shape if layout == "dv" else w.shape[::-1]
-  if x.shape[-1] != features:
-    raise ValueError(
-      _err(f"`x` has {x.shape[-1]} features but `w` expects {features} ({shapes}; w is {axes})")
-    )
-  if vocab == 0:
-    raise ValueError(_err(f"`w` has an empty vocabulary ({shapes}); accepted: at least 1 class"))
-  if labels.shape != x.shape[:-1]:
-    raise ValueError(
-      _err(f"`labels` must have x's shape without its last axis, {x.shape[:-1]}; got {shapes}")
-    )
-  if b is not None and b.shape != (vocab,):
-    raise ValueError(
-      _err(f"`bias` has shape {b.shape}; accepted: ({vocab},) (w's vocabulary) or None")
-    )
-  return vocab
-
-
-def _as_labels(labels) -> Array:
-  labels = validation.as_real_array(_FN, labels, "labels")
-  if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.dtype == jnp.bool_:
-    raise TypeError(
-      _err(
-        f"`labels` has dtype {labels.dtype}; accepted: an integer dtype (class indices in "
-        "[0, vocabulary))"
-      )
-    )
-  return labels
-
-
-def _broadcast(name: str, a: Array, shape) -> Array:
-  try:
-    ok = np.broadcast_shapes(a.shape, shape) == shape
-  except ValueError:
-    ok = False
-  if not ok:
-    raise ValueError(
-      _err(f"`{name}` has shape {a.shape}, which does not broadcast to labels' shape {shape}")
-    )
-  return jnp.broadcast_to(a, shape)
-
-
-def _as_where(where, shape) -> Array | None:
-  if where is None:
-    return None
-  where = validation.as_real_array(_FN, where, "where")
-  if where.dtype != jnp.bool_:
-    raise TypeError(_err(f"`where` has dtype {where.dtype}; accepted: bool (or None)"))
-  return _broadcast("where", where, shape)
-
-
-def _as_weights(weights, shape, dtype) -> Array | None:
-  if weights is None:
-    return None
-  weights = validation.as_real_array(_FN, weights, "weights")
-  if not (jnp.issubdtype(weights.dtype, jnp.number) or weights.dtype == jnp.bool_) or (
-    jnp.issubdtype(weights.dtype, jnp.complexfloating)
-  ):
-    raise TypeError(
-      _err(f"`weights` has dtype {weights.dtype}; accepted: a real (float, int or bool) dtype")
-    )
-  return _broadcast("weights", weights, shape).astype(dtype)
-
-
-def _labels_int32(labels: Array, vocab: int) -> Array:
-  """`labels` as int32 with every value outside ``[0, V)`` mapped to -1 or V, whatever the
-  dtype: converted before clipping where int32 holds every value of the dtype (so that -1 and V
-  are not clipped in a dtype that cannot hold them: uint16, int8), clipped in the dtype itself
-  where it is wider (int64, uint32, uint64 hold -1 where signed, and V)."""
-  info = jnp.iinfo(labels.dtype)
-  i32 = jnp.iinfo(jnp.int32)
-  if i32.min <= info.min and info.max <= i32.max:
-    return jnp.clip(labels.astype(jnp.int32), -1, vocab)
-  low = jnp.asarray(max(info.min, -1), labels.dtype)
-  return jnp.clip(labels, low, jnp.asarray(vocab, labels.dtype)).astype(jnp.int32)
-
-
-def _concrete(a) -> bool:
-  return a is None or not isinstance(a, jax.core.Tracer)
-
-
-def _check_label_range(labels: Array, where: Array | None, weights: Array | None, vocab) -> None:
-  """ValueError for counted labels outside ``[0, V)``, when the labels (and `where`, `weights`)
-  are concrete values; under ``jit`` they cannot be read and give a loss of +inf instead
-  (documented). A token counts where `where` is True and its weight is not 0."""
-  if not (_concrete(labels) and _concrete(where) and _concrete(weights)) or labels.size == 0:
-    return
-  lab = np.asarray(labels)
-  bad = (lab < 0) | (lab >= vocab)
-  if where is not None:
-    bad &= np.asarray(where)
-  if weights is not None:
-    bad &= np.asarray(weights) != 0
-  if bad.any():
-    first = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(
-      _err(
-        f"`labels` holds {int(bad.sum())} value(s) outside [0, {vocab}) where they count, e.g. "
-        f"labels[{', '.join(map(str, first))}] = {int(lab[first])}; mask such tokens with `where` "
-        "(e.g. where=labels >= 0 for a padding label of -100)"
-      )
-    )
 
 
 def linear_cross_entropy(
@@ -298,67 +156,46 @@ def linear_cross_entropy(
     dispatch.check_implementation(_FN, implementation)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
       raise ValueError(
-        _err(f"`reduction` {reduction!r} is not known; choose one of: {', '.join(REDUCTIONS)}")
+        checks.err(
+          _FN, f"`reduction` {reduction!r} is not known; choose one of: {', '.join(REDUCTIONS)}"
+        )
       )
     if not isinstance(label_smoothing_style, str) or label_smoothing_style not in SMOOTHING_STYLES:
       raise ValueError(
-        _err(
+        checks.err(
+          _FN,
           f"`label_smoothing_style` {label_smoothing_style!r} is not known; choose one of: "
-          f"{', '.join(SMOOTHING_STYLES)}"
+          f"{', '.join(SMOOTHING_STYLES)}",
         )
       )
-    if not isinstance(w_layout, str) or w_layout not in W_LAYOUTS:
-      raise ValueError(
-        _err(
-          f"`w_layout` {w_layout!r} is not known; choose one of: 'dv' (w is (D, V)), 'vd' (w is "
-          "(V, D), an embedding table)"
-        )
-      )
-    if not isinstance(return_predictions, (bool, np.bool_)):
-      raise TypeError(
-        _err(
-          f"`return_predictions` must be a Python bool; got {type(return_predictions).__name__} "
-          f"{return_predictions!r}"
-        )
-      )
-    alpha = _number("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    lam = _number("z_loss", z_loss, low=0.0)
+    checks.w_layout(_FN, w_layout)
+    checks.flag(_FN, "return_predictions", return_predictions)
+    alpha = checks.number(_FN, "label_smoothing", label_smoothing, low=0.0, high=1.0)
+    lam = checks.number(_FN, "z_loss", z_loss, low=0.0)
     cap = None
     if logit_soft_cap is not None:
-      cap = _number("logit_soft_cap", logit_soft_cap, low=0.0, low_open=True)
+      cap = checks.number(_FN, "logit_soft_cap", logit_soft_cap, low=0.0, low_open=True)
     arrays, acc, _ = args.prepare_arrays(_FN, {"x": x, "w": w, "bias": bias}, None)
     x, w, b = arrays["x"], arrays["w"], arrays["bias"]
-    labels = _as_labels(labels)
-    vocab = _check_shapes(x, w, labels, b, w_layout)
+    labels = checks.as_labels(_FN, labels)
+    vocab = checks.check_shapes(_FN, x, w, labels, b, w_layout)
     out_dtype = np.dtype(acc)
-    where = _as_where(where, labels.shape)
-    weights = _as_weights(weights, labels.shape, out_dtype)
+    where = checks.as_where(_FN, where, labels.shape)
+    weights = checks.as_weights(_FN, weights, labels.shape, out_dtype)
     tokens = math.prod(labels.shape)
-    _check_label_range(labels, where, weights, vocab)
+    checks.check_label_range(_FN, labels, where, weights, vocab)
     offset = 0.0
     if label_smoothing_style == "t5x":
       if vocab == 1 and alpha > 0:
         raise ValueError(
-          _err(
+          checks.err(
+            _FN,
             f"`label_smoothing` {label_smoothing!r} with label_smoothing_style='t5x' spreads over "
-            "the V - 1 classes other than the label, and V = 1 has none; use 0 or 'optax'"
+            "the V - 1 classes other than the label, and V = 1 has none; use 0 or 'optax'",
           )
         )
       alpha, offset = t5x_smoothing(alpha, vocab)
-    if vocab_block_size is None:
-      block = default_block(tokens, vocab, gpu=dispatch.target().cuda)
-      if implementation == "mosaic":  # whole blocks of the backward kernel's 256 columns
-        block = kernel_block(block, vocab)
-    elif (
-      isinstance(vocab_block_size, bool)
-      or not isinstance(vocab_block_size, (int, np.integer))
-      or vocab_block_size < 1
-    ):
-      raise ValueError(
-        _err(f"`vocab_block_size` is {vocab_block_size!r}; accepted: a positive int or None")
-      )
-    else:
-      block = min(int(vocab_block_size), vocab)
+    block = checks.block_size(_FN, vocab_block_size, tokens, vocab, implementation)
 
     if tokens == 0:  # nothing to reduce: 0 (mean, sum) or an empty array, with zero gradients
       loss = jnp.zeros(labels.shape if reduction == "none" else (), out_dtype)
@@ -377,7 +214,7 @@ def linear_cross_entropy(
     )
     decision = rules.decide(_FN, implementation, plan, x, w)
     plan = dataclasses.replace(plan, decision=decision)
-    labels32 = _labels_int32(labels, vocab)
+    labels32 = checks.labels_int32(labels, vocab)
     counted = where
     if weights is not None:  # a token of weight 0 is masked: no +inf made for its label
       counted = weights != 0 if where is None else where & (weights != 0)

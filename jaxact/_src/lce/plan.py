@@ -1,6 +1,6 @@
-"""The static plan of one :func:`jaxact.linear_cross_entropy` call, T5X's smoothing in optax's
-terms, and the blocks of the XLA path and the Hopper kernel: what every module of the family
-reads."""
+"""The static plan of one :func:`jaxact.linear_cross_entropy` (or :func:`jaxact.linear_log_probs`)
+call, T5X's smoothing in optax's terms, and the blocks of the XLA path and the Hopper kernel: what
+every module of the family reads."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ class LcePlan:
       may exceed 1 for T5X's.
     loss_offset: subtracted from every token's loss (T5X's normalizing constant).
     predictions: whether the forward pass also returns each token's argmax column.
+    temperature: the logits the softmax reads are the (capped) logits divided by it (a sampling
+      temperature, :func:`jaxact.linear_log_probs`); 1 for the loss.
+    entropy: whether the forward pass also returns each token's softmax entropy (one more number
+      a token accumulated in the vocabulary loop, and kept for the backward).
     w_layout: ``"dv"`` for ``w`` of shape (D, V), ``"vd"`` for (V, D) (an embedding table, sliced
       by rows: no transposed copy).
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
@@ -41,6 +45,8 @@ class LcePlan:
   soft_cap: float | None = None
   loss_offset: float = 0.0
   predictions: bool = False
+  temperature: float = 1.0
+  entropy: bool = False
   w_layout: Literal["dv", "vd"] = "dv"
   precision: Any = None
   acc_dtype: np.dtype = _FLOAT32

@@ -1,5 +1,5 @@
-"""Which backend runs :func:`jaxact.linear_cross_entropy`: the LM head's rows of the one decision
-point.
+"""Which backend runs :func:`jaxact.linear_cross_entropy` and :func:`jaxact.linear_log_probs`: the
+LM head's rows of the one decision point.
 
 ``"mosaic"`` takes the Hopper kernels (the forward's statistics, and the backward's blocks of
 ``G`` for XLA's products), raising ``NotImplementedError`` with the reason where they cannot run
@@ -21,10 +21,10 @@ if TYPE_CHECKING:
   from jaxact._src.lce.plan import LcePlan
 
 
-# linear_cross_entropy's rules for implementation=None.
+# linear_cross_entropy's and linear_log_probs' rules for implementation=None.
 LCE_AUTO_RULES: tuple[dispatch.Rule, ...] = (
   dispatch.Rule(
-    "`linear_cross_entropy`: every target",
+    "`linear_cross_entropy`, `linear_log_probs`: every target",
     lambda f: True,
     "xla",
     "xla",
@@ -62,6 +62,10 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | Non
     return "float64 inputs (the kernel accumulates in float32)"
   if plan.predictions:
     return "return_predictions=True (the forward kernel does not track each token's argmax)"
+  if plan.entropy:
+    return "return_entropy=True (the kernels do not accumulate the entropy's moment)"
+  if plan.temperature != 1:
+    return f"temperature={plan.temperature} (the kernels do not divide the logits)"
   if plan.w_layout != "dv":
     return f"w_layout={plan.w_layout!r} (the kernels read w as (D, V))"
   if 0 in x.shape or 0 in w.shape:

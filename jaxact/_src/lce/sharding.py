@@ -23,14 +23,8 @@ from jaxact._src.core import pallas_sharding, shardings
 from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla import (
-  grads_by_tokens,
-  grads_by_vocab,
-  lift_gap,
-  mean_gap,
-  stats_by_tokens,
-  stats_by_vocab,
-)
+from jaxact._src.lce.xla import grads_by_tokens, grads_by_vocab, stats_by_tokens, stats_by_vocab
+from jaxact._src.lce.xla_tiles import lift_gap, lift_moment, mean_gap
 
 # ------------------------------------------------------------------------ per device (shards)
 
@@ -42,10 +36,12 @@ def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
 
 
 def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
-  """``(max, Σ exp(s - max), label logit, gap, argmax column)`` for one device's tokens ``x``
-  (..., D) and columns `w` (``gap``: the smoothing mean's distance below the max, None without
-  smoothing); over `model` axes (the vocabulary split across devices) the statistics are combined
-  by ``pmax``/``psum``/``pmin`` of per-token numbers."""
+  """``(max, Σ exp(s - max), label logit, gap, argmax column, moment)`` for one device's tokens
+  ``x`` (..., D) and columns `w` (``gap``: the smoothing mean's distance below the max, None
+  without smoothing; ``moment``: the entropy's ``Σ exp(s - max) (s - max)``, None without it);
+  over `model` axes (the vocabulary split across devices) the statistics are combined by
+  ``pmax``/``psum``/``pmin`` of per-token numbers, each device's sum and moment rescaled to the
+  max over all of them first."""
   shape = x.shape[:-1]
   x2, labels2 = _flat(x, labels)
   first = 0  # the global index of this device's first column
@@ -55,18 +51,20 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
   if plan.decision.forward == "mosaic":
 
     def xla(x, w, b, labels):
-      m, se, sy, gap, _ = stats_by_vocab(plan, x, w, b, labels, vocab)
+      m, se, sy, gap, _, _ = stats_by_vocab(plan, x, w, b, labels, vocab)
       return m, se, sy, None if gap is None else mean_gap(m, gap, vocab)
 
-    # Never with the vocabulary split over `model` axes, nor with predictions
-    # (rules.mosaic_unsupported).
+    # Never with the vocabulary split over `model` axes, nor with predictions, the entropy or a
+    # temperature (rules.mosaic_unsupported).
     m, se, sy, gap = kernels.forward(plan, x2, w, b, labels2, xla)
-    pred = None
+    pred = moment = None
   else:
     by = stats_by_vocab if plan.by == "vocab" else stats_by_tokens
-    m, se, sy, gap, best = by(plan, x2, w, b, labels2, vocab)
+    m, se, sy, gap, best, moment = by(plan, x2, w, b, labels2, vocab)
     if model:
       m_all = lax.pmax(m, model)
+      if moment is not None:  # each device's moment measured from the max over all of them
+        moment = lax.psum(lift_moment(moment, se, m, m_all), model)
       se = lax.psum(se * exp_diff(m, m_all), model)
       if gap is not None:  # each device's gap measured from the max over all of them
         gap = lax.psum(lift_gap(gap, m, m_all, vocab), model)
@@ -82,7 +80,7 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
         pred = lax.pmin(jnp.where(mine, pred, vocab), model)
   if model:
     sy = lax.psum(sy, model)
-  return tuple(None if v is None else v.reshape(shape) for v in (m, se, sy, gap, pred))
+  return tuple(None if v is None else v.reshape(shape) for v in (m, se, sy, gap, pred, moment))
 
 
 def _local_grads(
@@ -95,6 +93,7 @@ def _local_grads(
   p_scale,
   label_scale,
   uniform_scale,
+  h_scale,
   *,
   model: tuple[str, ...] = (),
 ):
@@ -107,7 +106,7 @@ def _local_grads(
   def flat(v):
     return None if v is None else v.reshape(labels2.shape)
 
-  row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale))
+  row_scales = (flat(p_scale), flat(label_scale), flat(uniform_scale), flat(h_scale))
   # The Hopper kernel forms G block by block inside grads_by_vocab (plan.decision.backward).
   by = grads_by_vocab if plan.by == "vocab" else grads_by_tokens
   dx, dw, db = by(plan, x2, w, b, labels2, flat(m), row_scales)
@@ -133,8 +132,9 @@ def gathered(plan: LcePlan, x):
 
 
 def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(max, Σ exp(s - max), label logit, gap, argmax column)`` per token (:func:`_local_stats`),
-  on each device's shards when sharded (in the plan's ``decision.sharding``)."""
+  """``(max, Σ exp(s - max), label logit, gap, argmax column, moment)`` per token
+  (:func:`_local_stats`), on each device's shards when sharded (in the plan's
+  ``decision.sharding``)."""
   pattern = plan.decision.sharding
   if pattern is None:
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
@@ -143,7 +143,7 @@ def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
     functools.partial(_local_stats, plan, vocab=vocab, model=_split(pattern, pattern.model)),
     (x, w, b, labels),
     (pattern.x, _w_spec(plan, pattern.w), (pattern.model,), rows),
-    (rows, rows, rows, rows, rows),
+    (rows, rows, rows, rows, rows, rows),
     mesh=pattern.mesh,
   )
 
@@ -163,7 +163,7 @@ def gradients(plan: LcePlan, x, w, b, labels, m, row_scales):
   return pallas_sharding.per_shard(
     functools.partial(_local_grads, plan, model=_split(pattern, pattern.model)),
     (x, w, b, labels, m, *row_scales),
-    (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows),
+    (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows, rows),
     (x_final, w_final, (pattern.model,)),
     mesh=pattern.mesh,
     sum_over=(pattern.model, pattern.data, pattern.data),

@@ -6,15 +6,9 @@ It blocks over the vocabulary (:func:`stats_by_vocab`, :func:`grads_by_vocab`): 
 block by block into their output buffers, each block from one matmul over all tokens, so no
 weight-sized float32 accumulator exists; ``dx`` accumulates in a (tokens, D) one. Blocking over
 tokens instead (:func:`stats_by_tokens`, :func:`grads_by_tokens`, measured in the benchmarks)
-needs a weight-sized accumulator for ``dw``.
-
-Each token's statistics are its largest logit ``m`` and ``se = Σ exp(s - m)``, kept apart (not as
-one ``lse = m + log se``): next to a logit of -1e9 float32 rounds ``log se`` (at most ``log V``)
-away from ``m``, and the backward's probabilities ``exp(s - m) / se`` would be off by a factor of
-``se``. The loss is formed as ``log se + (m - s_y)``, whose difference is exact for near-equal
-logits. No infinity is made from finite operands (``jax.debug_infs`` stays quiet): the running max
-starts at the float's lowest finite value and never drops below it, so a row whose every logit is
-``-inf`` (a masked vocabulary) keeps ``m`` finite and ``se = 0``.
+needs a weight-sized accumulator for ``dw``. The math of one tile, and the per-token formulas
+(the statistics kept apart, no infinity made from finite operands), is
+:mod:`jaxact._src.lce.xla_tiles`.
 
 With ``decision.backward == "mosaic"`` the Hopper kernel forms each block's ``G``
 (:mod:`jaxact._src.lce.kernels`) for the same loop's products.
@@ -24,203 +18,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array, lax
 
-from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
-
-# ------------------------------------------------------------------------------ tile math
-
-
-def _logits(plan: LcePlan, x: Array, w: Array, b: Array | None) -> Array:
-  """``x @ w + b`` in the accumulation dtype. The forward and the backward pass both call this one
-  function on the same blocks, so the backward's logits are the forward's."""
-  dims = (((x.ndim - 1,), (1 - plan.vocab_axis,)), ((), ()))
-  z = lax.dot_general(x, w, dims, plan.precision, preferred_element_type=plan.acc_dtype)
-  return z if b is None else z + b.astype(plan.acc_dtype)[None, :]
-
-
-def _input_grad(plan: LcePlan, g: Array, w: Array) -> Array:
-  """``g @ wᵀ`` (``g`` (T, Vb) against a block of ``w``'s columns, or rows for ``"vd"``) in the
-  accumulation dtype."""
-  dims = (((1,), (plan.vocab_axis,)), ((), ()))
-  return lax.dot_general(g, w, dims, plan.precision, preferred_element_type=plan.acc_dtype)
-
-
-def _weight_grad(plan: LcePlan, x: Array, g: Array) -> Array:
-  """``xᵀ g`` in ``w``'s layout: (D, Vb), or (Vb, D) for ``"vd"``; accumulation dtype."""
-  dims = (((0,), (0,)), ((), ()))
-  acc = plan.acc_dtype
-  if plan.w_layout == "vd":
-    return lax.dot_general(g, x, dims, plan.precision, preferred_element_type=acc)
-  return lax.dot_general(x, g, dims, plan.precision, preferred_element_type=acc)
-
-
-def _capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
-  """``(s, ds/dz)``: the soft-capped logits (-inf stays -inf) and their derivative (None without
-  a cap; 0 at -inf)."""
-  if plan.soft_cap is None:
-    return z, None
-  c = plan.soft_cap
-  t = jnp.tanh(z / c)
-  return jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
-
-
-def _lowest(dtype) -> np.ndarray:
-  """The float's lowest finite value: the running max before any column, and a row's max where
-  no logit is finite (so that ``s - m`` is never ``-inf - -inf``)."""
-  return np.finfo(dtype).min
-
-
-def _tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
-  """One tile's ``(max, Σ exp(s - max), label logit, gap)`` per row over its `fresh` columns
-  (all when None). The max is at least :func:`_lowest`, as :func:`_merge` wants. ``gap`` (None
-  without smoothing) is ``(Σ (max - s) / V, count)`` over the columns that count in the smoothing
-  mean (those whose `bias` is not -inf): how far below the max the mean lies, kept relative to the
-  max as the log-sum-exp is (a mean summed from logits of -1e9 would round away the loss), and how
-  many columns it covers (the same for every row, so that no second mask of the tile's shape is
-  formed)."""
-  hit = cols[None, :] == labels[:, None]
-  kept = s
-  if fresh is not None:
-    hit = hit & fresh[None, :]
-    kept = jnp.where(fresh[None, :], s, _lowest(s.dtype))
-  m = jnp.maximum(jnp.max(kept, axis=-1), _lowest(s.dtype))
-  e = jnp.exp(kept - m[:, None])
-  se = jnp.sum(e if fresh is None else jnp.where(fresh[None, :], e, 0), axis=-1)
-  sy = jnp.sum(jnp.where(hit, s, 0), axis=-1)
-  gap = None
-  if plan.label_smoothing:
-    counted = fresh
-    if bias is not None:
-      finite = bias > -jnp.inf
-      counted = finite if fresh is None else fresh & finite
-    below = (m[:, None] - s) / vocab
-    if counted is None:
-      count = jnp.full(m.shape, s.shape[-1], s.dtype)
-    else:
-      below = jnp.where(counted[None, :], below, 0)
-      count = jnp.broadcast_to(jnp.sum(counted, dtype=s.dtype), m.shape)
-    gap = jnp.sum(below, axis=-1), count
-  return m, se, sy, gap
-
-
-def lift_gap(gap, m_old: Array, m: Array, vocab: int):
-  """A ``(gap, count)`` of :func:`_tile_stats` measured from the max `m_old`, measured from a
-  max ``m >= m_old`` instead: ``count / V (m - m_old)`` more (by halves: ``m - m_old`` of two
-  finite floats may overflow, and a count of 0 then adds 0)."""
-  g, count = gap
-  return g + (count / vocab * (m / 2 - m_old / 2)) * 2, count
-
-
-def mean_gap(m: Array, gap, vocab: int) -> Array:
-  """``m - mean``, the smoothing mean ``Σ s / V`` over the columns that count (a masked logit
-  counts as 0 in it), from a ``(gap, count)`` measured from the max `m`. ``V - count`` is exact,
-  0 without masks: ``1 - count / V`` would leave ``m`` times a rounding error where XLA fuses the
-  difference into a multiply-add (30 for logits of -1e9)."""
-  g, count = gap
-  return g + (vocab - count) / vocab * m
-
-
-def _merge(a, b, vocab: int):
-  """Two ``(m, Σ exp(s - m), gap)`` of :func:`_tile_stats` as one: the online log-sum-exp step."""
-  (ma, sa, ga), (mb, sb, gb) = a, b
-  m = jnp.maximum(ma, mb)
-  gap = None
-  if ga is not None:
-    (g1, c1), (g2, c2) = lift_gap(ga, ma, m, vocab), lift_gap(gb, mb, m, vocab)
-    gap = g1 + g2, c1 + c2
-  return m, sa * exp_diff(ma, m) + sb * exp_diff(mb, m), gap
-
-
-def _tile_argmax(s: Array, cols: Array) -> tuple[Array, Array]:
-  """``(max, its column)`` per row of a tile: the column of ``jnp.argmax`` (the first of equal
-  maxima, a NaN before any number)."""
-  i = jnp.argmax(s, axis=-1)
-  return jnp.take_along_axis(s, i[:, None], axis=-1)[:, 0], cols[i].astype(jnp.int32)
-
-
-def _merge_argmax(best, tile):
-  """The running ``(max, column)`` and a tile's as one, as ``jnp.argmax`` over both: the larger
-  value (a NaN before any number), of equal ones the smaller column, so that columns seen twice
-  (an overlapping last block) change nothing; a running column of -1 is no column yet."""
-  (bv, bi), (tv, ti) = best, tile
-  b_nan, t_nan, first = jnp.isnan(bv), jnp.isnan(tv), ti < bi
-  later = (bi < 0) | (t_nan & (~b_nan | first)) | (~b_nan & ((tv > bv) | ((tv == bv) & first)))
-  return jnp.where(later, tv, bv), jnp.where(later, ti, bi)
-
-
-def _tile_grad(plan: LcePlan, s, dcap, labels, cols, m, scales, vocab_dtype) -> Array:
-  """``G`` of one tile from the rows' max `m` and the per-row scales (:func:`scales`: the first
-  holds ``1 / se``). ``s - m <= 0`` but for a recomputed logit an ulp above the forward's (a huge
-  exponent next to huge logits), hence the ``minimum``."""
-  p_scale, label_scale, uniform_scale = scales
-  g = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
-  if label_scale is not None:
-    g = g - jnp.where(cols[None, :] == labels[:, None], label_scale[:, None], 0)
-  if uniform_scale is not None:
-    g = g - jnp.where(jnp.isfinite(s), uniform_scale[:, None], 0)
-  if dcap is not None:
-    g = g * dcap
-  return g.astype(vocab_dtype)
-
-
-def _log_sum(se: Array) -> tuple[Array, Array]:
-  """``(log se, no finite logit)``: the log is 0 where ``se = 0`` (the row's flag is True); a NaN
-  stays NaN."""
-  empty = se == 0
-  return jnp.log(jnp.where(empty, 1, se)), empty
-
-
-def lse_of(m: Array, se: Array) -> Array:
-  """The log-sum-exp ``m + log se`` (0 where no logit is finite), for the z-loss: rounded to
-  ``m``'s ulp, which the z-loss's own size dwarfs."""
-  log_se, empty = _log_sum(se)
-  return jnp.where(empty, 0, m + log_se)
-
-
-def scales(plan: LcePlan, g: Array, m: Array, se: Array, labels: Array, vocab: int):
-  """The per-token factors of ``G``: ``(g (1 + 2 k lse) / se, g (1 - a) [label valid], g a / V)``
-  (None where a term is absent); 0 in the first where no logit is finite (``se = 0``)."""
-  acc = plan.acc_dtype
-  g = g.astype(acc)
-  empty = se == 0
-  p_scale = g / jnp.where(empty, 1, se)
-  if plan.z_loss:
-    p_scale = p_scale * (1 + 2 * plan.z_loss * lse_of(m, se))
-  p_scale = jnp.where(empty, 0, p_scale)
-  label_scale = None
-  if plan.label_smoothing != 1:
-    valid = (labels >= 0) & (labels < vocab)
-    label_scale = jnp.where(valid, g * (1 - plan.label_smoothing), 0).astype(acc)
-  uniform_scale = g * (plan.label_smoothing / vocab) if plan.label_smoothing else None
-  return p_scale, label_scale, uniform_scale
-
-
-def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
-  """The loss from the statistics, as ``log se + (1 - a)(m - s_y) + a gap + k lse²`` (``gap``:
-  ``m - mean`` of :func:`mean_gap`, None without smoothing): the differences to the max are
-  exact for near-equal logits, whatever their size. +inf where the label is outside ``[0, V)`` or
-  no logit is finite; NaN where the logits hold a NaN; 0 where `where` is False (and no infinity
-  made there)."""
-  a = plan.label_smoothing
-  loss, empty = _log_sum(se)
-  if a != 1:
-    loss = loss + (1 - a) * (m - sy)
-  if gap is not None:
-    loss = loss + a * gap
-  if plan.z_loss:
-    lse = lse_of(m, se)
-    loss = loss + plan.z_loss * lse * lse
-  if plan.loss_offset:
-    loss = loss - plan.loss_offset
-  valid = (labels >= 0) & (labels < vocab) & ~empty
-  if where is None:
-    return jnp.where(valid, loss, jnp.inf)
-  return jnp.where(valid | ~where, jnp.where(where, loss, 0), jnp.inf)
-
+from jaxact._src.lce.xla_tiles import (
+  capped,
+  input_grad,
+  logits,
+  lowest,
+  merge,
+  merge_argmax,
+  tile_argmax,
+  tile_grad,
+  tile_stats,
+  weight_grad,
+)
 
 # ---------------------------------------------------------------- blocked over the vocabulary
 
@@ -249,40 +62,42 @@ def _no_argmax(t: int, acc) -> tuple[Array, Array]:
 
 
 def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
-  """``(max, sum, label logit, gap, argmax)`` per token of ``x @ w + b`` over `w`'s columns,
-  for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is the whole
-  vocabulary (the mean's divisor). ``gap`` is :func:`_tile_stats`'s ``(gap, count)`` pair, None
-  without smoothing; ``argmax`` (the running ``(max, column)`` of the capped logits) None unless
-  ``plan.predictions``."""
+  """``(max, sum, label logit, gap, argmax, moment)`` per token of ``x @ w + b`` over `w`'s
+  columns, for tokens ``x`` (T, D) and `labels` (T,) relative to `w`'s first column; `vocab` is
+  the whole vocabulary (the mean's divisor). ``gap`` is :func:`tile_stats`'s ``(gap, count)``
+  pair, None without smoothing; ``argmax`` (the running ``(max, column)`` of the capped logits)
+  None unless ``plan.predictions``; ``moment`` (``Σ exp(s - max) (s - max)``, the entropy's) None
+  unless ``plan.entropy``."""
   vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc, t = plan.acc_dtype, x.shape[0]
 
   def body(j, carry):
-    m, se, sy, gap, best = carry
+    m, se, sy, gap, best, moment = carry
     _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
-    s, _ = _capped(plan, _logits(plan, x, wj, bj))
-    tm, tse, tsy, tgap = _tile_stats(plan, s, labels, cols, fresh, vocab, bj)
-    m, se, gap = _merge((m, se, gap), (tm, tse, tgap), vocab)
+    s, _ = capped(plan, logits(plan, x, wj, bj))
+    tm, tse, tsy, tgap, tmoment = tile_stats(plan, s, labels, cols, fresh, vocab, bj)
+    m, se, gap, moment = merge((m, se, gap, moment), (tm, tse, tgap, tmoment), vocab)
     if best is not None:
-      best = _merge_argmax(best, _tile_argmax(s, cols))
-    return m, se, sy + tsy, gap, best
+      best = merge_argmax(best, tile_argmax(s, cols))
+    return m, se, sy + tsy, gap, best, moment
 
   zeros = jnp.zeros((t,), acc)
   init = (
-    jnp.full((t,), _lowest(acc), acc),
+    jnp.full((t,), lowest(acc), acc),
     zeros,
     zeros,
     (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, acc) if plan.predictions else None,
+    zeros if plan.entropy else None,
   )
   return _loop(n, body, init)
 
 
 def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
-  """``(dx, dw, db)`` over `w`'s column blocks, from the rows' max `m` and :func:`scales`: `dw`
-  and `db` written block by block, each block from one product over all tokens; `dx` accumulated
-  in the accumulation dtype."""
+  """``(dx, dw, db)`` over `w`'s column blocks, from the rows' max `m` and the per-token factors
+  of :func:`~jaxact._src.lce.xla_tiles.scales`: `dw` and `db` written block by block, each block
+  from one product over all tokens; `dx` accumulated in the accumulation dtype."""
   vocab_here = w.shape[plan.vocab_axis]
   n = -(-vocab_here // min(plan.block, vocab_here))
   acc = plan.acc_dtype
@@ -291,18 +106,19 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
   def xla_block(x, wj, bj, labels, cols, fresh, m=m, row_scales=row_scales):
     """``(G, G for dx, column sums of G)``: G unrounded; an overlapped column's G goes to dw
     and db again (rewritten with the same value), to dx once."""
-    s, dcap = _capped(plan, _logits(plan, x, wj, bj))
-    g = _tile_grad(plan, s, dcap, labels, cols, m, row_scales, acc)
+    s, dcap = capped(plan, logits(plan, x, wj, bj))
+    g = tile_grad(plan, s, dcap, labels, cols, m, row_scales, acc)
     g_dx = g if fresh is None else jnp.where(fresh[None, :], g, 0)
     return g, g_dx, None if bj is None else jnp.sum(g, 0)
 
-  if plan.decision.backward == "mosaic":  # every block whole (rules.mosaic_unsupported)
+  if plan.decision.backward == "mosaic":  # every block whole, no entropy (rules.mosaic_unsupported)
     zero = jnp.zeros_like(m)
-    kernel_rows = jnp.stack([m] + [zero if r is None else r for r in row_scales])
+    kernel_rows = jnp.stack([m] + [zero if r is None else r for r in row_scales[:3]])
 
     def block_grads(x, wj, bj, labels, cols, fresh):
       def xla(x, wj, bj, labels_j, rows):
-        scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales))
+        scales_j = tuple(None if r is None else rows[i + 1] for i, r in enumerate(row_scales[:3]))
+        scales_j = (*scales_j, None)
         cols_j = jnp.arange(wj.shape[plan.vocab_axis])
         g, _, db = xla_block(x, wj, bj, labels_j, cols_j, None, rows[0], scales_j)
         return g.astype(ops), db
@@ -316,8 +132,8 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
     dx, dw, db = carry
     start, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
     g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
-    dx = dx + _input_grad(plan, g_dx.astype(ops), wj)
-    dwj = _weight_grad(plan, x, g.astype(ops))
+    dx = dx + input_grad(plan, g_dx.astype(ops), wj)
+    dwj = weight_grad(plan, x, g.astype(ops))
     dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=plan.vocab_axis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
@@ -353,9 +169,10 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     bt, start, _ = _row_block(plan, t, i)
     xi = lax.dynamic_slice_in_dim(x, start, bt, axis=0)
     li = lax.dynamic_slice_in_dim(labels, start, bt, axis=0)
-    s, _ = _capped(plan, _logits(plan, xi, w, b))
-    best = _tile_argmax(s, cols) if plan.predictions else None
-    stats = (*_tile_stats(plan, s, li, cols, None, vocab, b), best)
+    s, _ = capped(plan, logits(plan, xi, w, b))
+    best = tile_argmax(s, cols) if plan.predictions else None
+    m, se, sy, gap, moment = tile_stats(plan, s, li, cols, None, vocab, b)
+    stats = (m, se, sy, gap, best, moment)
     # Rows a block shares with its predecessor get the same values again.
     return jax.tree.map(
       lambda c, v: lax.dynamic_update_slice_in_dim(c, v, start, axis=0), carry, stats
@@ -368,6 +185,7 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     zeros,
     (zeros, zeros) if plan.label_smoothing else None,
     _no_argmax(t, plan.acc_dtype) if plan.predictions else None,
+    zeros if plan.entropy else None,
   )
   return _loop(n, body, init)
 
@@ -388,12 +206,12 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
       return None if a is None else lax.dynamic_slice_in_dim(a, start, bt, axis=0)
 
     xi, li = rows(x), rows(labels)
-    s, dcap = _capped(plan, _logits(plan, xi, w, b))
-    g = _tile_grad(plan, s, dcap, li, cols, rows(m), tuple(map(rows, row_scales)), acc)
-    dxi = _input_grad(plan, g.astype(ops), w)
+    s, dcap = capped(plan, logits(plan, xi, w, b))
+    g = tile_grad(plan, s, dcap, li, cols, rows(m), tuple(map(rows, row_scales)), acc)
+    dxi = input_grad(plan, g.astype(ops), w)
     dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, axis=0)
     g_w = g if fresh is None else jnp.where(fresh[:, None], g, 0)  # each row once into dw, db
-    dw = dw + _weight_grad(plan, xi, g_w.astype(ops))
+    dw = dw + weight_grad(plan, xi, g_w.astype(ops))
     if db is not None:
       db = db + jnp.sum(g_w, 0)
     return dx, dw, db

@@ -1,6 +1,6 @@
 """Dense layers on a GPU: the kernels checked against a float32 reference, timed and measured
 against the XLA path and jax.nn (sections ``check``, ``time``, ``memory``, ``sweep``, ``train``,
-``eltwise``, ``suite`` of ``python -m benchmarks.gpu_check``)."""
+``eltwise``, ``suite`` of ``python -m benchmarks gpu``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks.gpu_common import (
+from benchmarks.gpu.common import (
   ROTATE,
   SHAPES,
   inputs,
@@ -205,8 +205,8 @@ def section_sweep(runs, name="gelu", shapes=SHAPES, candidates=None):
 
 
 def section_suite(runs):
-  """benchmarks/gpu.py's layer and elementwise tables (`python -m benchmarks` on a GPU)."""
-  from benchmarks import gpu as suite
+  """benchmarks/gpu/suite.py's layer and elementwise tables (`python -m benchmarks` on a GPU)."""
+  from benchmarks.gpu import suite
 
   lines = [
     "| op | shape | activation | composition ms | jaxact xla ms | jaxact None ms | TFLOP/s |",

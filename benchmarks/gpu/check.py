@@ -1,9 +1,9 @@
 """Check the Pallas kernels against the XLA path on a GPU, time both, and measure memory.
 
-    python -m benchmarks.gpu_check [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
-    python -m benchmarks.gpu_check --truth [--budget 540] [--out DIR] [--only STEP,...] [--dry-run]
+    python -m benchmarks gpu [--out DIR] [--sections env,check,time,memory,sweep] [--runs 30]
+    python -m benchmarks gpu --truth [--budget 540] [--out DIR] [--only STEP,...] [--dry-run]
 
-``--truth`` is the prepared run of a short GPU loan (:mod:`benchmarks.gpu_truth`): every kernel
+``--truth`` is the prepared run of a short GPU loan (:mod:`benchmarks.gpu.truth`): every kernel
 no GPU has run, checked against XLA, then the timings, in priority order within a time budget,
 each result written as it comes. The sections below are the longer runs, one at a time.
 
@@ -47,8 +47,8 @@ float32
   against the XLA path, and fwd+bwd time of the plain composition, jaxact's paths and tokamax at
   16384 x 4096 x 128k / 256k.
 
-The sections live by what they measure: ``gpu_common`` (env, timing, inputs), ``gpu_dense``,
-``gpu_conv``, ``gpu_hopper``, ``gpu_codes`` and ``gpu_lce``; this module runs them and writes the
+The sections live by what they measure: ``common`` (env, timing, inputs), ``dense``,
+``conv``, ``hopper``, ``codes`` and ``lce`` of this package; this module runs them and writes the
 report.
 
 Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2, saying so.
@@ -57,16 +57,20 @@ Needs a CUDA GPU of compute capability >= 8.0; elsewhere it exits with status 2,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
 
 import jax
 
-from benchmarks import gpu_codes, gpu_conv, gpu_dense, gpu_hopper, gpu_lce, gpu_truth
-from benchmarks.gpu_common import gpu_device, section_env
+from benchmarks.gpu import codes as gpu_codes
+from benchmarks.gpu import conv as gpu_conv
+from benchmarks.gpu import dense as gpu_dense
+from benchmarks.gpu import hopper as gpu_hopper
+from benchmarks.gpu import lce as gpu_lce
+from benchmarks.gpu import truth as gpu_truth
+from benchmarks.gpu.common import gpu_device, section_env
+from benchmarks.harness.sections import Sections
 from support import is_hopper
 
 
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
   gpu = gpu_device()
   if gpu is None:
     print(
-      "benchmarks.gpu_check needs a CUDA GPU; this machine has none (jax sees: "
+      "python -m benchmarks gpu needs a CUDA GPU; this machine has none (jax sees: "
       f"{', '.join(sorted({d.platform for d in jax.devices()}))}). On CPU the kernels are tested "
       "in interpret mode by tests/fused/test_dense_triton.py instead.",
       file=sys.stderr,
@@ -131,19 +135,8 @@ def main(argv=None) -> int:
       f"{gpu.device_kind} has compute capability {cc}; the kernels need >= 8.0", file=sys.stderr
     )
     return 2
-  results, report = {}, []
-  ok = True
-
-  def emit(title, data, lines):
-    results[title] = data
-    report.extend([f"### {title}", "", *lines, ""])
-    print("\n".join([f"### {title}", "", *lines, ""]), flush=True)
-    if args.out:
-      os.makedirs(args.out, exist_ok=True)
-      with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
-        fh.write("\n".join(report))
-      with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
-        json.dump(results, fh, indent=1, default=str)
+  report = Sections(args.out, "gpu_check", level="###")
+  results, ok = report.data, True
 
   for section in sections:
     t0 = time.perf_counter()
@@ -151,13 +144,9 @@ def main(argv=None) -> int:
       data, lines = SECTIONS[section](gpu, args, results)
       if isinstance(data, dict):
         ok &= not data.get("failed") and not data.get("check_failed")
-      emit(section, data, lines)
+      report.emit(section, data, lines)
     except Exception:
       ok = False
       traceback.print_exc()
     print(f"[{section}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
   return 0 if ok else 1
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """Few-bit derivative codes (``residual_bits``): memory and step time against the exact residual.
 
-``python -m benchmarks.fewbit_memory [--no-time] [--no-gpu]`` prints markdown tables:
+``python -m benchmarks codes [--no-time] [--no-gpu]`` prints markdown tables:
 
 * compiled temp of ``jit(grad(loss))`` in activation buffers for the benchmark's 8-layer MLP
   (8192 x 512 float32, ``dense_bias_act``) and 6-layer CNN (NHWC 32x32x32x64, ``conv_bias_act``)
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from benchmarks import fused_memory, timing
+from benchmarks import fused
+from benchmarks.harness import timing
 
 BITS = (None, 8, 4, 2)
 ACTIVATIONS = ("gelu", "silu", "mish")
@@ -33,7 +34,7 @@ def _act(name: str, bits):
 
 
 def _model(model, name: str, bits):
-  """fused_memory's MLP/CNN builder, with the coded activation in every layer."""
+  """benchmarks.fused's MLP/CNN builder, with the coded activation in every layer."""
   forward, params, x, buffer = model("relu", True)  # shapes and params; the activation replaced
 
   def coded(params, x):
@@ -57,13 +58,13 @@ def memory_rows(name: str = "gelu") -> list[str]:
     "|---|---|---|---|---|",
   ]
   for label, model in (
-    ("MLP 8 x (8192, 512)", fused_memory._mlp),
-    ("CNN 6 x NHWC", fused_memory._cnn),
+    ("MLP 8 x (8192, 512)", fused._mlp),
+    ("CNN 6 x NHWC", fused._cnn),
   ):
-    comp = fused_memory.temp_buffers(model, name, False)
+    comp = fused.temp_buffers(model, name, False)
     for bits in BITS:
       forward, params, x, buffer = _model(model, name, bits)
-      loss = fused_memory._loss(forward)
+      loss = fused._loss(forward)
       compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
       temp = compiled.memory_analysis().temp_size_in_bytes / buffer
       _, pull = jax.vjp(forward, params, x)
@@ -130,11 +131,11 @@ def time_rows(runs: int) -> list[str]:
     lines.append(f"| {name} | {base * 1e3:.1f} | {' | '.join(f'{r:.2f}x' for r in ratios)} |")
   lines += ["", "Fused gelu layers, training step: time against the exact residual's.", ""]
   lines += ["| model | exact ms | 8 bits | 4 bits | 2 bits |", "|---|---|---|---|---|"]
-  for label, model in (("MLP", fused_memory._mlp), ("CNN", fused_memory._cnn)):
+  for label, model in (("MLP", fused._mlp), ("CNN", fused._cnn)):
     calls = []
     for bits in BITS:
       forward, params, x_, _ = _model(model, "gelu", bits)
-      g = jax.jit(jax.value_and_grad(fused_memory._loss(forward)))
+      g = jax.jit(jax.value_and_grad(fused._loss(forward)))
       calls.append(functools.partial(g, params, x_))
     base, ratios = timing.alternated_ratios(calls, runs)
     lines.append(f"| {label} | {base * 1e3:.1f} | {' | '.join(f'{r:.2f}x' for r in ratios)} |")
@@ -163,7 +164,3 @@ def main(argv=None) -> None:
   for section in sections:
     print()
     print("\n".join(section()), flush=True)
-
-
-if __name__ == "__main__":
-  main()

@@ -1,4 +1,4 @@
-"""The LM head's loss on a GPU (section ``lce`` of ``python -m benchmarks.gpu_check``).
+"""The LM head's loss on a GPU (section ``lce`` of ``python -m benchmarks gpu``).
 
 Two tables, bfloat16:
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks.gpu_common import median_seconds
+from benchmarks.gpu.common import median_seconds
 from support import gpu_lce
 
 SIZES = ((16384, 4096, 131072), (16384, 4096, 262144))

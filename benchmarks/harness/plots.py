@@ -194,8 +194,8 @@ def frontier(points, title: str, unit: str, path: pathlib.Path) -> None:
   rounds' ratios, the Pareto front as a staircase, and the two reference lines of the summary
   (Flax + remat's memory, Flax's step time).
 
-  points: benchmarks.frontier.Point list."""
-  from benchmarks import frontier as fr
+  points: benchmarks.harness.frontier.Point list."""
+  from benchmarks.harness import frontier as fr
 
   v = fr.verdict(points)
   on_front = fr.front(points)

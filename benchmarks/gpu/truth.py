@@ -2,7 +2,7 @@
 shapes, then the timings that ``implementation=None``'s rules wait for, in one command that stops
 before its budget.
 
-    PYTHONPATH=. python -m benchmarks.gpu_check --truth [--budget 540] [--out DIR]
+    PYTHONPATH=. python -m benchmarks gpu --truth [--budget 540] [--out DIR]
         [--only STEP[,STEP...]] [--runs 10] [--list] [--dry-run [--rehearse]]
 
 The steps are :data:`STEPS`, the table below: name, priority, estimated
@@ -24,7 +24,7 @@ process age, ``--budget``), each writing its verdicts and tables under ``--out``
    at 16384 x 4096 x 128k against the plain composition (and tokamax where it imports), the code
    kernels, a decoder training step with and without jaxact's ops, one layer's step with each code.
 
-Correctness is judged as ``benchmarks.gpu_check``'s ``check`` judges it: the kernel path and the
+Correctness is judged as ``benchmarks.gpu.check``'s ``check`` judges it: the kernel path and the
 XLA path at the inputs' dtype, each against the XLA path on float32 inputs at HIGHEST precision;
 the kernel may be twice as inexact as XLA plus one rounding of its dtype
 (:mod:`support.gpu_compare`). The code kernels keep the same codes as XLA from
@@ -32,8 +32,8 @@ inputs whose pre-activation is exact (:mod:`support.gpu_codes`). Shapes are smal
 but each Hopper check has more output tiles than an H100 has SMs, so that every persistent CTA
 walks a second tile while the others run (the interpreter runs one CTA: it cannot show a race).
 
-The steps' functions live in :mod:`benchmarks.gpu_truth_checks` and
-:mod:`benchmarks.gpu_truth_timings`. Adding a kernel is one function there and one row of
+The steps' functions live in :mod:`benchmarks.gpu.truth_checks` and
+:mod:`benchmarks.gpu.truth_timings`. Adding a kernel is one function there and one row of
 :data:`STEPS` (the attention kernels' row is there already: ``implementation="pallas"`` and
 ``"mosaic"`` are recorded as unsupported until they land, then checked).
 
@@ -53,15 +53,17 @@ os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import argparse
 import functools
+import json
 import math
+import pathlib
 import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.gpu_truth_checks import attention, codes, conv, dense, env, gated, judge, lce
-from benchmarks.gpu_truth_timings import (
+from benchmarks.gpu.truth_checks import attention, codes, conv, dense, env, gated, judge, lce
+from benchmarks.gpu.truth_timings import (
   time_attention,
   time_codes_hopper,
   time_codes_kernels,
@@ -70,6 +72,7 @@ from benchmarks.gpu_truth_timings import (
   time_gated,
   time_lce,
 )
+from benchmarks.harness import rows
 from support import is_hopper
 from support import truth as th
 
@@ -226,16 +229,26 @@ def _prove_harness(out: str, budget: float) -> int:
   return 1 if problems else 0
 
 
+def add_rows(path: pathlib.Path) -> None:
+  """The run's results (``truth.json``) as rows: a ``verdict`` row a kernel checked, a ``step``
+  row a step with what it measured (``benchmarks.harness.rows``)."""
+  rec = rows.current()
+  for step in json.loads(path.read_text())["steps"]:
+    for v in step["verdicts"]:
+      rec.add("verdict", v["kernel"], step=step["name"], status=v["status"], detail=v["detail"])
+    rec.add("step", step["name"], state=step["state"], seconds=step["seconds"], data=step["data"])
+
+
 def _rerun_command(names: list[str]) -> str:
   return (
-    f"PYTHONPATH=. python -m benchmarks.gpu_check --truth --only {','.join(names)} "
+    f"PYTHONPATH=. python -m benchmarks gpu --truth --only {','.join(names)} "
     "--out $OUT --budget <seconds left - 40>"
   )
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m benchmarks.gpu_check --truth", description=__doc__.splitlines()[0]
+    prog="python -m benchmarks gpu --truth", description=__doc__.splitlines()[0]
   )
   parser.add_argument("--budget", type=float, default=None, help="seconds of process age (540)")
   parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for truth.md/.json")
@@ -263,7 +276,7 @@ def main(argv=None) -> int:
     out = args.out or tempfile.mkdtemp(prefix="gpu-truth-dry-")
     return _prove_harness(out, th.process_age() + 60.0)  # a minute from now, however slow
 
-  from benchmarks.gpu_common import gpu_device
+  from benchmarks.gpu.common import gpu_device
 
   gpu = gpu_device()
   if args.rehearse:
@@ -292,8 +305,6 @@ def main(argv=None) -> int:
   runner = th.Runner(steps, budget, report, rerun=_rerun_command)
   verdicts = runner.run(ctx)
   runner.summary()
+  if args.out:
+    add_rows(pathlib.Path(args.out) / "truth.json")
   return 1 if any(v.status in ("FAIL", "ERROR") for v in verdicts) else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
 """Dump the optimized HLO of one bf16 layer's training step per path (for reading buffer use).
 
-python -m benchmarks.hlo_dump OUT_DIR [M K N]
+python -m benchmarks hlo OUT_DIR [M K N]
 """
 
 from __future__ import annotations
@@ -28,7 +28,3 @@ def main(argv=None) -> int:
         fh.write(compiled.as_text())
       print(fname, compiled.memory_analysis().temp_size_in_bytes / 2**20, "MiB temp")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

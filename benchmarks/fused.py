@@ -1,6 +1,6 @@
 """Memory and step time of fused bias+activation layers against the jax.nn composition.
 
-Run with ``python -m benchmarks.fused_memory`` (``--quick`` for fewer timing runs, ``--no-time`` to
+Run with ``python -m benchmarks fused`` (``--quick`` for fewer timing runs, ``--no-time`` to
 skip timing). For each activation it compiles ``jit(grad(loss))`` of
 
 * an 8-layer MLP, 8192x512 float32 activations and 512x512 weights, written with
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxact
-from benchmarks import timing
+from benchmarks.harness import timing
 
 ACTIVATIONS = ("relu", "elu", "tanh", "sigmoid", "softplus", "gelu")
 OUTPUT_RESIDUAL = ("relu", "elu", "tanh", "sigmoid", "softplus")
@@ -133,7 +133,3 @@ def main(argv=None) -> None:
         f_t, c_t, ratio = time_ratio(model, activation, runs)
         timing = f"| {f_t * 1e3:.1f} | {c_t * 1e3:.1f} | {ratio:.2f} |"
       print(f"| {activation} | {fused:.2f} | {comp:.2f} | <= {target} | {met} {timing}", flush=True)
-
-
-if __name__ == "__main__":
-  main()

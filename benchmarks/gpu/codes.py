@@ -1,4 +1,4 @@
-"""Few-bit derivative codes on a GPU (section ``codes`` of ``python -m benchmarks.gpu_check``).
+"""Few-bit derivative codes on a GPU (section ``codes`` of ``python -m benchmarks gpu``).
 
 ``residual_bits=8|4|2`` keeps ``act'(z)`` coded instead of ``z``. Four tables:
 
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gpu_common import ROTATE, conv_inputs, inputs, median_seconds
-from benchmarks.gpu_conv import CONV_W, CONV_X
+from benchmarks.gpu.common import ROTATE, conv_inputs, inputs, median_seconds
+from benchmarks.gpu.conv import CONV_W, CONV_X
 from support import gpu_codes as gc
 from support import layer_step
 

@@ -1,6 +1,6 @@
 """Flax models: `nn.Dense` / `nn.Conv` + jax.nn, under remat, and jaxact layers, under remat too.
 
-The MLP and CNN of :mod:`benchmarks.fused_memory` (same sizes), written as a Flax user writes them,
+The MLP and CNN of :mod:`benchmarks.fused` (same sizes), written as a Flax user writes them,
 in every variant a user could pick (:data:`VARIANTS`):
 
 * ``flax``: each layer ``nn.Dense`` or ``nn.Conv`` (3x3, SAME), then the jax.nn activation;
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 import jaxact.linen
 from benchmarks import activations as bench
-from benchmarks import fused_memory as fused
-from benchmarks import timing
+from benchmarks import fused
+from benchmarks.harness import timing
 from jaxact._src.codes import code as codes
 
 VARIANTS = (

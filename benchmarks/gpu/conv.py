@@ -1,5 +1,5 @@
 """Convolution epilogues on a GPU (sections ``conv`` and ``conv-bwd`` of
-``python -m benchmarks.gpu_check``): the conv layer checked against a float32 reference, the
+``python -m benchmarks gpu``): the conv layer checked against a float32 reference, the
 epilogue kernels alone against XLA's fusion of the same pass and the copy bandwidth, and the layer's
 step (time and compiled temp memory)."""
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
-from benchmarks.gpu_common import (
+from benchmarks.gpu.common import (
   conv_inputs,
   conv_paths,
   conv_reference,

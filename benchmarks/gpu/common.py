@@ -1,4 +1,4 @@
-"""What the GPU benchmarks (``python -m benchmarks.gpu_check``) share: the GPU, timing, inputs,
+"""What the GPU benchmarks (``python -m benchmarks gpu``) share: the GPU, timing, inputs,
 float32 references, the error rule (:mod:`support.gpu_compare`'s ``TOL``, ``rel``,
 ``within``) and the ``env`` section (the ceilings the others are read against)."""
 

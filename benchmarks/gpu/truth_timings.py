@@ -1,7 +1,7 @@
-"""The timing steps of the GPU truth run (:mod:`benchmarks.gpu_truth`'s table): each path
+"""The timing steps of the GPU truth run (:mod:`benchmarks.gpu.truth`'s table): each path
 against XLA's (or the plain composition's) in the same process, one verdict a path with the
 time and the ratio, recorded as soon as it is measured. The timed functions are the GPU sections'
-(``benchmarks.gpu_lce.time_table``, ``benchmarks.gpu_codes``' tables) where they exist.
+(``benchmarks.gpu.lce.time_table``, ``benchmarks.gpu.codes``' tables) where they exist.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def time_attention(ctx: th.Context):
   cuDNN's, jaxact's XLA path and its Triton kernels (jax.nn has no soft cap: jaxact's paths only
   there)."""
   import jaxact
-  from benchmarks.gpu_common import median_seconds
+  from benchmarks.gpu.common import median_seconds
 
   n, kh, h = ctx.pick((16, 4, 128), (2, 1, 16))
   cases = ctx.pick(_ATTENTION_CASES, ((1, 64, None), (1, 64, 2.0)))
@@ -104,7 +104,7 @@ def time_gated(ctx: th.Context):
   """gated_mlp (SwiGLU) in bfloat16, forward and forward + backward: the jax.nn composition,
   jaxact's XLA path, the Triton kernels, the Hopper forward, and None."""
   from benchmarks import gated as gated_bench
-  from benchmarks.gpu_common import median_seconds
+  from benchmarks.gpu.common import median_seconds
 
   tokens, d, f = ctx.pick(gated_bench.GPU_SIZE, (128, 64, 128))
   runs = 1 if ctx.small else ctx.runs
@@ -165,8 +165,8 @@ def _gated_mlp(x, wg, wu, wd, implementation):
 def time_lce(ctx: th.Context):
   """The LM head's loss at 16384 x 4096 x 128k, bfloat16, fwd+bwd and loss alone: the plain
   composition, jaxact's XLA path, the Hopper kernels, the forward kernel alone, tokamax where it
-  imports (``benchmarks.gpu_lce.time_table``)."""
-  from benchmarks import gpu_lce as lce_bench
+  imports (``benchmarks.gpu.lce.time_table``)."""
+  from benchmarks.gpu import lce as lce_bench
 
   size = ctx.pick(lce_bench.SIZES[0], (128, 64, 512))
   runs = 1 if ctx.small else min(ctx.runs, 5)
@@ -188,9 +188,9 @@ def time_lce(ctx: th.Context):
 
 def time_codes_kernels(ctx: th.Context):
   """The conv epilogue kernels alone, exact and with each code, against XLA's fusion
-  (``benchmarks.gpu_codes.kernel_table``)."""
-  from benchmarks import gpu_codes
-  from benchmarks.gpu_conv import CONV_W, CONV_X
+  (``benchmarks.gpu.codes.kernel_table``)."""
+  from benchmarks.gpu import codes as gpu_codes
+  from benchmarks.gpu.conv import CONV_W, CONV_X
 
   rows, c = ctx.pick((math.prod(CONV_X[:-1]), CONV_W[-1]), (200, 32))
   copy = ctx.results.get("copy_GBps")
@@ -204,8 +204,8 @@ def time_codes_kernels(ctx: th.Context):
 
 def time_codes_hopper(ctx: th.Context):
   """The Hopper forward alone writing y and z or y and each code, against ``jnp.dot``
-  (``benchmarks.gpu_codes.hopper_table``)."""
-  from benchmarks import gpu_codes
+  (``benchmarks.gpu.codes.hopper_table``)."""
+  from benchmarks.gpu import codes as gpu_codes
 
   shape = ctx.pick(gpu_codes.DENSE, (128, 64, 256))
   out, lines = gpu_codes.hopper_table(
@@ -219,9 +219,9 @@ def time_codes_hopper(ctx: th.Context):
 
 def time_codes_step(ctx: th.Context):
   """One dense and one conv layer's training step, exact and with each code, per implementation
-  (``benchmarks.gpu_codes.step_table``)."""
-  from benchmarks import gpu_codes
-  from benchmarks.gpu_conv import CONV_W, CONV_X
+  (``benchmarks.gpu.codes.step_table``)."""
+  from benchmarks.gpu import codes as gpu_codes
+  from benchmarks.gpu.conv import CONV_W, CONV_X
 
   dense_shape = ctx.pick(gpu_codes.DENSE, (128, 64, 256))
   conv_shape = ctx.pick((CONV_X, CONV_W), ((2, 6, 6, 3), (3, 3, 3, 16)))
@@ -238,7 +238,7 @@ def time_codes_step(ctx: th.Context):
 
 
 def time_decoder(ctx: th.Context):
-  """A Llama-style decoder's training step (``benchmarks.lce``'s: 2 scanned blocks of RMS norm,
+  """A Llama-style decoder's training step (``benchmarks.decoder``'s: 2 scanned blocks of RMS norm,
   causal attention, a SwiGLU MLP; final norm and head), bfloat16, 16 x 1024 tokens, D 4096,
   F 14336, V 128256: Flax's composition and optax's loss, against jaxact's rms_norm, gated_mlp and
   linear_cross_entropy with ``implementation=None`` and with the kernels asked for."""
@@ -248,16 +248,16 @@ def time_decoder(ctx: th.Context):
   from jax import lax
 
   import jaxact
-  from benchmarks import lce as lce_bench
-  from benchmarks.gpu_common import median_seconds
+  from benchmarks import decoder
+  from benchmarks.gpu.common import median_seconds
 
-  c = dataclasses.replace(lce_bench.DECODER_GPU, blocks=2)
+  c = dataclasses.replace(decoder.DECODER_GPU, blocks=2)
   if ctx.small:
     c = dataclasses.replace(c, batch=1, seq=128, dim=64, hidden=128, heads=2, vocab=512, blocks=1)
   kernels = "mosaic" if ctx.hopper else "pallas"
 
   def loss_of(norm, mlp, head):
-    block = lce_bench.make_block(mlp, c.heads, norm)
+    block = decoder.make_block(mlp, c.heads, norm)
 
     def loss(params, tokens, labels):
       x = params["embed"][tokens]
@@ -280,15 +280,15 @@ def time_decoder(ctx: th.Context):
     return lambda h, w, labels: jaxact.linear_cross_entropy(h, w, labels, implementation=impl)
 
   paths = {
-    "Flax + optax": loss_of(lce_bench.rms_norm, lce_bench._flax_mlp, plain_head),
-    "jaxact None": loss_of(lce_bench.jaxact_rms_norm, jaxact_mlp(None), jaxact_head(None)),
+    "Flax + optax": loss_of(decoder.rms_norm, decoder._flax_mlp, plain_head),
+    "jaxact None": loss_of(decoder.jaxact_rms_norm, jaxact_mlp(None), jaxact_head(None)),
     f"jaxact {kernels}": loss_of(
-      lce_bench.jaxact_rms_norm,
+      decoder.jaxact_rms_norm,
       jaxact_mlp(kernels),
       jaxact_head("mosaic" if ctx.hopper else None),
     ),
   }
-  shapes = lce_bench.decoder_shapes(c)
+  shapes = decoder.decoder_shapes(c)
   leaves, tree = jax.tree.flatten(shapes[0])
   keys = jax.random.split(jax.random.key(70), len(leaves) + 1)
   params = jax.tree.unflatten(

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact
-from benchmarks import timing
-from benchmarks.gpu_common import conv_paths
+from benchmarks.gpu.common import conv_paths
+from benchmarks.harness import timing
 from support import layer_paths
 
 # Data-sheet peaks, (HBM bandwidth in TB/s, dense bfloat16 tensor-core TFLOP/s), matched against

@@ -1,5 +1,5 @@
 """The Hopper kernels on a GPU (sections ``hopper``, ``check-mosaic`` and ``hopper-bwd`` of
-``python -m benchmarks.gpu_check``): the Mosaic GPU forward checked, timed against ``jnp.dot`` and
+``python -m benchmarks gpu``): the Mosaic GPU forward checked, timed against ``jnp.dot`` and
 the other paths, its tiles swept, one layer's step with each backward option; the Mosaic GPU
 backward kernels alone, for the tilings ``support.hopper_bwd_variants`` lists, against XLA's."""
 
@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 import jaxact
-from benchmarks.gpu_common import ROTATE, TOL, inputs, median_seconds, rel
+from benchmarks.gpu.common import ROTATE, TOL, inputs, median_seconds, rel
 from pallas_kernels import dense_triton as pk_dense
 from support import epilogue, fused_dense, hopper_bwd_variants, layer_step
 

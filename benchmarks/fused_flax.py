@@ -1,6 +1,6 @@
 """Training-step memory of Flax models: ``nn.Dense``/``nn.Conv`` + jax.nn against jaxact's layers.
 
-Run with ``python -m benchmarks.flax_memory``. For linen and nnx it compiles ``jit(grad(loss))``
+Run with ``python -m benchmarks flax``. For linen and nnx it compiles ``jit(grad(loss))``
 (gradients with respect to the parameters, loss the mean square of the output) of
 
 * an MLP of 4 layers, batch 4096, width 512 (``nn.Dense(512)`` then the activation, against
@@ -155,7 +155,3 @@ def main(argv=None) -> None:
         f"| {ours / flax_bytes:.2f} |",
         flush=True,
       )
-
-
-if __name__ == "__main__":
-  main()

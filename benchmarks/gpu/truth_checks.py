@@ -1,9 +1,9 @@
-"""The correctness steps of the GPU truth run (:mod:`benchmarks.gpu_truth`'s table).
+"""The correctness steps of the GPU truth run (:mod:`benchmarks.gpu.truth`'s table).
 
 Each takes the run's :class:`~support.truth.Context` and the row's parameters,
 records one verdict a kernel (``ctx.verdict``) and returns its markdown lines and data. The checks
-themselves are the GPU sections' (``benchmarks.gpu_dense.check_case``,
-``benchmarks.gpu_conv.check_case``) and ``support``'s (``gpu_codes.check``,
+themselves are the GPU sections' (``benchmarks.gpu.dense.check_case``,
+``benchmarks.gpu.conv.check_case``) and ``support``'s (``gpu_codes.check``,
 ``gpu_gated.check``, ``gpu_lce.check``), at small shapes (``ctx.pick(on_the_gpu, rehearsal)``).
 """
 
@@ -41,7 +41,7 @@ def judge(ctx: th.Context, kernel: str, check) -> None:
 
 def env(ctx: th.Context):
   """The device and its ceilings (copy bandwidth, bf16 matmul rate)."""
-  from benchmarks.gpu_common import gpu_device, section_env
+  from benchmarks.gpu.common import gpu_device, section_env
 
   gpu = gpu_device()
   if gpu is None or ctx.small:
@@ -56,8 +56,8 @@ def env(ctx: th.Context):
 
 def dense(ctx: th.Context, dtype: str, impl: str):
   """``dense_bias_act`` through the Triton (``pallas``) or Hopper (``mosaic``) kernels:
-  y, dx, dw, db (``benchmarks.gpu_dense.check_case``)."""
-  from benchmarks import gpu_dense
+  y, dx, dw, db (``benchmarks.gpu.dense.check_case``)."""
+  from benchmarks.gpu import dense as gpu_dense
 
   if impl == "pallas":
     shape = ctx.pick((2, 300, 257, 513), (2, 9, 19, 23))  # ragged in every dimension
@@ -79,8 +79,8 @@ def dense(ctx: th.Context, dtype: str, impl: str):
 
 def conv(ctx: th.Context, dtype: str):
   """``conv_bias_act`` (3x3 SAME) through the Triton epilogue kernels
-  (``benchmarks.gpu_conv.check_case``)."""
-  from benchmarks import gpu_conv
+  (``benchmarks.gpu.conv.check_case``)."""
+  from benchmarks.gpu import conv as gpu_conv
 
   xs, ws = ctx.pick(((4, 28, 28, 24), (3, 3, 24, 100)), ((1, 5, 5, 3), (3, 3, 3, 8)))
   for i, name in enumerate(FAMILIES):
@@ -98,7 +98,7 @@ def codes(
 ):
   """Few-bit derivative codes through the kernels against XLA's: y, the kept codes, dx, dw, db
   (``support.gpu_codes.check``, exact pre-activations)."""
-  from benchmarks import gpu_codes
+  from benchmarks.gpu import codes as gpu_codes
 
   if op == "dense":
     shape = ctx.pick(gpu_codes.CHECK_DENSE, (128, 64, 256))

@@ -1,0 +1,56 @@
+"""Markdown from rows: tables, number formats, and blocks of a page kept between markers.
+
+Pure Python: ``python -m benchmarks render`` and its test never start jax.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from collections.abc import Iterable, Sequence
+
+
+def fmt(value, spec: str = "{:.1f}") -> str:
+  return "—" if value is None else spec.format(value)
+
+
+def geomean(values: Iterable[float]) -> float:
+  values = list(values)
+  return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def wrap(text: str, first: str = "", rest: str = "") -> list[str]:
+  """`text` as lines of at most 100 characters, the first after `first`, the others after
+  `rest` (a Markdown bullet: ``"- "`` and ``"  "``)."""
+  return textwrap.wrap(
+    text, 100, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False
+  )
+
+
+def table(header: Sequence[str], align: str, body: Iterable[Sequence[str]]) -> list[str]:
+  """A Markdown table; `align` has a letter a column: ``l`` (left) or ``r`` (right)."""
+  rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
+  return [f"| {' | '.join(header)} |", rule, *(f"| {' | '.join(cells)} |" for cells in body)]
+
+
+def markers(name: str) -> tuple[str, str]:
+  return f"<!-- rows:{name}:begin -->", f"<!-- rows:{name}:end -->"
+
+
+def block(text: str, name: str) -> str:
+  """What stands between `name`'s markers in `text` (ValueError where they are missing)."""
+  begin, end = markers(name)
+  found = re.search(re.escape(begin) + r"\n(.*?)" + re.escape(end), text, re.S)
+  if found is None:
+    raise ValueError(f"no {begin} ... {end} block")
+  return found.group(1)
+
+
+def with_block(text: str, name: str, lines: Sequence[str]) -> str:
+  """`text` with `name`'s block replaced by `lines`."""
+  old = block(text, name)
+  begin, end = markers(name)
+  return text.replace(
+    begin + "\n" + old + end, begin + "\n" + "".join(f"{x}\n" for x in lines) + end
+  )

@@ -1,0 +1,179 @@
+"""`python -m benchmarks render [--check]`: the pages' blocks rendered from committed rows.
+
+The main job's rows of its latest committed run (``benchmarks/results/data/rows.jsonl``, copied
+there from ``python -m benchmarks --quick --out DIR``'s ``DIR/rows.jsonl``) give the README's
+Measured block (``<!-- rows:main:begin -->`` ... ``end``) and the latest table of
+``benchmarks/results/frontier.md`` (``<!-- rows:frontier:begin -->`` ... ``end``). ``--check``
+writes nothing and fails where a page's block is not what its rows give
+(tests/repo/test_benchmark_rows.py runs it). Every other page is kept by hand. Pure Python: never
+starts jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from benchmarks.harness import frontier as fr
+from benchmarks.harness import render, rows
+from benchmarks.suite.report import frontier_summary, run_time
+from benchmarks.suite.run import Frontier, Run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "results" / "data" / "rows.jsonl"
+# README names of the models, the second activation of a model by its activation alone.
+README_MODELS = {
+  "mlp_relu": "8-layer MLP, relu (buffers)",
+  "mlp_gelu": "gelu",
+  "cnn_relu": "6-layer CNN, relu",
+  "cnn_gelu": "gelu",
+  "gated": "8 gated MLP blocks (MiB)",
+  "decoder": "LM decoder step (MiB)",
+}
+
+
+def _short(p: fr.Point) -> str:
+  """A point's label in the README: ``jaxact 2 bits`` is ``2-bit codes``."""
+  return (
+    p.label.replace("jaxact ", "").replace(" bits", "-bit codes") if " bits" in p.label else p.label
+  )
+
+
+def _readme_row(f: Frontier) -> list[str]:
+  v = fr.verdict(f.points)
+  mem = lambda p: fr.fmt_memory(p.memory, f.unit)
+  remat = f"{mem(v.remat)}, {fr.fmt_time(v.remat.time)}"
+  fastest = (
+    "none"
+    if v.fastest is None
+    else f"{fr.fmt_time(v.fastest.time)}: {_short(v.fastest)}, {mem(v.fastest)}"
+  )
+  smallest = "none" if v.smallest is None else f"{mem(v.smallest)}: {_short(v.smallest)}"
+  front = "; ".join(
+    f"{p.label.removeprefix('Flax + ')}: {mem(p)}, {fr.fmt_time(p.time)}" for p in v.flax_front
+  )
+  return [
+    README_MODELS.get(f.key, f"{f.name} ({f.unit})"),
+    mem(v.flax),
+    remat,
+    fastest,
+    smallest,
+    front or "none",
+  ]
+
+
+def _range(values: list[float]) -> str:
+  lo, hi = min(values), max(values)
+  return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
+KEPT = {"output": "the output kept", "input": "the input kept", "none": "nothing kept"}
+
+
+def readme_block(run: Run) -> list[str]:
+  m = run.meta
+  header = [
+    "model (temp in)",
+    "Flax",
+    "Flax + remat",
+    "at its temp or less, jaxact's best time",
+    "at Flax's time or less, jaxact's least temp",
+    "Flax's points on the front",
+  ]
+  intro = (
+    f"The main job's frontier (`{m['command']}`, {m['date'][:10]}, {m['cores']} cores "
+    f"{m['processor']}, jax {m.get('jax')}, {run.time['seconds']:.0f} s; memory exact, step "
+    "times relative to Flax's; rendered by `python -m benchmarks render` from "
+    "its rows (`benchmarks/results/data/rows.jsonl`)):"
+  )
+  lines = [
+    *render.wrap(intro),
+    "",
+    *render.table(header, "llllll", (_readme_row(f) for f in run.frontiers.values())),
+    "",
+    "The same run, against jax.nn:",
+    "",
+  ]
+  by_residual: dict[str, list[dict]] = {}
+  for r in run.section("memory"):
+    by_residual.setdefault(r["figures"]["residual"], []).append(r["figures"] | {"name": r["case"]})
+  parts, above = [], []
+  for residual, group in by_residual.items():
+    ours = [g["temp_jaxact"] for g in group]
+    theirs = [g["temp_jaxnn"] for g in group if g["temp_jaxnn"] is not None]
+    above += [
+      g["name"] for g in group if g["temp_jaxnn"] is not None and g["temp_jaxact"] > g["temp_jaxnn"]
+    ]
+    kept = KEPT.get(residual, residual)
+    n = f"{len(group)} activation" + ("s" if len(group) > 1 else "")
+    parts.append(f"{kept} ({n}): {_range(ours)} against {_range(theirs)}")
+  verdict = "Never above jax.nn." if not above else f"Above jax.nn: {', '.join(above)}."
+  totals = run.nan_totals()
+  lines += [
+    *render.wrap(
+      f"Per activation, the 8-layer MLP's temp in buffers, jaxact against jax.nn: "
+      f"{'; '.join(parts)}. {verdict}",
+      "- ",
+      "  ",
+    ),
+    *render.wrap(
+      f"NaN: on a grid of finite extreme inputs in four dtypes, jaxact {totals['jaxact'][1]} "
+      f"non-finite gradients, jax.nn {totals['jax.nn'][1]}.",
+      "- ",
+      "  ",
+    ),
+  ]
+  return lines
+
+
+def frontier_block(run: Run) -> list[str]:
+  m = run.meta
+  machine = (
+    f"{m['cores']} cores {m['processor']}, {m.get('device')}; Python {m['python']}, "
+    f"jax {m.get('jax')}, jaxlib {m.get('jaxlib')}, flax {m.get('flax')}, jaxact {m.get('jaxact')}"
+  )
+  return [
+    f"## {m['date'][:10]}: `{m['command']}`",
+    "",
+    "Rendered from its rows (`data/rows.jsonl`) by `python -m benchmarks render`.",
+    "",
+    *render.wrap(f"machine: {machine}", "- ", "  "),
+    *render.wrap(f"run time: {run_time(run)}", "- ", "  "),
+    "",
+    *frontier_summary(run),
+  ]
+
+
+PAGES = {  # page: {block: its lines from the rows}
+  "README.md": {"main": readme_block},
+  "benchmarks/results/frontier.md": {"frontier": frontier_block},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks render", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument("--rows", type=pathlib.Path, default=DATA, help="the main job's rows")
+  parser.add_argument("--check", action="store_true", help="fail where a page has drifted")
+  args = parser.parse_args(argv)
+  run = Run(rows.read(args.rows))
+  drifted = []
+  for page, blocks in PAGES.items():
+    path = ROOT / page
+    text = new = path.read_text()
+    for name, make in blocks.items():
+      new = render.with_block(new, name, make(run))
+    if new != text:
+      drifted.append(page)
+      if not args.check:
+        path.write_text(new)
+  if args.check and drifted:
+    print(
+      f"not what {args.rows} gives: {', '.join(drifted)}; run python -m benchmarks render",
+      file=sys.stderr,
+    )
+    return 1
+  print(f"{'drifted' if args.check else 'rendered'}: {', '.join(drifted) or 'nothing'}")
+  return 0
