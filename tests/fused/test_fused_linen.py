@@ -80,6 +80,7 @@ def check_layer(flax_layer, act_layer, reference_act, x, *, grads: bool = True) 
 
 @pytest.mark.parametrize(("ours", "theirs"), [(DenseAct, nn.Dense), (ConvAct, nn.Conv)])
 def test_attributes_are_flax_plus_activation(ours, theirs):
+  assert issubclass(ours, theirs)  # Flax's attributes inherited, not re-declared
   fields = [f for f in dataclasses.fields(ours) if f.name not in ("parent", "name")]
   flax_fields = [f for f in dataclasses.fields(theirs) if f.name not in ("parent", "name")]
   # DenseAct adds nn.Dropout's attributes after its own (dropout inside the op).

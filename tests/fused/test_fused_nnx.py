@@ -83,6 +83,7 @@ def check_layer(make_flax, make_act, reference_act, x, *, grads=True, tol_dtype=
 
 @pytest.mark.parametrize(("ours", "theirs"), [(LinearAct, nnx.Linear), (ConvAct, nnx.Conv)])
 def test_signature_is_flax_plus_activation(ours, theirs):
+  assert issubclass(ours, theirs)  # Flax's attributes and parameters made by Flax's __init__
   params = list(inspect.signature(ours.__init__).parameters.values())
   flax_params = list(inspect.signature(theirs.__init__).parameters.values())
   describe = lambda p: (p.name, p.kind, p.default)

@@ -35,6 +35,7 @@ def _close(a, b, dtype):
 
 @pytest.mark.parametrize(("ours", "theirs"), PAIRS, ids=["rms", "layer"])
 def test_linen_attributes_are_flax_plus_residual(ours, theirs):
+  assert issubclass(ours, theirs)
   fields = [f for f in dataclasses.fields(ours) if f.name not in ("parent", "name")]
   flax_fields = [f for f in dataclasses.fields(theirs) if f.name not in ("parent", "name")]
   assert [f.name for f in fields] == [f.name for f in flax_fields] + ["residual", "scale_offset"]
@@ -45,6 +46,7 @@ def test_linen_attributes_are_flax_plus_residual(ours, theirs):
 
 @pytest.mark.parametrize(("ours", "theirs"), NNX_PAIRS, ids=["rms", "layer"])
 def test_nnx_arguments_are_flax_plus_residual(ours, theirs):
+  assert issubclass(ours, theirs)
   mine = list(inspect.signature(ours.__init__).parameters.values())
   flax_params = list(inspect.signature(theirs.__init__).parameters.values())
   describe = lambda p: (p.name, p.kind, p.default)
@@ -159,6 +161,20 @@ def test_gemma_norm_by_scale_offset_in_linen_and_nnx():
 def test_refusals_name_the_attribute(module, call, match):
   with pytest.raises(ValueError, match=match):
     module.init(jax.random.key(0), jnp.ones((2, 8)), **call)
+
+
+def test_nnx_promote_dtype_takes_flax_arguments():
+  """A custom ``promote_dtype`` gets what Flax's layer gives it: ``(x, scale)`` in RMSNorm."""
+
+  def to_bf16(arrays, dtype=None):
+    x, scale = arrays  # RMSNorm's pair
+    return x.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+
+  x = _x()
+  mine = jnnx.RMSNorm(16, promote_dtype=to_bf16, rngs=nnx.Rngs(0))
+  flax_layer = nnx.RMSNorm(16, promote_dtype=to_bf16, rngs=nnx.Rngs(0))
+  assert mine(x).dtype == flax_layer(x).dtype == jnp.bfloat16
+  _close(mine(x), flax_layer(x), jnp.bfloat16)
 
 
 def test_nnx_refuses_a_wrong_feature_count():

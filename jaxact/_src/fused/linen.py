@@ -1,30 +1,18 @@
 """Flax linen layers with a fused bias and activation: :class:`DenseAct` and :class:`ConvAct`.
 
-Each is ``flax.linen.Dense`` / ``flax.linen.Conv`` with one more attribute,
-``activation``: the same attributes (names, defaults, order), the same ``kernel`` and ``bias``
-parameters (shapes, initializers, RNG use), and ``activation(nn.Dense(...)(x))`` computed as one
-:func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`, which keeps only the output for
-the backward pass where the activation allows it. The gated MLP, ``jaxact.linen.GatedMLP``, is in
-``gated/linen.py``.
+Each subclasses ``flax.linen.Dense`` / ``flax.linen.Conv`` and adds attributes of its own
+(``activation``, ...) after Flax's: Flax's attributes (names, defaults, order) are inherited, the
+``kernel`` and ``bias`` parameters are Flax's (shapes, initializers, RNG use), and the call
+computes ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
+:func:`jaxact.conv_bias_act`, which keeps only the output for the backward pass where the
+activation allows it. The gated MLP, ``jaxact.linen.GatedMLP``, is in ``gated/linen.py``.
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import initializers
-from flax.linen.dtypes import promote_dtype
-from flax.linen.linear import PromoteDtypeFn, default_kernel_init
-from flax.typing import (
-  Array,
-  ConvGeneralDilatedT,
-  DotGeneralT,
-  Dtype,
-  Initializer,
-  PaddingLike,
-  PrecisionLike,
-)
+from flax.typing import Array
 from jax import lax
 
 from jaxact._src.fused import api as fused
@@ -65,12 +53,12 @@ def check_params_found(module: nn.Module, layer: str, flax_layer: str, kernel_sh
   raise ValueError(message)
 
 
-class DenseAct(nn.Module):
+class DenseAct(nn.Dense):
   """``activation(nn.Dense(features)(x))`` as one fused op: a drop-in for ``nn.Dense`` + activation.
 
-  The attributes, their defaults and order, and the parameters (``kernel`` of shape ``(in,
-  features)``, ``bias`` of shape ``(features,)``, their initializers and RNG use) are
-  ``flax.linen.Dense``'s, so ``DenseAct(f, activation=a).init(key, x)`` gives the parameters of
+  A subclass of ``flax.linen.Dense``: its attributes, their defaults and order, and the parameters
+  (``kernel`` of shape ``(in, features)``, ``bias`` of shape ``(features,)``, their initializers
+  and RNG use) are Flax's, so ``DenseAct(f, activation=a).init(key, x)`` gives the parameters of
   ``nn.Dense(f).init(key, x)`` and existing checkpoints load. The matmul, bias and activation run
   as :func:`jaxact.dense_bias_act`, which keeps only the output for the backward pass where the
   activation allows it. A custom ``dot_general`` / ``dot_general_cls``, or a ``promote_dtype`` that
@@ -112,16 +100,8 @@ class DenseAct(nn.Module):
     rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
   """
 
-  features: int
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: PrecisionLike = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
-  promote_dtype: PromoteDtypeFn = promote_dtype
-  dot_general: DotGeneralT | None = None
-  dot_general_cls: Any = None
+  # nn.Dense's attributes, inherited: features, use_bias, dtype, param_dtype, precision,
+  # kernel_init, bias_init, promote_dtype, dot_general, dot_general_cls.
   activation: Activation = "identity"
   residual_bits: int | None = None
   dropout_rate: float = 0.0
@@ -188,15 +168,15 @@ class DenseAct(nn.Module):
     return layers.drop("jaxact.linen.DenseAct", layers.activate(activation, y), drop)
 
 
-class ConvAct(nn.Module):
+class ConvAct(nn.Conv):
   """``activation(nn.Conv(...)(x))`` as one fused op: a drop-in for ``nn.Conv`` + activation.
 
-  The attributes, their defaults and order, and the parameters (``kernel`` of shape
-  ``kernel_size + (in // feature_group_count, features)``, ``bias`` of shape ``(features,)``, their
-  initializers and RNG use) are ``flax.linen.Conv``'s; the input is channels-last, batch dimensions
-  folded into one (or one added) as Flax does. ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'``
-  padding pad the input explicitly, as Flax does, and a ``mask`` multiplies the kernel; both then
-  run through :func:`jaxact.conv_bias_act`. A custom ``conv_general_dilated`` /
+  A subclass of ``flax.linen.Conv``: its attributes, their defaults and order, and the parameters
+  (``kernel`` of shape ``kernel_size + (in // feature_group_count, features)``, ``bias`` of shape
+  ``(features,)``, their initializers and RNG use) are Flax's; the input is channels-last, batch
+  dimensions folded into one (or one added) as Flax does. ``'CIRCULAR'``, ``'REFLECT'`` and
+  ``'CAUSAL'`` padding pad the input explicitly, as Flax does, and a ``mask`` multiplies the
+  kernel; both then run through :func:`jaxact.conv_bias_act`. A custom ``conv_general_dilated`` /
   ``conv_general_dilated_cls``, or non-real-floating promoted dtypes, run Flax's computation
   followed by the activation.
 
@@ -235,30 +215,11 @@ class ConvAct(nn.Module):
     residual_bits: as :class:`DenseAct`.
   """
 
-  features: int
-  kernel_size: int | Sequence[int]
-  strides: int | Sequence[int] | None = 1
-  padding: PaddingLike = "SAME"
-  input_dilation: int | Sequence[int] | None = 1
-  kernel_dilation: int | Sequence[int] | None = 1
-  feature_group_count: int = 1
-  use_bias: bool = True
-  mask: Array | None = None
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: PrecisionLike = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = initializers.zeros_init()
-  promote_dtype: PromoteDtypeFn = promote_dtype
-  conv_general_dilated: ConvGeneralDilatedT | None = None
-  conv_general_dilated_cls: Any = None
+  # nn.Conv's attributes, inherited: features, kernel_size, strides, padding, input_dilation,
+  # kernel_dilation, feature_group_count, use_bias, mask, dtype, param_dtype, precision,
+  # kernel_init, bias_init, promote_dtype, conv_general_dilated, conv_general_dilated_cls.
   activation: Activation = "identity"
   residual_bits: int | None = None
-
-  @property
-  def shared_weights(self) -> bool:
-    """One kernel for every output position (as ``nn.Conv``; ``nn.ConvLocal`` is not mirrored)."""
-    return True
 
   @nn.compact
   def __call__(self, inputs: Array, *, out_sharding=None) -> Array:

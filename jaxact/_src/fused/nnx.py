@@ -1,10 +1,11 @@
 """Flax nnx layers with a fused bias and activation: :class:`LinearAct` and :class:`ConvAct`.
 
-Each is ``flax.nnx.Linear`` / ``flax.nnx.Conv`` with one more keyword argument,
-``activation``: the same arguments, attributes and ``kernel`` / ``bias`` parameters (shapes,
-initializers, RNG streams, ``kernel_metadata`` / ``bias_metadata`` such as ``out_sharding``), and
-``activation(nnx.Linear(...)(x))`` computed as one :func:`jaxact.dense_bias_act` /
-:func:`jaxact.conv_bias_act`. The gated MLP, ``jaxact.nnx.GatedMLP``, is in ``gated/nnx.py``.
+Each subclasses ``flax.nnx.Linear`` / ``flax.nnx.Conv`` and adds keyword arguments of its own
+(``activation``, ...): Flax's arguments, attributes and ``kernel`` / ``bias`` parameters (shapes,
+initializers, RNG streams, ``kernel_metadata`` / ``bias_metadata`` such as ``out_sharding``) are
+inherited, and the call computes ``activation(nnx.Linear(...)(x))`` as one
+:func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. The gated MLP,
+``jaxact.nnx.GatedMLP``, is in ``gated/nnx.py``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ from jaxact._src.layers.nnx import dropout_key
 Array = jax.Array
 
 
-class LinearAct(nnx.Module):
+class LinearAct(nnx.Linear):
   """``activation(nnx.Linear(...)(x))`` as one fused op: a drop-in for ``nnx.Linear`` + activation.
 
-  The arguments, attributes and parameters (``kernel`` of shape ``(in_features, out_features)``,
-  ``bias`` of shape ``(out_features,)``, drawn from ``rngs.params()`` in that order, with
-  ``kernel_metadata`` / ``bias_metadata``) are ``flax.nnx.Linear``'s, so with the same ``rngs``
-  the parameters equal ``nnx.Linear``'s and its checkpoints load. The matmul, bias and activation
-  run as :func:`jaxact.dense_bias_act` (an ``out_sharding`` in the call too). A custom
-  ``dot_general``, or promoted dtypes other than real floating point, run Flax's computation
-  followed by the activation.
+  A subclass of ``flax.nnx.Linear``: its arguments, attributes and parameters (``kernel`` of
+  shape ``(in_features, out_features)``, ``bias`` of shape ``(out_features,)``, drawn from
+  ``rngs.params()`` in that order, with ``kernel_metadata`` / ``bias_metadata``) are Flax's,
+  created by ``nnx.Linear.__init__``, so with the same ``rngs`` the parameters equal
+  ``nnx.Linear``'s and its checkpoints load. The matmul, bias and activation run as
+  :func:`jaxact.dense_bias_act` (an ``out_sharding`` in the call too). A custom ``dot_general``,
+  or promoted dtypes other than real floating point, run ``nnx.Linear``'s own call followed by
+  the activation.
 
   Example usage::
 
@@ -116,26 +118,22 @@ class LinearAct(nnx.Module):
   ):
     layers.check_activation("jaxact.nnx.LinearAct", activation)
     layers.with_bits("jaxact.nnx.LinearAct", activation, residual_bits)
-    kernel_key = rngs.params()
-    self.kernel = nnx.Param(
-      kernel_init(kernel_key, (in_features, out_features), param_dtype), **kernel_metadata
+    super().__init__(
+      in_features,
+      out_features,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      dot_general=dot_general,
+      promote_dtype=promote_dtype,
+      preferred_element_type=preferred_element_type,
+      rngs=rngs,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
     )
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      bias_key = rngs.params()
-      self.bias = nnx.Param(bias_init(bias_key, (out_features,), param_dtype), **bias_metadata)
-    else:
-      self.bias = nnx.data(None)
-
-    self.in_features = in_features
-    self.out_features = out_features
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
-    self.dot_general = dot_general
-    self.promote_dtype = promote_dtype
-    self.preferred_element_type = preferred_element_type
     self.activation = activation
     self.residual_bits = residual_bits
     self.dropout_rate = dropout_rate
@@ -170,9 +168,8 @@ class LinearAct(nnx.Module):
       rngs: as ``nnx.Dropout``'s call: a key, stream or ``Rngs`` overriding the layer's stream.
     """
     layers.check_activation("jaxact.nnx.LinearAct", self.activation)
-    drop = layers.dropout_kwargs(
-      self.dropout_rate, self.dropout_broadcast_dims, self._dropout_key(deterministic, rngs)
-    )
+    key = dropout_key("jaxact.nnx.LinearAct", self, deterministic, rngs)
+    drop = layers.dropout_kwargs(self.dropout_rate, self.dropout_broadcast_dims, key)
     activation = layers.with_bits("jaxact.nnx.LinearAct", self.activation, self.residual_bits)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
@@ -193,37 +190,24 @@ class LinearAct(nnx.Module):
         out_sharding=out_sharding,
         **drop,
       )
-    # Flax's own computation, then the activation and the dropout.
-    dot_general_kwargs: dict[str, tp.Any] = {"out_sharding": out_sharding}
-    if pet is not None:
-      dot_general_kwargs["preferred_element_type"] = pet
-    y = self.dot_general(
-      inputs,
-      kernel,
-      (((inputs.ndim - 1,), (0,)), ((), ())),
-      precision=self.precision,
-      **dot_general_kwargs,
-    )
-    if bias is not None:
-      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    # Flax's own computation (a custom dot_general, other dtypes), then the activation and the
+    # dropout.
+    y = super().__call__(inputs, out_sharding=out_sharding)
     return layers.drop("jaxact.nnx.LinearAct", layers.activate(activation, y), drop)
 
-  def _dropout_key(self, deterministic, rngs) -> jax.Array | None:
-    return dropout_key("jaxact.nnx.LinearAct", self, deterministic, rngs)
 
-
-class ConvAct(nnx.Module):
+class ConvAct(nnx.Conv):
   """``activation(nnx.Conv(...)(x))`` as one fused op: a drop-in for ``nnx.Conv`` + activation.
 
-  The arguments, attributes and parameters (``kernel`` of shape ``kernel_size + (in_features //
-  feature_group_count, out_features)``, ``bias`` of shape ``(out_features,)``, drawn from
-  ``rngs.params()`` in that order, with ``kernel_metadata`` / ``bias_metadata``) are
-  ``flax.nnx.Conv``'s. The input is channels-last, batch dimensions folded into one (or one added)
-  as Flax does; ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'`` padding pad the input explicitly and
-  a ``mask`` multiplies the kernel, as in Flax, and both then run through
-  :func:`jaxact.conv_bias_act` (an ``out_sharding`` in the call too). A custom
-  ``conv_general_dilated``, or promoted dtypes other than real floating point, run Flax's
-  computation followed by the activation.
+  A subclass of ``flax.nnx.Conv``: its arguments, attributes and parameters (``kernel`` of shape
+  ``kernel_size + (in_features // feature_group_count, out_features)``, ``bias`` of shape
+  ``(out_features,)``, drawn from ``rngs.params()`` in that order, with ``kernel_metadata`` /
+  ``bias_metadata``) are Flax's, created by ``nnx.Conv.__init__``. The input is channels-last,
+  batch dimensions folded into one (or one added) as Flax does; ``'CIRCULAR'``, ``'REFLECT'`` and
+  ``'CAUSAL'`` padding pad the input explicitly and a ``mask`` multiplies the kernel, as in Flax,
+  and both then run through :func:`jaxact.conv_bias_act` (an ``out_sharding`` in the call too). A
+  custom ``conv_general_dilated``, or promoted dtypes other than real floating point, run
+  ``nnx.Conv``'s own call followed by the activation.
 
   Example usage::
 
@@ -295,35 +279,29 @@ class ConvAct(nnx.Module):
     layers.check_activation("jaxact.nnx.ConvAct", activation)
     layers.with_bits("jaxact.nnx.ConvAct", activation, residual_bits)
     layers.check_groups("jaxact.nnx.ConvAct", in_features, feature_group_count)
-    kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-    kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
-    kernel_key = rngs.params()
-    self.kernel_shape = kernel_shape
-    self.kernel = nnx.Param(kernel_init(kernel_key, kernel_shape, param_dtype), **kernel_metadata)
-
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      bias_key = rngs.params()
-      self.bias = nnx.Param(bias_init(bias_key, (out_features,), param_dtype), **bias_metadata)
-    else:
-      self.bias = nnx.data(None)
-
-    self.in_features = in_features
-    self.out_features = out_features
-    self.kernel_size = kernel_size
-    self.strides = strides
-    self.padding = padding
-    self.input_dilation = input_dilation
-    self.kernel_dilation = kernel_dilation
-    self.feature_group_count = feature_group_count
-    self.use_bias = use_bias
-    self.mask = mask
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
-    self.conv_general_dilated = conv_general_dilated
-    self.promote_dtype = promote_dtype
-    self.preferred_element_type = preferred_element_type
+    super().__init__(
+      in_features,
+      out_features,
+      kernel_size,
+      strides,
+      padding=padding,
+      input_dilation=input_dilation,
+      kernel_dilation=kernel_dilation,
+      feature_group_count=feature_group_count,
+      use_bias=use_bias,
+      mask=mask,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      conv_general_dilated=conv_general_dilated,
+      promote_dtype=promote_dtype,
+      preferred_element_type=preferred_element_type,
+      rngs=rngs,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+    )
     self.activation = activation
     self.residual_bits = residual_bits
 
@@ -373,22 +351,5 @@ class ConvAct(nnx.Module):
         out_sharding=out_sharding,
       )
       return conv.restore(y)
-    # Flax's own computation, then the activation.
-    conv_kwargs: dict[str, tp.Any] = {"out_sharding": out_sharding}
-    if pet is not None:
-      conv_kwargs["preferred_element_type"] = pet
-    y = self.conv_general_dilated(
-      x,
-      kernel,
-      conv.strides,
-      conv.padding,
-      lhs_dilation=conv.input_dilation,
-      rhs_dilation=conv.kernel_dilation,
-      dimension_numbers=layers.conv_dimension_numbers(x.ndim),
-      feature_group_count=self.feature_group_count,
-      precision=self.precision,
-      **conv_kwargs,
-    )
-    if bias is not None:
-      y += bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
-    return layers.activate(activation, conv.restore(y))
+    # Flax's own computation (a custom conv_general_dilated, other dtypes), then the activation.
+    return layers.activate(activation, super().__call__(inputs, out_sharding=out_sharding))

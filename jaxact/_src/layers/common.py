@@ -1,7 +1,8 @@
 """What jaxact's Flax layers (``jaxact.linen``, ``jaxact.nnx``) share.
 
-The layers compute exactly what Flax's ``Dense``/``Linear`` and ``Conv`` compute, step for step
-(parameter creation, dtype promotion, batch flattening, ``CIRCULAR``/``REFLECT``/``CAUSAL`` padding,
+The layers subclass Flax's ``Dense``/``Linear`` and ``Conv`` (its attributes; in nnx, its
+``__init__`` makes the parameters), compute what Flax's call computes, step for step (parameter
+creation in linen, dtype promotion, batch flattening, ``CIRCULAR``/``REFLECT``/``CAUSAL`` padding,
 the kernel mask), and hand the matmul or convolution, the bias and the activation to
 :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act` as one op. What the fused op cannot
 express (a custom ``dot_general`` / ``conv_general_dilated``, dtypes other than

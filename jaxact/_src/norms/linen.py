@@ -2,7 +2,8 @@
 :func:`jaxact.layer_norm`, which keep their output (and one float32 number a row) for the backward
 pass instead of their input.
 
-The attributes (names, defaults, order) and the parameters (``scale``, ``bias``: shapes,
+Each subclasses Flax's layer and adds ``residual`` and ``scale_offset`` after its attributes: the
+attributes (names, defaults, order) are inherited and the parameters (``scale``, ``bias``: shapes,
 initializers, dtypes) are Flax's, so checkpoints load; what a per-row statistic cannot express
 (statistics over devices, a mask, feature axes other than the reduction axes) raises a
 ``ValueError`` naming the attribute.
@@ -10,13 +11,9 @@ initializers, dtypes) are Flax's, so checkpoints load; what a per-row statistic 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import dtypes, initializers
-from flax.typing import Array, Dtype, Initializer
+from flax.linen import dtypes
+from flax.typing import Array
 
 from jaxact._src.norms import api as norms
 
@@ -44,8 +41,11 @@ def check_supported(layer: str, module, x, mask) -> tuple[int, ...]:
   return axes
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.RMSNorm):
   """``flax.linen.RMSNorm`` keeping its output for the backward pass (:func:`jaxact.rms_norm`).
+
+  A subclass of ``flax.linen.RMSNorm`` (its attributes inherited) whose call runs
+  :func:`jaxact.rms_norm`.
 
   Example usage::
 
@@ -69,17 +69,9 @@ class RMSNorm(nn.Module):
       ``flax.linen.RMSNorm`` and this layer's default would output zeros.
   """
 
-  epsilon: float = 1e-6
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  use_scale: bool = True
-  scale_init: Initializer = initializers.ones
-  reduction_axes: int | Sequence[int] = -1
-  feature_axes: int | Sequence[int] = -1
-  axis_name: str | None = None
-  axis_index_groups: Any = None
-  use_fast_variance: bool = True
-  force_float32_reductions: bool = True
+  # nn.RMSNorm's attributes, inherited: epsilon, dtype, param_dtype, use_scale, scale_init,
+  # reduction_axes, feature_axes, axis_name, axis_index_groups, use_fast_variance,
+  # force_float32_reductions.
   residual: str = "output"
   scale_offset: float = 0.0
 
@@ -109,8 +101,11 @@ class RMSNorm(nn.Module):
     )
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(nn.LayerNorm):
   """``flax.linen.LayerNorm`` keeping its output for the backward pass (:func:`jaxact.layer_norm`).
+
+  A subclass of ``flax.linen.LayerNorm`` (its attributes inherited) whose call runs
+  :func:`jaxact.layer_norm`.
 
   Example usage::
 
@@ -131,19 +126,9 @@ class LayerNorm(nn.Module):
     scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale) + bias``.
   """
 
-  epsilon: float = 1e-6
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  use_bias: bool = True
-  use_scale: bool = True
-  bias_init: Initializer = initializers.zeros
-  scale_init: Initializer = initializers.ones
-  reduction_axes: int | Sequence[int] = -1
-  feature_axes: int | Sequence[int] = -1
-  axis_name: str | None = None
-  axis_index_groups: Any = None
-  use_fast_variance: bool = True
-  force_float32_reductions: bool = True
+  # nn.LayerNorm's attributes, inherited: epsilon, dtype, param_dtype, use_bias, use_scale,
+  # bias_init, scale_init, reduction_axes, feature_axes, axis_name, axis_index_groups,
+  # use_fast_variance, force_float32_reductions.
   residual: str = "output"
   scale_offset: float = 0.0
 

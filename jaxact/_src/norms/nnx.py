@@ -2,9 +2,11 @@
 :func:`jaxact.layer_norm`, which keep their output (and one float32 number a row) for the backward
 pass instead of their input.
 
-The arguments, attributes and parameters (``scale``, ``bias`` drawn from ``rngs.params()`` in
-Flax's order, with their metadata) are Flax's, so the same ``rngs`` give the same parameters and
-checkpoints load; what a per-row statistic cannot express raises a ``ValueError`` naming it.
+Each subclasses Flax's layer and adds the keyword arguments ``residual`` and ``scale_offset``:
+the arguments, attributes and parameters (``scale``, ``bias`` drawn from ``rngs.params()`` in
+Flax's order, with their metadata) are Flax's, made by its ``__init__``, so the same ``rngs`` give
+the same parameters and checkpoints load; what a per-row statistic cannot express raises a
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import typing as tp
 from types import MappingProxyType
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
@@ -30,8 +31,11 @@ def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
       f"num_features={module.num_features}"
     )
   scale = module.scale[...] if module.scale is not None else None
-  bias = module.bias[...] if center and module.bias is not None else None
-  x, scale, bias = module.promote_dtype((x, scale, bias), dtype=module.dtype)
+  if center:  # Flax's promote_dtype takes (x, scale, bias) in LayerNorm, (x, scale) in RMSNorm
+    bias = module.bias[...] if module.bias is not None else None
+    x, scale, bias = module.promote_dtype((x, scale, bias), dtype=module.dtype)
+  else:
+    (x, scale), bias = module.promote_dtype((x, scale), dtype=module.dtype), None
   return norms.norm(
     layer,
     center,
@@ -47,8 +51,11 @@ def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
   )
 
 
-class RMSNorm(nnx.Module):
+class RMSNorm(nnx.RMSNorm):
   """``flax.nnx.RMSNorm`` keeping its output for the backward pass (:func:`jaxact.rms_norm`).
+
+  A subclass of ``flax.nnx.RMSNorm`` (its arguments, attributes and ``scale``) whose call runs
+  :func:`jaxact.rms_norm`.
 
   Example usage::
 
@@ -92,23 +99,22 @@ class RMSNorm(nnx.Module):
     residual: str = "output",
     scale_offset: float = 0.0,
   ):
-    self.scale: nnx.Param[jax.Array] | None
-    if use_scale:
-      key = rngs.params()
-      self.scale = nnx.Param(scale_init(key, (num_features,), param_dtype), **scale_metadata)
-    else:
-      self.scale = nnx.data(None)
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.use_scale = use_scale
-    self.reduction_axes = reduction_axes
-    self.feature_axes = feature_axes
-    self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    super().__init__(
+      num_features,
+      epsilon=epsilon,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_scale=use_scale,
+      scale_init=scale_init,
+      reduction_axes=reduction_axes,
+      feature_axes=feature_axes,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      use_fast_variance=use_fast_variance,
+      promote_dtype=promote_dtype,
+      rngs=rngs,
+      scale_metadata=scale_metadata,
+    )
     self.residual = residual
     self.scale_offset = scale_offset
 
@@ -118,8 +124,11 @@ class RMSNorm(nnx.Module):
     return _call("jaxact.nnx.RMSNorm", self, False, x, mask, out_sharding)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(nnx.LayerNorm):
   """``flax.nnx.LayerNorm`` keeping its output for the backward pass (:func:`jaxact.layer_norm`).
+
+  A subclass of ``flax.nnx.LayerNorm`` (its arguments, attributes, ``scale`` and ``bias``) whose
+  call runs :func:`jaxact.layer_norm`.
 
   Example usage::
 
@@ -163,31 +172,25 @@ class LayerNorm(nnx.Module):
     residual: str = "output",
     scale_offset: float = 0.0,
   ):
-    feature_shape = (num_features,)
-    self.scale: nnx.Param[jax.Array] | None
-    if use_scale:
-      key = rngs.params()
-      self.scale = nnx.Param(scale_init(key, feature_shape, param_dtype), **scale_metadata)
-    else:
-      self.scale = nnx.data(None)
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      key = rngs.params()
-      self.bias = nnx.Param(bias_init(key, feature_shape, param_dtype), **bias_metadata)
-    else:
-      self.bias = nnx.data(None)
-    self.num_features = num_features
-    self.epsilon = epsilon
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.use_bias = use_bias
-    self.use_scale = use_scale
-    self.reduction_axes = reduction_axes
-    self.feature_axes = feature_axes
-    self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
-    self.use_fast_variance = use_fast_variance
-    self.promote_dtype = promote_dtype
+    super().__init__(
+      num_features,
+      epsilon=epsilon,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_bias=use_bias,
+      use_scale=use_scale,
+      bias_init=bias_init,
+      scale_init=scale_init,
+      reduction_axes=reduction_axes,
+      feature_axes=feature_axes,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      use_fast_variance=use_fast_variance,
+      promote_dtype=promote_dtype,
+      rngs=rngs,
+      bias_metadata=bias_metadata,
+      scale_metadata=scale_metadata,
+    )
     self.residual = residual
     self.scale_offset = scale_offset
 
