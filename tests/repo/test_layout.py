@@ -291,6 +291,20 @@ def test_every_family_names_its_files_from_one_vocabulary():
     assert {"api", "reference", "linen", "nnx"} <= {p.stem for p in (SRC / family).glob("*.py")}
 
 
+def test_a_familys_linen_and_nnx_layers_share_through_its_api_not_each_other():
+  graph = _import_graph()
+  sideways = {
+    f"{m} -> {t}"
+    for m, targets in graph.items()
+    for t in targets
+    if m.startswith("jaxact._src.")
+    and t.startswith("jaxact._src.")
+    and {m.split(".")[-1], t.split(".")[-1]} <= {"linen", "nnx"}
+    and m.split(".")[2] == t.split(".")[2]
+  }
+  assert sideways == set()
+
+
 def test_no_module_has_outgrown_one_reading():
   paths = sorted(JAXACT.rglob("*.py"))
   lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in paths}

@@ -5,7 +5,6 @@
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import initializers
@@ -13,7 +12,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import default_kernel_init
 from flax.typing import Array, Dtype, Initializer, PrecisionLike
 
-from jaxact._src.gated import api as gated
+from jaxact._src.gated.api_flax import layer_gated_mlp
 from jaxact._src.layers import common as layers
 from jaxact._src.layers.common import Activation
 
@@ -137,44 +136,4 @@ class GatedMLP(nn.Module):
     w_up, b_up = projection("up_proj", in_features, self.hidden_features)
     w_down, b_down = projection("down_proj", self.hidden_features, out_features)
     arrays = promote_dtype(inputs, w_gate, w_up, w_down, b_gate, b_up, b_down, dtype=self.dtype)
-    return gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)
-
-
-def gated_mlp(
-  activation,
-  precision,
-  x,
-  w_gate,
-  w_up,
-  w_down,
-  b_gate,
-  b_up,
-  b_down,
-  dropped=None,
-  layer="",
-  out_sharding=None,
-) -> jax.Array:
-  """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
-  :func:`~jaxact._src.layers.common.dropout_kwargs` (None or {}: none): one
-  :func:`jaxact.gated_mlp`, or, for dtypes it does not take (complex), Flax's three ``Dense``
-  computations, the activation and Flax's dropout."""
-  arrays = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-  dropped = dropped or {}
-  if layers.fusable(*arrays):
-    return gated.gated_mlp(
-      *arrays, activation=activation, precision=precision, out_sharding=out_sharding, **dropped
-    )
-  h = layers.activate(activation, _dense(x, w_gate, b_gate, precision))
-  h = h * _dense(x, w_up, b_up, precision)
-  return _dense(layers.drop(layer, h, dropped), w_down, b_down, precision, out_sharding)
-
-
-def _dense(
-  x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision, out_sharding=None
-) -> jax.Array:
-  """Flax ``Dense``'s computation on promoted arrays."""
-  dims = (((x.ndim - 1,), (0,)), ((), ()))
-  y = jax.lax.dot_general(x, kernel, dims, precision=precision, out_sharding=out_sharding)
-  if bias is not None:
-    y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-  return y
+    return layer_gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)

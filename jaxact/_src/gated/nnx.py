@@ -16,7 +16,7 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxact._src.gated.linen import gated_mlp
+from jaxact._src.gated.api_flax import layer_gated_mlp
 from jaxact._src.layers import common as layers
 from jaxact._src.layers.common import Activation
 from jaxact._src.layers.nnx import dropout_key
@@ -179,4 +179,4 @@ class GatedMLP(nnx.Module):
     kernels = [p.kernel[...] for p in projections]
     biases = [None if p.bias is None else p.bias[...] for p in projections]
     arrays = dtypes.promote_dtype((inputs, *kernels, *biases), dtype=self.dtype)
-    return gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)
+    return layer_gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)

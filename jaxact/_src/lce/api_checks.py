@@ -215,3 +215,9 @@ def block_size(fn: str, vocab_block_size, tokens: int, vocab: int, implementatio
       err(fn, f"`vocab_block_size` is {vocab_block_size!r}; accepted: a positive int or None")
     )
   return min(int(vocab_block_size), vocab)
+
+
+def check_tied_options(fn: str, options: dict) -> None:
+  """TypeError for options a tied embedding's loss fixes itself (`w_layout`)."""
+  if "w_layout" in options:
+    raise TypeError(f"{fn}: `w_layout` is the table's own, 'vd'; do not pass it")

@@ -11,6 +11,7 @@ from flax.typing import Array
 from jax import lax
 
 from jaxact._src.lce import api as lce
+from jaxact._src.lce.api_checks import check_tied_options
 
 
 class LMHead(nn.Dense):
@@ -99,11 +100,6 @@ class LMHead(nn.Dense):
       precision=self.precision,
       implementation=self.implementation,
     )
-
-
-def check_tied_options(fn: str, options: dict[str, Any]) -> None:
-  if "w_layout" in options:
-    raise TypeError(f"{fn}: `w_layout` is the table's own, 'vd'; do not pass it")
 
 
 def attend_cross_entropy(

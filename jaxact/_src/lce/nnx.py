@@ -10,7 +10,7 @@ from flax import nnx
 from jax import lax
 
 from jaxact._src.lce import api as lce
-from jaxact._src.lce.linen import check_tied_options
+from jaxact._src.lce.api_checks import check_tied_options
 
 
 class LMHead(nnx.Linear):

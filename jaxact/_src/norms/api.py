@@ -257,3 +257,26 @@ def layer_norm(
       out_sharding=out_sharding,
     )
     return _run(plan, x, scale, bias, out_sharding)
+
+
+def canonical_axes(ndim: int, axes) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(sorted(a % ndim for a in axes))
+
+
+def check_supported(layer: str, module, x, mask) -> tuple[int, ...]:
+  """The normalized axes; ValueError for what one statistic a row of `x` cannot compute."""
+  if mask is not None:
+    raise ValueError(f"{layer}: `mask` is not supported (statistics over every element of a row)")
+  if module.axis_name is not None or module.axis_index_groups is not None:
+    raise ValueError(
+      f"{layer}: `axis_name` / `axis_index_groups` (statistics across devices) are not supported; "
+      f"got axis_name={module.axis_name!r}; use flax's layer for that"
+    )
+  axes = canonical_axes(x.ndim, module.reduction_axes)
+  if canonical_axes(x.ndim, module.feature_axes) != axes:
+    raise ValueError(
+      f"{layer}: `feature_axes` {module.feature_axes!r} must be the `reduction_axes` "
+      f"{module.reduction_axes!r} (a parameter per normalized element)"
+    )
+  return axes

@@ -18,29 +18,6 @@ from flax.typing import Array
 from jaxact._src.norms import api as norms
 
 
-def canonical_axes(ndim: int, axes) -> tuple[int, ...]:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return tuple(sorted(a % ndim for a in axes))
-
-
-def check_supported(layer: str, module, x, mask) -> tuple[int, ...]:
-  """The normalized axes; ValueError for what one statistic a row of `x` cannot compute."""
-  if mask is not None:
-    raise ValueError(f"{layer}: `mask` is not supported (statistics over every element of a row)")
-  if module.axis_name is not None or module.axis_index_groups is not None:
-    raise ValueError(
-      f"{layer}: `axis_name` / `axis_index_groups` (statistics across devices) are not supported; "
-      f"got axis_name={module.axis_name!r}; use flax's layer for that"
-    )
-  axes = canonical_axes(x.ndim, module.reduction_axes)
-  if canonical_axes(x.ndim, module.feature_axes) != axes:
-    raise ValueError(
-      f"{layer}: `feature_axes` {module.feature_axes!r} must be the `reduction_axes` "
-      f"{module.reduction_axes!r} (a parameter per normalized element)"
-    )
-  return axes
-
-
 class RMSNorm(nn.RMSNorm):
   """``flax.linen.RMSNorm`` keeping its output for the backward pass (:func:`jaxact.rms_norm`).
 
@@ -80,7 +57,7 @@ class RMSNorm(nn.RMSNorm):
     """The RMS norm of `x` over `reduction_axes` (in `out_sharding` when given: see
     :func:`jaxact.rms_norm`)."""
     layer = "jaxact.linen.RMSNorm"
-    axes = check_supported(layer, self, x, mask)
+    axes = norms.check_supported(layer, self, x, mask)
     shape = tuple(x.shape[a] for a in axes)
     scale = (
       self.param("scale", self.scale_init, shape, self.param_dtype) if self.use_scale else None
@@ -136,7 +113,7 @@ class LayerNorm(nn.LayerNorm):
   def __call__(self, x: Array, *, mask: Array | None = None, out_sharding=None) -> Array:
     """The layer norm of `x` over `reduction_axes` (in `out_sharding` when given)."""
     layer = "jaxact.linen.LayerNorm"
-    axes = check_supported(layer, self, x, mask)
+    axes = norms.check_supported(layer, self, x, mask)
     shape = tuple(x.shape[a] for a in axes)
     scale = (
       self.param("scale", self.scale_init, shape, self.param_dtype) if self.use_scale else None

@@ -20,11 +20,10 @@ from flax.nnx.nn import dtypes, initializers
 from flax.typing import Array, Axes, Dtype, Initializer, PromoteDtypeFn
 
 from jaxact._src.norms import api as norms
-from jaxact._src.norms.linen import check_supported
 
 
 def _call(layer: str, module, center: bool, x, mask, out_sharding=None):
-  axes = check_supported(layer, module, x, mask)
+  axes = norms.check_supported(layer, module, x, mask)
   if tuple(x.shape[a] for a in axes) != (module.num_features,):
     raise ValueError(
       f"{layer}: `x` has {tuple(x.shape[a] for a in axes)} on the normalized axes {axes}, but "
