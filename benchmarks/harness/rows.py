@@ -175,6 +175,10 @@ class Recorder:
     self.rows.append(r)
     return r
 
+  def section(self, name: str) -> list[dict]:
+    """The rows added to section `name`, in their order."""
+    return [r for r in self.rows if r["section"] == name]
+
   def write(self) -> pathlib.Path | None:
     """Writes the rows once (none: nothing written); returns the file."""
     if self.written:
@@ -211,6 +215,19 @@ _current = Recorder("unknown", [])
 def current() -> Recorder:
   """The running job's recorder (outside `python -m benchmarks`, one that is never written)."""
   return _current
+
+
+def add(section: str, case: str, **figures: Any) -> dict:
+  """Adds a row to the running job's rows (:func:`current`) and returns it."""
+  return current().add(section, case, **figures)
+
+
+def emit(table, section: str, case: str, **figures: Any) -> dict:
+  """Adds a row to the running job's rows and prints its line of `table` (a
+  `benchmarks.harness.render.Table`, whose head the job printed), at once."""
+  r = add(section, case, **figures)
+  print(table.line(r), flush=True)
+  return r
 
 
 @contextlib.contextmanager
