@@ -1,8 +1,9 @@
 """`python -m benchmarks [JOB] [options]`: every measurement of jaxact, one command line.
 
 Without a job it runs the main job (`benchmarks.suite`): `python -m benchmarks [--quick] [--out
-DIR]`. A job's options follow its name (`python -m benchmarks gated --help`). Each job's tables
-are also written as rows of data (`benchmarks.harness.rows`) to its output folder.
+DIR]`. A job's options follow its name (`python -m benchmarks gated --help`). Each job adds its
+measurements as rows of data (`benchmarks.harness.rows`), written to its output folder, and draws
+the tables it prints from them.
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
   from benchmarks.harness import rows
 
   with rows.recording(name, rest) as recorder:
-    code = module.main(rest) if job.module != "suite" else module.main(rest, job=name)
-  recorder.write()
+    try:
+      code = module.main(rest) if job.module != "suite" else module.main(rest, job=name)
+    finally:  # what a stopped or failed run measured is kept
+      recorder.write()
   return code if isinstance(code, int) else 0
 
 

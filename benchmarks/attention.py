@@ -38,7 +38,7 @@ import numpy as np
 import jaxact
 import support
 from benchmarks import decoder, gemma
-from benchmarks.harness import memory, timing
+from benchmarks.harness import memory, render, rows, timing
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
@@ -95,14 +95,14 @@ class DecoderRow:
 
 
 def section_decoder(gpu: bool = False, seqs=None) -> list[DecoderRow]:
-  rows = []
+  found = []
   shapes = [(4, s) for s in (seqs or GPU_SEQS)] if gpu else CPU_SHAPES
   for batch, seq in shapes:
     c = gpu_decoder(seq, batch) if gpu else cpu_decoder(batch, seq)
     temps = {label: step_temp(c, label, gpu) for label in STEPS}
-    rows.append(DecoderRow(batch, seq, temps, _no_attention_temp(c, gpu)))
+    found.append(DecoderRow(batch, seq, temps, _no_attention_temp(c, gpu)))
     print(f"  [{batch} x {seq}: done]", file=sys.stderr, flush=True)
-  return rows
+  return found
 
 
 def section_time(runs: int = 5, batch: int = 4, seq: int = 512) -> dict[str, float]:
@@ -176,19 +176,21 @@ def section_blocks(
   head_dims=BLOCK_HEAD_DIMS, dtypes=BLOCK_DTYPES, seqs=BLOCK_SEQS, blocks=BLOCKS, batch=4, heads=8
 ) -> list[dict]:
   """One row a (head dim, dtype, T): the temp of each square block and of the default."""
-  rows = []
+  found = []
   for head_dim in head_dims:
     for dtype in dtypes:
       for seq in seqs:
         temps = {b: attention_temp(head_dim, dtype, seq, (b, b), batch, heads) for b in blocks}
         temps["default"] = attention_temp(head_dim, dtype, seq, None, batch, heads)
         default = default_blocks(batch * heads, seq, seq, head_dim=head_dim, gpu=True)
-        rows.append(dict(head_dim=head_dim, dtype=dtype, seq=seq, default=default, temps=temps))
+        temps = {str(b): t for b, t in temps.items()}
+        figures = dict(head_dim=head_dim, dtype=dtype, seq=seq, default=default, temps=temps)
+        found.append(rows.add("blocks-h100", f"H {head_dim}, {dtype}, T {seq}", **figures))
         print(f"  [H {head_dim} {dtype} T {seq}: done]", file=sys.stderr, flush=True)
-  return rows
+  return found
 
 
-def section_gemma_blocks(blocks=BLOCKS) -> dict:
+def section_gemma_blocks(blocks=BLOCKS) -> list[dict]:
   """The Gemma port's training step (``benchmarks.gemma``, bfloat16, 4 x 512) compiled for an
   H100: temp for each square block, the default, and the port with the example's attention."""
   config = gemma.Config(dtype=jnp.bfloat16)
@@ -200,20 +202,53 @@ def section_gemma_blocks(blocks=BLOCKS) -> dict:
   temps["example's attention"] = gemma.temp(c, "jaxact", gpu=True)
   heads = config.batch * config.heads
   default = default_blocks(heads, config.length, config.length, head_dim=config.head_dim, gpu=True)
-  return dict(default=default, temps=temps)
+  found = []
+  for label, temp in temps.items():
+    block = label if isinstance(label, int) else None
+    if block is not None:
+      label = f"jaxact, {label} x {label} blocks"
+    elif label == "default":
+      label = f"jaxact, default blocks ({default[0]} x {default[1]})"
+    found.append(
+      rows.add("gemma-blocks-h100", label, block=block, default=default, temp_bytes=temp)
+    )
+  return found
 
 
 # ----------------------------------------------------------------------------- rendering
 
 
-def render_decoder(rows: list[DecoderRow], unit=MiB) -> list[str]:
+def record_decoder(section: str, found: list[DecoderRow]) -> list[dict]:
+  """The decoder's rows, a row a (B x T, step): its temp and that of the step without
+  attention."""
+  return [
+    rows.add(
+      section,
+      f"{r.batch} x {r.seq}, {label}",
+      batch=r.batch,
+      seq=r.seq,
+      step=label,
+      temp_bytes=temp,
+      rest_bytes=r.rest,
+    )
+    for r in found
+    for label, temp in r.temps.items()
+  ]
+
+
+def render_decoder(decoder_rows: list[dict], unit=MiB) -> list[str]:
+  """The decoder's table from its rows (:func:`record_decoder`)."""
+  by: dict[tuple[int, int], DecoderRow] = {}
+  for f in (r["figures"] for r in decoder_rows):
+    shape = f["batch"], f["seq"]
+    by.setdefault(shape, DecoderRow(*shape, {}, f["rest_bytes"])).temps[f["step"]] = f["temp_bytes"]
   name = "GiB" if unit == GiB else "MiB"
   lines = [
     f"| B x T | step | temp ({name}) | vs jax.nn attention | vs Flax | vs Flax + block remat "
     "| attention's share |",
     "|---|---|---:|---:|---:|---:|---:|",
   ]
-  for r in rows:
+  for r in by.values():
     base, flax, remat = r.temps[BASE], r.temps["Flax"], r.temps["Flax + block remat"]
     for label, temp in r.temps.items():
       share = (
@@ -226,14 +261,16 @@ def render_decoder(rows: list[DecoderRow], unit=MiB) -> list[str]:
   return lines
 
 
-def render_blocks(rows: list[dict], blocks=BLOCKS) -> list[str]:
+def render_blocks(block_rows: list[dict], blocks=BLOCKS) -> list[str]:
+  """The block sizes' table from their rows (section blocks-h100: a figure a block, ``temps``
+  keyed by its size as text, and ``default``)."""
   head = " | ".join(f"{b} x {b}" for b in blocks)
   lines = [
     f"| H | dtype | T | {head} | default (its blocks) |",
     "|---|---|---|" + "---:|" * (len(blocks) + 1),
   ]
-  for r in rows:
-    cells = " | ".join(f"{r['temps'][b] / MiB:.1f}" for b in blocks)
+  for r in (r["figures"] for r in block_rows):
+    cells = " | ".join(f"{r['temps'][str(b)] / MiB:.1f}" for b in blocks)
     d = r["default"]
     lines.append(
       f"| {r['head_dim']} | {r['dtype']} | {r['seq']} | {cells} | "
@@ -242,15 +279,20 @@ def render_blocks(rows: list[dict], blocks=BLOCKS) -> list[str]:
   return lines
 
 
-def render_gemma_blocks(result: dict) -> list[str]:
-  lines = ["| attention | temp (MiB) |", "|---|---:|"]
-  for label, temp in result["temps"].items():
-    if isinstance(label, int):
-      label = f"jaxact, {label} x {label} blocks"
-    elif label == "default":
-      label = f"jaxact, default blocks ({result['default'][0]} x {result['default'][1]})"
-    lines.append(f"| {label} | {temp / MiB:.1f} |")
-  return lines
+GEMMA_BLOCKS = render.Table(
+  ("attention", "temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"], "lr"
+)
+TIME = render.Table(
+  ("step", "time / jax.nn attention's"),
+  lambda f: [
+    f["case"],
+    f"{f['ratio']:.3f}" if f["seconds"] is None else f"1 ({f['seconds']:.3f} s)",
+  ],
+  "lr",
+)
+FITS = render.Table(
+  ("step", "T", "GiB"), lambda f: [f["case"], str(f["seq"]), f"{f['total_bytes'] / GiB:.1f}"], "lrr"
+)
 
 
 def main(argv=None) -> int:
@@ -267,29 +309,32 @@ def main(argv=None) -> int:
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
   if "decoder" in sections:
     print("\n## Decoder step, CPU float32, D = 512, 8 heads, V = 32000\n")
-    print("\n".join(render_decoder(section_decoder())), flush=True)
+    found = record_decoder("decoder", section_decoder())
+    print("\n".join(render_decoder(found)), flush=True)
   if "time" in sections:
     print(f"\n## CPU step time, 4 x 512, against {BASE!r} (median of {args.runs} rounds)\n")
     times = section_time(args.runs)
-    print(f"| step | time / jax.nn attention's |\n|---|---:|\n| {BASE} | 1 ({times[BASE]:.3f} s) |")
-    for label, ratio in list(times.items())[1:]:
-      print(f"| {label} | {ratio:.3f} |", flush=True)
+    print("\n".join(TIME.head()))
+    for i, (label, figure) in enumerate(times.items()):
+      seconds, ratio = (figure, 1.0) if i == 0 else (None, figure)
+      rows.emit(TIME, "time", label, ratio=ratio, seconds=seconds, runs=args.runs)
   if {"decoder-h100", "fits-h100", "blocks-h100"} & set(sections) and not gpu_compiler:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   if "decoder-h100" in sections:
     print("\n## Decoder step compiled for an H100, bf16, B = 4, D = 2048, 16 heads, V = 128256\n")
-    print("\n".join(render_decoder(section_decoder(gpu=True), GiB)), flush=True)
+    found = record_decoder("decoder-h100", section_decoder(gpu=True))
+    print("\n".join(render_decoder(found, GiB)), flush=True)
   if "fits-h100" in sections:
     print("\n## Longest sequence whose step fits an 80 GB H100 (B = 4)\n")
     cap = memory.capacity()
-    print("| step | T | GiB |\n|---|---:|---:|")
+    print("\n".join(FITS.head()))
     for label in STEPS:
       seq, total = longest_fit(label, cap)
-      print(f"| {label} | {seq} | {total / GiB:.1f} |", flush=True)
+      rows.emit(FITS, "fits-h100", label, seq=seq, total_bytes=total, capacity_bytes=cap)
   if "blocks-h100" in sections:
     print("\n## The Gemma port's step compiled for an H100, bf16, 4 x 512: temp by block\n")
-    print("\n".join(render_gemma_blocks(section_gemma_blocks())), flush=True)
+    print("\n".join(GEMMA_BLOCKS.lines(section_gemma_blocks())), flush=True)
     print("\n## Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB\n")
     print("\n".join(render_blocks(section_blocks())), flush=True)
   return 0

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 from benchmarks.codes_tasks import Task, make_tasks
-from benchmarks.harness import plots
+from benchmarks.harness import plots, render, rows
 from benchmarks.harness.rows import current, describe
 
 BITS = (None, 8, 4, 2)
@@ -191,31 +191,53 @@ def _mean(values) -> float:
   return sum(values) / len(values)
 
 
-def table(res: Results) -> list[str]:
-  lines = [
-    "| model | residual | train loss | test loss | test acc. % | max rel. diff, logged loss | "
-    "max rel. diff, minibatch loss | train loss diff | test loss diff | test acc. diff, points |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
+# The comparison's figures in the parity rows: Comparison's fields by their row names.
+DIFFS = {
+  "max_rel_logged": "max_rel_logged",
+  "max_rel_minibatch": "max_rel_minibatch",
+  "train_loss_diff": "train_loss",
+  "test_loss_diff": "test_loss",
+  "accuracy_points_diff": "accuracy_points",
+}
+
+
+def record(res: Results) -> list[dict]:
+  """The parity rows, a row a model and residual: means over seeds, and the comparison with
+  exact of the same seed (the largest over seeds; None for exact itself)."""
+  found = []
   for task in res.tasks:
     for label, runs, cmp in _rows(res, task):
-      cells = [
-        f"{_mean(r.train_loss for r in runs):.4f}",
-        f"{_mean(r.test_loss for r in runs):.4f}",
-        f"{100 * _mean(r.test_accuracy for r in runs):.2f}",
-      ]
-      if cmp is None:
-        cells += ["—"] * 5
-      else:
-        cells += [
-          f"{cmp.max_rel_logged:.2%}",
-          f"{cmp.max_rel_minibatch:.2%}",
-          f"{cmp.train_loss:+.2%}",
-          f"{cmp.test_loss:+.2%}",
-          f"{cmp.accuracy_points:+.2f}",
-        ]
-      lines.append(f"| {task.name} | {label} | " + " | ".join(cells) + " |")
-  return lines
+      diffs = {k: None if cmp is None else getattr(cmp, f) for k, f in DIFFS.items()}
+      figures = dict(
+        model=task.name,
+        residual=label,
+        seeds=len(runs),
+        train_loss=_mean(r.train_loss for r in runs),
+        test_loss=_mean(r.test_loss for r in runs),
+        test_accuracy=_mean(r.test_accuracy for r in runs),
+      )
+      found.append(rows.add("parity", f"{task.name}, {label}", **figures, **diffs))
+  return found
+
+
+def _cells(f: dict) -> list[str]:
+  cells = [f["model"], f["residual"], f"{f['train_loss']:.4f}", f"{f['test_loss']:.4f}"]
+  cells.append(f"{100 * f['test_accuracy']:.2f}")
+  if f["max_rel_logged"] is None:
+    return cells + ["—"] * 5
+  return [
+    *cells,
+    f"{f['max_rel_logged']:.2%}",
+    f"{f['max_rel_minibatch']:.2%}",
+    f"{f['train_loss_diff']:+.2%}",
+    f"{f['test_loss_diff']:+.2%}",
+    f"{f['accuracy_points_diff']:+.2f}",
+  ]
+
+
+HEADER = ("model", "residual", "train loss", "test loss", "test acc. %")
+HEADER += ("max rel. diff, logged loss", "max rel. diff, minibatch loss", "train loss diff")
+TABLE = render.Table((*HEADER, "test loss diff", "test acc. diff, points"), _cells, "ll" + "r" * 8)
 
 
 def targets(res: Results) -> list[str]:
@@ -241,7 +263,7 @@ def targets(res: Results) -> list[str]:
   return lines
 
 
-def render(res: Results, figure: str) -> str:
+def render_page(res: Results, parity: list[dict], figure: str) -> str:
   setups = [
     f"- {t.name}: {t.steps} steps of adam (learning rate {t.learning_rate}), batch "
     f"{t.batch_size}, loss logged every {t.log_every} steps; {t.test[1].size} test predictions "
@@ -264,7 +286,7 @@ def render(res: Results, figure: str) -> str:
     "training set; 64 fixed windows of the training text); the minibatch loss is every step's.",
     "The figure shows seed 0.",
     "",
-    *table(res),
+    *TABLE.lines(parity),
     "",
     "Targets (issue 18):",
     "",
@@ -297,6 +319,9 @@ def measure(quick: bool, seeds: int) -> Results:
       for bits, order in [(None, 0), (None, 1), *((b, 0) for b in BITS if b is not None)]:
         run = train(task, bits, seed, order)
         runs[task.name].append(run)
+        figures = dict(train_loss=run.train_loss, test_loss=run.test_loss, seconds=run.seconds)
+        figures |= dict(test_accuracy=run.test_accuracy, logged=run.logged, steps=run.steps)
+        rows.add("run", f"{task.name}, seed {seed}, {run.label}", seed=seed, **figures)
         print(
           f"{task.name}, seed {seed}, {run.label}: train loss {run.train_loss:.4f}, "
           f"test loss {run.test_loss:.4f}, test acc. {run.test_accuracy:.2%} ({run.seconds:.1f} s)",
@@ -322,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   figure = "fewbit_training.png"
   write_figure(res, args.out / figure)
-  (args.out / "fewbit.md").write_text(render(res, figure))
+  parity = record(res)
+  (args.out / "fewbit.md").write_text(render_page(res, parity, figure))
   raw = {name: [dataclasses.asdict(r) for r in runs] for name, runs in res.runs.items()}
   (args.out / "fewbit.json").write_text(json.dumps(raw))
-  print("\n".join([*table(res), "", *targets(res)]))
+  print("\n".join([*TABLE.lines(parity), "", *targets(res)]))
   print(f"\n{args.out / 'fewbit.md'}, {args.out / figure} ({res.seconds:.0f} s)", file=sys.stderr)
   return 0

@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import support
 from benchmarks import gated
-from benchmarks.harness import timing
+from benchmarks.harness import rows, timing
 
 MiB, GiB = 2**20, 2**30
 
@@ -250,7 +250,19 @@ def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[s
   return {(b, h): decoder_temp(c, b, h, gpu) for b in bodies for h in HEADS}
 
 
-def render_decoder(temps: dict[tuple[str, str], int], unit=MiB) -> list[str]:
+def record_decoder(section: str, temps: dict[tuple[str, str], int]) -> list[dict]:
+  """The decoder's rows, a row a (body, head): its compiled temp."""
+  return [
+    rows.add(section, f"{body}, {head}", body=body, head=head, temp_bytes=t)
+    for (body, head), t in temps.items()
+  ]
+
+
+def render_decoder(decoder_rows: list[dict], unit=MiB) -> list[str]:
+  """The decoder's table from its rows (:func:`record_decoder`)."""
+  temps = {
+    (r["figures"]["body"], r["figures"]["head"]): r["figures"]["temp_bytes"] for r in decoder_rows
+  }
   name = "GiB" if unit == GiB else "MiB"
   lines = [
     f"| body | plain head ({name}) | fused head ({name}) | no head ({name}) | fused / plain "

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxact
-from benchmarks.harness import timing
+from benchmarks.harness import render, rows, timing
 
 ACTIVATIONS = ("relu", "elu", "tanh", "sigmoid", "softplus", "gelu")
 OUTPUT_RESIDUAL = ("relu", "elu", "tanh", "sigmoid", "softplus")
@@ -101,6 +101,54 @@ def time_ratio(model, activation: str, runs: int) -> tuple[float, float, float]:
   return fused_t, comp_t, fused_t / comp_t
 
 
+def _cells(f: dict) -> list[str]:
+  timed = (
+    ["-"] * 3
+    if f["time_ratio"] is None
+    else [
+      f"{f['fused_seconds'] * 1e3:.1f}",
+      f"{f['jaxnn_seconds'] * 1e3:.1f}",
+      f"{f['time_ratio']:.2f}",
+    ]
+  )
+  met = "yes" if f["met"] else "NO"
+  return [
+    f["case"],
+    f"{f['fused_temp']:.2f}",
+    f"{f['jaxnn_temp']:.2f}",
+    f"<= {f['target']}",
+    met,
+    *timed,
+  ]
+
+
+HEADER = (
+  "activation",
+  "fused temp",
+  "jax.nn temp",
+  "target",
+  "met",
+  "fused ms",
+  "jax.nn ms",
+  "time ratio",
+)
+TABLE = render.Table(HEADER, _cells)  # a row: section MLP or CNN, case the activation
+
+
+def heading(label: str, layers: int) -> str:
+  return f"### {label}, L = {layers}: temp buffers of jit(grad) and step-time ratio"
+
+
+def tables(job_rows: list[dict]) -> list[str]:
+  """The printed tables from the job's rows."""
+  lines = []
+  for label in dict.fromkeys(r["section"] for r in job_rows):
+    these = [r for r in job_rows if r["section"] == label]
+    layers = these[0]["figures"]["layers"]
+    lines += ["", heading(label, layers), "", *TABLE.lines(these)]
+  return lines
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", type=int, default=15, help="timed runs per implementation")
@@ -115,21 +163,24 @@ def main(argv=None) -> None:
   if args.only:
     models = [m for m in models if m[0].lower() == args.only]
   for label, model, layers in models:
-    print()
-    print(f"### {label}, L = {layers}: temp buffers of jit(grad) and step-time ratio")
-    print()
-    print(
-      "| activation | fused temp | jax.nn temp | target | met | fused ms | jax.nn ms | time ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(["", heading(label, layers), "", *TABLE.head()]))
     for activation in ACTIVATIONS:
       fused = temp_buffers(model, activation, True)
       comp = temp_buffers(model, activation, False)
       target = layers + 1 if activation in OUTPUT_RESIDUAL else 2 * layers + 1
-      met = "yes" if fused <= target + 1e-9 else "NO"
-      if args.no_time:
-        timing = "| - | - | - |"
-      else:
+      f_t = c_t = ratio = None
+      if not args.no_time:
         f_t, c_t, ratio = time_ratio(model, activation, runs)
-        timing = f"| {f_t * 1e3:.1f} | {c_t * 1e3:.1f} | {ratio:.2f} |"
-      print(f"| {activation} | {fused:.2f} | {comp:.2f} | <= {target} | {met} {timing}", flush=True)
+      rows.emit(
+        TABLE,
+        label,
+        activation,
+        layers=layers,
+        fused_temp=fused,
+        jaxnn_temp=comp,
+        target=target,
+        met=fused <= target + 1e-9,
+        fused_seconds=f_t,
+        jaxnn_seconds=c_t,
+        time_ratio=ratio,
+      )

@@ -24,6 +24,7 @@ from flax import nnx
 
 import jaxact.linen
 import jaxact.nnx
+from benchmarks.harness import render, rows
 
 LAYERS = 4
 MLP_BATCH, MLP_WIDTH = 4096, 512
@@ -107,6 +108,25 @@ def nnx_temp(model_cls, activation: str, fused: bool, x) -> int:
   return _temp_bytes(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2), state, x)
 
 
+def _cells(f: dict) -> list[str]:
+  mib, buffer = 2**20, f["buffer_bytes"]
+  theirs, ours = f["flax_bytes"], f["jaxact_bytes"]
+  return [
+    f["api"],
+    f["model"],
+    f["activation"],
+    f"{theirs / mib:.0f} MiB ({theirs / buffer:.1f})",
+    f"{ours / mib:.0f} MiB ({ours / buffer:.1f})",
+    f"{f['ratio']:.2f}",
+  ]
+
+
+# a row: section "temp", case "API, model, activation"
+TABLE = render.Table(
+  ("API", "model", "activation", "flax + jax.nn", "jaxact layers", "ratio"), _cells
+)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", choices=("linen", "nnx"), default=None)
@@ -116,7 +136,7 @@ def main(argv=None) -> None:
   cnn_x = jax.ShapeDtypeStruct(CNN_SHAPE, jnp.float32)
   buffer = MLP_BATCH * MLP_WIDTH * 4
   assert buffer == CNN_SHAPE[0] * CNN_SHAPE[1] * CNN_SHAPE[2] * CNN_SHAPE[3] * 4
-  rows = [
+  cases = [
     ("linen", f"MLP {LAYERS}x{MLP_WIDTH}, batch {MLP_BATCH}", linen_temp, LinenMLP, mlp_x),
     (
       "linen",
@@ -135,23 +155,26 @@ def main(argv=None) -> None:
     ),
   ]
   if args.only:
-    rows = [r for r in rows if r[0] == args.only]
+    cases = [c for c in cases if c[0] == args.only]
 
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0]}")
   print()
   print("Compiled temp memory of jit(grad(loss)); one buffer = one layer's output (8 MiB).")
   print()
-  print("| API | model | activation | flax + jax.nn | jaxact layers | ratio |")
-  print("|---|---|---|---|---|---|")
-  mib = 2**20
-  for api, label, temp, model_cls, x in rows:
+  print("\n".join(TABLE.head()))
+  for api, label, temp, model_cls, x in cases:
     for activation in ACTIVATIONS:
       flax_bytes = temp(model_cls, activation, False, x)
       ours = temp(model_cls, activation, True, x)
-      print(
-        f"| {api} | {label} | {activation} "
-        f"| {flax_bytes / mib:.0f} MiB ({flax_bytes / buffer:.1f}) "
-        f"| {ours / mib:.0f} MiB ({ours / buffer:.1f}) "
-        f"| {ours / flax_bytes:.2f} |",
-        flush=True,
+      rows.emit(
+        TABLE,
+        "temp",
+        f"{api}, {label}, {activation}",
+        api=api,
+        model=label,
+        activation=activation,
+        flax_bytes=flax_bytes,
+        jaxact_bytes=ours,
+        buffer_bytes=buffer,
+        ratio=ours / flax_bytes,
       )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import jaxact.linen
 from benchmarks.gated import _ratio, stack
+from benchmarks.harness import rows
 from benchmarks.harness.memory import cpu_memory, gpu_memory
 
 LAYER_PEERS = ("flax", "remat", "jaxact")
@@ -53,7 +54,7 @@ def layer_shapes(model: str, layers: int, x_shape, dtype):
 
 
 def section_layers(gpu: bool, activations=("relu", "gelu")) -> list[dict]:
-  rows = []
+  found = []
   for model, (layers, cpu_x, gpu_x) in LAYER_SIZES.items():
     x_shape, dtype = (gpu_x, jnp.bfloat16) if gpu else (cpu_x, jnp.float32)
     buffer = jnp.dtype(dtype).itemsize
@@ -68,8 +69,13 @@ def section_layers(gpu: bool, activations=("relu", "gelu")) -> list[dict]:
           params, x = layer_shapes(model, layers, x_shape, dtype)
           temp = gpu_memory(loss, params, x)[0] if gpu else cpu_memory(loss, params, x)
           row["scan" if scan else "unrolled"] = temp / buffer
-        rows.append(row)
-  return rows
+        found.append(row)
+  return found
+
+
+def record_layers(section: str, found: list[dict]) -> list[dict]:
+  """`found` (:func:`section_layers`) added as rows, a row a model, activation and peer."""
+  return [rows.add(section, f"{r['model']}, {r['activation']}, {r['peer']}", **r) for r in found]
 
 
 def render_layers(rows: list[dict]) -> list[str]:

@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import jaxact.linen
 import support
-from benchmarks.harness import timing
+from benchmarks.harness import rows, timing
 from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of
 
 try:
@@ -379,7 +379,16 @@ def render_memory(rows: list[MemoryRow], extra: str | None = None) -> list[str]:
   return lines
 
 
-def render_times(times: dict[tuple[str, str], tuple[float, float]]) -> list[str]:
+def _memory_rows(section: str, found: list[MemoryRow]) -> list[MemoryRow]:
+  """`found` added as rows (:class:`MemoryRow`'s fields, temps in MiB); read back from them."""
+  added = [rows.add(section, f"{r.layout}, {r.peer}", **dataclasses.asdict(r)) for r in found]
+  return [MemoryRow(**r["figures"]) for r in added]
+
+
+def render_times(time_rows: list[dict]) -> list[str]:
+  """The times' table from their rows (section time: ``wall_s``, ``cpu_s`` a program and peer)."""
+  figures = [r["figures"] for r in time_rows]
+  times = {(f["peer"], f["program"]): (f["wall_s"], f["cpu_s"]) for f in figures}
   lines = [
     "| program | peer | wall ms | / Flax | / Flax + remat | CPU ms | / Flax | / Flax + remat |",
     "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -417,18 +426,19 @@ def main(argv=None) -> int:
   for name in names:
     start = time.perf_counter()
     if name == "cpu":
-      lines = render_memory(section_cpu(), "kept")
+      lines = render_memory(_memory_rows(name, section_cpu()), "kept")
     elif name == "h100":
-      rows = section_h100(tokamax_implementation=args.tokamax_implementation)
-      lines = render_memory(rows, "fit")
-      lines.append("")
-      lines += [f"{r.layout} {r.peer}: L={BLOCKS} total {r.total8 / 2**30:.2f} GiB" for r in rows]
+      found = _memory_rows(name, section_h100(tokamax_implementation=args.tokamax_implementation))
+      lines = [*render_memory(found, "fit"), ""]
+      lines += [f"{r.layout} {r.peer}: L={BLOCKS} total {r.total8 / 2**30:.2f} GiB" for r in found]
     elif name == "time":
-      lines = render_times(step_times(repeats=args.repeats))
-    elif name == "layers":
-      lines = fused_scanned.render_layers(fused_scanned.section_layers(gpu=False))
-    elif name == "layers-h100":
-      lines = fused_scanned.render_layers(fused_scanned.section_layers(gpu=True))
+      times = step_times(repeats=args.repeats)
+      for (peer, program), (wall, cpu) in times.items():  # the rows; the table drawn from them
+        rows.add(name, f"{program}, {peer}", peer=peer, program=program, wall_s=wall, cpu_s=cpu)
+      lines = render_times(rows.current().section(name))
+    elif name in ("layers", "layers-h100"):
+      found = fused_scanned.record_layers(name, fused_scanned.section_layers(name != "layers"))
+      lines = fused_scanned.render_layers([r["figures"] for r in found])
     else:
       parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}")
     print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)

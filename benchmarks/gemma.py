@@ -57,6 +57,7 @@ from benchmarks.gemma_model import (
   loss_and_grads,
   split,
 )
+from benchmarks.harness import render, rows
 
 MODELS = {
   "original": (False, False),
@@ -85,17 +86,37 @@ def temp(config: Config, name: str, gpu: bool = False) -> int:
   return support.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
 
 
+MEMORY = render.Table(
+  ("model", "compiled temp MiB", "/ original", "/ original + block remat"),
+  lambda f: [
+    f["case"],
+    f"{f['temp_bytes'] / MiB:.1f}",
+    f"{f['vs_original']:.2f}",
+    f"{f['vs_original_remat']:.2f}",
+  ],
+)  # sections cpu, h100
+MESH = render.Table(
+  ("model", "per-device temp MiB", "/ original", "collective MiB a device", "in loops"),
+  lambda f: [
+    f["case"],
+    f"{f['temp_bytes'] / MiB:.1f}",
+    f"{f['vs_original']:.2f}",
+    f"{f['collective_bytes'] / MiB:.1f}",
+    str(f["collective_bytes_in_loops"]),
+  ],
+)
+
+
 def section_memory(gpu: bool) -> list[str]:
   config = Config(dtype=jnp.bfloat16) if gpu else Config()
   temps = {name: temp(config, name, gpu) for name in MODELS}
   base, base_remat = temps["original"], temps["original + block remat"]
-  rows = [
-    "| model | compiled temp MiB | / original | / original + block remat |",
-    "|---|---|---|---|",
+  section = "h100" if gpu else "cpu"
+  found = [
+    rows.add(section, name, temp_bytes=t, vs_original=t / base, vs_original_remat=t / base_remat)
+    for name, t in temps.items()
   ]
-  for name, t in temps.items():
-    rows.append(f"| {name} | {t / MiB:.1f} | {t / base:.2f} | {t / base_remat:.2f} |")
-  return rows
+  return MEMORY.lines(found)
 
 
 COLLECTIVE = re.compile(
@@ -132,11 +153,7 @@ def section_mesh(config: Config | None = None) -> list[str]:
       "--sections mesh needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8"
     )
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
-  rows = [
-    "| model | per-device temp MiB | / original | collective MiB a device | in loops |",
-    "|---|---|---|---|---|",
-  ]
-  base = None
+  found, base = [], None
   for name, (use_jaxact, remat) in MODELS.items():
     c = dataclasses.replace(config, remat=remat)
     with jax.set_mesh(mesh):
@@ -147,8 +164,9 @@ def section_mesh(config: Config | None = None) -> list[str]:
     t = compiled.memory_analysis().temp_size_in_bytes
     base = base or t
     moved, looped = collective_bytes(compiled)
-    rows.append(f"| {name} | {t / MiB:.1f} | {t / base:.2f} | {moved / MiB:.1f} | {looped} |")
-  return rows
+    figures = dict(temp_bytes=t, vs_original=t / base, collective_bytes=moved)
+    found.append(rows.add("mesh", name, **figures, collective_bytes_in_loops=looped))
+  return MESH.lines(found)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -230,6 +248,7 @@ def main(argv=None) -> int:
     support.use_gpu_compiler()  # before the first computation starts jax's backends
   if args.check:
     for result in check():
+      rows.add("check", result["case"], **{k: v for k, v in result.items() if k != "case"})
       print(json.dumps(result), flush=True)
     return 0
   lines = []
@@ -239,8 +258,8 @@ def main(argv=None) -> int:
       "h100": "compiled for an H100, bfloat16 activations",
       "mesh": "a 4 x 2 (fsdp, tensor) mesh, 8 CPU devices, float32",
     }
-    rows = section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
-    lines += [f"### {titles[section]}", "", *rows, ""]
+    table = section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
+    lines += [f"### {titles[section]}", "", *table, ""]
   text = "\n".join(lines)
   print(text)
   if args.out:

@@ -44,7 +44,8 @@ import optax
 import jaxact
 import support
 from benchmarks import decoder
-from benchmarks.harness import memory, timing
+from benchmarks.harness import memory, render, timing
+from benchmarks.harness.rows import add as add_row
 from jaxact._src.lce import plan as lce_plan
 from jaxact._src.lce import vjp as lce_vjp
 
@@ -204,23 +205,38 @@ TIED_HEADS = {
 }
 
 
+TIED_TABLE = render.Table(
+  ("head", "compiled temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"]
+)  # sections tied, tied-h100
+
+
 def section_tied(gpu: bool) -> list[str]:
   """The tied head's compiled temp (MiB) on CPU (float32) or for an H100 (bfloat16)."""
   tokens, dim = TIED
   vocab, dtype = (32768, jnp.bfloat16) if gpu else (32000, jnp.float32)
   x = jax.ShapeDtypeStruct((tokens, dim), dtype)
   labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
-  rows = ["| head | compiled temp (MiB) |", "|---|---|"]
+  rows = TIED_TABLE.head()
+  section = "tied-h100" if gpu else "tied"
   for name, head in TIED_HEADS.items():
     w = jax.ShapeDtypeStruct((dim, vocab) if name.startswith("untied") else (vocab, dim), dtype)
     step, args = jax.grad(head, argnums=(0, 1)), (w, x, labels)
     compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
     compiled = compile_(step, args)
-    rows.append(f"| {name} | {compiled.memory_analysis().temp_size_in_bytes / MiB:.1f} |")
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    r = add_row(section, name, tokens=tokens, dim=dim, vocab=vocab, temp_bytes=temp)
+    rows.append(TIED_TABLE.line(r))
   return rows
 
 
-def render_head(rows: list[HeadRow], unit=MiB, gpu=False) -> list[str]:
+def record_head(section: str, found: list[HeadRow]) -> list[dict]:
+  """The head's rows, a row a (vocabulary, head): :class:`HeadRow`'s fields as figures."""
+  return [add_row(section, f"V={r.vocab}, {r.peer}", **dataclasses.asdict(r)) for r in found]
+
+
+def render_head(head_rows: list[dict], unit=MiB, gpu=False) -> list[str]:
+  """The head's table from its rows (:func:`record_head`)."""
+  rows = [HeadRow(**r["figures"]) for r in head_rows]
   name = "GiB" if unit == GiB else "MiB"
   head = f"| V | head | compiled temp ({name}) | vs plain | largest array ({name}) |"
   sep = "|---|---|---|---|---|"
@@ -268,19 +284,21 @@ def main(argv=None) -> int:
   if "head" in sections:
     print(f"\n## Head alone, CPU float32, {HEAD_CPU[0]} tokens, D = {HEAD_CPU[1]}\n")
     vocabs = tuple(int(v) for v in args.vocabs.split(","))
-    print("\n".join(render_head(section_head(args.runs, vocabs))))
+    print("\n".join(render_head(record_head("head", section_head(args.runs, vocabs)))))
   if {"head-h100", "decoder-h100"} & set(sections) and not gpu_compiler:
     print("the GPU sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   if "head-h100" in sections:
     print(f"\n## Head alone, compiled for an H100, bfloat16, {HEAD_GPU[0]} tokens, D = 4096\n")
-    print("\n".join(render_head(section_head_h100(), GiB, gpu=True)))
+    print("\n".join(render_head(record_head("head-h100", section_head_h100()), GiB, gpu=True)))
   if "decoder" in sections:
     print(f"\n## Decoder step, CPU float32, {decoder.DECODER_CPU}\n")
-    print("\n".join(decoder.render_decoder(decoder.section_decoder())))
+    found = decoder.record_decoder("decoder", decoder.section_decoder())
+    print("\n".join(decoder.render_decoder(found)))
   if "decoder-h100" in sections:
     print(f"\n## Decoder step, compiled for an H100, {decoder.DECODER_GPU}\n")
-    print("\n".join(decoder.render_decoder(decoder.section_decoder(gpu=True), GiB)))
+    found = decoder.record_decoder("decoder-h100", decoder.section_decoder(gpu=True))
+    print("\n".join(decoder.render_decoder(found, GiB)))
   if "tied" in sections:
     print(f"\n## Tied head, {TIED[0]} tokens, D = {TIED[1]}: CPU float32, V = 32000\n")
     print("\n".join(section_tied(gpu=False)))

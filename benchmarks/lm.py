@@ -35,7 +35,7 @@ import optax
 
 import jaxact
 import jaxact.linen as jnn
-from benchmarks.harness import plots
+from benchmarks.harness import plots, rows
 
 VOCAB = 256  # UTF-8 bytes
 
@@ -252,6 +252,15 @@ def ulp_nudge(params, seed: int):
   return jax.tree.unflatten(tree, moved)
 
 
+def line(f: dict) -> str:
+  """A run's line of the printed table, from its row's figures (section runs)."""
+  return (
+    f"{f['name']:>10} {f['max_abs_loss_diff']:12.3e} {f['max_rel_loss_diff']:10.3e} "
+    f"{f['step0_grad_diff']:12.3e} "
+    f"{f['final_loss']:11.5f} {f['heldout_loss']:9.5f} {f['seconds']:5.0f}"
+  )
+
+
 def main(argv: list[str] | None = None) -> list[Run]:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks lm", description=__doc__.split("\n")[0]
@@ -308,11 +317,18 @@ def main(argv: list[str] | None = None) -> list[Run]:
   )
   for run in runs:
     diff = np.abs(run.losses - base.losses)
-    print(
-      f"{run.name:>10} {diff.max():12.3e} {(diff / base.losses).max():10.3e} "
-      f"{grad_difference(run.grads, base.grads):12.3e} "
-      f"{run.losses[-1]:11.5f} {run.heldout:9.5f} {run.seconds:5.0f}"
+    r = rows.add(
+      "runs",
+      run.name,
+      steps=config.steps,
+      max_abs_loss_diff=diff.max(),
+      max_rel_loss_diff=(diff / base.losses).max(),
+      step0_grad_diff=grad_difference(run.grads, base.grads),
+      final_loss=run.losses[-1],
+      heldout_loss=run.heldout,
+      seconds=run.seconds,
     )
+    print(line(r["figures"] | {"name": r["case"]}))
 
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 import jaxact
 from benchmarks import decoder, gated
-from benchmarks.harness import memory, timing
+from benchmarks.harness import memory, render, rows, timing
 
 MiB = 2**20
 SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
@@ -69,8 +69,7 @@ def stack_rows(gpu: bool) -> list[str]:
   lines = [
     f"{'compiled for an H100, bfloat16' if gpu else 'CPU, float32'}, (tokens, D, F) = {size}.",
     "",
-    "| stack | MLP | norm | temp 1 / 2 / 8 blocks MiB | growth a block MiB | / Flax's |",
-    "|---|---|---|---|---|---|",
+    *STACK.head(),
   ]
   for scan in (True, False):
 
@@ -82,13 +81,53 @@ def stack_rows(gpu: bool) -> list[str]:
     flax = growth("Flax MLP", "plain norm")
     for mlp_name in MLPS:
       for norm_name in NORMS:
-        t = [temps[scan, mlp_name, norm_name, n] / MiB for n in (1, 2, gated.BLOCKS)]
-        g = growth(mlp_name, norm_name)
-        lines.append(
-          f"| {'scan' if scan else 'unrolled'} | {mlp_name} | {norm_name} | "
-          f"{t[0]:.0f} / {t[1]:.0f} / {t[2]:.0f} | {g / MiB:.1f} | {g / flax:.3f} |"
+        t = [temps[scan, mlp_name, norm_name, n] for n in (1, 2, gated.BLOCKS)]
+        g, stack = growth(mlp_name, norm_name), "scan" if scan else "unrolled"
+        r = rows.add(
+          "stack-h100" if gpu else "stack",
+          f"{stack}, {mlp_name}, {norm_name}",
+          stack=stack,
+          mlp=mlp_name,
+          norm=norm_name,
+          blocks=[1, 2, gated.BLOCKS],
+          temp_bytes=t,
+          growth_bytes=g,
+          growth_vs_flax=g / flax,
         )
+        lines.append(STACK.line(r))
   return lines
+
+
+def _stack_cells(f: dict) -> list[str]:
+  t = " / ".join(f"{b / MiB:.0f}" for b in f["temp_bytes"])
+  return [
+    f["stack"],
+    f["mlp"],
+    f["norm"],
+    t,
+    f"{f['growth_bytes'] / MiB:.1f}",
+    f"{f['growth_vs_flax']:.3f}",
+  ]
+
+
+HEADER = ("stack", "MLP", "norm", "temp 1 / 2 / 8 blocks MiB", "growth a block MiB", "/ Flax's")
+STACK = render.Table(HEADER, _stack_cells)  # sections stack, stack-h100
+DECODER = render.Table(
+  ("body", "head", "plain norms MiB", "jaxact.rms_norm MiB", "ratio"),
+  lambda f: [
+    f["body"],
+    f["head"],
+    f"{f['plain_bytes'] / MiB:.1f}",
+    f"{f['jaxact_bytes'] / MiB:.1f}",
+    f"{f['ratio']:.3f}",
+  ],
+)  # sections decoder, decoder-h100
+TIME = render.Table(
+  ("model", "time / Flax MLP with the plain norm"), lambda f: [f["case"], f"{f['ratio']:.3f}"]
+)
+PRECISION = render.Table(
+  ("quantity", "relative RMS error"), lambda f: [f["case"], f"{f['relative_rms_error']:.2e}"]
+)
 
 
 def decoder_rows(gpu: bool) -> list[str]:
@@ -96,16 +135,21 @@ def decoder_rows(gpu: bool) -> list[str]:
   lines = [
     f"Decoder step {'compiled for an H100, bfloat16' if gpu else 'on CPU, float32'}: {c}.",
     "",
-    "| body | head | plain norms MiB | jaxact.rms_norm MiB | ratio |",
-    "|---|---|---|---|---|",
+    *DECODER.head(),
   ]
   for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
     plain = decoder.decoder_temp(c, body, head, gpu)
     ours = decoder.decoder_temp(c, body, head, gpu, norm=decoder.jaxact_rms_norm)
-    lines.append(
-      f"| {decoder.BODY_LABELS[body]} | {head} | {plain / MiB:.1f} | {ours / MiB:.1f} | "
-      f"{ours / plain:.3f} |"
+    r = rows.add(
+      "decoder-h100" if gpu else "decoder",
+      f"{decoder.BODY_LABELS[body]}, {head}",
+      body=decoder.BODY_LABELS[body],
+      head=head,
+      plain_bytes=plain,
+      jaxact_bytes=ours,
+      ratio=ours / plain,
     )
+    lines.append(DECODER.line(r))
   return lines
 
 
@@ -124,10 +168,10 @@ def time_rows(runs: int) -> list[str]:
     f"CPU step time, scanned stack of {gated.BLOCKS} blocks, {gated.CPU_SIZE}, float32, median "
     f"of {runs} rounds (first: {base * 1e3:.0f} ms).",
     "",
-    "| model | time / Flax MLP with the plain norm |",
-    "|---|---|",
+    *TIME.head(),
   ]
-  lines += [f"| {label} | {r:.3f} |" for label, r in zip(labels, [1.0, *ratios], strict=True)]
+  for label, r in zip(labels, [1.0, *ratios], strict=True):
+    lines.append(TIME.line(rows.add("time", label, first_seconds=base, runs=runs, ratio=r)))
   return lines
 
 
@@ -158,16 +202,18 @@ def precision_rows() -> list[str]:
   ours = dx(lambda x: jaxact.rms_norm(x, scale, epsilon=gated.EPS))
   inputs = dx(lambda x: jaxact.rms_norm(x, scale, epsilon=gated.EPS, residual="input"))
   plain = dx(lambda x: (gated.rms_norm(x).astype(jnp.float32) * scale).astype(jnp.bfloat16))
+  errors = {
+    "x_hat recovered from the bfloat16 y (y / gamma)": rel(from_y, x_hat),
+    "x_hat from the bfloat16 x (float32 arithmetic)": rel(from_x, x_hat),
+    "dx, jaxact.rms_norm (keeps y)": rel(ours, dx_ref),
+    "dx, jaxact.rms_norm(residual='input')": rel(inputs, dx_ref),
+    "dx, JAX autodiff of the plain norm": rel(plain, dx_ref),
+  }
+  found = [rows.add("precision", q, relative_rms_error=e) for q, e in errors.items()]
   return [
     f"bfloat16 x ({t} x {d}, N(1, 3)), float32 scale N(0, 1); relative RMS error against float64.",
     "",
-    "| quantity | relative RMS error |",
-    "|---|---|",
-    f"| x_hat recovered from the bfloat16 y (y / gamma) | {rel(from_y, x_hat):.2e} |",
-    f"| x_hat from the bfloat16 x (float32 arithmetic) | {rel(from_x, x_hat):.2e} |",
-    f"| dx, jaxact.rms_norm (keeps y) | {rel(ours, dx_ref):.2e} |",
-    f"| dx, jaxact.rms_norm(residual='input') | {rel(inputs, dx_ref):.2e} |",
-    f"| dx, JAX autodiff of the plain norm | {rel(plain, dx_ref):.2e} |",
+    *PRECISION.lines(found),
   ]
 
 

@@ -25,26 +25,23 @@ import time
 
 import jax
 
-from support.sweep import CASES, Row, sweep
+from benchmarks.harness import render, rows
+from support.sweep import CASES, sweep
 
 
-def table(rows: list[Row], dtypes: list[str]) -> str:
-  """Markdown: one line per case, `NaN/non-finite · value ulps · gradient ulps` per dtype."""
-  by = {(r.case, r.dtype): r for r in rows}
-  cases = list(dict.fromkeys(r.case for r in rows))
-  out = [
-    "| activation | " + " | ".join(dtypes) + " |",
-    "|---" + "|---" * len(dtypes) + "|",
-  ]
-  for c in cases:
-    cells = []
-    for d in dtypes:
-      r = by.get((c, d))
-      cells.append(
-        "—" if r is None else f"{r.nan}/{r.nonfinite_grad} · {r.value_ulps:.2g} · {r.grad_ulps:.2g}"
-      )
-    out.append(f"| {c} | " + " | ".join(cells) + " |")
-  return "\n".join(out)
+def table(job_rows: list[dict], dtypes: list[str]) -> str:
+  """Markdown from the job's rows: one line per case, `NaN/non-finite · value ulps · gradient
+  ulps` per dtype."""
+  by = {(r["case"], r["figures"]["dtype"]): r["figures"] for r in job_rows}
+  cases = list(dict.fromkeys(r["case"] for r in job_rows))
+
+  def cell(f: dict | None) -> str:
+    if f is None:
+      return "—"
+    return f"{f['nan']}/{f['nonfinite_grad']} · {f['value_ulps']:.2g} · {f['grad_ulps']:.2g}"
+
+  body = ([c, *(cell(by.get((c, d))) for d in dtypes)] for c in cases)
+  return "\n".join(render.table(["activation", *dtypes], "l" * (1 + len(dtypes)), body))
 
 
 def main(argv=None) -> None:
@@ -63,14 +60,27 @@ def main(argv=None) -> None:
   dtypes = args.dtypes.split(",")
   only = set(filter(None, args.only.split(",")))
   start = time.perf_counter()
-  rows = []
   for name, params in CASES:
     if only and name not in only:
       continue
     for d in dtypes:
       stride = args.stride if d == "float32" else 1
       r = sweep(name, params, d, stride=stride, finite_only=args.finite_only)
-      rows.append(r)
+      rows.add(
+        "sweep",
+        r.case,
+        activation=name,
+        params=r.params,
+        dtype=d,
+        stride=stride,
+        finite_only=args.finite_only,
+        inputs=r.inputs,
+        nan=r.nan,
+        nonfinite_grad=r.nonfinite_grad,
+        value_ulps=r.value_ulps,
+        grad_ulps=r.grad_ulps,
+        grad_worst_x=r.grad_worst_x,
+      )
       errors = (
         ""
         if args.finite_only
@@ -87,4 +97,4 @@ def main(argv=None) -> None:
     f"{', finite only' if args.finite_only else ''}, "
     f"{time.perf_counter() - start:.0f} s\n"
   )
-  print(table(rows, dtypes))
+  print(table(rows.current().section("sweep"), dtypes))

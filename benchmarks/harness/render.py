@@ -5,10 +5,11 @@ Pure Python: ``python -m benchmarks render`` and its test never start jax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def fmt(value, spec: str = "{:.1f}") -> str:
@@ -54,3 +55,27 @@ def with_block(text: str, name: str, lines: Sequence[str]) -> str:
   return text.replace(
     begin + "\n" + old + end, begin + "\n" + "".join(f"{x}\n" for x in lines) + end
   )
+
+
+def cells_of(r: dict) -> dict:
+  """A row's figures with its case, what a :class:`Table`'s cells are drawn from."""
+  return {"case": r["case"], **r["figures"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A Markdown table drawn from rows: its header, and the cells of one row (a function of the
+  row's figures with its ``case``, :func:`cells_of`), one a column."""
+
+  header: Sequence[str]
+  cells: Callable[[dict], Sequence[str]]
+  align: str = ""  # a letter a column (:func:`table`); every column left where empty
+
+  def head(self) -> list[str]:
+    return table(self.header, self.align or "l" * len(self.header), [])
+
+  def line(self, r: dict) -> str:
+    return f"| {' | '.join(self.cells(cells_of(r)))} |"
+
+  def lines(self, rows: Iterable[dict]) -> list[str]:
+    return [*self.head(), *map(self.line, rows)]

@@ -2,24 +2,22 @@
 
 A row is ``{"job", "section", "case", "figures": {name: number or text}, "meta": {...}}``; `meta`
 is the run's: date, the command line, the device (kind, platform, count), the host and its load
-average, the versions of Python, jax, jaxlib, flax and jaxact. The main job adds typed rows as
-it measures (``DIR/rows.jsonl``, from which its ``results.md`` is rendered); a job that adds none
-has the
-Markdown tables and JSON lines it prints kept as rows instead (cells as numbers where they are
-numbers, else as text) in ``DIR/<job>.rows.jsonl``, ``DIR`` its ``--out`` (else ``bench-out``).
-Pure Python until a row is written (``python -m benchmarks render`` never starts jax).
+average, the versions of Python, jax, jaxlib, flax and jaxact. Every job adds its rows where it
+measures, its figures named (:func:`add`; :func:`emit` also prints the row's line of a
+`benchmarks.harness.render.Table`), and draws the tables it prints from them: the main job's in
+``DIR/rows.jsonl`` (from which its ``results.md`` is rendered), every other job's in
+``DIR/<job>.rows.jsonl``, ``DIR`` its ``--out`` (else ``bench-out``). Pure Python until a row is
+written (``python -m benchmarks render`` never starts jax).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import json
 import os
 import pathlib
 import platform
-import re
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -81,85 +79,13 @@ def read(path: pathlib.Path) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# ------------------------------------------------------------------- rows of printed tables
-
-
-def _value(cell: str) -> Any:
-  try:
-    number = float(cell)
-  except ValueError:
-    return cell
-  return int(number) if re.fullmatch(r"-?\d+", cell) else number
-
-
-def _cells(line: str) -> list[str]:
-  return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
-def printed_rows(text: str) -> list[tuple[str, str, dict[str, Any]]]:
-  """``(section, case, figures)`` of every Markdown table in `text` (the section: the heading
-  above it; the case: a row's first cell) and of every line that is a JSON object."""
-  out, heading, lines = [], "", text.splitlines()
-  i = 0
-  while i < len(lines):
-    line = lines[i].strip()
-    if line.startswith("#"):
-      heading = line.lstrip("#").strip()
-    elif line.startswith("{"):
-      with contextlib.suppress(ValueError):
-        obj = json.loads(line)
-        out.append((heading or "json", str(obj.get("case", "")), obj))
-    elif (
-      line.startswith("|")
-      and i + 1 < len(lines)
-      and re.fullmatch(r"\|[\s:|-]+\|", lines[i + 1].strip())
-    ):
-      header = _cells(line)
-      i += 2
-      while i < len(lines) and lines[i].strip().startswith("|"):
-        cells = _cells(lines[i])
-        figures = {
-          h or f"col{j}": _value(c)
-          for j, (h, c) in enumerate(zip(header, cells, strict=False))
-          if j
-        }
-        out.append((heading or "table", cells[0], figures))
-        i += 1
-      continue
-    i += 1
-  return out
-
-
-class _Tee(io.TextIOBase):
-  def __init__(self, stream):
-    self.stream, self.text = stream, io.StringIO()
-
-  def write(self, s: str) -> int:
-    self.text.write(s)
-    return self.stream.write(s)
-
-  def flush(self) -> None:
-    self.stream.flush()
-
-  def fileno(self) -> int:  # a subprocess given sys.stdout writes past the copy
-    return self.stream.fileno()
-
-  def isatty(self) -> bool:
-    return self.stream.isatty()
-
-  @property
-  def encoding(self) -> str:
-    return self.stream.encoding
-
-
 class Recorder:
-  """One job's rows: those it adds, else those of the tables it prints."""
+  """One job's rows, added where it measures (:func:`add`, :func:`emit`)."""
 
   def __init__(self, job: str, argv: list[str]):
     self.job, self.argv = job, list(argv)
     self.command = " ".join(["python -m benchmarks", *([job] if job != "main" else []), *argv])
     self.rows: list[dict] = []
-    self.tee: _Tee | None = None
     self.path = _out(argv) / ("rows.jsonl" if job == "main" else f"{job}.rows.jsonl")
     self.written = False
     self._meta: dict | None = None
@@ -175,18 +101,17 @@ class Recorder:
     self.rows.append(r)
     return r
 
+  def section(self, name: str) -> list[dict]:
+    """The rows added to section `name`, in their order."""
+    return [r for r in self.rows if r["section"] == name]
+
   def write(self) -> pathlib.Path | None:
     """Writes the rows once (none: nothing written); returns the file."""
     if self.written:
       return self.path
-    rows = self.rows
-    if not rows and self.tee is not None:
-      rows = [
-        row(self.job, s, c, f, self.meta) for s, c, f in printed_rows(self.tee.text.getvalue())
-      ]
-    if not rows:
+    if not self.rows:
       return None
-    write(self.path, rows)
+    write(self.path, self.rows)
     self.written = True
     print(f"rows: {self.path}", file=sys.stderr)
     return self.path
@@ -194,10 +119,9 @@ class Recorder:
 
 def _out(argv: list[str]) -> pathlib.Path:
   for i, a in enumerate(argv):
-    if a == "--out" and i + 1 < len(argv):
-      return pathlib.Path(argv[i + 1])
-    if a.startswith("--out="):
-      return pathlib.Path(a.split("=", 1)[1])
+    if a.startswith("--out=") or (a == "--out" and i + 1 < len(argv)):
+      path = pathlib.Path(a.split("=", 1)[1] if "=" in a else argv[i + 1])
+      return path.parent if path.suffix in (".md", ".txt") else path  # gemma's --out: a page
   return (
     pathlib.Path(os.environ.get("OUT") or "bench-out")
     if "--truth" in argv
@@ -213,14 +137,25 @@ def current() -> Recorder:
   return _current
 
 
+def add(section: str, case: str, **figures: Any) -> dict:
+  """Adds a row to the running job's rows (:func:`current`) and returns it."""
+  return current().add(section, case, **figures)
+
+
+def emit(table, section: str, case: str, **figures: Any) -> dict:
+  """Adds a row to the running job's rows and prints its line of `table` (a
+  `benchmarks.harness.render.Table`, whose head the job printed), at once."""
+  r = add(section, case, **figures)
+  print(table.line(r), flush=True)
+  return r
+
+
 @contextlib.contextmanager
 def recording(job: str, argv: list[str]) -> Iterator[Recorder]:
-  """Rows for `job` while it runs: what it prints to stdout is kept for :meth:`Recorder.write`."""
+  """The recorder of `job`'s rows while it runs (:func:`current`)."""
   global _current
-  previous, stdout = _current, sys.stdout
-  _current = recorder = Recorder(job, argv)
-  recorder.tee = sys.stdout = _Tee(stdout)
+  previous, _current = _current, Recorder(job, argv)
   try:
-    yield recorder
+    yield _current
   finally:
-    sys.stdout, _current = stdout, previous
+    _current = previous
