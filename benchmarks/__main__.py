@@ -31,7 +31,7 @@ JOBS = {
   "norms": Job("norms", "rms_norm / layer_norm in the gated stack and the decoder", cpu=True),
   "lce": Job("lce", "the LM head and its loss against the plain composition", cpu=True),
   "attention": Job("attention", "dot_product_attention in a decoder step", cpu=True),
-  "codes": Job("codes", "few-bit derivative codes: memory and step time"),
+  "codes": Job("codes", "few-bit derivative codes: memory and step time", cpu=True),
   "fewbit": Job("codes_training", "few-bit codes: training parity with exact derivatives"),
   "lm": Job("lm", "a byte-level LM trained with Flax and with jaxact: the losses"),
   "dropin": Job("dropin", "jaxact swapped into a Flax example's MLP block"),
