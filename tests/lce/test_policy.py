@@ -66,7 +66,9 @@ def _both(loss_type, dtype=jnp.float64, *, per_token=False, off_policy=True, **o
   return got, want
 
 
-@pytest.mark.sample(2, "gspo-per_sequence-off", "dr_grpo-per_token-on", "dapo-per_token-off")
+@pytest.mark.sample(
+  2, "gspo-per_sequence-off", "dr_grpo-per_token-on", "dapo-per_token-off", "ppo-per_token-off"
+)
 @pytest.mark.parametrize("policy", [True, False], ids=["off", "on"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sequence", "per_token"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -1,6 +1,7 @@
 """The gated MLP of transformers as one Flax linen layer, :class:`GatedMLP`: the parameters of three
 ``nn.Dense`` named ``gate_proj``, ``up_proj`` and ``down_proj``, computed with one
-:func:`jaxact.gated_mlp`; and :func:`gated_mlp`, the computation the linen and nnx layers share.
+:func:`jaxact.gated_mlp` (the call the linen and nnx layers share:
+:func:`~jaxact._src.gated.api_flax.layer_gated_mlp`).
 """
 
 from collections.abc import Sequence

@@ -148,8 +148,7 @@ def policy_gradient_loss(
   Args:
     x: the policy's hidden states at the completion positions, ``(..., T, D)``: the leading axes
       index the sequences (the group of completions).
-    w, bias, temperature, logit_soft_cap, w_layout, precision, implementation, vocab_block_size:
-      the LM head and its options, as :func:`jaxact.linear_log_probs` takes them.
+    w: the head's kernel, ``(D, V)`` (``(V, D)`` for ``w_layout="vd"``).
     tokens: the completion tokens, ``x.shape[:-1]``, any integer dtype.
     advantages: one a sequence (``tokens.shape[:-1]``) or one a token (``tokens.shape``).
     mask: bool, ``tokens.shape``: the completion tokens that count (None: all).
@@ -161,6 +160,13 @@ def policy_gradient_loss(
     beta: the KL coefficient (>= 0).
     entropy_coef: the entropy bonus's coefficient (>= 0).
     max_length: ``"dr_grpo"``'s constant :math:`L` (None: ``tokens.shape[-1]``).
+    bias: the head's bias, ``(V,)``, or None.
+    temperature: the logits are divided by it (the sampling temperature).
+    logit_soft_cap: Gemma 2's soft cap of the logits, or None.
+    w_layout: ``"dv"`` or ``"vd"``, as :func:`jaxact.linear_log_probs` takes it.
+    precision: of the head's matmuls.
+    implementation: the LM head's backend, as :func:`jaxact.linear_log_probs` takes it.
+    vocab_block_size: columns of ``w`` a block of the vocabulary loop (None: chosen).
 
   Returns:
     ``(loss, metrics)``: the scalar loss (float32; float64 for float64 inputs) and, detached, what
