@@ -2,7 +2,8 @@
 
 A row is ``{"job", "section", "case", "figures": {name: number or text}, "meta": {...}}``; `meta`
 is the run's: date, the command line, the device (kind, platform, count), the host and its load
-average, the versions of Python, jax, jaxlib, flax and jaxact. Every job adds its rows where it
+average, the versions of Python, jax, jaxlib, flax and jaxact, and (once written) the run's wall
+time in seconds. Every job adds its rows where it
 measures, its figures named (:func:`add`; :func:`emit` also prints the row's line of a
 `benchmarks.harness.render.Table`), and draws the tables it prints from them: the main job's in
 ``DIR/rows.jsonl`` (from which its ``results.md`` is rendered), every other job's in
@@ -19,6 +20,7 @@ import os
 import pathlib
 import platform
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -89,6 +91,7 @@ class Recorder:
     self.path = _out(argv) / ("rows.jsonl" if job == "main" else f"{job}.rows.jsonl")
     self.written = False
     self._meta: dict | None = None
+    self._start = time.monotonic()
 
   @property
   def meta(self) -> dict:
@@ -111,6 +114,7 @@ class Recorder:
       return self.path
     if not self.rows:
       return None
+    self.meta["seconds"] = round(time.monotonic() - self._start)  # every row's meta: the run's
     write(self.path, self.rows)
     self.written = True
     print(f"rows: {self.path}", file=sys.stderr)
