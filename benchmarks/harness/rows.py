@@ -54,12 +54,17 @@ def metadata(command: str) -> dict[str, Any]:
 
 
 def describe(meta: dict) -> str:
-  """The machine and versions of :func:`metadata`, as one line of a page."""
+  """The machine and versions of :func:`metadata`, as one line of a page (a package the run did
+  not import left out)."""
+  versions = ", ".join(
+    f"{name} {meta[key]}"
+    for name, key in (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("jaxact", "jaxact"))
+    if meta.get(key) is not None
+  )
   return (
     f"{meta.get('host')}: {meta.get('processor')}, {meta.get('cores')} cores, "
     f"{meta.get('devices')} x {meta.get('device')} ({meta.get('platform')}); "
-    f"Python {meta.get('python')}, jax {meta.get('jax')}, jaxlib {meta.get('jaxlib')}, "
-    f"flax {meta.get('flax')}, jaxact {meta.get('jaxact')}"
+    f"Python {meta.get('python')}, {versions}"
   )
 
 
