@@ -176,7 +176,10 @@ def job_block(job: str, section: str | None, job_rows: list[dict]) -> list[str]:
   module = importlib.import_module(f"benchmarks.tables.{job}")
   if section is not None and not any(r["section"] == section for r in job_rows):
     raise ValueError(f"data/{job}.rows.jsonl has no section {section!r}")
-  return [*provenance(job, job_rows), "", *module.tables(job_rows, section)]
+  lines = list(module.tables(job_rows, section))
+  while lines and not lines[0]:
+    lines.pop(0)
+  return [*provenance(job, job_rows), "", *lines]
 
 
 def job_blocks(text: str) -> list[tuple[str, str | None]]:
