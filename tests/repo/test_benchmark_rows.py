@@ -140,6 +140,27 @@ def test_every_job_adds_rows_where_it_measures():
   assert silent == [], "these jobs add no rows (benchmarks.harness.rows.add / emit)"
 
 
+# Jobs whose printed output is not drawn from their rows by a benchmarks/tables module yet.
+NO_TABLES = NO_ROWS | {"gpu": "the GPU harness's report (benchmarks/gpu), not yet from its rows"}
+
+
+def test_every_job_draws_its_tables_from_its_rows_without_jax():
+  jobs = [job for job in _jobs() if job not in NO_TABLES]
+  missing = [job for job in jobs if not (ROOT / "benchmarks" / "tables" / f"{job}.py").exists()]
+  assert missing == [], "these jobs have no benchmarks/tables/<job>.py with tables(rows, section)"
+  code = (
+    "import importlib, sys\n"
+    f"for job in {jobs!r}:\n"
+    "  assert callable(importlib.import_module(f'benchmarks.tables.{job}').tables), job\n"
+    "assert 'jax' not in sys.modules, 'a tables module imports jax'"
+  )
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_no_rows_are_parsed_from_printed_tables():
   source = (ROOT / "benchmarks" / "harness" / "rows.py").read_text()
   assert "printed_rows" not in source and "stdout" not in source
