@@ -342,14 +342,6 @@ def frontier(
   return seconds, timing.with_ratios(temps, by_round)
 
 
-# ----------------------------------------------------------------------------- rendering
-
-
-def render_memory(rows: list[MemoryRow], extra: str | None = None) -> list[str]:
-  """`extra`: "kept" or "fit", the last column."""
-  return page.memory([dataclasses.asdict(r) for r in rows], extra)
-
-
 def _memory_rows(section: str, found: list[MemoryRow]) -> list[MemoryRow]:
   """`found` added as rows (:class:`MemoryRow`'s fields, temps in MiB); read back from them."""
   added = [rows.add(section, f"{r.layout}, {r.peer}", **dataclasses.asdict(r)) for r in found]
