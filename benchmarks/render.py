@@ -166,7 +166,7 @@ def provenance(job: str, job_rows: list[dict]) -> list[str]:
   took = f", {m['seconds']} s" if "seconds" in m else ""
   return render.wrap(
     f"Measured {m['date'][:10]} by `{m['command']}`{took}; {rows.describe(m)}; load average "
-    f"{m.get('load')} at its start. Rendered from `data/{job}.rows.jsonl` by "
+    f"{m.get('load')} at its first figure. Rendered from `data/{job}.rows.jsonl` by "
     "`python -m benchmarks render`.",
   )
 
