@@ -47,6 +47,7 @@ from jaxact._src.gated.api import gated_dense as gated_dense
 from jaxact._src.gated.api import gated_mlp as gated_mlp
 from jaxact._src.gated.vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
 from jaxact._src.lce.api import linear_cross_entropy as linear_cross_entropy
+from jaxact._src.lce.api_distill import distillation_loss as distillation_loss
 from jaxact._src.lce.api_log_probs import linear_log_probs as linear_log_probs
 from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_loss
 from jaxact._src.norms.api import layer_norm as layer_norm
@@ -93,6 +94,7 @@ __all__ = [
   "linear_cross_entropy",
   "linear_log_probs",
   "policy_gradient_loss",
+  "distillation_loss",
   "rms_norm",
   "layer_norm",
   "dot_product_attention",

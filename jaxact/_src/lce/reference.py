@@ -139,3 +139,57 @@ def policy_gradient_reference(
   if loss_type == "dr_grpo":
     return -jnp.sum(per_token * m) / (sequences * (max_length or tokens.shape[-1]))
   return -jnp.sum(per_token * m) / jnp.maximum(jnp.sum(m), 1)
+
+
+def distillation_reference(
+  x,
+  w,
+  teacher_x,
+  teacher_w,
+  *,
+  divergence="forward_kl",
+  beta=0.5,
+  temperature=1.0,
+  mask=None,
+  labels=None,
+  hard_label_weight=0.0,
+  divergence_weight=1.0,
+  bias=None,
+  teacher_bias=None,
+  logit_soft_cap=None,
+  teacher_logit_soft_cap=None,
+):
+  """:func:`jaxact.distillation_loss` over both models' full logits, ``"mean"`` reduction: the KLs
+  and GKD's generalized JSD written from their definitions with ``jax.nn.log_softmax`` (a term of
+  zero probability counts 0), the teacher detached. Returns the loss alone."""
+  lq = _log_softmax(x, w, bias=bias, temperature=temperature, logit_soft_cap=logit_soft_cap)
+  lp = jax.lax.stop_gradient(
+    _log_softmax(
+      teacher_x,
+      teacher_w,
+      bias=teacher_bias,
+      temperature=temperature,
+      logit_soft_cap=teacher_logit_soft_cap,
+    )
+  )
+
+  def kl(la, lb):  # KL(a || b), 0 log 0 = 0
+    a = jnp.exp(la)
+    return jnp.sum(jnp.where(a > 0, a * (la - jnp.where(a > 0, lb, 0)), 0), -1)
+
+  if divergence == "forward_kl":
+    d = kl(lp, lq)
+  elif divergence == "reverse_kl":
+    d = kl(lq, lp)
+  else:
+    lm = jnp.log(beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq))
+    d = beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
+  loss = divergence_weight * d
+  if hard_label_weight:
+    ce = cross_entropy_reference(
+      x, w, labels, bias=bias, logit_soft_cap=logit_soft_cap, reduction="none"
+    )
+    loss = loss + hard_label_weight * ce
+  if mask is None:
+    return jnp.mean(loss)
+  return jnp.sum(jnp.where(mask, loss, 0)) / jnp.maximum(jnp.sum(mask), 1)
