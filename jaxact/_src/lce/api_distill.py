@@ -4,6 +4,7 @@ hard-label cross-entropy term), on the blocked loops of :mod:`jaxact._src.lce.xl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Literal
@@ -14,8 +15,10 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src.core import args
+from jaxact._src.core import args, shardings
+from jaxact._src.core.dispatch import Decision
 from jaxact._src.lce import api_checks as checks
+from jaxact._src.lce import sharding_distill
 from jaxact._src.lce.api import linear_cross_entropy
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.vjp_distill import per_token_divergence
@@ -175,24 +178,29 @@ def distillation_loss(
     acc = np.dtype(jnp.promote_types(acc_s, acc_t))
     count = math.prod(shape)
     block = checks.block_size(_FN, vocab_block_size, count, vocab, None)
-    plan = lambda cap, layout: LcePlan(
+    flat = lambda a: a.reshape(count, a.shape[-1])
+    xs, xt = flat(xs), flat(xt)
+    plan = lambda cap, layout, x, w, b: LcePlan(
       block=block,
       soft_cap=cap,
       temperature=temperature,
       w_layout=layout,
       precision=args.hashable_precision(precision),
       acc_dtype=acc,
+      shardings=shardings.specs(x, w, b),
     )
-    flat = lambda a: a.reshape(count, a.shape[-1])
+    ps, pt = plan(caps[0], w_layout, xs, ws, bs), plan(caps[1], teacher_w_layout, xt, wt, bt)
+    pattern = sharding_distill.pattern_of(ps, pt, xs, ws, xt, wt)  # both heads run in it
+    ps = dataclasses.replace(ps, decision=Decision(sharding=pattern))
     d = per_token_divergence(
-      plan(caps[0], w_layout),
-      plan(caps[1], teacher_w_layout),
+      ps,
+      pt,
       divergence,
       float(beta),
-      flat(xs),
+      xs,
       ws,
       bs,
-      flat(xt),
+      xt,
       wt,
       bt,
       None if where is None else where.reshape(count),

@@ -4,8 +4,9 @@ logits: :func:`preference_loss` (DPO, IPO, hinge, robust DPO, SimPO, ORPO, CPO, 
 Every loss is a function of each completion's sequence log-probability, the sum (or, for IPO,
 SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the completion's
 mask. Chosen and rejected completions (and the reference's, when computed in the call) go through
-one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens concatenated,
-so one vocabulary loop a pass serves both; the losses' own arithmetic is on (batch,) numbers and
+one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens concatenated
+along the sequence axis (the batch's data-parallel sharding kept), so one vocabulary loop a pass
+serves both; the losses' own arithmetic is on (batch,) numbers and
 lives in :mod:`jaxact._src.lce.api_preference_losses`.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src.core import args, dispatch, validation
+from jaxact._src.core import args, dispatch, shardings, validation
 from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import api_preference_losses as losses
@@ -82,15 +83,25 @@ def _features(w: Array, layout: str, name: str) -> int:
 
 
 def _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options) -> tuple[Array, Array]:
-  """Per-token log-probs of both completions from one :func:`linear_log_probs` call over their
-  tokens concatenated (0 where masked), each of its tokens' shape."""
-  d = x_c.shape[-1]
-  x = jnp.concatenate([x_c.reshape(-1, d), x_r.reshape(-1, d)])
-  tokens = jnp.concatenate([t_c.reshape(-1), t_r.reshape(-1)])
-  where = jnp.concatenate([m_c.reshape(-1), m_r.reshape(-1)])
-  logp = linear_log_probs(x, w, tokens, bias=b, where=where, **options)
-  n = t_c.size
-  return logp[:n].reshape(t_c.shape), logp[n:].reshape(t_r.shape)
+  """Per-token log-probs of both completions (0 where masked), each of its tokens' shape: one
+  :func:`linear_log_probs` call over their tokens concatenated along the sequence axis where the
+  batch shapes agree (the batch axes, and their data-parallel sharding, kept: no device's rows
+  move), else (KTO's unpaired batches, or a sequence axis split over devices) one call each."""
+  spec = shardings.spec(x_c)
+  if t_c.shape[:-1] == t_r.shape[:-1] and (spec is None or not spec[-2]):
+    if spec is not None:  # the same sharding on both sides, as the concatenation needs
+      x_r = shardings.to_spec(x_r, spec)
+      t_c, t_r, m_c, m_r = (shardings.to_spec(a, spec[:-1]) for a in (t_c, t_r, m_c, m_r))
+    x = jnp.concatenate([x_c, x_r], axis=-2)
+    tokens = jnp.concatenate([t_c, t_r], axis=-1)
+    where = jnp.concatenate([m_c, m_r], axis=-1)
+    logp = linear_log_probs(x, w, tokens, bias=b, where=where, **options)
+    n = t_c.shape[-1]
+    return logp[..., :n], logp[..., n:]
+  return tuple(
+    linear_log_probs(x, w, t, bias=b, where=m, **options)
+    for x, t, m in ((x_c, t_c, m_c), (x_r, t_r, m_r))
+  )
 
 
 def preference_loss(
@@ -178,9 +189,11 @@ def preference_loss(
   in float32; the loss and metrics are float32 (float64 for float64 inputs).
 
   **What is kept.** The policy's log-probabilities are one :func:`jaxact.linear_log_probs` call
-  over chosen and rejected tokens concatenated: its ``custom_vjp`` keeps ``x``, ``w``, ``bias``,
-  the tokens and two float32 numbers a token; no (tokens, vocabulary) array exists. The reference's
-  are one more call on ``stop_gradient`` inputs: no residuals, no gradients.
+  over chosen and rejected tokens concatenated along the sequence axis (KTO's unpaired batches:
+  one call each): its ``custom_vjp`` keeps ``x``, ``w``, ``bias``, the tokens and two float32
+  numbers a token; no (tokens, vocabulary) array exists. The reference's are one more call on
+  ``stop_gradient`` inputs: no residuals, no gradients. Under a mesh the batch axes keep their
+  data-parallel sharding and the head its vocabulary split (:func:`jaxact.linear_log_probs`).
 
   Args:
     x_chosen: the policy's hidden states of the chosen completions, ``(..., T_c, D)``.

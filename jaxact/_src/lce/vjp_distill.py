@@ -1,7 +1,8 @@
 """The ``custom_vjp`` of :func:`jaxact.distillation_loss`'s divergence: it keeps both heads' inputs
 (which the caller holds anyway), each head's row max and log-sum and one number a token, and
-recomputes the logits block by block in the backward (:mod:`jaxact._src.lce.xla_distill`). The
-teacher is frozen: its arguments get zero cotangents."""
+recomputes the logits block by block in the backward (:mod:`jaxact._src.lce.xla_distill`), each
+device on its shards under Explicit mesh axes (:mod:`jaxact._src.lce.sharding_distill`). The
+teacher is frozen: its arguments get zero cotangents. Every cotangent is typed as its primal."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from jaxact._src.core import shardings
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla_distill import divergence, statistics, student_grads
+from jaxact._src.lce.sharding import gathered
+from jaxact._src.lce.sharding_distill import divergence, statistics, student_grads
 
 
 def _fwd(ps: LcePlan, pt: LcePlan, kind: str, beta: float, xs, ws, bs, xt, wt, bt, where):
+  # Both heads' features whole on each device (gathered where split), kept so for the backward.
+  xs, xt = gathered(ps, xs), gathered(ps, xt)
   norm_s, norm_t = statistics(ps, pt, xs, ws, bs, xt, wt, bt)
   d, aux = divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t)
   if where is not None:
@@ -39,7 +44,9 @@ def _bwd(ps, pt, kind, beta, res, g):
     g = jnp.where(where, g, 0)
   dx, dw, db = student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, aux, g)
   zero = lambda a: None if a is None else jnp.zeros_like(a)
-  return dx, dw, db, zero(xt), zero(wt), zero(bt), None
+  dx, dw, db = shardings.retype((dx, dw, db), ps.shardings)
+  teacher = shardings.retype((zero(xt), zero(wt), zero(bt)), pt.shardings)
+  return dx, dw, db, *teacher, None
 
 
 per_token_divergence.defvjp(_fwd, _bwd)

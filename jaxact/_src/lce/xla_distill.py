@@ -50,7 +50,7 @@ def _head_block(plan: LcePlan, x, w, b, j, vocab):
   return s, dcap, start, wj, cols, fresh
 
 
-def _normalizer(m: Array, se: Array) -> tuple[Array, Array]:
+def normalizer(m: Array, se: Array) -> tuple[Array, Array]:
   """``(m, log se)``: the log-sum-exp kept as the row max and the log of the sum (at most
   ``log V``) apart, so that ``log q = (s - m) - log se`` is exact for logits of -1e9; ``log se`` is
   0 for a row with no finite logit (every ``s - m`` is -inf there)."""
@@ -62,9 +62,9 @@ def _log_probs(s: Array, norm: tuple[Array, Array]) -> Array:
   return (s - m[:, None]) - log_se[:, None]
 
 
-def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
-  """Each row's ``(max, log Σ exp(s - max))`` of the student's and of the teacher's logits,
-  ``(norm_s, norm_t)``, from one loop over both heads' column blocks."""
+def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
+  """Each row's ``(max, Σ exp(s - max))`` of the student's and of the teacher's logits over the
+  heads' columns, ``((m_s, se_s), (m_t, se_t))``, from one loop over both heads' column blocks."""
   vocab, n = _blocks(ps, ws)
   acc, t = ps.acc_dtype, xs.shape[0]
   labels = jnp.zeros((t,), jnp.int32)
@@ -80,8 +80,14 @@ def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
     return (ms, ses), (mt, set_)
 
   start = (jnp.full((t,), lowest(acc), acc), jnp.zeros((t,), acc))
-  (ms, ses), (mt, set_) = loop(n, body, (start, start))
-  return _normalizer(ms, ses), _normalizer(mt, set_)
+  return loop(n, body, (start, start))
+
+
+def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
+  """Each row's ``(max, log Σ exp(s - max))`` of the student's and of the teacher's logits,
+  ``(norm_s, norm_t)`` (:func:`row_sums`, then :func:`normalizer`)."""
+  (ms, ses), (mt, set_) = row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
+  return normalizer(ms, ses), normalizer(mt, set_)
 
 
 def _terms(kind: str, beta: float, lq: Array, lp: Array):
