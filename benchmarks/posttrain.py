@@ -22,14 +22,15 @@ Sections:
 * ``memory``: compiled temp (``memory_analysis().temp_size_in_bytes``) on CPU, float32, T 1024 /
   4096 / 8192, V 32768 / 128256 / 151936 / 262144;
 * ``memory-h100``: the same compiled for an H100 on this machine (``support.compile_for``),
-  bfloat16 hidden states and heads;
-* ``fit-h100``: for each method and V, the longest completion (T, the group of 8) whose compiled
-  temp plus arguments and outputs fits the H100's 80 GB (``harness.memory.largest_fit_of``);
+  bfloat16 hidden states and heads, T 8192 (``--gpu-lengths``);
+* ``fit-h100``: for each method at V 128256 (``--fit-vocabs``), the longest completion (T, the
+  group of 8) whose compiled temp plus arguments and outputs fits the H100's 80 GB
+  (``harness.memory.largest_fit_of``);
 * ``time``: CPU step time, float32, 4 x 256 tokens, D = 512, V = 32768 (chunks of 256), the median
   of within-round ratios to ``plain`` over alternated rounds, and each loss's relative difference
   from ``plain``'s.
 
-``--quick``: T 1024, V 128256 (fits: V 151936), 3 timing rounds. Results:
+``--quick``: T 1024, V 128256, 3 timing rounds (about 3 minutes). Results:
 benchmarks/results/posttrain.md.
 """
 
@@ -153,13 +154,6 @@ TASKS = {
   },
   "distill": {"plain": distill_plain, "chunk+remat": distill_chunked, "jaxact": distill_jaxact},
 }
-LABELS = {
-  "plain": "plain: log_softmax(x @ w), reference.py's loss",
-  "plain-lp": "plain log-probs, the loss by hand (no entropy)",
-  "chunk+remat": "chunks under jax.checkpoint in lax.map",
-  "log_probs+loss": "jaxact.linear_log_probs + the loss by hand",
-  "jaxact": "jaxact.policy_gradient_loss / distillation_loss",
-}
 
 
 def shapes(task, sequences, length, dim, vocab, dtype) -> list[jax.ShapeDtypeStruct]:
@@ -245,14 +239,9 @@ def record(section: str, found: list) -> list[dict]:
 # ----------------------------------------------------------------------------- sections
 
 
-def _compile(fn, args, gpu: bool):
-  if gpu:
-    return support.compile_for(fn, args)
-  return jax.jit(fn).lower(*args).compile()
-
-
 def section_memory(lengths, vocabs, gpu: bool, tasks=TASKS) -> list[MemRow]:
   dtype = jnp.bfloat16 if gpu else jnp.float32
+  compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
   found = []
   for task, methods in tasks.items():
     for length in lengths:
@@ -260,7 +249,7 @@ def section_memory(lengths, vocabs, gpu: bool, tasks=TASKS) -> list[MemRow]:
         args = shapes(task, SEQUENCES, length, DIM, vocab, dtype)
         rows = {}
         for name, loss in methods.items():
-          temp = _compile(step(loss), args, gpu).memory_analysis().temp_size_in_bytes
+          temp = compile_(step(loss), args).memory_analysis().temp_size_in_bytes
           rows[name] = MemRow(
             task, name, SEQUENCES, length, DIM, vocab, jnp.dtype(dtype).name, temp
           )
@@ -406,11 +395,11 @@ def main(argv=None) -> int:
     default="memory,memory-h100,fit-h100,time",
     help="comma-separated: memory, memory-h100, fit-h100, time",
   )
-  parser.add_argument("--quick", action="store_true", help="T 1024, V 128256; fits at V 151936")
+  parser.add_argument("--quick", action="store_true", help="T 1024, V 128256, 3 rounds")
   parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="T (memory)")
-  parser.add_argument("--gpu-lengths", default="1024,8192", help="T (memory-h100)")
+  parser.add_argument("--gpu-lengths", default="8192", help="T (memory-h100)")
   parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="V (memory sections)")
-  parser.add_argument("--fit-vocabs", default="128256,262144", help="V (fit-h100)")
+  parser.add_argument("--fit-vocabs", default="128256", help="V (fit-h100)")
   parser.add_argument("--runs", type=int, default=5, help="timing rounds")
   parser.add_argument("--out", default="bench-out", help="the folder of posttrain.rows.jsonl")
   args = parser.parse_args(argv)
@@ -421,7 +410,7 @@ def main(argv=None) -> int:
   runs = args.runs
   if args.quick:
     lengths = gpu_lengths = (1024,)
-    vocabs, fit_vocabs, runs = (128256,), (151936,), 3
+    vocabs, fit_vocabs, runs = (128256,), (128256,), 3
   sections = args.sections.split(",")
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
