@@ -30,6 +30,9 @@ JOBS = {
   "gated": Job("gated", "gated MLP stacks against Flax, Flax + remat and tokamax", cpu=True),
   "norms": Job("norms", "rms_norm / layer_norm in the gated stack and the decoder", cpu=True),
   "lce": Job("lce", "the LM head and its loss against the plain composition", cpu=True),
+  "posttrain": Job(
+    "posttrain", "GRPO and distillation steps' LM head: memory, fits, time", cpu=True
+  ),
   "attention": Job("attention", "dot_product_attention in a decoder step", cpu=True),
   "codes": Job("codes", "few-bit derivative codes: memory and step time", cpu=True),
   "fewbit": Job("codes_training", "few-bit codes: training parity with exact derivatives"),

@@ -4,10 +4,10 @@ Each op is one ``jax.custom_vjp`` keeping only what its backward needs (the outp
 derivative can be written from it): every ``jax.nn`` activation under its own name (plus
 ``gelu_quick``), ``dense_bias_act`` / ``conv_bias_act``, ``gated_dense`` / ``gated_mlp``,
 ``rms_norm`` / ``layer_norm``, ``dot_product_attention``, ``linear_cross_entropy`` (the LM head
-and its loss without the logits) and ``linear_log_probs`` (per-token log-probabilities and
-entropy, without the logits). Flax layers in :mod:`jaxact.linen` and :mod:`jaxact.nnx`; GPU
-kernels in :mod:`pallas_kernels`. See the README and ``docs/`` for what each keeps and where it
-differs from jax.nn.
+and its loss without the logits), ``linear_log_probs`` (per-token log-probabilities and entropy,
+without the logits) and ``preference_loss`` (DPO and its kin on them). Flax layers in
+:mod:`jaxact.linen` and :mod:`jaxact.nnx`; GPU kernels in :mod:`pallas_kernels`. See the README
+and ``docs/`` for what each keeps and where it differs from jax.nn.
 """
 
 from jaxact._src.activations.api import ACTIVATIONS as ACTIVATIONS
@@ -47,8 +47,10 @@ from jaxact._src.gated.api import gated_dense as gated_dense
 from jaxact._src.gated.api import gated_mlp as gated_mlp
 from jaxact._src.gated.vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
 from jaxact._src.lce.api import linear_cross_entropy as linear_cross_entropy
+from jaxact._src.lce.api_distill import distillation_loss as distillation_loss
 from jaxact._src.lce.api_log_probs import linear_log_probs as linear_log_probs
 from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_loss
+from jaxact._src.lce.api_preference import preference_loss as preference_loss
 from jaxact._src.norms.api import layer_norm as layer_norm
 from jaxact._src.norms.api import rms_norm as rms_norm
 
@@ -93,6 +95,8 @@ __all__ = [
   "linear_cross_entropy",
   "linear_log_probs",
   "policy_gradient_loss",
+  "distillation_loss",
+  "preference_loss",
   "rms_norm",
   "layer_norm",
   "dot_product_attention",

@@ -71,6 +71,7 @@ from benchmarks.gpu.truth_timings import (
   time_decoder,
   time_gated,
   time_lce,
+  time_posttrain,
 )
 from benchmarks.harness import rows
 from support import is_hopper
@@ -157,6 +158,8 @@ STEPS: tuple[Step, ...] = (
        "decoder training step: Flax + optax against jaxact"),
   Step("time-codes-step",         4, 100, time_codes_step,
        "one layer's training step with each code, per implementation"),
+  Step("time-posttrain",          4,  45, time_posttrain,
+       "GRPO loss step 16 x 1024 x 4096 x 128k: the plain composition against jaxact"),
 )
 # fmt: on
 

@@ -320,3 +320,52 @@ def time_decoder(ctx: th.Context):
     lines.append(f"| {label} | {1e3 * times[label]:.1f} | {times[label] / base:.2f} |")
     _ratio_verdict(ctx, f"time-decoder {label}", times[label], base, "Flax + optax")
   return lines, times
+
+
+def time_posttrain(ctx: th.Context):
+  """A GRPO step's loss part (hidden states and head in, their gradients out) in bfloat16,
+  16 x 1024 completion tokens, D 4096, V 128k: the plain composition (the full logits'
+  log_softmax, jaxact/_src/lce/reference.py) against jaxact.policy_gradient_loss; time and the
+  compiled temp of each."""
+  import jaxact
+  from benchmarks.gpu.common import median_seconds
+  from jaxact._src.lce.reference import policy_gradient_reference
+
+  g, t, d, v = ctx.pick((16, 1024, 4096, 131072), (2, 16, 32, 256))
+  runs = 1 if ctx.small else min(ctx.runs, 5)
+  k = jax.random.split(jax.random.key(70), 5)
+  x = jax.random.normal(k[0], (g, t, d), jnp.float32).astype(jnp.bfloat16)
+  w = (d**-0.5 * jax.random.normal(k[1], (d, v), jnp.float32)).astype(jnp.bfloat16)
+  tokens = jax.random.randint(k[2], (g, t), 0, v)
+  old = -3.0 + 0.1 * jax.random.normal(k[3], (g, t), jnp.float32)
+  adv = jax.random.normal(k[4], (g,), jnp.float32)
+  kw = dict(old_log_probs=old, ref_log_probs=old, beta=0.04, loss_type="grpo")
+  paths = {
+    "plain": lambda x, w: policy_gradient_reference(x, w, tokens, adv, **kw),
+    "jaxact": lambda x, w: jaxact.policy_gradient_loss(x, w, tokens, adv, **kw)[0],
+  }
+  lines = [
+    f"GRPO loss step, (G, T, D, V) = {(g, t, d, v)}, bfloat16",
+    "",
+    "| path | fwd+bwd ms | / plain | temp MiB |",
+    "|---|---|---|---|",
+  ]
+  data = {}
+  for label, fn in paths.items():
+    step = jax.jit(jax.grad(fn, (0, 1)))
+    try:
+      temp = step.lower(x, w).compile().memory_analysis().temp_size_in_bytes / 2**20
+      seconds = median_seconds(step, [(x, w)], runs)
+    except Exception as e:
+      ctx.log(f"time-posttrain {label}\n{traceback.format_exc()}")
+      ctx.verdict(f"time-posttrain {label}", "ERROR", th.one_line(e))
+      continue
+    data[label] = (seconds, temp)
+    base = data.get("plain", (math.nan, math.nan))[0]
+    lines.append(f"| {label} | {1e3 * seconds:.1f} | {seconds / base:.2f} | {temp:.0f} |")
+    ctx.verdict(
+      f"time-posttrain {label}",
+      "ok",
+      f"{1e3 * seconds:.1f} ms {seconds / base:.2f}x plain, temp {temp:.0f} MiB",
+    )
+  return lines, {k: list(v) for k, v in data.items()}

@@ -671,3 +671,22 @@ def test_sharded_equals_one_device(sharded_results, name):
 
 if __name__ == "__main__":
   eight_devices.run_cases({n: functools.partial(sharded_case, n) for n in SHARDED}, sys.argv[1:])
+
+
+def test_certain_tokens_under_jit_never_get_a_positive_log_probability():
+  """Logits of order 1e7 with a temperature, under jit: XLA may fuse the division into two kernels
+  that round one logit a unit apart, which once gave log p(argmax) = +0.375. log p <= 0 and the
+  entropy >= 0 hold whatever the rounding."""
+  k = jax.random.split(jax.random.key(11), 3)
+  x = jax.random.normal(k[0], (32, 16), jnp.float32) * 3e6
+  w = jax.random.normal(k[1], (16, 96), jnp.float32)
+  b = jax.random.normal(k[2], (96,), jnp.float32)
+  certain = jnp.argmax(x @ w + b, -1)
+  for temperature in (0.8, 1.3):
+    f = jax.jit(
+      lambda x, w, b, t=temperature: jaxact.linear_log_probs(
+        x, w, certain, bias=b, temperature=t, return_entropy=True
+      )
+    )
+    logp, entropy = f(x, w, b)
+    assert float(jnp.max(logp)) <= 0.0 and float(jnp.min(entropy)) >= 0.0

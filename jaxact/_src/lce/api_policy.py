@@ -76,11 +76,11 @@ def _surrogate(log_ratio: Array, adv: Array, low: float, high: float) -> tuple[A
   binds. Written per sign of ``A`` (``A min(r, 1 + high)`` for ``A >= 0``, ``A max(r, 1 - low)``
   below), each as ``exp`` of a clipped log-ratio: a ratio that would overflow where the clip holds
   is never formed, so neither the value nor the gradient meets ``0 * inf``."""
-  up = jnp.minimum(log_ratio, np.log1p(high))
-  down = jnp.maximum(log_ratio, np.log(1 - low) if low < 1 else -np.inf)
+  top, bottom = float(np.log1p(high)), float(np.log1p(-low))  # Python floats: log_ratio's dtype
+  up, down = jnp.minimum(log_ratio, top), jnp.maximum(log_ratio, bottom)
   positive = adv >= 0
   value = adv * jnp.exp(jnp.where(positive, up, down))
-  clipped = jnp.where(positive, log_ratio > np.log1p(high), log_ratio < np.log1p(-low))
+  clipped = jnp.where(positive, log_ratio > top, log_ratio < bottom)
   return value, clipped & (adv != 0)
 
 

@@ -139,3 +139,215 @@ def policy_gradient_reference(
   if loss_type == "dr_grpo":
     return -jnp.sum(per_token * m) / (sequences * (max_length or tokens.shape[-1]))
   return -jnp.sum(per_token * m) / jnp.maximum(jnp.sum(m), 1)
+
+
+def distillation_reference(
+  x,
+  w,
+  teacher_x,
+  teacher_w,
+  *,
+  divergence="forward_kl",
+  beta=0.5,
+  temperature=1.0,
+  mask=None,
+  labels=None,
+  hard_label_weight=0.0,
+  divergence_weight=1.0,
+  bias=None,
+  teacher_bias=None,
+  logit_soft_cap=None,
+  teacher_logit_soft_cap=None,
+):
+  """:func:`jaxact.distillation_loss` over both models' full logits, ``"mean"`` reduction: the KLs
+  and GKD's generalized JSD written from their definitions with ``jax.nn.log_softmax`` (a term of
+  zero probability counts 0), the teacher detached. Returns the loss alone."""
+  lq = _log_softmax(x, w, bias=bias, temperature=temperature, logit_soft_cap=logit_soft_cap)
+  lp = jax.lax.stop_gradient(
+    _log_softmax(
+      teacher_x,
+      teacher_w,
+      bias=teacher_bias,
+      temperature=temperature,
+      logit_soft_cap=teacher_logit_soft_cap,
+    )
+  )
+
+  def kl(la, lb):  # KL(a || b), 0 log 0 = 0
+    a = jnp.exp(la)
+    return jnp.sum(jnp.where(a > 0, a * (la - jnp.where(a > 0, lb, 0)), 0), -1)
+
+  if divergence == "forward_kl":
+    d = kl(lp, lq)
+  elif divergence == "reverse_kl":
+    d = kl(lq, lp)
+  else:
+    lm = jnp.log(beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq))
+    d = beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
+  loss = divergence_weight * d
+  if hard_label_weight:
+    ce = cross_entropy_reference(
+      x, w, labels, bias=bias, logit_soft_cap=logit_soft_cap, reduction="none"
+    )
+    loss = loss + hard_label_weight * ce
+  if mask is None:
+    return jnp.mean(loss)
+  return jnp.sum(jnp.where(mask, loss, 0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+# ----------------------------------------------------------------- preference losses (issue 45)
+# Each written from its paper on the full logits' log-probabilities (log_probs_reference), in the
+# plain forms (1 - sigmoid, log1p(-exp)), with jaxact's documented padding rule: a pair (KTO: a
+# completion) with no unmasked token does not count, and the mean is over the counted ones.
+
+
+def preference_sequence_reference(x, w, tokens, mask, **options):
+  """``(sum, mean, counted)`` of each sequence's token log-probabilities over `mask` (the last
+  axis): the sum, the sum over the count of unmasked tokens (at least 1), whether it has one."""
+  logp = log_probs_reference(x, w, tokens, where=mask, **options)
+  total = jnp.sum(logp, axis=-1)
+  count = jnp.sum(mask, axis=-1)
+  return total, total / jnp.maximum(count, 1), count > 0
+
+
+def preference_dpo_reference(h, beta, label_smoothing=0.0):
+  """DPO (Rafailov et al. 2023, eq. 7) with cDPO's label smoothing (Mitchell 2023)."""
+  e = label_smoothing
+  return -(1 - e) * jax.nn.log_sigmoid(beta * h) - e * jax.nn.log_sigmoid(-beta * h)
+
+
+def preference_robust_reference(h, beta, label_smoothing):
+  """Robust DPO (Chowdhury et al. 2024, eq. 5): the unbiased loss under flip rate ε."""
+  e = label_smoothing
+  up, down = -jax.nn.log_sigmoid(beta * h), -jax.nn.log_sigmoid(-beta * h)
+  return ((1 - e) * up - e * down) / (1 - 2 * e)
+
+
+def preference_ipo_reference(h, beta):
+  """IPO (Azar et al. 2024, eq. 17): ``(h - 1/(2τ))²``, τ = beta."""
+  return (h - 1 / (2 * beta)) ** 2
+
+
+def preference_hinge_reference(h, beta):
+  """SLiC-HF's hinge (Zhao et al. 2023) on RSO's reference-normalised margin: ``max(0, 1 - βh)``."""
+  return jnp.maximum(0, 1 - beta * h)
+
+
+def preference_simpo_reference(mean_c, mean_r, beta, gamma, label_smoothing=0.0):
+  """SimPO (Meng et al. 2024, eq. 6):
+  ``-log sigmoid(beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma)``."""
+  return preference_dpo_reference(mean_c - mean_r - gamma / beta, beta, label_smoothing)
+
+
+def preference_orpo_reference(mean_c, mean_r, beta):
+  """ORPO's odds-ratio term (Hong et al. 2024, eqs. 4-7), times λ = beta: the odds
+  ``P / (1 - P)`` of ``P = exp(mean log-prob)``. Returns ``(term, log odds ratio)``."""
+  log_odds = (mean_c - jnp.log1p(-jnp.exp(mean_c))) - (mean_r - jnp.log1p(-jnp.exp(mean_r)))
+  return -beta * jnp.log(jax.nn.sigmoid(log_odds)), log_odds
+
+
+def preference_kto_reference(rho_c, rho_r, has_c, has_r, beta, w_d, w_u, kl=None):
+  """KTO (Ethayarajh et al. 2024, eq. 8): ``λ_y - v(x, y)`` per completion, the reference point
+  the batch's mean log-ratio clamped at 0 (or `kl`), detached; the mean over the completions."""
+  both = jnp.concatenate([has_c, has_r])
+  if kl is None:
+    kl = jnp.maximum(_counted_mean(jnp.concatenate([rho_c, rho_r]), both), 0)
+  kl = jax.lax.stop_gradient(kl)
+  v_c = w_d * jax.nn.sigmoid(beta * (rho_c - kl))
+  v_r = w_u * jax.nn.sigmoid(beta * (kl - rho_r))
+  return _counted_mean(jnp.concatenate([w_d - v_c, w_u - v_r]), both), kl
+
+
+def _counted_mean(values, counted):
+  """The mean of `values` where `counted` (0 where nothing counts), jit-compatible."""
+  return jnp.sum(jnp.where(counted, values, 0)) / jnp.maximum(jnp.sum(counted), 1)
+
+
+def preference_reference(
+  x_chosen,
+  x_rejected,
+  w,
+  chosen_tokens,
+  rejected_tokens,
+  *,
+  chosen_mask,
+  rejected_mask,
+  loss="dpo",
+  beta=0.1,
+  label_smoothing=0.0,
+  simpo_gamma=0.5,
+  nll_weight=1.0,
+  desirable_weight=1.0,
+  undesirable_weight=1.0,
+  kto_kl=None,
+  ref_chosen_log_probs=None,
+  ref_rejected_log_probs=None,
+  **options,
+):
+  """``(loss, metrics)`` of :func:`jaxact.preference_loss` from the full logits, each loss from its
+  paper above, averaged over the counted pairs. `options`: ``bias``, ``temperature``,
+  ``logit_soft_cap``, ``w_layout``."""
+  sum_c, mean_c, has_c = preference_sequence_reference(
+    x_chosen, w, chosen_tokens, chosen_mask, **options
+  )
+  sum_r, mean_r, has_r = preference_sequence_reference(
+    x_rejected, w, rejected_tokens, rejected_mask, **options
+  )
+  length_c = jnp.maximum(jnp.sum(chosen_mask, -1), 1)
+  length_r = jnp.maximum(jnp.sum(rejected_mask, -1), 1)
+  normalised = loss in ("ipo", "simpo", "orpo")
+  pi_c, pi_r = (mean_c, mean_r) if normalised else (sum_c, sum_r)
+  rho_c, rho_r = pi_c, pi_r
+  if ref_chosen_log_probs is not None:
+    ref_c = jax.lax.stop_gradient(ref_chosen_log_probs)
+    ref_r = jax.lax.stop_gradient(ref_rejected_log_probs)
+    if normalised:
+      ref_c, ref_r = ref_c / length_c, ref_r / length_r
+    rho_c, rho_r = pi_c - ref_c, pi_r - ref_r
+  if loss == "kto":
+    value, kl = preference_kto_reference(
+      rho_c, rho_r, has_c, has_r, beta, desirable_weight, undesirable_weight, kto_kl
+    )
+    return value, {
+      "rewards/chosen": _counted_mean(beta * rho_c, has_c),
+      "rewards/rejected": _counted_mean(beta * rho_r, has_r),
+      "logps/chosen": _counted_mean(pi_c, has_c),
+      "logps/rejected": _counted_mean(pi_r, has_r),
+      "kl": kl,
+    }
+  keep = has_c & has_r
+  h = rho_c - rho_r
+  metrics = {}
+  if loss == "dpo":
+    losses = preference_dpo_reference(h, beta, label_smoothing)
+  elif loss == "robust":
+    losses = preference_robust_reference(h, beta, label_smoothing)
+  elif loss == "ipo":
+    losses = preference_ipo_reference(h, beta)
+  elif loss == "hinge":
+    losses = preference_hinge_reference(h, beta)
+  elif loss == "simpo":
+    losses = preference_simpo_reference(pi_c, pi_r, beta, simpo_gamma, label_smoothing)
+  elif loss == "cpo":  # CPO (Xu et al. 2024, eq. 6): DPO's form without the reference
+    losses = preference_dpo_reference(pi_c - pi_r, beta, label_smoothing)
+  else:  # a pair that does not count has no odds: -1 stands in (log1p(-exp(0)) = -inf)
+    losses, log_odds = preference_orpo_reference(
+      jnp.where(keep, pi_c, -1), jnp.where(keep, pi_r, -1), beta
+    )
+    metrics["log_odds_chosen"] = _counted_mean(log_odds, keep)
+  value = _counted_mean(losses, keep)
+  if loss in ("orpo", "cpo"):  # + the chosen completions' NLL, TRL's token mean
+    logp = log_probs_reference(x_chosen, w, chosen_tokens, **options)
+    nll = -_counted_mean(logp, chosen_mask & keep[..., None])
+    value = value + nll_weight * nll
+    metrics["nll_loss"] = nll
+  rewards_c, rewards_r = beta * rho_c, beta * rho_r
+  metrics |= {
+    "rewards/chosen": _counted_mean(rewards_c, keep),
+    "rewards/rejected": _counted_mean(rewards_r, keep),
+    "rewards/margins": _counted_mean(rewards_c - rewards_r, keep),
+    "rewards/accuracies": _counted_mean(rewards_c > rewards_r, keep),
+    "logps/chosen": _counted_mean(pi_c, keep),
+    "logps/rejected": _counted_mean(pi_r, keep),
+  }
+  return value, metrics

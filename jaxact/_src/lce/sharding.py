@@ -35,6 +35,14 @@ def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
   return x.reshape(tokens, x.shape[-1]), labels.reshape(tokens)
 
 
+def global_sums(m, se, model: tuple[str, ...], m_all=None):
+  """``(max, Σ exp(s - max))`` of each token over all the devices of the `model` axes, from each
+  device's over its columns: the ``pmax`` of the maxima (`m_all`, when already taken) and the
+  ``psum`` of the sums, each rescaled to it first."""
+  m_all = lax.pmax(m, model) if m_all is None else m_all
+  return m_all, lax.psum(se * exp_diff(m, m_all), model)
+
+
 def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
   """``(max, Σ exp(s - max), label logit, gap, argmax column, moment)`` for one device's tokens
   ``x`` (..., D) and columns `w` (``gap``: the smoothing mean's distance below the max, None
@@ -65,10 +73,9 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
       m_all = lax.pmax(m, model)
       if moment is not None:  # each device's moment measured from the max over all of them
         moment = lax.psum(lift_moment(moment, se, m, m_all), model)
-      se = lax.psum(se * exp_diff(m, m_all), model)
       if gap is not None:  # each device's gap measured from the max over all of them
         gap = lax.psum(lift_gap(gap, m, m_all, vocab), model)
-      m = m_all
+      m, se = global_sums(m, se, model, m_all)
     gap = None if gap is None else mean_gap(m, gap, vocab)
     pred = None
     if best is not None:
@@ -113,12 +120,12 @@ def _local_grads(
   return dx.reshape(x.shape), dw, db
 
 
-def _w_spec(plan: LcePlan, spec):
+def w_spec(plan: LcePlan, spec):
   """A (D, V) spec in `w`'s own layout."""
   return spec if plan.w_layout == "dv" else spec[::-1]
 
 
-def _split(pattern, axes: tuple[str, ...]) -> tuple[str, ...]:
+def split_axes(pattern, axes: tuple[str, ...]) -> tuple[str, ...]:
   """The `axes` of more than one device (over one, the reductions would be collectives that do
   nothing)."""
   return tuple(a for a in axes if pattern.mesh.shape[a] > 1)
@@ -140,9 +147,9 @@ def statistics(plan: LcePlan, x, w, b, labels, vocab: int):
     return _local_stats(plan, x, w, b, labels, vocab=vocab)
   rows = pattern.x[:-1]
   return pallas_sharding.per_shard(
-    functools.partial(_local_stats, plan, vocab=vocab, model=_split(pattern, pattern.model)),
+    functools.partial(_local_stats, plan, vocab=vocab, model=split_axes(pattern, pattern.model)),
     (x, w, b, labels),
-    (pattern.x, _w_spec(plan, pattern.w), (pattern.model,), rows),
+    (pattern.x, w_spec(plan, pattern.w), (pattern.model,), rows),
     (rows, rows, rows, rows, rows, rows),
     mesh=pattern.mesh,
   )
@@ -156,16 +163,28 @@ def gradients(plan: LcePlan, x, w, b, labels, m, row_scales):
   if pattern is None:
     return _local_grads(plan, x, w, b, labels, m, *row_scales)
   rows = pattern.x[:-1]
-  w_local = _w_spec(plan, pattern.w)
-  x_spec, w_spec, _ = plan.shardings
-  x_final = pattern.x if x_spec is None else x_spec
-  w_final = w_local if w_spec is None else w_spec
+  local, final = gradient_specs(plan, pattern)
   return pallas_sharding.per_shard(
-    functools.partial(_local_grads, plan, model=_split(pattern, pattern.model)),
+    functools.partial(_local_grads, plan, model=split_axes(pattern, pattern.model)),
     (x, w, b, labels, m, *row_scales),
-    (pattern.x, w_local, (pattern.model,), rows, rows, rows, rows, rows, rows),
-    (x_final, w_final, (pattern.model,)),
+    (pattern.x, local[1], (pattern.model,), rows, rows, rows, rows, rows, rows),
+    final,
     mesh=pattern.mesh,
     sum_over=(pattern.model, pattern.data, pattern.data),
-    local_specs=(pattern.x, w_local, (pattern.model,)),
+    local_specs=local,
   )
+
+
+def gradient_specs(plan: LcePlan, pattern):
+  """``(local, final)``: the specs of ``(dx, dw, db)`` as each device computes them in `pattern`
+  (its rows of dx, its columns of dw and db) and as they come back, each its primal's
+  (``plan.shardings``; where the primal's type holds none, the local one)."""
+  w_local = w_spec(plan, pattern.w)
+  x_typed, w_typed, _ = plan.shardings
+  local = (pattern.x, w_local, (pattern.model,))
+  final = (
+    pattern.x if x_typed is None else x_typed,
+    w_local if w_typed is None else w_typed,
+    (pattern.model,),
+  )
+  return local, final

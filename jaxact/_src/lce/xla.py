@@ -38,7 +38,7 @@ from jaxact._src.lce.xla_tiles import (
 # ---------------------------------------------------------------- blocked over the vocabulary
 
 
-def _column_block(plan: LcePlan, w, b, j, vocab_here):
+def column_block(plan: LcePlan, w, b, j, vocab_here):
   """Block `j` of `w`'s columns (rows for ``"vd"``) and `b`'s: the last block ends at the last
   column and overlaps its predecessor when the block does not divide the vocabulary; `fresh`
   marks the columns no earlier block had (None when every block is whole)."""
@@ -51,7 +51,7 @@ def _column_block(plan: LcePlan, w, b, j, vocab_here):
   return start, wj, bj, cols, fresh
 
 
-def _loop(n: int, body, init):
+def loop(n: int, body, init):
   """``fori_loop(0, n, body, init)``, unrolled when there is one step."""
   return body(0, init) if n == 1 else lax.fori_loop(0, n, body, init)
 
@@ -74,7 +74,7 @@ def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
 
   def body(j, carry):
     m, se, sy, gap, best, moment = carry
-    _, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
+    _, wj, bj, cols, fresh = column_block(plan, w, b, j, vocab_here)
     s, _ = capped(plan, logits(plan, x, wj, bj))
     tm, tse, tsy, tgap, tmoment = tile_stats(plan, s, labels, cols, fresh, vocab, bj)
     m, se, gap, moment = merge((m, se, gap, moment), (tm, tse, tgap, tmoment), vocab)
@@ -91,7 +91,7 @@ def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
     _no_argmax(t, acc) if plan.predictions else None,
     zeros if plan.entropy else None,
   )
-  return _loop(n, body, init)
+  return loop(n, body, init)
 
 
 def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
@@ -130,7 +130,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
 
   def body(j, carry):
     dx, dw, db = carry
-    start, wj, bj, cols, fresh = _column_block(plan, w, b, j, vocab_here)
+    start, wj, bj, cols, fresh = column_block(plan, w, b, j, vocab_here)
     g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
     dx = dx + input_grad(plan, g_dx.astype(ops), wj)
     dwj = weight_grad(plan, x, g.astype(ops))
@@ -144,7 +144,7 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
     jnp.zeros_like(w),
     None if b is None else jnp.zeros_like(b),
   )
-  dx, dw, db = _loop(n, body, init)
+  dx, dw, db = loop(n, body, init)
   return dx.astype(x.dtype), dw, db
 
 
@@ -187,7 +187,7 @@ def stats_by_tokens(plan: LcePlan, x, w, b, labels, vocab: int):
     _no_argmax(t, plan.acc_dtype) if plan.predictions else None,
     zeros if plan.entropy else None,
   )
-  return _loop(n, body, init)
+  return loop(n, body, init)
 
 
 def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
@@ -221,5 +221,5 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
     jnp.zeros(w.shape, acc),
     None if b is None else jnp.zeros(b.shape, acc),
   )
-  dx, dw, db = _loop(n, body, init)
+  dx, dw, db = loop(n, body, init)
   return dx, dw.astype(w.dtype), None if db is None else db.astype(b.dtype)

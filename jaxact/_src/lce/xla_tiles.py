@@ -244,8 +244,12 @@ def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
   made there)."""
   a = plan.label_smoothing
   loss, empty = _log_sum(se)
+  # se >= 1 (the max's own term) and m >= s_y; but under jit XLA may compute one logit twice,
+  # rounded apart (a temperature's division fused into two kernels), which at 1e7 is a whole unit:
+  # both are clipped to what they are mathematically (NaN stays NaN).
+  loss = jnp.maximum(loss, 0)
   if a != 1:
-    loss = loss + (1 - a) * (m - sy)
+    loss = loss + (1 - a) * jnp.maximum(m - sy, 0)
   if gap is not None:
     loss = loss + a * gap
   if plan.z_loss:
