@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness.sections import Sections
+from benchmarks.tables import aot as page
 from pallas_kernels import default_block_config, default_tiles
 from support import (
   A100,
@@ -72,13 +73,6 @@ SHAPES = ((8192, 4096, 4096), (16384, 1024, 4096))
 
 
 def section_memory(shapes=SHAPES, activations=("relu", "gelu"), device_kind=H100):
-  lines = [
-    f"One bf16 layer's step (y, dx, dw, db) compiled for an {device_kind}: XLA's temp, MiB "
-    "(its default gemms / cuBLAS's).",
-    "",
-    "| M, K, N | activation | path | temp | temp, cuBLAS gemms | kernels |",
-    "|---|---|---|---|---|---|",
-  ]
   rows = []
   for m, k, n in shapes:
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,), (m, n))]
@@ -89,22 +83,20 @@ def section_memory(shapes=SHAPES, activations=("relu", "gelu"), device_kind=H100
           compiled = compile_for(layer_step(f), args, device_kind, options)
           temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
         calls = sorted(c for c in custom_calls(compiled) if "cublas" not in c)
-        rows.append({"shape": [m, k, n], "activation": name, "path": path, "temp_MiB": temps})
-        lines.append(
-          f"| {m}, {k}, {n} | {name} | {path} | {temps[0]:.0f} | {temps[1]:.0f} | "
-          f"{', '.join(calls) or '-'} |"
+        rows.append(
+          {
+            "device": str(device_kind),
+            "shape": [m, k, n],
+            "activation": name,
+            "path": path,
+            "temp_MiB": temps,
+            "kernels": calls,
+          }
         )
-  return rows, lines
+  return rows, page.memory(rows)
 
 
 def section_mlp(activations=("relu", "gelu"), layers=8, m=8192, d=4096, device_kind=H100):
-  lines = [
-    f"MLP {layers} x ({m}, {d}) x ({d}, {d}) bf16, jit(value_and_grad), compiled for an "
-    f"{device_kind}: XLA's temp, MiB.",
-    "",
-    "| activation | path | temp | temp, cuBLAS gemms |",
-    "|---|---|---|---|",
-  ]
   rows = []
   shapes = [jax.ShapeDtypeStruct((m, d), jnp.bfloat16)]
   shapes += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for _ in range(layers) for s in ((d, d), (d,))]
@@ -121,9 +113,9 @@ def section_mlp(activations=("relu", "gelu"), layers=8, m=8192, d=4096, device_k
         compile_for(grad, shapes, device_kind, o).memory_analysis().temp_size_in_bytes / 2**20
         for o in ({}, {"xla_gpu_enable_triton_gemm": False})
       ]
-      rows.append({"activation": name, "path": path, "temp_MiB": temps})
-      lines.append(f"| {name} | {path} | {temps[0]:.0f} | {temps[1]:.0f} |")
-  return rows, lines
+      sizes = dict(layers=layers, m=m, d=d, device=str(device_kind))
+      rows.append({**sizes, "activation": name, "path": path, "temp_MiB": temps})
+  return rows, page.mlp(rows)
 
 
 @dataclasses.dataclass
@@ -167,14 +159,8 @@ def compile_checks(device_kinds=(A100, H100)) -> list[_Check]:
 
 
 def section_compile(device_kinds=(A100, H100)):
-  checks = compile_checks(device_kinds)
-  lines = [
-    "| kernel, activation, shape | GPU | compiles | custom calls / error |",
-    "|---|---|---|---|",
-  ]
-  for c in checks:
-    lines.append(f"| {c.what} | {c.gpu} | {'yes' if c.ok else 'NO'} | {c.detail} |")
-  return [dataclasses.asdict(c) for c in checks], lines
+  checks = [dataclasses.asdict(c) for c in compile_checks(device_kinds)]
+  return checks, page.compile_(checks)
 
 
 def spill_survey(device_kinds=(A100, H100)) -> list[dict]:
@@ -216,26 +202,13 @@ def spill_survey(device_kinds=(A100, H100)) -> list[dict]:
 
 def section_spills(device_kinds=(A100, H100)):
   rows = spill_survey(device_kinds)
-  total = sum(len(r["spilling"]) for r in rows)
-  lines = [
-    f"{len(rows)} tile configurations x every elementwise activation; {total} (configuration, "
-    "activation) pairs spill registers:",
-    "",
-    "| GPU | kernel | (M, K, N) or channels | dtype | tiles | spilling activations |",
-    "|---|---|---|---|---|---|",
-  ]
   for r in rows:
-    if not r["spilling"]:
-      continue
     if r["kernel"] == "dense":
       tiles = default_block_config(tuple(r["shape"]), r["dtype"], hopper=is_hopper(r["gpu"]))
     else:
       tiles = default_tiles((4 * 16 * 16, r["shape"][0]), r["dtype"])
-    lines.append(
-      f"| {r['gpu']} | {r['kernel']} | {tuple(r['shape'])} | {r['dtype']} | {tiles} | "
-      f"{', '.join(r['spilling'])} |"
-    )
-  return rows, lines
+    r["tiles"] = str(tiles)
+  return rows, page.spills(rows)
 
 
 SECTIONS = {

@@ -38,7 +38,8 @@ import numpy as np
 import jaxact
 import support
 from benchmarks import decoder, gemma
-from benchmarks.harness import memory, render, rows, timing
+from benchmarks.harness import memory, rows, timing
+from benchmarks.tables import attention as page
 from jaxact._src.attention.plan import default_blocks
 
 MiB, GiB = 2**20, 2**30
@@ -54,7 +55,7 @@ STEPS = {
   "jaxact, jaxact attention": ("jaxact_attn", "fused"),
   "jaxact, jaxact attention + block remat": ("jaxact_attn_remat", "fused"),
 }
-BASE = "jaxact, jax.nn attention"  # the step the goals compare jaxact's attention with
+BASE = page.BASE  # the step the goals compare jaxact's attention with
 
 
 def cpu_decoder(batch: int, seq: int) -> decoder.Decoder:
@@ -236,65 +237,6 @@ def record_decoder(section: str, found: list[DecoderRow]) -> list[dict]:
   ]
 
 
-def render_decoder(decoder_rows: list[dict], unit=MiB) -> list[str]:
-  """The decoder's table from its rows (:func:`record_decoder`)."""
-  by: dict[tuple[int, int], DecoderRow] = {}
-  for f in (r["figures"] for r in decoder_rows):
-    shape = f["batch"], f["seq"]
-    by.setdefault(shape, DecoderRow(*shape, {}, f["rest_bytes"])).temps[f["step"]] = f["temp_bytes"]
-  name = "GiB" if unit == GiB else "MiB"
-  lines = [
-    f"| B x T | step | temp ({name}) | vs jax.nn attention | vs Flax | vs Flax + block remat "
-    "| attention's share |",
-    "|---|---|---:|---:|---:|---:|---:|",
-  ]
-  for r in by.values():
-    base, flax, remat = r.temps[BASE], r.temps["Flax"], r.temps["Flax + block remat"]
-    for label, temp in r.temps.items():
-      share = (
-        (temp - r.rest) / temp if label.startswith("jaxact, jax") and "remat" not in label else None
-      )
-      lines.append(
-        f"| {r.batch} x {r.seq} | {label} | {temp / unit:.2f} | {temp / base:.3f} | "
-        f"{temp / flax:.3f} | {temp / remat:.3f} | {'' if share is None else f'{share:.0%}'} |"
-      )
-  return lines
-
-
-def render_blocks(block_rows: list[dict], blocks=BLOCKS) -> list[str]:
-  """The block sizes' table from their rows (section blocks-h100: a figure a block, ``temps``
-  keyed by its size as text, and ``default``)."""
-  head = " | ".join(f"{b} x {b}" for b in blocks)
-  lines = [
-    f"| H | dtype | T | {head} | default (its blocks) |",
-    "|---|---|---|" + "---:|" * (len(blocks) + 1),
-  ]
-  for r in (r["figures"] for r in block_rows):
-    cells = " | ".join(f"{r['temps'][str(b)] / MiB:.1f}" for b in blocks)
-    d = r["default"]
-    lines.append(
-      f"| {r['head_dim']} | {r['dtype']} | {r['seq']} | {cells} | "
-      f"{r['temps']['default'] / MiB:.1f} ({d[0]} x {d[1]}) |"
-    )
-  return lines
-
-
-GEMMA_BLOCKS = render.Table(
-  ("attention", "temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"], "lr"
-)
-TIME = render.Table(
-  ("step", "time / jax.nn attention's"),
-  lambda f: [
-    f["case"],
-    f"{f['ratio']:.3f}" if f["seconds"] is None else f"1 ({f['seconds']:.3f} s)",
-  ],
-  "lr",
-)
-FITS = render.Table(
-  ("step", "T", "GiB"), lambda f: [f["case"], str(f["seq"]), f"{f['total_bytes'] / GiB:.1f}"], "lrr"
-)
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks attention", description=__doc__)
   parser.add_argument(
@@ -307,34 +249,34 @@ def main(argv=None) -> int:
   sections = args.sections.split(",")
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
+
+  def show(section: str) -> None:
+    print("\n".join(page.tables(rows.current().section(section))), flush=True)
+
   if "decoder" in sections:
-    print("\n## Decoder step, CPU float32, D = 512, 8 heads, V = 32000\n")
-    found = record_decoder("decoder", section_decoder())
-    print("\n".join(render_decoder(found)), flush=True)
+    record_decoder("decoder", section_decoder())
+    show("decoder")
   if "time" in sections:
-    print(f"\n## CPU step time, 4 x 512, against {BASE!r} (median of {args.runs} rounds)\n")
     times = section_time(args.runs)
-    print("\n".join(TIME.head()))
     for i, (label, figure) in enumerate(times.items()):
       seconds, ratio = (figure, 1.0) if i == 0 else (None, figure)
-      rows.emit(TIME, "time", label, ratio=ratio, seconds=seconds, runs=args.runs)
+      rows.add("time", label, ratio=ratio, seconds=seconds, runs=args.runs)
+    show("time")
   if {"decoder-h100", "fits-h100", "blocks-h100"} & set(sections) and not gpu_compiler:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   if "decoder-h100" in sections:
-    print("\n## Decoder step compiled for an H100, bf16, B = 4, D = 2048, 16 heads, V = 128256\n")
-    found = record_decoder("decoder-h100", section_decoder(gpu=True))
-    print("\n".join(render_decoder(found, GiB)), flush=True)
+    record_decoder("decoder-h100", section_decoder(gpu=True))
+    show("decoder-h100")
   if "fits-h100" in sections:
-    print("\n## Longest sequence whose step fits an 80 GB H100 (B = 4)\n")
     cap = memory.capacity()
-    print("\n".join(FITS.head()))
     for label in STEPS:
       seq, total = longest_fit(label, cap)
-      rows.emit(FITS, "fits-h100", label, seq=seq, total_bytes=total, capacity_bytes=cap)
+      rows.add("fits-h100", label, seq=seq, total_bytes=total, capacity_bytes=cap)
+    show("fits-h100")
   if "blocks-h100" in sections:
-    print("\n## The Gemma port's step compiled for an H100, bf16, 4 x 512: temp by block\n")
-    print("\n".join(GEMMA_BLOCKS.lines(section_gemma_blocks())), flush=True)
-    print("\n## Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB\n")
-    print("\n".join(render_blocks(section_blocks())), flush=True)
+    section_gemma_blocks()
+    show("gemma-blocks-h100")
+    section_blocks()
+    show("blocks-h100")
   return 0

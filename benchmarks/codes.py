@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 import jaxact
 from benchmarks import fused
-from benchmarks.harness import render, rows, timing
+from benchmarks.harness import rows, timing
+from benchmarks.tables import codes as page
 
 BITS = (None, 8, 4, 2)
 ACTIVATIONS = ("gelu", "silu", "mish")
@@ -49,41 +50,10 @@ def _model(model, name: str, bits):
   return coded, params, x, buffer
 
 
-_KEYS = tuple("exact" if b is None else f"{b} bits" for b in BITS)  # the ratios' keys
-
-
-def _ratios(ratios: dict) -> list[str]:
-  return [f"{r:.2f}x" for r in ratios.values()]
-
-
-MEMORY = render.Table(
-  ("model", "residual", "temp", "kept per layer", "jax.nn temp"),
-  lambda f: [
-    f["model"],
-    f["residual"],
-    f"{f['temp_buffers']:.2f}",
-    f"{f['kept_per_layer']:.3f}",
-    f"{f['jaxnn_temp_buffers']:.2f}",
-  ],
-)  # section "memory", case "model, residual"
-H100_TABLE = render.Table(("path", "temp MiB"), lambda f: [f["case"], f"{f['temp_mib']:.0f}"])
-ACT_TIME = render.Table(
-  ("activation", "jax.nn ms", *_KEYS),
-  lambda f: [f["case"], f"{f['jaxnn_seconds'] * 1e3:.1f}", *_ratios(f["ratios_vs_jaxnn"])],
-)  # section "activation time", ratios against jax.nn's step
-MODEL_TIME = render.Table(
-  ("model", "exact ms", *_KEYS[1:]),
-  lambda f: [f["case"], f"{f['exact_seconds'] * 1e3:.1f}", *_ratios(f["ratios_vs_exact"])],
-)  # section "model time", ratios against the exact residual's step
+_KEYS = page.KEYS  # the ratios' keys
 
 
 def memory_rows(name: str = "gelu") -> list[str]:
-  lines = [
-    f"{name}: compiled temp of jit(grad(loss)) and arrays the pullback keeps, in activation "
-    "buffers; jax.nn composition in the same run.",
-    "",
-    *MEMORY.head(),
-  ]
   for label, model in (
     ("MLP 8 x (8192, 512)", fused._mlp),
     ("CNN 6 x NHWC", fused._cnn),
@@ -103,7 +73,7 @@ def memory_rows(name: str = "gelu") -> list[str]:
       )
       per_layer = kept / buffer / len(params)
       residual = "exact (z)" if bits is None else f"{bits} bits"
-      r = rows.add(
+      rows.add(
         "memory",
         f"{label}, {residual}",
         model=label,
@@ -114,8 +84,7 @@ def memory_rows(name: str = "gelu") -> list[str]:
         kept_per_layer=per_layer,
         jaxnn_temp_buffers=comp,
       )
-      lines.append(MEMORY.line(r))
-  return lines
+  return page.tables(rows.current().rows, "memory")
 
 
 def h100_rows(name: str = "gelu", layers: int = 8, m: int = 8192, d: int = 4096) -> list[str]:
@@ -134,21 +103,13 @@ def h100_rows(name: str = "gelu", layers: int = 8, m: int = 8192, d: int = 4096)
     return compile_for(grad, shapes, H100).memory_analysis().temp_size_in_bytes / 2**20
 
   act = getattr(jax.nn, name)
-  lines = [
-    f"{name}, {layers}-layer MLP ({m}, {d}) x ({d}, {d}) bfloat16, jit(value_and_grad), compiled "
-    f"for an {H100} on the CPU machine: XLA's temp in MiB.",
-    "",
-    *H100_TABLE.head(),
-  ]
   shape = dict(activation=name, layers=layers, m=m, d=d, device=str(H100))
-  r = rows.add("h100", "jax.nn", bits=None, temp_mib=temp(lambda x, w, b: act(x @ w + b)), **shape)
-  lines.append(H100_TABLE.line(r))
+  rows.add("h100", "jax.nn", bits=None, temp_mib=temp(lambda x, w, b: act(x @ w + b)), **shape)
   for bits in BITS:
     layer = functools.partial(jaxact.dense_bias_act, activation=_act(name, bits))
     label = "exact" if bits is None else f"{bits} bits"
-    r = rows.add("h100", f"jaxact, {label}", bits=bits, temp_mib=temp(layer), **shape)
-    lines.append(H100_TABLE.line(r))
-  return lines
+    rows.add("h100", f"jaxact, {label}", bits=bits, temp_mib=temp(layer), **shape)
+  return page.tables(rows.current().rows, "h100")
 
 
 def time_rows(runs: int) -> list[str]:
@@ -158,24 +119,15 @@ def time_rows(runs: int) -> list[str]:
     g = jax.jit(jax.value_and_grad(lambda v: jnp.sum(f(v))))
     return lambda: g(x)
 
-  lines = [
-    "Activation alone, jit(value_and_grad(sum(act(x)))), 2**22 float32: time against jax.nn's, "
-    "the median over alternated rounds of the ratio within a round.",
-    "",
-    *ACT_TIME.head(),
-  ]
   for name in ACTIVATIONS:
     calls = [step(getattr(jax.nn, name))] + [step(_act(name, b)) for b in BITS]
     base, ratios = timing.alternated_ratios(calls, runs)
-    r = rows.add(
+    rows.add(
       "activation time",
       name,
       jaxnn_seconds=base,
       ratios_vs_jaxnn=dict(zip(_KEYS, ratios, strict=True)),
     )
-    lines.append(ACT_TIME.line(r))
-  lines += ["", "Fused gelu layers, training step: time against the exact residual's.", ""]
-  lines += MODEL_TIME.head()
   for label, model in (("MLP", fused._mlp), ("CNN", fused._cnn)):
     calls = []
     for bits in BITS:
@@ -183,14 +135,14 @@ def time_rows(runs: int) -> list[str]:
       g = jax.jit(jax.value_and_grad(fused._loss(forward)))
       calls.append(functools.partial(g, params, x_))
     base, ratios = timing.alternated_ratios(calls, runs)
-    r = rows.add(
+    rows.add(
       "model time",
       label,
       exact_seconds=base,
       ratios_vs_exact=dict(zip(_KEYS[1:], ratios, strict=True)),
     )
-    lines.append(MODEL_TIME.line(r))
-  return lines
+  done = rows.current().rows
+  return [*page.tables(done, "activation time"), "", *page.tables(done, "model time")]
 
 
 def main(argv=None) -> None:

@@ -36,16 +36,14 @@ import numpy as np
 import optax
 
 from benchmarks.codes_tasks import Task, make_tasks
-from benchmarks.harness import plots, render, rows
+from benchmarks.harness import plots, rows
 from benchmarks.harness.rows import current, describe
+from benchmarks.tables import fewbit as page
 
 BITS = (None, 8, 4, 2)
 EXACT, NOISE = "exact", "exact, other batch order"
 # Issue 18's targets: 8 bits tracks exact's loss curve at every logged step; 4 bits ends within 1%
 # of its loss and half a point of its accuracy.
-TARGET_8BIT_CURVE = 0.005
-TARGET_4BIT_LOSS = 0.01
-TARGET_4BIT_ACC_POINTS = 0.5
 
 
 def variant_label(bits: int | None) -> str:
@@ -220,49 +218,6 @@ def record(res: Results) -> list[dict]:
   return found
 
 
-def _cells(f: dict) -> list[str]:
-  cells = [f["model"], f["residual"], f"{f['train_loss']:.4f}", f"{f['test_loss']:.4f}"]
-  cells.append(f"{100 * f['test_accuracy']:.2f}")
-  if f["max_rel_logged"] is None:
-    return cells + ["—"] * 5
-  return [
-    *cells,
-    f"{f['max_rel_logged']:.2%}",
-    f"{f['max_rel_minibatch']:.2%}",
-    f"{f['train_loss_diff']:+.2%}",
-    f"{f['test_loss_diff']:+.2%}",
-    f"{f['accuracy_points_diff']:+.2f}",
-  ]
-
-
-HEADER = ("model", "residual", "train loss", "test loss", "test acc. %")
-HEADER += ("max rel. diff, logged loss", "max rel. diff, minibatch loss", "train loss diff")
-TABLE = render.Table((*HEADER, "test loss diff", "test acc. diff, points"), _cells, "ll" + "r" * 8)
-
-
-def targets(res: Results) -> list[str]:
-  """Issue 18's targets, met or not, per model."""
-  lines = []
-  for task in res.tasks:
-    cmp = {label: c for label, _, c in _rows(res, task)}
-    c8, c4, noise = cmp["8 bits"], cmp["4 bits"], cmp[NOISE]
-    ok8 = c8.max_rel_logged <= TARGET_8BIT_CURVE
-    ok4 = (
-      abs(c4.train_loss) <= TARGET_4BIT_LOSS
-      and abs(c4.test_loss) <= TARGET_4BIT_LOSS
-      and abs(c4.accuracy_points) <= TARGET_4BIT_ACC_POINTS
-    )
-    lines.append(
-      f"- {task.name}: 8 bits, logged loss within {TARGET_8BIT_CURVE:.1%} of exact at every "
-      f"logged step: {'met' if ok8 else 'not met'} ({c8.max_rel_logged:.2%}; the other batch "
-      f"order: {noise.max_rel_logged:.2%}). 4 bits, final train and test loss within "
-      f"{TARGET_4BIT_LOSS:.0%} and test accuracy within {TARGET_4BIT_ACC_POINTS} points: "
-      f"{'met' if ok4 else 'not met'} ({c4.train_loss:+.2%}, {c4.test_loss:+.2%}, "
-      f"{c4.accuracy_points:+.2f} points)."
-    )
-  return lines
-
-
 def render_page(res: Results, parity: list[dict], figure: str) -> str:
   setups = [
     f"- {t.name}: {t.steps} steps of adam (learning rate {t.learning_rate}), batch "
@@ -286,11 +241,11 @@ def render_page(res: Results, parity: list[dict], figure: str) -> str:
     "training set; 64 fixed windows of the training text); the minibatch loss is every step's.",
     "The figure shows seed 0.",
     "",
-    *TABLE.lines(parity),
+    *page.TABLE.lines(parity),
     "",
     "Targets (issue 18):",
     "",
-    *targets(res),
+    *page.targets(parity),
     "",
     f"![{figure}]({figure})",
     "",
@@ -306,7 +261,7 @@ def write_figure(res: Results, path: pathlib.Path) -> None:
       if r.seed == 0:
         by_label[r.label] = (r.steps, r.logged)
     curves[task.name] = by_label
-  plots.fewbit_training(curves, EXACT, TARGET_8BIT_CURVE, path)
+  plots.fewbit_training(curves, EXACT, page.TARGET_8BIT_CURVE, path)
 
 
 def measure(quick: bool, seeds: int) -> Results:
@@ -351,6 +306,6 @@ def main(argv: list[str] | None = None) -> int:
   (args.out / "fewbit.md").write_text(render_page(res, parity, figure))
   raw = {name: [dataclasses.asdict(r) for r in runs] for name, runs in res.runs.items()}
   (args.out / "fewbit.json").write_text(json.dumps(raw))
-  print("\n".join([*TABLE.lines(parity), "", *targets(res)]))
+  print("\n".join(page.tables(current().rows)))
   print(f"\n{args.out / 'fewbit.md'}, {args.out / figure} ({res.seconds:.0f} s)", file=sys.stderr)
   return 0

@@ -20,6 +20,7 @@ import jaxact
 import support
 from benchmarks import gated
 from benchmarks.harness import rows, timing
+from benchmarks.tables import lce as page
 
 MiB, GiB = 2**20, 2**30
 
@@ -142,18 +143,7 @@ BODIES = {
   "jaxact_attn_dots": (_jaxact_mlp, _DOTS, jaxact_attention),
   "jaxact_attn_names": (_jaxact_mlp, _SAVE(*jaxact.GATED_CHECKPOINT_NAMES), jaxact_attention),
 }
-BODY_LABELS = {
-  "flax": "Flax",
-  "flax_remat": "Flax + block remat",
-  "flax_dots": "Flax + remat, dots_saveable",
-  "jaxact": "jaxact.gated_mlp",
-  "jaxact_remat": "jaxact.gated_mlp + block remat",
-  "jaxact_attn": "jaxact.gated_mlp + jaxact attention",
-  "jaxact_attn_remat": "jaxact.gated_mlp + jaxact attention + block remat",
-  "flax_names": "Flax + block remat saving the gate and up projections by name",
-  "jaxact_attn_dots": "jaxact.gated_mlp + jaxact attention + remat, dots_saveable",
-  "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by name",
-}
+BODY_LABELS = page.BODY_LABELS
 # The main job's frontier: each point (harness.frontier's keys) as (body, head). jaxact's bodies
 # run with jaxact.rms_norm (decoder_norm); its `jaxact_nn_attn` points with jax.nn's attention.
 FRONTIER = {
@@ -168,7 +158,7 @@ FRONTIER = {
   "jaxact_nn_attn": ("jaxact", "fused"),
   "jaxact_nn_attn_remat": ("jaxact_remat", "fused"),
 }
-HEADS = ("plain", "fused", "none")
+HEADS = page.HEADS
 
 
 def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm) -> Callable:
@@ -250,29 +240,9 @@ def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[s
   return {(b, h): decoder_temp(c, b, h, gpu) for b in bodies for h in HEADS}
 
 
-def record_decoder(section: str, temps: dict[tuple[str, str], int]) -> list[dict]:
-  """The decoder's rows, a row a (body, head): its compiled temp."""
+def record_decoder(section: str, temps: dict[tuple[str, str], int], c: Decoder) -> list[dict]:
+  """The decoder's rows, a row a (body, head): its compiled temp (`c`: its sizes)."""
   return [
-    rows.add(section, f"{body}, {head}", body=body, head=head, temp_bytes=t)
+    rows.add(section, f"{body}, {head}", config=str(c), body=body, head=head, temp_bytes=t)
     for (body, head), t in temps.items()
   ]
-
-
-def render_decoder(decoder_rows: list[dict], unit=MiB) -> list[str]:
-  """The decoder's table from its rows (:func:`record_decoder`)."""
-  temps = {
-    (r["figures"]["body"], r["figures"]["head"]): r["figures"]["temp_bytes"] for r in decoder_rows
-  }
-  name = "GiB" if unit == GiB else "MiB"
-  lines = [
-    f"| body | plain head ({name}) | fused head ({name}) | no head ({name}) | fused / plain "
-    "| the plain head's share | fused / no head |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for body in dict.fromkeys(b for b, _ in temps):
-    p, f, n = (temps[body, h] for h in HEADS)
-    lines.append(
-      f"| {BODY_LABELS[body]} | {p / unit:.1f} | {f / unit:.1f} | {n / unit:.1f} | "
-      f"{f / p:.2f} | {(p - n) / p:.0%} | {f / n:.3f} |"
-    )
-  return lines

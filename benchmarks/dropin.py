@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact.linen as jnn
-from benchmarks.harness import render, rows, timing
+from benchmarks.harness import rows, timing
+from benchmarks.tables import dropin as page
 
 MODELS = ("flax", "flax+remat", "first", "both")
 
@@ -104,32 +105,9 @@ def temp(model: Stack, params, x, key) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def _cells(f: dict) -> list[str]:
-  alone = f"{f['ratio_vs_no_dropout']:.3f}" if f["dropout"] else "1"
-  return [
-    f["stack"],
-    f["model"],
-    str(f["dropout"]),
-    f"{f['temp_bytes'] / 2**20:.1f}",
-    f"{f['ratio_vs_flax']:.3f}",
-    alone,
-    f"{f['step_ratio_vs_flax']:.2f}",
-  ]
-
-
-HEADER = ("stack", "model", "dropout", "temp MiB", "/ flax", "/ itself without dropout")
-TABLE = render.Table((*HEADER, "step time / flax"), _cells)  # section "dropin"
-
-
 def measure(tokens: int, dim: int, mlp_dim: int, blocks: int, runs: int) -> list[str]:
   x = jax.random.normal(jax.random.key(0), (tokens, dim))
   key = jax.random.key(1)
-  lines = [
-    f"{blocks} blocks, {tokens} tokens, D = {dim}, mlp_dim = {mlp_dim}, CPU float32, "
-    f"jax {jax.__version__}.",
-    "",
-    *TABLE.head(),
-  ]
   for scan in (False, True):
     temps, steps = {}, {}
     for rate in (0.1, 0.0):
@@ -146,9 +124,13 @@ def measure(tokens: int, dim: int, mlp_dim: int, blocks: int, runs: int) -> list
     for rate in (0.1, 0.0):
       for swap in MODELS:
         t, stack = temps[swap, rate], "nn.scan" if scan else "unrolled"
-        r = rows.add(
+        rows.add(
           "dropin",
           f"{stack}, {swap}, {rate}",
+          blocks=blocks,
+          tokens=tokens,
+          dim=dim,
+          mlp_dim=mlp_dim,
           stack=stack,
           model=swap,
           dropout=rate,
@@ -157,17 +139,11 @@ def measure(tokens: int, dim: int, mlp_dim: int, blocks: int, runs: int) -> list
           ratio_vs_no_dropout=t / temps[swap, 0.0],
           step_ratio_vs_flax=times[swap, rate],
         )
-        lines.append(TABLE.line(r))
   params = Stack(blocks, mlp_dim, 0.1, "flax").init(jax.random.key(2), x)
   named = temp(Stack(blocks, mlp_dim, 0.1, "first", activation="relu"), params, x, key)
   by_fn = temp(Stack(blocks, mlp_dim, 0.1, "first", activation=nn.relu), params, x, key)
   rows.add("activation", "nn.relu against relu", by_fn_bytes=by_fn, named_bytes=named)
-  lines += [
-    "",
-    f'`activation=nn.relu` against `"relu"` (unrolled, dropout 0.1): {by_fn / 2**20:.1f} and '
-    f"{named / 2**20:.1f} MiB of temp.",
-  ]
-  return lines
+  return page.tables(rows.current().rows)
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxact
-from benchmarks.harness import render, rows, timing
+from benchmarks.harness import rows, timing
+from benchmarks.tables.fused import TABLE, heading
 
 ACTIVATIONS = ("relu", "elu", "tanh", "sigmoid", "softplus", "gelu")
 OUTPUT_RESIDUAL = ("relu", "elu", "tanh", "sigmoid", "softplus")
@@ -99,54 +100,6 @@ def time_ratio(model, activation: str, runs: int) -> tuple[float, float, float]:
   calls = [lambda step=step, params=params, x=x: step(params, x) for step, params, x in steps]
   fused_t, comp_t = timing.alternated_medians(calls, runs)
   return fused_t, comp_t, fused_t / comp_t
-
-
-def _cells(f: dict) -> list[str]:
-  timed = (
-    ["-"] * 3
-    if f["time_ratio"] is None
-    else [
-      f"{f['fused_seconds'] * 1e3:.1f}",
-      f"{f['jaxnn_seconds'] * 1e3:.1f}",
-      f"{f['time_ratio']:.2f}",
-    ]
-  )
-  met = "yes" if f["met"] else "NO"
-  return [
-    f["case"],
-    f"{f['fused_temp']:.2f}",
-    f"{f['jaxnn_temp']:.2f}",
-    f"<= {f['target']}",
-    met,
-    *timed,
-  ]
-
-
-HEADER = (
-  "activation",
-  "fused temp",
-  "jax.nn temp",
-  "target",
-  "met",
-  "fused ms",
-  "jax.nn ms",
-  "time ratio",
-)
-TABLE = render.Table(HEADER, _cells)  # a row: section MLP or CNN, case the activation
-
-
-def heading(label: str, layers: int) -> str:
-  return f"### {label}, L = {layers}: temp buffers of jit(grad) and step-time ratio"
-
-
-def tables(job_rows: list[dict]) -> list[str]:
-  """The printed tables from the job's rows."""
-  lines = []
-  for label in dict.fromkeys(r["section"] for r in job_rows):
-    these = [r for r in job_rows if r["section"] == label]
-    layers = these[0]["figures"]["layers"]
-    lines += ["", heading(label, layers), "", *TABLE.lines(these)]
-  return lines
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,9 @@ from flax import nnx
 
 import jaxact.linen
 import jaxact.nnx
-from benchmarks.harness import render, rows
+from benchmarks.harness import rows
+from benchmarks.tables import flax as page
+from benchmarks.tables.flax import TABLE
 
 LAYERS = 4
 MLP_BATCH, MLP_WIDTH = 4096, 512
@@ -108,25 +110,6 @@ def nnx_temp(model_cls, activation: str, fused: bool, x) -> int:
   return _temp_bytes(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2), state, x)
 
 
-def _cells(f: dict) -> list[str]:
-  mib, buffer = 2**20, f["buffer_bytes"]
-  theirs, ours = f["flax_bytes"], f["jaxact_bytes"]
-  return [
-    f["api"],
-    f["model"],
-    f["activation"],
-    f"{theirs / mib:.0f} MiB ({theirs / buffer:.1f})",
-    f"{ours / mib:.0f} MiB ({ours / buffer:.1f})",
-    f"{f['ratio']:.2f}",
-  ]
-
-
-# a row: section "temp", case "API, model, activation"
-TABLE = render.Table(
-  ("API", "model", "activation", "flax + jax.nn", "jaxact layers", "ratio"), _cells
-)
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", choices=("linen", "nnx"), default=None)
@@ -159,7 +142,7 @@ def main(argv=None) -> None:
 
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0]}")
   print()
-  print("Compiled temp memory of jit(grad(loss)); one buffer = one layer's output (8 MiB).")
+  print(page.intro(buffer))
   print()
   print("\n".join(TABLE.head()))
   for api, label, temp, model_cls, x in cases:

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 
 import jaxact.linen
-from benchmarks.gated import _ratio, stack
+from benchmarks.gated import stack
 from benchmarks.harness import rows
 from benchmarks.harness.memory import cpu_memory, gpu_memory
 
 LAYER_PEERS = ("flax", "remat", "jaxact")
-LAYER_LABELS = {"flax": "Flax", "remat": "Flax + remat", "jaxact": "jaxact layers"}
 LAYER_SIZES = {
   # model: (layers, CPU x shape, GPU x shape)
   "MLP": (8, (8192, 512), (8192, 4096)),
@@ -76,23 +75,3 @@ def section_layers(gpu: bool, activations=("relu", "gelu")) -> list[dict]:
 def record_layers(section: str, found: list[dict]) -> list[dict]:
   """`found` (:func:`section_layers`) added as rows, a row a model, activation and peer."""
   return [rows.add(section, f"{r['model']}, {r['activation']}, {r['peer']}", **r) for r in found]
-
-
-def render_layers(rows: list[dict]) -> list[str]:
-  lines = [
-    "| model | activation | peer | unrolled temp, buffers | scan temp, buffers | "
-    "unrolled / Flax | scan / Flax |",
-    "|---|---|---|---:|---:|---:|---:|",
-  ]
-  for r in rows:
-    ref = next(
-      f
-      for f in rows
-      if f["peer"] == "flax" and f["model"] == r["model"] and f["activation"] == r["activation"]
-    )
-    lines.append(
-      f"| {r['model']} | {r['activation']} | {LAYER_LABELS[r['peer']]} | {r['unrolled']:.1f} | "
-      f"{r['scan']:.1f} | {_ratio(r['unrolled'], ref['unrolled'])} | "
-      f"{_ratio(r['scan'], ref['scan'])} |"
-    )
-  return lines

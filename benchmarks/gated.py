@@ -49,6 +49,7 @@ import jaxact.linen
 import support
 from benchmarks.harness import rows, timing
 from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of
+from benchmarks.tables import gated as page
 
 try:
   import tokamax
@@ -56,7 +57,7 @@ except ImportError:  # not in jaxact's venv: it would change its packages (resul
   tokamax = None
 
 EPS = 1e-6
-BLOCKS = 8
+BLOCKS = page.BLOCKS
 CPU_SIZE = (4096, 512, 1408)  # tokens, D, F
 GPU_SIZE = (8192, 4096, 11008)
 MiB = 2**20
@@ -134,17 +135,7 @@ def peers(tokamax_implementation=None) -> dict[str, Callable]:
   return out
 
 
-LABELS = {
-  "flax": "Flax",
-  "remat": "Flax + remat",
-  "flax_dots": "Flax + remat(dots)",
-  "flax_names": "Flax + remat(names)",
-  "jaxact": "jaxact.gated_mlp",
-  "jaxact_remat": "jaxact + remat",
-  "jaxact_dots": "jaxact + remat(dots)",
-  "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
-  "tokamax": "tokamax GLU + Dense",
-}
+LABELS = page.LABELS
 # The frontier's points (harness.frontier's keys) and the peer each is: every block under one
 # remat policy, or none.
 FRONTIER = {
@@ -351,53 +342,10 @@ def frontier(
   return seconds, timing.with_ratios(temps, by_round)
 
 
-# ----------------------------------------------------------------------------- rendering
-
-
-def _ratio(v, ref) -> str:
-  return f"{v / ref:.2f}" if ref else "—"
-
-
-def render_memory(rows: list[MemoryRow], extra: str | None = None) -> list[str]:
-  """`extra`: "kept" or "fit", the last column."""
-  ref = {r.layout: r for r in rows if r.peer == "flax"}
-  header = {"kept": "kept by jax.vjp per block", "fit": "largest tokens that fit"}
-  lines = [
-    f"| layout | peer | temp L=1 | L=2 | L={BLOCKS} | growth/block (L{BLOCKS}-L1)/{BLOCKS - 1} "
-    f"| ratio | growth/block (L{BLOCKS}-L2)/{BLOCKS - 2} | ratio | L={BLOCKS} ratio "
-    + (f"| {header[extra]} |" if extra else "|"),
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if extra else ""),
-  ]
-  for r in rows:
-    f = ref[r.layout]
-    lines.append(
-      f"| {r.layout} | {LABELS[r.peer]} | {r.temp1:.1f} | {r.temp2:.1f} | {r.temp8:.1f} | "
-      f"{r.growth:.1f} | {_ratio(r.growth, f.growth)} | {r.growth2:.1f} | "
-      f"{_ratio(r.growth2, f.growth2)} | {_ratio(r.temp8, f.temp8)} |"
-      + (f" {getattr(r, extra) or '—'} |" if extra else "")
-    )
-  return lines
-
-
 def _memory_rows(section: str, found: list[MemoryRow]) -> list[MemoryRow]:
   """`found` added as rows (:class:`MemoryRow`'s fields, temps in MiB); read back from them."""
   added = [rows.add(section, f"{r.layout}, {r.peer}", **dataclasses.asdict(r)) for r in found]
   return [MemoryRow(**r["figures"]) for r in added]
-
-
-def render_times(time_rows: list[dict]) -> list[str]:
-  """The times' table from their rows (section time: ``wall_s``, ``cpu_s`` a program and peer)."""
-  figures = [r["figures"] for r in time_rows]
-  times = {(f["peer"], f["program"]): (f["wall_s"], f["cpu_s"]) for f in figures}
-  lines = [
-    "| program | peer | wall ms | / Flax | / Flax + remat | CPU ms | / Flax | / Flax + remat |",
-    "|---|---|---:|---:|---:|---:|---:|---:|",
-  ]
-  for (peer, layout), t in times.items():
-    f, r = times["flax", layout], times["remat", layout]
-    cells = [f"{t[i] * 1e3:.1f} | {t[i] / f[i]:.2f} | {t[i] / r[i]:.2f}" for i in (0, 1)]
-    lines.append(f"| {layout} | {LABELS[peer]} | {cells[0]} | {cells[1]} |")
-  return lines
 
 
 SECTIONS = ("cpu", "h100", "time", "layers", "layers-h100")
@@ -426,21 +374,18 @@ def main(argv=None) -> int:
   for name in names:
     start = time.perf_counter()
     if name == "cpu":
-      lines = render_memory(_memory_rows(name, section_cpu()), "kept")
+      _memory_rows(name, section_cpu())
     elif name == "h100":
-      found = _memory_rows(name, section_h100(tokamax_implementation=args.tokamax_implementation))
-      lines = [*render_memory(found, "fit"), ""]
-      lines += [f"{r.layout} {r.peer}: L={BLOCKS} total {r.total8 / 2**30:.2f} GiB" for r in found]
+      _memory_rows(name, section_h100(tokamax_implementation=args.tokamax_implementation))
     elif name == "time":
       times = step_times(repeats=args.repeats)
       for (peer, program), (wall, cpu) in times.items():  # the rows; the table drawn from them
         rows.add(name, f"{program}, {peer}", peer=peer, program=program, wall_s=wall, cpu_s=cpu)
-      lines = render_times(rows.current().section(name))
     elif name in ("layers", "layers-h100"):
-      found = fused_scanned.record_layers(name, fused_scanned.section_layers(name != "layers"))
-      lines = fused_scanned.render_layers([r["figures"] for r in found])
+      fused_scanned.record_layers(name, fused_scanned.section_layers(name != "layers"))
     else:
       parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}")
+    lines = page.tables(rows.current().rows, name)
     print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)
     print("\n".join(lines), flush=True)
   return 0

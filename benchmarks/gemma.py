@@ -50,14 +50,14 @@ from benchmarks.gemma_model import (
   SMALL,
   Config,
   Layout,
-  MiB,
   abstract,
   batch,
   build,
   loss_and_grads,
   split,
 )
-from benchmarks.harness import render, rows
+from benchmarks.harness import rows
+from benchmarks.tables import gemma as page
 
 MODELS = {
   "original": (False, False),
@@ -86,27 +86,6 @@ def temp(config: Config, name: str, gpu: bool = False) -> int:
   return support.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
 
 
-MEMORY = render.Table(
-  ("model", "compiled temp MiB", "/ original", "/ original + block remat"),
-  lambda f: [
-    f["case"],
-    f"{f['temp_bytes'] / MiB:.1f}",
-    f"{f['vs_original']:.2f}",
-    f"{f['vs_original_remat']:.2f}",
-  ],
-)  # sections cpu, h100
-MESH = render.Table(
-  ("model", "per-device temp MiB", "/ original", "collective MiB a device", "in loops"),
-  lambda f: [
-    f["case"],
-    f"{f['temp_bytes'] / MiB:.1f}",
-    f"{f['vs_original']:.2f}",
-    f"{f['collective_bytes'] / MiB:.1f}",
-    str(f["collective_bytes_in_loops"]),
-  ],
-)
-
-
 def section_memory(gpu: bool) -> list[str]:
   config = Config(dtype=jnp.bfloat16) if gpu else Config()
   temps = {name: temp(config, name, gpu) for name in MODELS}
@@ -116,7 +95,7 @@ def section_memory(gpu: bool) -> list[str]:
     rows.add(section, name, temp_bytes=t, vs_original=t / base, vs_original_remat=t / base_remat)
     for name, t in temps.items()
   ]
-  return MEMORY.lines(found)
+  return page.MEMORY.lines(found)
 
 
 COLLECTIVE = re.compile(
@@ -166,7 +145,7 @@ def section_mesh(config: Config | None = None) -> list[str]:
     moved, looped = collective_bytes(compiled)
     figures = dict(temp_bytes=t, vs_original=t / base, collective_bytes=moved)
     found.append(rows.add("mesh", name, **figures, collective_bytes_in_loops=looped))
-  return MESH.lines(found)
+  return page.MESH.lines(found)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -251,16 +230,9 @@ def main(argv=None) -> int:
       rows.add("check", result["case"], **{k: v for k, v in result.items() if k != "case"})
       print(json.dumps(result), flush=True)
     return 0
-  lines = []
   for section in args.sections.split(","):
-    titles = {
-      "cpu": "CPU, float32",
-      "h100": "compiled for an H100, bfloat16 activations",
-      "mesh": "a 4 x 2 (fsdp, tensor) mesh, 8 CPU devices, float32",
-    }
-    table = section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
-    lines += [f"### {titles[section]}", "", *table, ""]
-  text = "\n".join(lines)
+    section_mesh() if section == "mesh" else section_memory(gpu=section == "h100")
+  text = "\n".join([*page.tables(rows.current().rows), ""])
   print(text)
   if args.out:
     with open(args.out, "w") as f:

@@ -44,8 +44,10 @@ import optax
 import jaxact
 import support
 from benchmarks import decoder
-from benchmarks.harness import memory, render, timing
+from benchmarks.harness import memory, timing
 from benchmarks.harness.rows import add as add_row
+from benchmarks.harness.rows import current
+from benchmarks.tables import lce as page
 from jaxact._src.lce import plan as lce_plan
 from jaxact._src.lce import vjp as lce_vjp
 
@@ -55,8 +57,7 @@ except ImportError:  # not in jaxact's venv (benchmarks/results/lce.md says how 
   tokamax = None
 
 MiB, GiB = 2**20, 2**30
-HEAD_CPU = (4096, 512)  # tokens, D
-HEAD_GPU = (16384, 4096)
+HEAD_CPU, HEAD_GPU, TIED = page.HEAD_CPU, page.HEAD_GPU, page.TIED  # tokens, D
 CPU_VOCABS = (32768, 131072)
 GPU_VOCABS = (131072, 262144)
 
@@ -93,15 +94,6 @@ def heads() -> dict[str, Callable]:
   if tokamax is not None:
     out["tokamax"] = _tokamax_head
   return out
-
-
-HEAD_LABELS = {
-  "plain": "x @ w, optax",
-  "checkpoint": "jax.checkpoint(x @ w, optax)",
-  "jaxact": "jaxact.linear_cross_entropy (blocked over V)",
-  "jaxact_tokens": "jaxact's rule blocked over tokens",
-  "tokamax": "tokamax.linear_softmax_cross_entropy_loss (chunked_xla)",
-}
 
 
 def _head_args(tokens, dim, vocab, dtype, concrete=False):
@@ -196,7 +188,6 @@ def section_head_h100(fits: bool = True) -> list[HeadRow]:
 # ----------------------------------------------------------------------------- rendering
 
 
-TIED = (2048, 512)  # tokens, D
 TIED_HEADS = {
   "untied: w (D, V)": lambda w, x, y: jaxact.linear_cross_entropy(x, w, y),
   "tied: emb.T": lambda e, x, y: jaxact.linear_cross_entropy(x, e.T, y),
@@ -205,18 +196,12 @@ TIED_HEADS = {
 }
 
 
-TIED_TABLE = render.Table(
-  ("head", "compiled temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"]
-)  # sections tied, tied-h100
-
-
 def section_tied(gpu: bool) -> list[str]:
   """The tied head's compiled temp (MiB) on CPU (float32) or for an H100 (bfloat16)."""
   tokens, dim = TIED
   vocab, dtype = (32768, jnp.bfloat16) if gpu else (32000, jnp.float32)
   x = jax.ShapeDtypeStruct((tokens, dim), dtype)
   labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
-  rows = TIED_TABLE.head()
   section = "tied-h100" if gpu else "tied"
   for name, head in TIED_HEADS.items():
     w = jax.ShapeDtypeStruct((dim, vocab) if name.startswith("untied") else (vocab, dim), dtype)
@@ -224,43 +209,13 @@ def section_tied(gpu: bool) -> list[str]:
     compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
     compiled = compile_(step, args)
     temp = compiled.memory_analysis().temp_size_in_bytes
-    r = add_row(section, name, tokens=tokens, dim=dim, vocab=vocab, temp_bytes=temp)
-    rows.append(TIED_TABLE.line(r))
-  return rows
+    add_row(section, name, tokens=tokens, dim=dim, vocab=vocab, temp_bytes=temp)
+  return page.tables(current().rows, section)
 
 
 def record_head(section: str, found: list[HeadRow]) -> list[dict]:
   """The head's rows, a row a (vocabulary, head): :class:`HeadRow`'s fields as figures."""
   return [add_row(section, f"V={r.vocab}, {r.peer}", **dataclasses.asdict(r)) for r in found]
-
-
-def render_head(head_rows: list[dict], unit=MiB, gpu=False) -> list[str]:
-  """The head's table from its rows (:func:`record_head`)."""
-  rows = [HeadRow(**r["figures"]) for r in head_rows]
-  name = "GiB" if unit == GiB else "MiB"
-  head = f"| V | head | compiled temp ({name}) | vs plain | largest array ({name}) |"
-  sep = "|---|---|---|---|---|"
-  if gpu:
-    head, sep = head + " fits an 80 GB H100 (tokens) |", sep + "---|"
-  else:
-    head, sep = head + " loss vs plain (rel.) | step time vs plain |", sep + "---|---|"
-  lines = [head, sep]
-  plain = {r.vocab: r.temp for r in rows if r.peer == "plain"}
-  for r in rows:
-    cells = [
-      str(r.vocab),
-      HEAD_LABELS[r.peer],
-      f"{r.temp / unit:.1f}",
-      f"{r.temp / plain[r.vocab]:.3f}",
-      f"{r.largest / unit:.1f}" if r.largest else "—",
-    ]
-    if gpu:
-      cells.append(r.fit or "—")
-    else:
-      cells.append("—" if r.error is None else f"{r.error:.1e}")
-      cells.append("—" if r.ratio is None else f"{r.ratio:.2f}")
-    lines.append("| " + " | ".join(cells) + " |")
-  return lines
 
 
 def main(argv=None) -> int:
@@ -281,28 +236,31 @@ def main(argv=None) -> int:
     f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
     f"{getattr(tokamax, '__version__', 'not installed')}"
   )
+
+  def show(section: str) -> None:
+    print("\n".join(page.tables(current().section(section))), flush=True)
+
   if "head" in sections:
-    print(f"\n## Head alone, CPU float32, {HEAD_CPU[0]} tokens, D = {HEAD_CPU[1]}\n")
     vocabs = tuple(int(v) for v in args.vocabs.split(","))
-    print("\n".join(render_head(record_head("head", section_head(args.runs, vocabs)))))
+    record_head("head", section_head(args.runs, vocabs))
+    show("head")
   if {"head-h100", "decoder-h100"} & set(sections) and not gpu_compiler:
     print("the GPU sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   if "head-h100" in sections:
-    print(f"\n## Head alone, compiled for an H100, bfloat16, {HEAD_GPU[0]} tokens, D = 4096\n")
-    print("\n".join(render_head(record_head("head-h100", section_head_h100()), GiB, gpu=True)))
+    record_head("head-h100", section_head_h100())
+    show("head-h100")
   if "decoder" in sections:
-    print(f"\n## Decoder step, CPU float32, {decoder.DECODER_CPU}\n")
-    found = decoder.record_decoder("decoder", decoder.section_decoder())
-    print("\n".join(decoder.render_decoder(found)))
+    decoder.record_decoder("decoder", decoder.section_decoder(), decoder.DECODER_CPU)
+    show("decoder")
   if "decoder-h100" in sections:
-    print(f"\n## Decoder step, compiled for an H100, {decoder.DECODER_GPU}\n")
-    found = decoder.record_decoder("decoder-h100", decoder.section_decoder(gpu=True))
-    print("\n".join(decoder.render_decoder(found, GiB)))
+    found = decoder.section_decoder(gpu=True)
+    decoder.record_decoder("decoder-h100", found, decoder.DECODER_GPU)
+    show("decoder-h100")
   if "tied" in sections:
-    print(f"\n## Tied head, {TIED[0]} tokens, D = {TIED[1]}: CPU float32, V = 32000\n")
-    print("\n".join(section_tied(gpu=False)))
+    section_tied(gpu=False)
+    show("tied")
     if gpu_compiler:
-      print("\n## Tied head, compiled for an H100, bfloat16, V = 32768\n")
-      print("\n".join(section_tied(gpu=True)))
+      section_tied(gpu=True)
+      show("tied-h100")
   return 0

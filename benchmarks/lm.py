@@ -36,6 +36,7 @@ import optax
 import jaxact
 import jaxact.linen as jnn
 from benchmarks.harness import plots, rows
+from benchmarks.tables import lm as page
 
 VOCAB = 256  # UTF-8 bytes
 
@@ -252,15 +253,6 @@ def ulp_nudge(params, seed: int):
   return jax.tree.unflatten(tree, moved)
 
 
-def line(f: dict) -> str:
-  """A run's line of the printed table, from its row's figures (section runs)."""
-  return (
-    f"{f['name']:>10} {f['max_abs_loss_diff']:12.3e} {f['max_rel_loss_diff']:10.3e} "
-    f"{f['step0_grad_diff']:12.3e} "
-    f"{f['final_loss']:11.5f} {f['heldout_loss']:9.5f} {f['seconds']:5.0f}"
-  )
-
-
 def main(argv: list[str] | None = None) -> list[Run]:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks lm", description=__doc__.split("\n")[0]
@@ -311,13 +303,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
   base = runs[0]
   # Adam's update hardly changes when a gradient is scaled, so the first step's gradients are
   # compared directly as well.
-  print(
-    f"\n{'run':>10} {'max |dloss|':>12} {'max rel':>10} {'step-0 grad':>12} "
-    f"{'final loss':>11} {'held-out':>9} {'s':>5}"
-  )
   for run in runs:
     diff = np.abs(run.losses - base.losses)
-    r = rows.add(
+    rows.add(
       "runs",
       run.name,
       steps=config.steps,
@@ -328,7 +316,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
       heldout_loss=run.heldout,
       seconds=run.seconds,
     )
-    print(line(r["figures"] | {"name": r["case"]}))
+  print("\n" + "\n".join(page.tables(rows.current().rows)))
 
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxact
+import support
 from benchmarks import decoder, gated
-from benchmarks.harness import memory, render, rows, timing
+from benchmarks.harness import memory, rows, timing
+from benchmarks.tables import norms as page
 
 MiB = 2**20
 SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
@@ -66,11 +68,7 @@ def stack_rows(gpu: bool) -> list[str]:
           args = gated.shapes(n, size, dtype)
           m = memory.gpu_memory(loss, *args)[0] if gpu else memory.cpu_memory(loss, *args)
           temps[scan, mlp_name, norm_name, n] = m
-  lines = [
-    f"{'compiled for an H100, bfloat16' if gpu else 'CPU, float32'}, (tokens, D, F) = {size}.",
-    "",
-    *STACK.head(),
-  ]
+  section = "stack-h100" if gpu else "stack"
   for scan in (True, False):
 
     def growth(mlp_name, norm_name, scan=scan):
@@ -83,9 +81,10 @@ def stack_rows(gpu: bool) -> list[str]:
       for norm_name in NORMS:
         t = [temps[scan, mlp_name, norm_name, n] for n in (1, 2, gated.BLOCKS)]
         g, stack = growth(mlp_name, norm_name), "scan" if scan else "unrolled"
-        r = rows.add(
-          "stack-h100" if gpu else "stack",
+        rows.add(
+          section,
           f"{stack}, {mlp_name}, {norm_name}",
+          size=list(size),
           stack=stack,
           mlp=mlp_name,
           norm=norm_name,
@@ -94,63 +93,26 @@ def stack_rows(gpu: bool) -> list[str]:
           growth_bytes=g,
           growth_vs_flax=g / flax,
         )
-        lines.append(STACK.line(r))
-  return lines
-
-
-def _stack_cells(f: dict) -> list[str]:
-  t = " / ".join(f"{b / MiB:.0f}" for b in f["temp_bytes"])
-  return [
-    f["stack"],
-    f["mlp"],
-    f["norm"],
-    t,
-    f"{f['growth_bytes'] / MiB:.1f}",
-    f"{f['growth_vs_flax']:.3f}",
-  ]
-
-
-HEADER = ("stack", "MLP", "norm", "temp 1 / 2 / 8 blocks MiB", "growth a block MiB", "/ Flax's")
-STACK = render.Table(HEADER, _stack_cells)  # sections stack, stack-h100
-DECODER = render.Table(
-  ("body", "head", "plain norms MiB", "jaxact.rms_norm MiB", "ratio"),
-  lambda f: [
-    f["body"],
-    f["head"],
-    f"{f['plain_bytes'] / MiB:.1f}",
-    f"{f['jaxact_bytes'] / MiB:.1f}",
-    f"{f['ratio']:.3f}",
-  ],
-)  # sections decoder, decoder-h100
-TIME = render.Table(
-  ("model", "time / Flax MLP with the plain norm"), lambda f: [f["case"], f"{f['ratio']:.3f}"]
-)
-PRECISION = render.Table(
-  ("quantity", "relative RMS error"), lambda f: [f["case"], f"{f['relative_rms_error']:.2e}"]
-)
+  return page.tables(rows.current().rows, section)
 
 
 def decoder_rows(gpu: bool) -> list[str]:
   c = decoder.DECODER_GPU if gpu else decoder.DECODER_CPU
-  lines = [
-    f"Decoder step {'compiled for an H100, bfloat16' if gpu else 'on CPU, float32'}: {c}.",
-    "",
-    *DECODER.head(),
-  ]
+  section = "decoder-h100" if gpu else "decoder"
   for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
     plain = decoder.decoder_temp(c, body, head, gpu)
     ours = decoder.decoder_temp(c, body, head, gpu, norm=decoder.jaxact_rms_norm)
-    r = rows.add(
-      "decoder-h100" if gpu else "decoder",
+    rows.add(
+      section,
       f"{decoder.BODY_LABELS[body]}, {head}",
+      config=str(c),
       body=decoder.BODY_LABELS[body],
       head=head,
       plain_bytes=plain,
       jaxact_bytes=ours,
       ratio=ours / plain,
     )
-    lines.append(DECODER.line(r))
-  return lines
+  return page.tables(rows.current().rows, section)
 
 
 def time_rows(runs: int) -> list[str]:
@@ -164,15 +126,10 @@ def time_rows(runs: int) -> list[str]:
       calls.append(functools.partial(step, params, x))
   base, ratios = timing.alternated_ratios(calls, runs)
   labels = [f"{m}, {n}" for m in ("Flax MLP", "jaxact.gated_mlp") for n in NORMS]
-  lines = [
-    f"CPU step time, scanned stack of {gated.BLOCKS} blocks, {gated.CPU_SIZE}, float32, median "
-    f"of {runs} rounds (first: {base * 1e3:.0f} ms).",
-    "",
-    *TIME.head(),
-  ]
   for label, r in zip(labels, [1.0, *ratios], strict=True):
-    lines.append(TIME.line(rows.add("time", label, first_seconds=base, runs=runs, ratio=r)))
-  return lines
+    size = list(gated.CPU_SIZE)
+    rows.add("time", label, blocks=gated.BLOCKS, size=size, first_seconds=base, runs=runs, ratio=r)
+  return page.tables(rows.current().rows, "time")
 
 
 def precision_rows() -> list[str]:
@@ -209,12 +166,9 @@ def precision_rows() -> list[str]:
     "dx, jaxact.rms_norm(residual='input')": rel(inputs, dx_ref),
     "dx, JAX autodiff of the plain norm": rel(plain, dx_ref),
   }
-  found = [rows.add("precision", q, relative_rms_error=e) for q, e in errors.items()]
-  return [
-    f"bfloat16 x ({t} x {d}, N(1, 3)), float32 scale N(0, 1); relative RMS error against float64.",
-    "",
-    *PRECISION.lines(found),
-  ]
+  for q, e in errors.items():
+    rows.add("precision", q, tokens=t, dim=d, relative_rms_error=e)
+  return page.tables(rows.current().rows, "precision")
 
 
 def main(argv=None) -> int:
@@ -223,6 +177,8 @@ def main(argv=None) -> int:
   parser.add_argument("--runs", type=int, default=7)
   a = parser.parse_args(argv)
   wanted = a.sections.split(",")
+  if any(name.endswith("-h100") for name in wanted):
+    support.use_gpu_compiler()  # before the first computation starts jax's backends
   out = {
     "stack": lambda: stack_rows(False),
     "stack-h100": lambda: stack_rows(True),
@@ -233,6 +189,6 @@ def main(argv=None) -> int:
   }
   print(f"jax {jax.__version__}")
   for name in wanted:
-    print(f"\n## {name}\n")
+    print(f"\n{page.heading(name)}\n")
     print("\n".join(out[name]()), flush=True)
   return 0

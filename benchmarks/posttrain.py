@@ -47,17 +47,18 @@ import jax.numpy as jnp
 
 import jaxact
 import support
-from benchmarks.harness import memory, render, timing
+from benchmarks.harness import memory, timing
 from benchmarks.harness.rows import add as add_row
+from benchmarks.tables import posttrain as page
 from jaxact._src.lce import reference
 
 MiB, GiB = 2**20, 2**30
-SEQUENCES, DIM = 8, 4096  # a GRPO group; Llama 3 8B's width
+SEQUENCES, DIM = page.SEQUENCES, page.DIM  # a GRPO group; Llama 3 8B's width
 LENGTHS = (1024, 4096, 8192)  # tokens a completion
 VOCABS = (32768, 128256, 151936, 262144)  # 32k, Llama 3's, Qwen's, Gemma's
 CHUNK = 1024  # tokens a chunk of chunk+remat
 EPSILON, BETA = 0.2, 0.04  # GRPO's clip and KL coefficient (DeepSeekMath)
-TIME_SHAPE = (4, 256, 512, 32768)  # sequences, T, D, V of the CPU timing
+TIME_SHAPE = page.TIME_SHAPE  # sequences, T, D, V of the CPU timing
 TIME_CHUNK = 256
 FIT_STEP = 256  # tokens a completion between compiled candidates of the fit
 
@@ -317,77 +318,6 @@ def section_time(runs: int, tasks=TASKS) -> list[TimeRow]:
 # ----------------------------------------------------------------------------- tables from rows
 
 
-def _gib(b: float) -> str:
-  return f"{b / GiB:.2f}" if b < 10 * GiB else f"{b / GiB:.1f}"
-
-
-def memory_table(rows: list[dict], task: str) -> list[str]:
-  """GiB of compiled temp, a line a (T, V), a column a method, each with its share of plain's."""
-  found = [r["figures"] for r in rows if r["figures"]["task"] == task]
-  methods = list(dict.fromkeys(f["method"] for f in found))
-  cells: dict[tuple, list[str]] = {}
-  for f in found:
-    ratio = "" if f["method"] == "plain" else f" ({f['vs_plain']:.3f}x)"
-    cells.setdefault((f["length"], f["vocab"]), []).append(_gib(f["temp_bytes"]) + ratio)
-  body = ([str(t), str(v), *c] for (t, v), c in cells.items())
-  return render.table(("T", "V", *methods), "rr" + "r" * len(methods), body)
-
-
-def fit_table(rows: list[dict]) -> list[str]:
-  """The longest completion (tokens, the group of 8) that fits, a line a method, a column a V."""
-  found = [r["figures"] for r in rows]
-  vocabs = list(dict.fromkeys(f["vocab"] for f in found))
-  cells: dict[tuple, dict] = {}
-  for f in found:
-    cells.setdefault((f["task"], f["method"]), {})[f["vocab"]] = (
-      f"{f['length']:,} ({f['total_bytes'] / GiB:.1f} GiB)"
-    )
-  body = ([t, m, *(c.get(v, "—") for v in vocabs)] for (t, m), c in cells.items())
-  return render.table(
-    ("step", "method", *(f"V {v}" for v in vocabs)), "ll" + "r" * len(vocabs), body
-  )
-
-
-TIME_TABLE = render.Table(
-  ("step", "method", "seconds", "vs plain", "rounds' range", "loss vs plain (rel.)"),
-  lambda f: [
-    f["task"],
-    f["method"],
-    f"{f['seconds']:.2f}",
-    f"{f['vs_plain']:.2f}",
-    f"{f['low']:.2f}-{f['high']:.2f}",
-    f"{f['loss_error']:.1e}",
-  ],
-  "llrrrr",
-)
-
-
-def headline(rows: list[dict], vocab: int = 128256) -> list[str]:
-  """The issue's goals against the figures: temp shares at `vocab`, CPU time, fits."""
-  lines = []
-  for section in ("memory", "memory-h100"):
-    found = [
-      r["figures"] for r in rows if r["section"] == section and r["figures"]["vocab"] == vocab
-    ]
-    for task in TASKS:
-      mine = [f for f in found if f["task"] == task]
-      if not mine:
-        continue
-      length = max(f["length"] for f in mine)
-      by = {f["method"]: f["temp_bytes"] for f in mine if f["length"] == length}
-      parts = [f"jaxact {by['jaxact'] / by['plain']:.3f}x plain"]
-      if "plain-lp" in by:
-        parts.append(f"{by['jaxact'] / by['plain-lp']:.3f}x plain log-probs")
-      parts.append(f"{by['jaxact'] / by['chunk+remat']:.2f}x chunk+remat")
-      where = "CPU f32" if section == "memory" else "H100 bf16"
-      lines.append(f"- {task}, {where}, T {length}, V {vocab}: temp " + ", ".join(parts))
-  for f in (
-    r["figures"] for r in rows if r["section"] == "time" and r["figures"]["method"] != "plain"
-  ):
-    lines.append(f"- {f['task']} CPU time, {f['method']}: {f['vs_plain']:.2f}x plain")
-  return lines
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks posttrain", description=__doc__)
   parser.add_argument(
@@ -419,32 +349,22 @@ def main(argv=None) -> int:
     return 1
   start = time.perf_counter()
   found: list[dict] = []
-  for name, title in (
-    ("memory", "compiled temp (GiB) of jit(grad) in (x, w), CPU float32"),
-    ("memory-h100", "compiled temp (GiB) of jit(grad) in (x, w), for an H100, bfloat16"),
-  ):
+  for name in ("memory", "memory-h100"):
     if name in sections:
       got = record(
         name, section_memory(lengths if name == "memory" else gpu_lengths, vocabs, name != "memory")
       )
       found += got
-      for task in TASKS:
-        print(f"\n## {task}: {title}, {SEQUENCES} sequences of T tokens, D = {DIM}\n")
-        print("\n".join(memory_table(got, task)))
+      print("\n".join(page.tables(got, name)))
   if "fit-h100" in sections:
     got = record("fit-h100", section_fit(fit_vocabs))
     found += got
-    print(
-      f"\n## The longest completion that fits an 80 GB H100 (T, {SEQUENCES} sequences, D = {DIM})\n"
-    )
-    print("\n".join(fit_table(got)))
+    print("\n".join(page.tables(got, "fit-h100")))
   if "time" in sections:
     got = record("time", section_time(runs))
     found += got
-    s, t, d, v = TIME_SHAPE
-    print(f"\n## CPU step time, float32, {s} x {t} tokens, D = {d}, V = {v}, {runs} rounds\n")
-    print("\n".join(TIME_TABLE.lines(got)))
-  print("\n## Headline\n")
-  print("\n".join(headline(found)))
+    print("\n".join(page.tables(got, "time")))
+  print("\n### Headline\n")
+  print("\n".join(page.headline(found)))
   print(f"\n{time.perf_counter() - start:.0f} s")
   return 0

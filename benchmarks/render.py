@@ -1,18 +1,25 @@
 """`python -m benchmarks render [--check]`: the pages' blocks rendered from committed rows.
 
-The main job's rows of its latest committed run (``benchmarks/results/data/rows.jsonl``, copied
+Every page of ``benchmarks/results/`` with a block ``<!-- rows:<job>[:<section>]:begin -->`` ...
+``<!-- rows:<job>[:<section>]:end -->`` has it drawn from the committed rows of that job's run,
+``benchmarks/results/data/<job>.rows.jsonl`` (copied there from the run's ``<job>.rows.jsonl``):
+the run's date, command, machine and versions from the rows' meta, then the tables the job printed
+(``benchmarks.tables.<job>``'s ``tables(rows, section)``: the whole run, or its one section). The
+main job's rows of its latest committed run (``benchmarks/results/data/rows.jsonl``, copied
 there from ``python -m benchmarks --quick --out DIR``'s ``DIR/rows.jsonl``) give the README's
 Measured block (``<!-- rows:main:begin -->`` ... ``end``) and the latest table of
 ``benchmarks/results/frontier.md`` (``<!-- rows:frontier:begin -->`` ... ``end``). ``--check``
 writes nothing and fails where a page's block is not what its rows give
-(tests/repo/test_benchmark_rows.py runs it). Every other page is kept by hand. Pure Python: never
-starts jax.
+(tests/repo/test_benchmark_rows.py runs it). A page's text outside its blocks is kept by hand.
+Pure Python: never starts jax.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import pathlib
+import re
 import sys
 
 from benchmarks.harness import frontier as fr
@@ -21,7 +28,9 @@ from benchmarks.suite.report import frontier_summary, run_time
 from benchmarks.suite.run import Frontier, Run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = ROOT / "benchmarks" / "results" / "data" / "rows.jsonl"
+RESULTS = ROOT / "benchmarks" / "results"
+DATA = RESULTS / "data" / "rows.jsonl"
+JOB_BLOCK = re.compile(r"<!-- rows:([a-z0-9_-]+)(?::([a-z0-9_-]+))?:begin -->")
 # README names of the models, the second activation of a model by its activation alone.
 README_MODELS = {
   "mlp_relu": "8-layer MLP, relu (buffers)",
@@ -151,19 +160,64 @@ PAGES = {  # page: {block: its lines from the rows}
 }
 
 
+def provenance(job: str, job_rows: list[dict]) -> list[str]:
+  """Where a block's figures come from: the run's command, date, machine, versions."""
+  m = job_rows[0]["meta"]
+  took = f", {m['seconds']} s" if "seconds" in m else ""
+  return render.wrap(
+    f"Measured {m['date'][:10]} by `{m['command']}`{took}; {rows.describe(m)}; load average "
+    f"{m.get('load')} at its first figure. Rendered from `data/{job}.rows.jsonl` by "
+    "`python -m benchmarks render`.",
+  )
+
+
+def job_block(job: str, section: str | None, job_rows: list[dict]) -> list[str]:
+  """A page's block of `job` (its `section` alone, else the whole run) from the job's rows."""
+  module = importlib.import_module(f"benchmarks.tables.{job}")
+  if section is not None and not any(r["section"] == section for r in job_rows):
+    raise ValueError(f"data/{job}.rows.jsonl has no section {section!r}")
+  lines = list(module.tables(job_rows, section))
+  while lines and not lines[0]:
+    lines.pop(0)
+  return [*provenance(job, job_rows), "", *lines]
+
+
+def job_blocks(text: str) -> list[tuple[str, str | None]]:
+  """The ``(job, section)`` of every job block in a page's text, the main job's excepted."""
+  found = [(m[1], m[2]) for m in JOB_BLOCK.finditer(text)]
+  return [(job, section) for job, section in found if job not in ("main", "frontier")]
+
+
+def render_page(path: pathlib.Path, data: pathlib.Path) -> str:
+  """`path`'s text with every job block redrawn from `data`/<job>.rows.jsonl."""
+  text = new = path.read_text()
+  for job, section in job_blocks(text):
+    rows_file = data / f"{job}.rows.jsonl"
+    if not rows_file.exists():
+      raise FileNotFoundError(f"{path.name} has a rows:{job} block but no {rows_file}")
+    name = job if section is None else f"{job}:{section}"
+    new = render.with_block(new, name, job_block(job, section, rows.read(rows_file)))
+  return new
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks render", description=__doc__.splitlines()[0]
   )
   parser.add_argument("--rows", type=pathlib.Path, default=DATA, help="the main job's rows")
+  parser.add_argument(
+    "--data", type=pathlib.Path, default=DATA.parent, help="the other jobs' <job>.rows.jsonl"
+  )
   parser.add_argument("--check", action="store_true", help="fail where a page has drifted")
   args = parser.parse_args(argv)
   run = Run(rows.read(args.rows))
   drifted = []
-  for page, blocks in PAGES.items():
+  pages = [*PAGES, *sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("*.md"))]
+  for page in dict.fromkeys(pages):
     path = ROOT / page
-    text = new = path.read_text()
-    for name, make in blocks.items():
+    text = path.read_text()
+    new = render_page(path, args.data) if path.parent == RESULTS else text
+    for name, make in PAGES.get(page, {}).items():
       new = render.with_block(new, name, make(run))
     if new != text:
       drifted.append(page)
@@ -171,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(new)
   if args.check and drifted:
     print(
-      f"not what {args.rows} gives: {', '.join(drifted)}; run python -m benchmarks render",
+      f"not what the rows give: {', '.join(drifted)}; run python -m benchmarks render",
       file=sys.stderr,
     )
     return 1

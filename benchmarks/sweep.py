@@ -25,23 +25,9 @@ import time
 
 import jax
 
-from benchmarks.harness import render, rows
+from benchmarks.harness import rows
+from benchmarks.tables.sweep import table, tables  # noqa: F401 (table: the tests' entry)
 from support.sweep import CASES, sweep
-
-
-def table(job_rows: list[dict], dtypes: list[str]) -> str:
-  """Markdown from the job's rows: one line per case, `NaN/non-finite · value ulps · gradient
-  ulps` per dtype."""
-  by = {(r["case"], r["figures"]["dtype"]): r["figures"] for r in job_rows}
-  cases = list(dict.fromkeys(r["case"] for r in job_rows))
-
-  def cell(f: dict | None) -> str:
-    if f is None:
-      return "—"
-    return f"{f['nan']}/{f['nonfinite_grad']} · {f['value_ulps']:.2g} · {f['grad_ulps']:.2g}"
-
-  body = ([c, *(cell(by.get((c, d))) for d in dtypes)] for c in cases)
-  return "\n".join(render.table(["activation", *dtypes], "l" * (1 + len(dtypes)), body))
 
 
 def main(argv=None) -> None:
@@ -97,4 +83,4 @@ def main(argv=None) -> None:
     f"{', finite only' if args.finite_only else ''}, "
     f"{time.perf_counter() - start:.0f} s\n"
   )
-  print(table(rows.current().section("sweep"), dtypes))
+  print("\n".join(tables(rows.current().rows)))

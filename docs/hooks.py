@@ -1,9 +1,10 @@
 """mkdocs hooks: files served from outside docs/, and math rendered at build time.
 
 The notebooks (`notebooks/*.ipynb`, rendered by mkdocs-jupyter), the benchmark results (the index
-`benchmarks/RESULTS.md`, the pages of `benchmarks/results/`, their figures and the GPU run logs)
-keep their repository paths in the site, so their own relative links keep working. Runs before
-mkdocs-jupyter's `on_files` (higher priority), which then renders the notebooks added here.
+`benchmarks/RESULTS.md`, the pages of `benchmarks/results/` and their history, their figures and
+the GPU run logs) keep their repository paths in the site, so their own relative links keep
+working. Runs before mkdocs-jupyter's `on_files` (higher priority), which then renders the
+notebooks added here.
 
 Math (`$...$`, `$$...$$`, and the docstrings' `.. math::`, which `pymdownx.arithmatex` wraps as
 `\\(...\\)` / `\\[...\\]`) becomes MathML here, with latex2mathml: browsers draw it without a
@@ -26,6 +27,7 @@ MOUNTED = [
   "notebooks/*.ipynb",
   "benchmarks/RESULTS.md",
   "benchmarks/results/*.md",
+  "benchmarks/results/history/*.md",
   "benchmarks/figures/*.png",
   "benchmarks/gpu_runs/*.md",
 ]

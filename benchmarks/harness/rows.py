@@ -2,7 +2,8 @@
 
 A row is ``{"job", "section", "case", "figures": {name: number or text}, "meta": {...}}``; `meta`
 is the run's: date, the command line, the device (kind, platform, count), the host and its load
-average, the versions of Python, jax, jaxlib, flax and jaxact. Every job adds its rows where it
+average, the versions of Python, jax, jaxlib, flax and jaxact, and (once written) the run's wall
+time in seconds. Every job adds its rows where it
 measures, its figures named (:func:`add`; :func:`emit` also prints the row's line of a
 `benchmarks.harness.render.Table`), and draws the tables it prints from them: the main job's in
 ``DIR/rows.jsonl`` (from which its ``results.md`` is rendered), every other job's in
@@ -19,6 +20,7 @@ import os
 import pathlib
 import platform
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -52,12 +54,17 @@ def metadata(command: str) -> dict[str, Any]:
 
 
 def describe(meta: dict) -> str:
-  """The machine and versions of :func:`metadata`, as one line of a page."""
+  """The machine and versions of :func:`metadata`, as one line of a page (a package the run did
+  not import left out)."""
+  versions = ", ".join(
+    f"{name} {meta[key]}"
+    for name, key in (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("jaxact", "jaxact"))
+    if meta.get(key) is not None
+  )
   return (
     f"{meta.get('host')}: {meta.get('processor')}, {meta.get('cores')} cores, "
     f"{meta.get('devices')} x {meta.get('device')} ({meta.get('platform')}); "
-    f"Python {meta.get('python')}, jax {meta.get('jax')}, jaxlib {meta.get('jaxlib')}, "
-    f"flax {meta.get('flax')}, jaxact {meta.get('jaxact')}"
+    f"Python {meta.get('python')}, {versions}"
   )
 
 
@@ -89,6 +96,7 @@ class Recorder:
     self.path = _out(argv) / ("rows.jsonl" if job == "main" else f"{job}.rows.jsonl")
     self.written = False
     self._meta: dict | None = None
+    self._start = time.monotonic()
 
   @property
   def meta(self) -> dict:
@@ -111,6 +119,7 @@ class Recorder:
       return self.path
     if not self.rows:
       return None
+    self.meta["seconds"] = round(time.monotonic() - self._start)  # every row's meta: the run's
     write(self.path, self.rows)
     self.written = True
     print(f"rows: {self.path}", file=sys.stderr)

@@ -10,6 +10,7 @@ from benchmarks.harness import frontier as fr
 from benchmarks.harness.render import fmt, table
 from benchmarks.harness.rows import describe
 from benchmarks.suite.run import Frontier, Run
+from benchmarks.tables import gated as gated_tables
 
 TEMPLATE = pathlib.Path(__file__).with_name("template.md")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # benchmarks.activations.DTYPES
@@ -191,8 +192,6 @@ def _gated(run: Run) -> list[str]:
       "`--quick` measures the stack's frontier only (above); the full run adds its temp at 1, 2"
       " and 8 blocks, scanned and unrolled, and the arrays each block keeps."
     ]
-  from benchmarks import gated  # its table's own renderer
-
   return [
     "Flax: three `nn.Dense(use_bias=False)` and `jax.nn.silu`; Flax + remat: each block under",
     "`jax.checkpoint(policy=nothing_saveable)`; jaxact: `jaxact.gated_mlp`. Compiled temp of",
@@ -200,7 +199,7 @@ def _gated(run: Run) -> list[str]:
     "ratios against Flax (`python -m benchmarks gated` for the H100 figures and tokamax; the",
     "stack's frontier, with every remat policy, is above).",
     "",
-    *gated.render_memory([gated.MemoryRow(**r["figures"]) for r in rows], "kept"),
+    *gated_tables.memory([r["figures"] for r in rows], "kept"),
   ]
 
 

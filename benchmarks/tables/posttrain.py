@@ -1,0 +1,114 @@
+"""The posttrain job's tables from its rows (sections ``memory``, ``memory-h100``, ``fit-h100``,
+``time``; the headline drawn from them all)."""
+
+from __future__ import annotations
+
+from benchmarks.harness import render
+
+GiB = 2**30
+SEQUENCES, DIM = 8, 4096  # a GRPO group; Llama 3 8B's width
+TIME_SHAPE = (4, 256, 512, 32768)  # sequences, T, D, V of the CPU timing
+TITLES = {
+  "memory": "compiled temp (GiB) of jit(grad) in (x, w), CPU float32",
+  "memory-h100": "compiled temp (GiB) of jit(grad) in (x, w), for an H100, bfloat16",
+}
+
+
+def _gib(b: float) -> str:
+  return f"{b / GiB:.2f}" if b < 10 * GiB else f"{b / GiB:.1f}"
+
+
+def memory_table(rows: list[dict], task: str) -> list[str]:
+  """GiB of compiled temp, a line a (T, V), a column a method, each with its share of plain's."""
+  found = [r["figures"] for r in rows if r["figures"]["task"] == task]
+  methods = list(dict.fromkeys(f["method"] for f in found))
+  cells: dict[tuple, list[str]] = {}
+  for f in found:
+    ratio = "" if f["method"] == "plain" else f" ({f['vs_plain']:.3f}x)"
+    cells.setdefault((f["length"], f["vocab"]), []).append(_gib(f["temp_bytes"]) + ratio)
+  body = ([str(t), str(v), *c] for (t, v), c in cells.items())
+  return render.table(("T", "V", *methods), "rr" + "r" * len(methods), body)
+
+
+def fit_table(rows: list[dict]) -> list[str]:
+  """The longest completion (tokens, the group of 8) that fits, a line a method, a column a V."""
+  found = [r["figures"] for r in rows]
+  vocabs = list(dict.fromkeys(f["vocab"] for f in found))
+  cells: dict[tuple, dict] = {}
+  for f in found:
+    cells.setdefault((f["task"], f["method"]), {})[f["vocab"]] = (
+      f"{f['length']:,} ({f['total_bytes'] / GiB:.1f} GiB)"
+    )
+  body = ([t, m, *(c.get(v, "—") for v in vocabs)] for (t, m), c in cells.items())
+  return render.table(
+    ("step", "method", *(f"V {v}" for v in vocabs)), "ll" + "r" * len(vocabs), body
+  )
+
+
+TIME_TABLE = render.Table(
+  ("step", "method", "seconds", "vs plain", "rounds' range", "loss vs plain (rel.)"),
+  lambda f: [
+    f["task"],
+    f["method"],
+    f"{f['seconds']:.2f}",
+    f"{f['vs_plain']:.2f}",
+    f"{f['low']:.2f}-{f['high']:.2f}",
+    f"{f['loss_error']:.1e}",
+  ],
+  "llrrrr",
+)
+
+
+def headline(rows: list[dict], vocab: int = 128256) -> list[str]:
+  """The issue's goals against the figures: temp shares at `vocab`, CPU time, fits."""
+  lines = []
+  for section in ("memory", "memory-h100"):
+    found = [
+      r["figures"] for r in rows if r["section"] == section and r["figures"]["vocab"] == vocab
+    ]
+    for task in ("grpo", "distill"):
+      mine = [f for f in found if f["task"] == task]
+      if not mine:
+        continue
+      length = max(f["length"] for f in mine)
+      by = {f["method"]: f["temp_bytes"] for f in mine if f["length"] == length}
+      parts = [f"jaxact {by['jaxact'] / by['plain']:.3f}x plain"]
+      if "plain-lp" in by:
+        parts.append(f"{by['jaxact'] / by['plain-lp']:.3f}x plain log-probs")
+      parts.append(f"{by['jaxact'] / by['chunk+remat']:.2f}x chunk+remat")
+      where = "CPU f32" if section == "memory" else "H100 bf16"
+      lines.append(f"- {task}, {where}, T {length}, V {vocab}: temp " + ", ".join(parts))
+  for f in (
+    r["figures"] for r in rows if r["section"] == "time" and r["figures"]["method"] != "plain"
+  ):
+    lines.append(f"- {f['task']} CPU time, {f['method']}: {f['vs_plain']:.2f}x plain")
+  return lines
+
+
+def _draw(name: str, these: list[dict]) -> list[str]:
+  if name in TITLES:
+    lines = []
+    for task in dict.fromkeys(r["figures"]["task"] for r in these):
+      title = f"### {task}: {TITLES[name]}, {SEQUENCES} sequences of T tokens, D = {DIM}"
+      lines += ["", title, "", *memory_table(these, task)]
+    return lines
+  if name == "fit-h100":
+    title = (
+      f"### The longest completion that fits an 80 GB H100 (T, {SEQUENCES} sequences, D = {DIM})"
+    )
+    return ["", title, "", *fit_table(these)]
+  s, t, d, v = TIME_SHAPE
+  title = f"### CPU step time, float32, {s} x {t} tokens, D = {d}, V = {v}"
+  return ["", title, "", *TIME_TABLE.lines(these)]
+
+
+def tables(rows: list[dict], section: str | None = None) -> list[str]:
+  """What the job prints from its rows: each section under its heading, then the headline
+  (`section`: that one alone)."""
+  lines: list[str] = []
+  for name in dict.fromkeys(r["section"] for r in rows):
+    if section in (None, name):
+      lines += _draw(name, [r for r in rows if r["section"] == name])
+  if section is None and rows:
+    lines += ["", "### Headline", "", *headline(rows)]
+  return lines
