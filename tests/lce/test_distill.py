@@ -133,7 +133,7 @@ def test_masked_vocabulary_and_extreme_logits_stay_finite():
     (dict(teacher_x=jnp.zeros((B, T + 1, DT))), ValueError, "teacher_x"),
     (dict(teacher_w=jnp.zeros((DT, V + 1))), ValueError, "teacher_w"),
     (dict(teacher_bias=jnp.zeros((V - 1,))), ValueError, "teacher_bias"),
-    (dict(mask=jnp.ones((B, T), jnp.int32)), TypeError, "where"),
+    (dict(mask=jnp.ones((B, T), jnp.int32)), TypeError, "mask"),
   ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):

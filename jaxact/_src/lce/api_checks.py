@@ -127,14 +127,15 @@ def _broadcast(fn: str, name: str, a: Array, shape, of: str) -> Array:
   return jnp.broadcast_to(a, shape)
 
 
-def as_where(fn: str, where, shape, of: str = "labels") -> Array | None:
-  """`where` as bool of `shape` (the shape of the argument named `of`), or None."""
+def as_where(fn: str, where, shape, of: str = "labels", name: str = "where") -> Array | None:
+  """`where` (the argument called `name`) as bool of `shape` (the shape of the argument named
+  `of`), or None."""
   if where is None:
     return None
-  where = validation.as_real_array(fn, where, "where")
+  where = validation.as_real_array(fn, where, name)
   if where.dtype != jnp.bool_:
-    raise TypeError(err(fn, f"`where` has dtype {where.dtype}; accepted: bool (or None)"))
-  return _broadcast(fn, "where", where, shape, of)
+    raise TypeError(err(fn, f"`{name}` has dtype {where.dtype}; accepted: bool (or None)"))
+  return _broadcast(fn, name, where, shape, of)
 
 
 def as_weights(fn: str, weights, shape, dtype) -> Array | None:

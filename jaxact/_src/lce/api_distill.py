@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Literal
 
 import jax
@@ -25,14 +24,6 @@ from jaxact._src.lce.vjp_distill import per_token_divergence
 from jaxact._src.lce.xla_distill import DIVERGENCES
 
 _FN = "distillation_loss"
-
-
-def _weight(name: str, value) -> float:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(checks.err(_FN, f"`{name}` must be a Python float; got {value!r}"))
-  if not math.isfinite(value) or value < 0:
-    raise ValueError(checks.err(_FN, f"`{name}` must be finite and >= 0; got {value!r}"))
-  return float(value)
 
 
 def _teacher(x: Array, tx: Array, tw: Array, tb: Array | None, layout: str, vocab: int) -> None:
@@ -158,10 +149,8 @@ def distillation_loss(
       ("teacher_logit_soft_cap", teacher_logit_soft_cap),
     ):
       caps.append(None if cap is None else checks.number(_FN, name, cap, low=0.0, low_open=True))
-    hard, soft = (
-      _weight("hard_label_weight", hard_label_weight),
-      _weight("divergence_weight", divergence_weight),
-    )
+    hard = checks.number(_FN, "hard_label_weight", hard_label_weight, low=0.0)
+    soft = checks.number(_FN, "divergence_weight", divergence_weight, low=0.0)
     checks.w_layout(_FN, w_layout)
     checks.w_layout(_FN, teacher_w_layout)
     arrays, acc_s, _ = args.prepare_arrays(_FN, {"x": x, "w": w, "bias": bias}, None)
@@ -172,7 +161,7 @@ def distillation_loss(
     shape = xs.shape[:-1]
     vocab = checks.check_shapes(_FN, xs, ws, jnp.zeros(shape, jnp.int32), bs, w_layout, "x")
     _teacher(xs, xt, wt, bt, teacher_w_layout, vocab)
-    where = checks.as_where(_FN, mask, shape, "x")
+    where = checks.as_where(_FN, mask, shape, "x", name="mask")
     if hard and labels is None:
       raise ValueError(checks.err(_FN, "`hard_label_weight` is not 0 but `labels` is None"))
     acc = np.dtype(jnp.promote_types(acc_s, acc_t))

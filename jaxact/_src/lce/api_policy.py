@@ -30,14 +30,6 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "ppo")
 DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, section 3.1)
 
 
-def _real(name: str, value, *, low: float = -np.inf) -> float:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(checks.err(_FN, f"`{name}` must be a Python float; got {value!r}"))
-  if not np.isfinite(value) or value < low:
-    raise ValueError(checks.err(_FN, f"`{name}` must be finite and >= {low}; got {value!r}"))
-  return float(value)
-
-
 def _per_token(name: str, a, shape, dtype, *, sequence_ok: bool = False) -> Array | None:
   """`a` as a float array of the tokens' `shape` (or, with `sequence_ok`, of ``shape[:-1]``,
   one value a sequence, broadcast over its tokens)."""
@@ -54,21 +46,6 @@ def _per_token(name: str, a, shape, dtype, *, sequence_ok: bool = False) -> Arra
   if sequence_ok:
     accepted += f" or {tuple(shape[:-1])} (one a sequence)"
   raise ValueError(checks.err(_FN, f"`{name}` has shape {a.shape}; accepted: {accepted}"))
-
-
-def _mask(mask, shape) -> Array | None:
-  """`mask` as a bool array of the tokens' `shape`, or None."""
-  if mask is None:
-    return None
-  mask = validation.as_real_array(_FN, mask, "mask")
-  if mask.dtype != jnp.bool_:
-    raise TypeError(checks.err(_FN, f"`mask` has dtype {mask.dtype}; accepted: bool (or None)"))
-  try:
-    return jnp.broadcast_to(mask, shape)
-  except ValueError:
-    raise ValueError(
-      checks.err(_FN, f"`mask` has shape {mask.shape}; accepted: one broadcastable to {shape}")
-    ) from None
 
 
 def _surrogate(log_ratio: Array, adv: Array, low: float, high: float) -> tuple[Array, Array]:
@@ -195,8 +172,8 @@ def policy_gradient_loss(
       high = DAPO_EPSILON_HIGH if loss_type == "dapo" else low
     else:
       high = checks.number(_FN, "epsilon_high", epsilon_high, low=0.0)
-    beta = _real("beta", beta, low=0.0)
-    entropy_coef = _real("entropy_coef", entropy_coef, low=0.0)
+    beta = checks.number(_FN, "beta", beta, low=0.0)
+    entropy_coef = checks.number(_FN, "entropy_coef", entropy_coef, low=0.0)
     tokens = checks.as_labels(_FN, tokens, "tokens")
     if tokens.ndim < 2:
       raise ValueError(
@@ -207,7 +184,7 @@ def policy_gradient_loss(
       raise ValueError(checks.err(_FN, f"`max_length` must be an int >= 1; got {max_length!r}"))
     if beta and ref_log_probs is None:
       raise ValueError(checks.err(_FN, "`beta` is not 0 but `ref_log_probs` is None"))
-    mask = _mask(mask, tokens.shape)
+    mask = checks.as_where(_FN, mask, tokens.shape, "tokens", name="mask")
     logp, entropy = linear_log_probs(
       x,
       w,

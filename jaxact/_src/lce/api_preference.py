@@ -47,18 +47,7 @@ def _tokens(tokens, name: str) -> Array:
 def _mask(mask, shape, name: str, of: str) -> Array:
   if mask is None:
     return jnp.ones(shape, bool)
-  mask = validation.as_real_array(_FN, mask, name)
-  if mask.dtype != jnp.bool_:
-    raise TypeError(_err(f"`{name}` has dtype {mask.dtype}; accepted: bool (or None)"))
-  try:
-    ok = np.broadcast_shapes(mask.shape, shape) == shape
-  except ValueError:
-    ok = False
-  if not ok:
-    raise ValueError(
-      _err(f"`{name}` has shape {mask.shape}, which does not broadcast to {of}' shape {shape}")
-    )
-  return jnp.broadcast_to(mask, shape)
+  return checks.as_where(_FN, mask, shape, of, name=name)
 
 
 def _hidden(x: Array, tokens: Array, name: str, of: str, features: int | None) -> None:
