@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import Array, lax
@@ -179,21 +180,41 @@ def _probabilities(logits: Logits, z: Array, m: Array, l2: Array) -> Array:
   return jnp.exp2(jnp.minimum((z - m) * (logits.unit * _LOG2E), 0.0) - l2)
 
 
+class _QueryBlock(NamedTuple):
+  b: Array
+  n: Array
+  kv_head: Array
+  t0: Array
+  t: Array  # the block's rows
+  q_len: Array
+  kv_len: Array
+  q: Array
+  t_end: Array  # the rows whose output counts end here
+  bounds: tuple[Array, ...]  # the key blocks visited (_blocks)
+
+
+def _query_block(q_ref, k_ref, qlen_ref, kvlen_ref, *, mask, groups, tiles) -> _QueryBlock:
+  """What a program over query block ``i`` of head ``n`` of batch ``b`` (the forward's, dq's)
+  reads first: its indices, rows and lengths, its q tile, and the key blocks it visits."""
+  bq, bk = tiles.block_q, tiles.block_k
+  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0 = i * bq
+  q_len = _length(qlen_ref, b, q_ref.shape[1])
+  kv_len = _length(kvlen_ref, b, k_ref.shape[1])
+  t_end = jnp.minimum(t0 + bq, q_len)
+  outer, inner = mask.key_range(t0, t_end, kv_len)
+  bounds = _blocks(outer, inner, bk, t_end > t0)
+  q = _load_rows(q_ref, b, t0, n, bq)
+  return _QueryBlock(b, n, _div(n, groups), t0, t0 + iota(bq), q_len, kv_len, q, t_end, bounds)
+
+
 def fwd_kernel(
   q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, o_ref, stats_ref, *, mask, logits, groups, tiles, tf32
 ):
   """o and stats of query block ``i`` of head ``n`` of batch ``b``."""
   bq, bk = tiles.block_q, tiles.block_k
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  kv_head = _div(n, groups)
-  t0 = i * bq
-  q_len = _length(qlen_ref, b, q_ref.shape[1])
-  kv_len = _length(kvlen_ref, b, k_ref.shape[1])
-  t = t0 + iota(bq)
-  q = _load_rows(q_ref, b, t0, n, bq)
-  t_end = jnp.minimum(t0 + bq, q_len)  # the rows whose output counts
-  outer, inner = mask.key_range(t0, t_end, kv_len)
-  bounds = _blocks(outer, inner, bk, t_end > t0)
+  blk = _query_block(q_ref, k_ref, qlen_ref, kvlen_ref, mask=mask, groups=groups, tiles=tiles)
+  b, n, kv_head, t0, t, q_len, kv_len, q, _, bounds = blk
 
   def body(j, carry, masked: bool):
     acc, m, total = carry
@@ -243,18 +264,10 @@ def dq_kernel(
 ):
   """dq of query block ``i`` of head ``n`` of batch ``b``: ``scale * sum_u dS[:, u] k[u]``."""
   bq, bk = tiles.block_q, tiles.block_k
-  i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  kv_head = _div(n, groups)
-  t0 = i * bq
-  q_len = _length(qlen_ref, b, q_ref.shape[1])
-  kv_len = _length(kvlen_ref, b, k_ref.shape[1])
-  t = t0 + iota(bq)
-  q = _load_rows(q_ref, b, t0, n, bq)
+  blk = _query_block(q_ref, k_ref, qlen_ref, kvlen_ref, mask=mask, groups=groups, tiles=tiles)
+  b, n, kv_head, t0, t, q_len, kv_len, q, _, bounds = blk
   do = _load_rows(do_ref, b, t0, n, bq)
   m, l2, delta = _row_stats(stats_ref, delta_ref, b, n, t0, bq, q_len)
-  t_end = jnp.minimum(t0 + bq, q_len)
-  outer, inner = mask.key_range(t0, t_end, kv_len)
-  bounds = _blocks(outer, inner, bk, t_end > t0)
 
   def body(j, dq, masked: bool):
     u0 = j * bk
