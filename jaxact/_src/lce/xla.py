@@ -129,23 +129,36 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
     block_grads = xla_block
 
   def body(j, carry):
-    dx, dw, db = carry
     start, wj, bj, cols, fresh = column_block(plan, w, b, j, vocab_here)
     g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
-    dx = dx + input_grad(plan, g_dx.astype(ops), wj)
-    dwj = weight_grad(plan, x, g.astype(ops))
-    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=plan.vocab_axis)
-    if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
-    return dx, dw, db
+    return add_block_grads(plan, x, wj, start, g, g_dx, db_j, carry)
 
-  init = (
-    jnp.zeros(x.shape, acc),
+  dx, dw, db = loop(n, body, zero_grads(plan, x, w, b))
+  return dx.astype(x.dtype), dw, db
+
+
+def zero_grads(plan: LcePlan, x, w, b):
+  """``(dx, dw, db)`` before any block: dx in the accumulation dtype, dw and db in theirs."""
+  return (
+    jnp.zeros(x.shape, plan.acc_dtype),
     jnp.zeros_like(w),
     None if b is None else jnp.zeros_like(b),
   )
-  dx, dw, db = loop(n, body, init)
-  return dx.astype(x.dtype), dw, db
+
+
+def add_block_grads(plan: LcePlan, x, wj, start, g, g_dx, db_j, carry):
+  """One column block's share of ``(dx, dw, db)`` from its logit gradient: ``g_dx @ wjᵀ`` added to
+  dx, ``xᵀ g`` and the column sums `db_j` written into dw's and db's columns from `start` (an
+  overlapped column is rewritten with the same value), G rounded to the operands' dtype for the
+  products, as autodiff would feed them."""
+  dx, dw, db = carry
+  ops = x.dtype
+  dx = dx + input_grad(plan, g_dx.astype(ops), wj)
+  dwj = weight_grad(plan, x, g.astype(ops))
+  dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=plan.vocab_axis)
+  if db is not None:
+    db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
+  return dx, dw, db
 
 
 # --------------------------------------------------------------------- blocked over tokens

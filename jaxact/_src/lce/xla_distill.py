@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import Array, lax
+from jax import Array
 
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla import column_block, loop
+from jaxact._src.lce.xla import add_block_grads, column_block, loop, zero_grads
 from jaxact._src.lce.xla_tiles import (
   capped,
-  input_grad,
   logits,
   lowest,
   merge,
   tile_stats,
-  weight_grad,
 )
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -130,10 +128,8 @@ def student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, au
   """``(dx_s, dw_s, db_s)`` for the cotangent `g` of each row's divergence: `dw_s` and `db_s`
   written block by block, `dx_s` accumulated in the accumulation dtype."""
   vocab, n = _blocks(ps, ws)
-  acc, ops = ps.acc_dtype, xs.dtype
 
   def body(j, carry):
-    dx, dw, db = carry
     s, dcap, start, wj, _, fresh = _head_block(ps, xs, ws, bs, j, vocab)
     tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
     lq, lp = _log_probs(s, norm_s), _log_probs(tt, norm_t)
@@ -149,13 +145,8 @@ def student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, au
     if dcap is not None:
       grad = grad * dcap
     g_dx = grad if fresh is None else jnp.where(fresh[None, :], grad, 0)
-    dx = dx + input_grad(ps, g_dx.astype(ops), wj)
-    dwj = weight_grad(ps, xs, grad.astype(ops))
-    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=ps.vocab_axis)
-    if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(grad, 0).astype(db.dtype), start, axis=0)
-    return dx, dw, db
+    db_j = None if bs is None else jnp.sum(grad, 0)
+    return add_block_grads(ps, xs, wj, start, grad, g_dx, db_j, carry)
 
-  init = (jnp.zeros(xs.shape, acc), jnp.zeros_like(ws), None if bs is None else jnp.zeros_like(bs))
-  dx, dw, db = loop(n, body, init)
+  dx, dw, db = loop(n, body, zero_grads(ps, xs, ws, bs))
   return dx.astype(xs.dtype), dw, db
