@@ -1,12 +1,13 @@
 """The post-training losses under a mesh, on 8 virtual CPU devices: jaxact.policy_gradient_loss,
 jaxact.preference_loss and jaxact.distillation_loss with the sequences split over "data" and the
-head(s) over their vocabulary ("model"), data-parallel only, and under Auto axes; each equal to one
+head(s) over their vocabulary ("model"), data-parallel only, FSDP heads (as (D, V) and as (V, D)
+tables), and under Auto axes; each equal to one
 device (the loss, the metrics, the gradients of x, w and the bias), the gradients typed as their
 inputs, and no collective of the compiled step moving a (tokens, vocabulary) array.
 
 The module runs itself as the 8-device script in a subprocess (as tests/eight_devices.py does it):
-one run for the whole module: the distillation's 2x4 case by default, the others under
--m exhaustive.
+one run for the whole module: the distillation's 2x4 and (V, D) FSDP cases by default, the others
+under -m exhaustive.
 """
 
 from __future__ import annotations
@@ -42,18 +43,23 @@ SCRIPT = Path(__file__)
 # 8 sequences of 4 tokens, D = 24 (the teacher's 40), V = 256 in blocks of 48: a device's 64
 # columns (over "model" of 4) end in a block overlapping its predecessor.
 B, T, D, DT, V, BLOCK = 8, 4, 24, 40, 256, 48
-FEATURES = {D, DT}
-# (mesh shape, axis names, Auto axes): the sequences over "data", the vocabulary over "model".
+FEATURES = {D, DT, D // 2, DT // 2}  # whole, or split over "data" (an FSDP head's)
+# (mesh shape, axis names, Auto axes, head layout, head's feature axis): the sequences over "data",
+# the vocabulary over "model"; "fsdp" also splits each head's features over "data" (an FSDP head),
+# "vd" does so for heads stored as (V, D) tables.
 MESHES = {
-  "2x4": ((2, 4), ("data", "model"), False),
-  "data": ((8,), ("data",), False),
-  "auto": ((2, 4), ("data", "model"), True),
+  "2x4": ((2, 4), ("data", "model"), False, "dv", None),
+  "data": ((8,), ("data",), False, "dv", None),
+  "auto": ((2, 4), ("data", "model"), True, "dv", None),
+  "fsdp": ((2, 4), ("data", "model"), False, "dv", "data"),
+  "vd": ((2, 4), ("data", "model"), False, "vd", "data"),
 }
+HEAD = "head"  # a head's spec in the builders: (features, vocabulary) axes as the mesh case says
 LOSSES = ("policy", "preference", "distill")
 CASES = [f"{loss}-{mesh}" for loss in LOSSES for mesh in MESHES]
-# The default run: distillation, whose per-device loops are its own; the others are linear_log_probs
-# calls, whose 2x4 case tests/lce/test_log_probs.py runs by default.
-DEFAULT = {"distill-2x4"}
+# The default run: distillation, whose per-device loops are its own, and its FSDP table; the others
+# are linear_log_probs calls, whose 2x4 case tests/lce/test_log_probs.py runs by default.
+DEFAULT = {"distill-2x4", "distill-vd"}
 
 
 def rel_err(a, b) -> float:
@@ -65,7 +71,12 @@ def _normal(key, shape, scale=1.0):
   return scale * jax.random.normal(key, shape, jnp.float32)
 
 
-def _policy():
+def _as(w, layout):
+  """A (D, V) head in `layout`."""
+  return w if layout == "dv" else w.T
+
+
+def _policy(layout):
   """``(loss, arrays, specs)``: GRPO with old and reference log-probs, KL, entropy bonus, a
   temperature and a soft cap; arrays ``(x, w, bias, *rest)``, the gradients taken of the first
   three."""
@@ -91,15 +102,16 @@ def _policy():
       entropy_coef=0.01,
       temperature=0.8,
       logit_soft_cap=5.0,
+      w_layout=layout,
       vocab_block_size=BLOCK,
     )
 
   rows = ("data",)
-  specs = (rows, (None, "model"), ("model",), rows, rows, rows, rows, rows)
-  return loss, (x, w, b, tokens, mask, adv, old, ref), specs
+  specs = (rows, HEAD, ("model",), rows, rows, rows, rows, rows)
+  return loss, (x, _as(w, layout), b, tokens, mask, adv, old, ref), specs
 
 
-def _preference():
+def _preference(layout):
   """DPO with the reference computed in the call from its own (vocabulary-split) head."""
   k = jax.random.split(jax.random.key(1), 7)
   x_c, x_r = _normal(k[0], (B, T, D)), _normal(k[1], (B, T, D))
@@ -124,15 +136,16 @@ def _preference():
       ref_x_rejected=x_r,
       ref_w=ref_w,
       temperature=0.9,
+      w_layout=layout,
       vocab_block_size=BLOCK,
     )
 
   rows = ("data",)
-  specs = (rows, (None, "model"), ("model",), rows, rows, rows, rows, (None, "model"))
-  return loss, (x_c, w, b, x_r, t_c, t_r, mask, ref_w), specs
+  specs = (rows, HEAD, ("model",), rows, rows, rows, rows, HEAD)
+  return loss, (x_c, _as(w, layout), b, x_r, t_c, t_r, mask, _as(ref_w, layout)), specs
 
 
-def _distill():
+def _distill(layout):
   """The generalized JSD with soft caps on both heads, a temperature, a mask and hard labels."""
   k = jax.random.split(jax.random.key(2), 7)
   x, w, b = _normal(k[0], (B, T, D)), _normal(k[1], (D, V), 2 / D**0.5), _normal(k[2], (V,))
@@ -156,12 +169,14 @@ def _distill():
       hard_label_weight=0.3,
       logit_soft_cap=5.0,
       teacher_logit_soft_cap=6.0,
+      w_layout=layout,
+      teacher_w_layout=layout,
       vocab_block_size=BLOCK,
     )
 
   rows = ("data",)
-  specs = (rows, (None, "model"), ("model",), rows, (None, "model"), ("model",), rows, rows)
-  return loss, (x, w, b, xt, wt, bt, labels, mask), specs
+  specs = (rows, HEAD, ("model",), rows, HEAD, ("model",), rows, rows)
+  return loss, (x, _as(w, layout), b, xt, _as(wt, layout), bt, labels, mask), specs
 
 
 BUILD = {"policy": _policy, "preference": _preference, "distill": _distill}
@@ -196,9 +211,11 @@ def mesh_case(name: str) -> None:
   from jax.sharding import PartitionSpec as P
 
   loss_name, mesh_name = name.split("-")
-  shape, axes, auto = MESHES[mesh_name]
+  shape, axes, auto, layout, features = MESHES[mesh_name]
   mesh = jax.make_mesh(shape, axes, (AxisType.Auto if auto else AxisType.Explicit,) * len(axes))
-  loss, arrays, specs = BUILD[loss_name]()
+  loss, arrays, specs = BUILD[loss_name](layout)
+  head = (features, "model") if layout == "dv" else ("model", features)
+  specs = tuple(head if s == HEAD else s for s in specs)
 
   def step(*arrays):
     return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*arrays)
@@ -248,12 +265,17 @@ def test_sharded_equals_one_device(results, name):
   bad = {k: e for k, e in result["metrics_err"].items() if not e < 1e-5}
   assert bad == {}, bad
   assert max(result["grad_err"]) < 1e-5, result["grad_err"]
-  if not MESHES[name.split("-")[1]][2]:
+  _, _, auto, _, fsdp = MESHES[name.split("-")[1]]
+  if not auto:
     # Explicit axes: the gradients typed as their inputs, and only sums cross devices (no input
-    # resharded: no all-to-all, collective-permute or all-gather)
+    # resharded: no all-to-all or collective-permute; an all-gather only of an FSDP head, whose
+    # gradient is reduce-scattered back)
     assert result["grad_specs"] == result["input_specs"]
-    moved = [c for c in result["collectives"] if not c.startswith(("all-reduce", "reduce-scatter"))]
+    sums = ("all-reduce", "reduce-scatter") + (("all-gather",) if fsdp else ())
+    moved = [c for c in result["collectives"] if not c.startswith(sums)]
     assert moved == [], result["collectives"]
+    gathered = [c for c in result["collectives"] if c.startswith("all-gather")]
+    assert len(gathered) == (0 if not fsdp else 2 if name.startswith("distill") else 1), gathered
   assert result["logits_sized"] == [], result["collectives"]
 
 
