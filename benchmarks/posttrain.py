@@ -28,7 +28,11 @@ Sections:
   (``harness.memory.largest_fit_of``);
 * ``time``: CPU step time, float32, 4 x 256 tokens, D = 512, V = 32768 (chunks of 256), the median
   of within-round ratios to ``plain`` over alternated rounds, and each loss's relative difference
-  from ``plain``'s.
+  from ``plain``'s;
+* ``precision``: the GRPO step's gradients from bfloat16 hidden states and head (8 x 1024 tokens,
+  D = 256, V = 8192, on the CPU), each method's relative error (Frobenius norm) against the float64
+  gradient of the same inputs; chunk+remat with 8 and 64 chunks (its ``dw`` is summed over the
+  chunks in the head's bfloat16), beside the exact gradient rounded once to bfloat16.
 
 ``--quick``: T 1024, V 128256, 3 timing rounds (about 3 minutes). Results:
 benchmarks/results/posttrain.md.
@@ -44,6 +48,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxact
 import support
@@ -61,6 +66,7 @@ EPSILON, BETA = 0.2, 0.04  # GRPO's clip and KL coefficient (DeepSeekMath)
 TIME_SHAPE = page.TIME_SHAPE  # sequences, T, D, V of the CPU timing
 TIME_CHUNK = 256
 FIT_STEP = 256  # tokens a completion between compiled candidates of the fit
+PRECISION_SHAPE = page.PRECISION_SHAPE  # sequences, T, D, V of the precision section
 
 # ----------------------------------------------------------------------------- GRPO
 
@@ -237,6 +243,19 @@ def record(section: str, found: list) -> list[dict]:
   ]
 
 
+@dataclasses.dataclass
+class PrecisionRow:
+  task: str
+  method: str  # "exact" is the float64 gradient rounded to bfloat16 once
+  chunks: int  # chunk+remat's chunks (0: not chunked)
+  sequences: int
+  length: int
+  dim: int
+  vocab: int
+  dx_error: float  # ||g - g64|| / ||g64||
+  dw_error: float
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -315,6 +334,30 @@ def section_time(runs: int, tasks=TASKS) -> list[TimeRow]:
   return found
 
 
+def section_precision(shape=PRECISION_SHAPE) -> list[PrecisionRow]:
+  sequences, length, dim, vocab = shape
+  args = concrete("grpo", sequences, length, dim, vocab)
+  half = [a.astype(jnp.bfloat16) if i < 2 else a for i, a in enumerate(args)]
+  with jax.enable_x64():
+    wide = [a.astype(jnp.float64) if i < 2 else a for i, a in enumerate(half)]
+    exact = [np.asarray(g) for g in jax.jit(step(grpo_plain_lean))(*wide)]
+
+  def error(g, r) -> float:
+    return float(np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r))
+
+  def row(method, chunks, grads) -> PrecisionRow:
+    dx, dw = (error(g, r) for g, r in zip(grads, exact, strict=True))
+    return PrecisionRow("grpo", method, chunks, sequences, length, dim, vocab, dx, dw)
+
+  tokens = sequences * length
+  found = [row("exact", 0, [jnp.asarray(g, jnp.bfloat16) for g in exact])]
+  for name, loss in TASKS["grpo"].items():
+    for chunks in (8, 64) if name == "chunk+remat" else (0,):
+      chunk = tokens // chunks if chunks else CHUNK
+      found.append(row(name, chunks, jax.jit(step(loss, chunk))(*half)))
+  return found
+
+
 # ----------------------------------------------------------------------------- tables from rows
 
 
@@ -322,8 +365,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks posttrain", description=__doc__)
   parser.add_argument(
     "--sections",
-    default="memory,memory-h100,fit-h100,time",
-    help="comma-separated: memory, memory-h100, fit-h100, time",
+    default="memory,memory-h100,fit-h100,time,precision",
+    help="comma-separated: memory, memory-h100, fit-h100, time, precision",
   )
   parser.add_argument("--quick", action="store_true", help="T 1024, V 128256, 3 rounds")
   parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="T (memory)")
@@ -364,6 +407,10 @@ def main(argv=None) -> int:
     got = record("time", section_time(runs))
     found += got
     print("\n".join(page.tables(got, "time")))
+  if "precision" in sections:
+    got = record("precision", section_precision())
+    found += got
+    print("\n".join(page.tables(got, "precision")))
   print("\n### Headline\n")
   print("\n".join(page.headline(found)))
   print(f"\n{time.perf_counter() - start:.0f} s")

@@ -1,5 +1,5 @@
 """The posttrain job's tables from its rows (sections ``memory``, ``memory-h100``, ``fit-h100``,
-``time``; the headline drawn from them all)."""
+``time``, ``precision``; the headline drawn from them all)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from benchmarks.harness import render
 GiB = 2**30
 SEQUENCES, DIM = 8, 4096  # a GRPO group; Llama 3 8B's width
 TIME_SHAPE = (4, 256, 512, 32768)  # sequences, T, D, V of the CPU timing
+PRECISION_SHAPE = (8, 1024, 256, 8192)  # sequences, T, D, V of the gradients' precision
 TITLES = {
   "memory": "compiled temp (GiB) of jit(grad) in (x, w), CPU float32",
   "memory-h100": "compiled temp (GiB) of jit(grad) in (x, w), for an H100, bfloat16",
@@ -59,6 +60,23 @@ TIME_TABLE = render.Table(
 )
 
 
+def precision_table(rows: list[dict]) -> list[str]:
+  """Each method's gradients' relative error, and its dw error over the exact gradient's rounding
+  to bfloat16 (the least any bfloat16 gradient can have)."""
+  exact = next((r["figures"]["dw_error"] for r in rows if r["figures"]["method"] == "exact"), None)
+  return render.Table(
+    ("method", "chunks", "dx error", "dw error", "dw error / exact's"),
+    lambda f: [
+      "exact, rounded to bfloat16" if f["method"] == "exact" else f["method"],
+      str(f["chunks"] or "—"),
+      f"{f['dx_error']:.2e}",
+      f"{f['dw_error']:.2e}",
+      "—" if exact is None else f"{f['dw_error'] / exact:.2f}",
+    ],
+    "lrrrr",
+  ).lines(rows)
+
+
 def headline(rows: list[dict], vocab: int = 128256) -> list[str]:
   """The issue's goals against the figures: temp shares at `vocab`, CPU time, fits."""
   lines = []
@@ -82,6 +100,15 @@ def headline(rows: list[dict], vocab: int = 128256) -> list[str]:
     r["figures"] for r in rows if r["section"] == "time" and r["figures"]["method"] != "plain"
   ):
     lines.append(f"- {f['task']} CPU time, {f['method']}: {f['vs_plain']:.2f}x plain")
+  errors = {
+    (f["method"], f["chunks"]): f["dw_error"]
+    for f in (r["figures"] for r in rows if r["section"] == "precision")
+  }
+  if ("jaxact", 0) in errors and ("chunk+remat", 64) in errors:
+    lines.append(
+      f"- grpo dw from bfloat16, relative error: jaxact {errors['jaxact', 0]:.1e}, chunk+remat "
+      f"(64 chunks) {errors['chunk+remat', 64]:.1e}"
+    )
   return lines
 
 
@@ -97,6 +124,13 @@ def _draw(name: str, these: list[dict]) -> list[str]:
       f"### The longest completion that fits an 80 GB H100 (T, {SEQUENCES} sequences, D = {DIM})"
     )
     return ["", title, "", *fit_table(these)]
+  if name == "precision":
+    s, t, d, v = PRECISION_SHAPE
+    title = (
+      f"### grpo: gradients from bfloat16 (x, w), relative error against float64, {s} x {t} "
+      f"tokens, D = {d}, V = {v}"
+    )
+    return ["", title, "", *precision_table(these)]
   s, t, d, v = TIME_SHAPE
   title = f"### CPU step time, float32, {s} x {t} tokens, D = {d}, V = {v}"
   return ["", title, "", *TIME_TABLE.lines(these)]
