@@ -41,8 +41,10 @@ from jaxact._src.activations.api import squareplus as squareplus
 from jaxact._src.activations.api import swish as swish
 from jaxact._src.activations.api import tanh as tanh
 from jaxact._src.attention.api import dot_product_attention as dot_product_attention
+from jaxact._src.attention.vjp import CHECKPOINT_NAMES as ATTENTION_CHECKPOINT_NAMES
 from jaxact._src.fused.api import conv_bias_act as conv_bias_act
 from jaxact._src.fused.api import dense_bias_act as dense_bias_act
+from jaxact._src.fused.vjp import CHECKPOINT_NAMES as FUSED_CHECKPOINT_NAMES
 from jaxact._src.gated.api import gated_dense as gated_dense
 from jaxact._src.gated.api import gated_mlp as gated_mlp
 from jaxact._src.gated.vjp import CHECKPOINT_NAMES as GATED_CHECKPOINT_NAMES
@@ -53,6 +55,7 @@ from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_l
 from jaxact._src.lce.api_preference import preference_loss as preference_loss
 from jaxact._src.norms.api import layer_norm as layer_norm
 from jaxact._src.norms.api import rms_norm as rms_norm
+from jaxact._src.norms.vjp import CHECKPOINT_NAMES as NORM_CHECKPOINT_NAMES
 
 __version__ = "0.1.0.dev0"
 
@@ -89,6 +92,7 @@ __all__ = [
   "ACTIVATIONS",
   "dense_bias_act",
   "conv_bias_act",
+  "FUSED_CHECKPOINT_NAMES",
   "gated_dense",
   "gated_mlp",
   "GATED_CHECKPOINT_NAMES",
@@ -98,6 +102,8 @@ __all__ = [
   "distillation_loss",
   "preference_loss",
   "rms_norm",
+  "NORM_CHECKPOINT_NAMES",
   "layer_norm",
   "dot_product_attention",
+  "ATTENTION_CHECKPOINT_NAMES",
 ]

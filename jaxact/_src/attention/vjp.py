@@ -12,10 +12,16 @@ import functools
 
 import jax
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src.attention import kernels
 from jaxact._src.attention.plan import AttentionPlan, Aux
 from jaxact._src.attention.xla import xla_backward, xla_forward
+
+# The names of the kept O and row statistics (jax.ad_checkpoint.checkpoint_name): under
+# jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps them (and the
+# q, k, v its policy keeps) and its backward runs without the attention forward.
+CHECKPOINT_NAMES = ("jaxact.attention.out", "jaxact.attention.stats")
 
 
 def _forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
@@ -40,6 +46,7 @@ def _attention_fwd(plan: AttentionPlan, q, k, v, bias, aux: Aux):
   # O goes through the barrier with the stats so that the kept O is the returned array (one
   # buffer), and XLA cannot recompute it in the backward from what the forward read.
   o, stats = lax.optimization_barrier((o, stats))
+  o, stats = (checkpoint_name(a, n) for a, n in zip((o, stats), CHECKPOINT_NAMES, strict=True))
   return o, ((q, k, v, bias, aux), o, stats)
 
 

@@ -34,11 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src.activations import api as activations
 from jaxact._src.core import barriers, shardings
 from jaxact._src.fused import kernels
 from jaxact._src.fused.plan import Conv, Plan
+
+# The names of what a layer keeps besides its input and weights (jax.ad_checkpoint.checkpoint_name):
+# its output where the activation's derivative is read from it, else the pre-activation or its
+# derivative code. Under jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a layer
+# keeps it (and its input, as its policy says) and its backward runs without the forward.
+CHECKPOINT_NAMES = ("jaxact.fused.y", "jaxact.fused.kept")
 
 # ------------------------------------------------------------------------- the custom_vjp rule
 
@@ -130,6 +137,10 @@ def _fused_fwd(plan: Plan, x: Array, w: Array, b: Array | None, key, *dynamic: A
   # intermediates with the forward's, and the saving this rule exists for is lost. With dropout,
   # an output residual is the dropped output, the array returned.
   y, kept = barriers.barrier_residual(act.residual, y, z)
+  if act.residual == "output":
+    y = kept = checkpoint_name(y, CHECKPOINT_NAMES[0])
+  elif kept is not None:
+    kept = checkpoint_name(kept, CHECKPOINT_NAMES[1])
   return y, (x, w, kept, key, dynamic)
 
 

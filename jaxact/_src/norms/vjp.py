@@ -27,9 +27,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src.core import barriers, shardings
 from jaxact._src.norms.plan import NormPlan
+
+# The names of the kept output and per-row reciprocal scale (jax.ad_checkpoint.checkpoint_name):
+# under jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps them and does
+# not recompute the norm in its backward. The input-residual plan keeps x, the caller's array.
+CHECKPOINT_NAMES = ("jaxact.norms.y", "jaxact.norms.r")
 
 
 def _param(plan: NormPlan, p: Array | None, like: Array) -> Array | None:
@@ -81,6 +87,7 @@ def _norm_fwd(plan: NormPlan, x, scale, bias):
   # The barrier makes the kept y the returned array (one buffer) and keeps XLA from recomputing it
   # from x in the backward pass, which would keep x alive as well.
   y, r = lax.optimization_barrier((y, r))
+  y, r = (checkpoint_name(a, n) for a, n in zip((y, r), CHECKPOINT_NAMES, strict=True))
   return y, (y, r, scale, bias)
 
 
