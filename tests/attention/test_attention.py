@@ -453,3 +453,32 @@ def test_bad_arguments_raise_naming_them(kw, error, match):
   q, k, v = args.pop("query"), args.pop("key"), args.pop("value")
   with pytest.raises(error, match=match):
     jaxact.dot_product_attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("length", [16, 160])  # one query block, several
+def test_a_scanned_stack_hoists_no_head_sized_array_out_of_its_loop(length):
+  """In a stack scanned over its layers no buffer the op starts from (O and the statistics, dq,
+  dk, dv, a block's accumulators) nor a zero it selects is made once outside the loop: JAX hoists
+  every loop-invariant computation of a scanned forward, and a hoisted buffer the loop writes in
+  place is copied into every layer's loop (barriers.zeros_in_step)."""
+  d = N * H
+  x = jax.random.normal(jax.random.key(0), (B, length, d))
+  ws = jnp.stack([jnp.eye(d)] * 2)
+
+  def loss(ws, x):
+    def block(x, w):
+      q = (x @ w).reshape(B, length, N, H)
+      o = jaxact.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+      return x + o.reshape(x.shape), None
+
+    return jnp.sum(lax.scan(block, x, ws)[0] ** 2)
+
+  outer = jax.make_jaxpr(jax.grad(loss))(ws, x).jaxpr.eqns
+  hoisted = [
+    (e.primitive.name, v.aval.shape)
+    for e in outer
+    if e.primitive.name != "scan"
+    for v in e.outvars
+    if len(getattr(v.aval, "shape", ())) >= 4
+  ]
+  assert hoisted == []

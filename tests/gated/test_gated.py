@@ -387,3 +387,28 @@ def test_named_residuals_let_a_remat_block_keep_only_its_input_a_and_b():
   _, plain = jax.vjp(block, *args)
   assert len([leaf for leaf in jax.tree.leaves(plain) if leaf.shape == x.shape]) == 2  # x, h
   assert_close(pull(ct), plain(ct), jnp.float32, "remat")
+
+
+def test_a_scanned_stack_hoists_no_hidden_sized_array_out_of_its_loop():
+  """Nothing of a block that depends on no loop input is computed once outside a scanned stack:
+  an array of zeros made inside the op (the zero of ``safe_mul``) would be hoisted out of the
+  loop as a whole (tokens, hidden) float32 buffer."""
+  x, w_gate, w_up = operands(jnp.float32)[:3]
+  w_down = jnp.ones((F, D), jnp.float32) / F  # a residual block: out features = in features
+  ws = tuple(jnp.stack([w, w]) for w in (w_gate, w_up, w_down))
+
+  def loss(ws, x):
+    def block(x, w):
+      return x + jaxact.gated_mlp(x, *w), None
+
+    return jnp.sum(jax.lax.scan(block, x, ws)[0] ** 2)
+
+  outer = jax.make_jaxpr(jax.grad(loss))(ws, x).jaxpr.eqns
+  hoisted = [
+    (e.primitive.name, v.aval.shape)
+    for e in outer
+    if e.primitive.name != "scan"
+    for v in e.outvars
+    if F in getattr(v.aval, "shape", ())
+  ]
+  assert hoisted == []

@@ -43,6 +43,7 @@ import numpy as np
 from jax import Array, lax
 
 from jaxact._src.attention.plan import AttentionPlan, Aux
+from jaxact._src.core.barriers import zeros_from
 from jaxact._src.core.dropout import keep_from_index
 from jaxact._src.core.numerics import exp_diff
 
@@ -256,25 +257,26 @@ def forward(plan: AttentionPlan, x: _Inputs) -> tuple[Array, Array]:
       )
       return m_new, denom, alpha[..., None] * o_acc + pv
 
-    init = (
-      jnp.full((b, kh, g, bq), _floor(acc), acc),
-      jnp.zeros((b, kh, g, bq), acc),
-      jnp.zeros((b, kh, g, bq, hv), acc),
-    )
+    # Made from the block's queries (barriers.zeros_from): with one query block this runs outside
+    # any loop, and zeros made of nothing would be hoisted out of a scan over layers.
+    rows = zeros_from(jnp.transpose(q_blk[..., 0], (0, 2, 3, 1)), acc)  # (B, K, G, bq)
+    init = (rows + _floor(acc), rows, jnp.broadcast_to(rows[..., None], (b, kh, g, bq, hv)))
     lo, hi = _key_blocks(plan, sh, q0)
     m, denom, o_acc = _loop(lo, hi, k_block, init)
     empty = denom == 0
-    denom = jnp.where(empty, 1, denom)
-    o_blk = jnp.where(empty[..., None], 0, o_acc / denom[..., None])
-    stats_blk = jnp.stack([jnp.where(empty, 0, m), jnp.log(denom)], axis=3)
+    zero = zeros_from(denom)  # a scalar 0 would be broadcast, and hoisted out of a scan
+    denom = jnp.where(empty, zero + 1, denom)
+    o_blk = jnp.where(empty[..., None], zero[..., None], o_acc / denom[..., None])
+    stats_blk = jnp.stack([jnp.where(empty, zero, m), jnp.log(denom)], axis=3)
     o_blk = jnp.transpose(o_blk.astype(x.q.dtype), (0, 3, 1, 2, 4))  # (B, bq, K, G, Hv)
     o = lax.dynamic_update_slice_in_dim(o, o_blk, q0, 1)
     stats = lax.dynamic_update_slice_in_dim(stats, stats_blk, q0, 4)
     return o, stats
 
+  rows = zeros_from(x.q[..., :1])  # (B, T, K, G, 1): made in the step (barriers.zeros_from)
   init = (
-    jnp.zeros((b, sh.q_len, kh, g, hv), x.q.dtype),
-    jnp.zeros((b, kh, g, 2, sh.q_len), acc),
+    jnp.broadcast_to(rows, (b, sh.q_len, kh, g, hv)),
+    jnp.broadcast_to(jnp.transpose(rows, (0, 2, 3, 4, 1)).astype(acc), (b, kh, g, 2, sh.q_len)),
   )
   return _loop(0, n_q, q_block, init)
 
@@ -349,12 +351,8 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, stats: Array, do: Array)
       )
       return dq, dk_j, dv_j, dbias
 
-    init = (
-      dq,
-      jnp.zeros((sh.batch, bk, sh.kv_heads, x.k.shape[-1]), acc),
-      jnp.zeros((sh.batch, bk, sh.kv_heads, x.v.shape[-1]), acc),
-      dbias,
-    )
+    # Made from the block's keys and values: with one key block this runs outside any loop.
+    init = (dq, zeros_from(k_blk, acc), zeros_from(v_blk, acc), dbias)
     lo, hi = _query_blocks(plan, sh, j)
     dq, dk_j, dv_j, dbias = _loop(lo, hi, q_block, init)
     # Columns a moved-back last block shares with the one before got nothing here (masked).
@@ -363,11 +361,11 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, stats: Array, do: Array)
     dv = _write_block(dv, dv_j, k0, shared)
     return dq, dk, dv, dbias
 
-  init = (
-    jnp.zeros(x.q.shape, acc),
-    jnp.zeros(x.k.shape, x.k.dtype),
-    jnp.zeros(x.v.shape, x.v.dtype),
-    None if x.bias is None else jnp.zeros(x.bias.shape, acc),
+  init = (  # made in the step, not hoisted out of a scan over layers (barriers.zeros_from)
+    zeros_from(x.q, acc),
+    zeros_from(x.k),
+    zeros_from(x.v),
+    None if x.bias is None else zeros_from(x.bias, acc),
   )
   dq, dk, dv, dbias = _loop(0, n_k, k_block, init)
   dbias = None if dbias is None else dbias.astype(x.bias.dtype)

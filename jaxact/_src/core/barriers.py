@@ -41,3 +41,15 @@ def after_cotangent(kept, g):
   pass: extra activation-sized buffers per layer.
   """
   return jax.lax.optimization_barrier((kept, g))[0], g
+
+
+def zeros_from(like: Array, dtype=None) -> Array:
+  """Zeros of `like`'s shape (and sharding), computed from it elementwise: 0 for every element,
+  NaN or not.
+
+  A buffer an op starts from zeros (an accumulator, an output written block by block) made with
+  ``jnp.zeros`` depends on nothing of the step: in a model scanned over its layers JAX hoists it
+  out of the scan as one whole buffer, which the loop then copies for every layer. Made from an
+  array of the step it is made where it is used, on each device from its own elements.
+  """
+  return (like != like).astype(dtype or like.dtype) * 0

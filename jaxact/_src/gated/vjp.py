@@ -50,7 +50,10 @@ def safe_mul(p: Array, q: Array) -> Array:
   """
   prod = p * q
   zero_inf = ((p == 0) & jnp.isinf(q)) | (jnp.isinf(p) & (q == 0))
-  return jnp.where(zero_inf, jnp.zeros_like(prod), prod)
+  # The zero is min(|p|, |q|), read from the factors: an array of zeros (jnp.zeros_like, or a
+  # scalar broadcast by jnp.where) depends on nothing in a scanned block, so the scan hoists it
+  # out of the loop as one whole (tokens, hidden) buffer.
+  return jnp.where(zero_inf, jnp.minimum(jnp.abs(p), jnp.abs(q)), prod)
 
 
 def _matmul_dtype(plan: GatedPlan, operands) -> np.dtype:
