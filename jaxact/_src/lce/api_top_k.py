@@ -269,6 +269,7 @@ def top_k_distillation_loss(
       lp = jnp.where(keep, lp, -jnp.inf)
     d = jnp.zeros(shape, acc)
     if count:
+      xs = xs.reshape(count, xs.shape[-1])  # before its type is taken: dx's is the same shape
       plan = LcePlan(
         block=checks.block_size(_FN, vocab_block_size, count, vocab, None),
         soft_cap=cap,
@@ -278,7 +279,6 @@ def top_k_distillation_loss(
         acc_dtype=acc,
         shardings=shardings.specs(xs, ws, bs),
       )
-      xs = xs.reshape(count, xs.shape[-1])
       pattern = rules.per_device(rules.sharding_of(plan, xs, ws))
       plan = dataclasses.replace(plan, decision=Decision(sharding=pattern))
       lq = bucket_log_probs(plan, xs, ws, bs, idx)
