@@ -53,6 +53,7 @@ from jaxact._src.lce.api_distill import distillation_loss as distillation_loss
 from jaxact._src.lce.api_log_probs import linear_log_probs as linear_log_probs
 from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_loss
 from jaxact._src.lce.api_preference import preference_loss as preference_loss
+from jaxact._src.lce.api_top_k import top_k_distillation_loss as top_k_distillation_loss
 from jaxact._src.norms.api import layer_norm as layer_norm
 from jaxact._src.norms.api import rms_norm as rms_norm
 from jaxact._src.norms.vjp import CHECKPOINT_NAMES as NORM_CHECKPOINT_NAMES
@@ -100,6 +101,7 @@ __all__ = [
   "linear_log_probs",
   "policy_gradient_loss",
   "distillation_loss",
+  "top_k_distillation_loss",
   "preference_loss",
   "rms_norm",
   "NORM_CHECKPOINT_NAMES",

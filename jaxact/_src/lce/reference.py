@@ -351,3 +351,64 @@ def preference_reference(
     "logps/rejected": _counted_mean(pi_r, keep),
   }
   return value, metrics
+
+
+def top_k_distillation_reference(
+  x,
+  w,
+  teacher_indices,
+  teacher_log_probs,
+  *,
+  divergence="forward_kl",
+  beta=0.5,
+  temperature=1.0,
+  mask=None,
+  labels=None,
+  hard_label_weight=0.0,
+  divergence_weight=1.0,
+  bias=None,
+  logit_soft_cap=None,
+):
+  """:func:`jaxact.top_k_distillation_loss` over the student's full logits, ``"mean"``
+  reduction: :func:`jax.nn.log_softmax`, the K entries gathered, the student's tail the
+  log-sum-exp of the other entries' log-probabilities, the teacher's ``log(1 - Σ p_k)`` (0 for
+  K = V), and the divergences of the K + 1 buckets from their definitions (a term of zero
+  probability counts 0), the teacher detached. Returns the loss alone."""
+  lq_all = _log_softmax(x, w, bias=bias, temperature=temperature, logit_soft_cap=logit_soft_cap)
+  vocab, k = lq_all.shape[-1], teacher_indices.shape[-1]
+  lq_k = jnp.take_along_axis(lq_all, teacher_indices, axis=-1)
+  listed = jnp.put_along_axis(
+    jnp.zeros(lq_all.shape, bool), teacher_indices, True, axis=-1, inplace=False
+  )
+  rest = jnp.where(listed, -jnp.inf, lq_all)
+  if k < vocab:
+    lq_tail = jax.nn.logsumexp(rest, axis=-1)
+  else:
+    lq_tail = jnp.full(lq_all.shape[:-1], -jnp.inf, lq_all.dtype)
+  lq = jnp.concatenate([lq_k, lq_tail[..., None]], axis=-1)
+  lp_k = jax.lax.stop_gradient(teacher_log_probs.astype(lq.dtype))
+  p_tail = jnp.maximum(1 - jnp.sum(jnp.exp(lp_k), axis=-1), 0) if k < vocab else 0 * lq_tail
+  lp = jnp.concatenate([lp_k, jnp.log(p_tail)[..., None]], axis=-1)
+
+  def kl(la, lb):  # KL(a || b), 0 log 0 = 0
+    a = jnp.exp(la)
+    la, lb = jnp.where(a > 0, la, 0), jnp.where(a > 0, lb, 0)
+    return jnp.sum(jnp.where(a > 0, a * (la - lb), 0), -1)
+
+  if divergence == "forward_kl":
+    d = kl(lp, lq)
+  elif divergence == "reverse_kl":
+    d = kl(lq, lp)
+  else:
+    m = beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq)
+    lm = jnp.log(jnp.where(m > 0, m, 1))
+    d = beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
+  loss = divergence_weight * d
+  if hard_label_weight:
+    ce = cross_entropy_reference(
+      x, w, labels, bias=bias, logit_soft_cap=logit_soft_cap, reduction="none"
+    )
+    loss = loss + hard_label_weight * ce
+  if mask is None:
+    return jnp.mean(loss)
+  return jnp.sum(jnp.where(mask, loss, 0)) / jnp.maximum(jnp.sum(mask), 1)
