@@ -197,11 +197,6 @@ class GroupNorm(nnx.GroupNorm):
   def __call__(self, x, *, mask: Array | None = None):
     """``activation(GroupNorm(x))``."""
     layer = "jaxact.nnx.GroupNorm"
-    if x.shape[-1] != self.num_features:
-      raise ValueError(
-        f"{layer}: `x` has {x.shape[-1]} channels (its last axis), but "
-        f"num_features={self.num_features}"
-      )
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
