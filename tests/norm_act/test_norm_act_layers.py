@@ -77,7 +77,6 @@ LINEN_CASES = {
 }
 
 
-@pytest.mark.sample(3, "bn-relu", "gn-silu", "bn-bf16-silu")
 @pytest.mark.parametrize("case", LINEN_CASES)
 def test_linen_equals_flax_then_the_activation(case):
   ours_cls, flax_cls, kw, act, dtype = LINEN_CASES[case]
@@ -129,7 +128,6 @@ NNX_CASES = {
 }
 
 
-@pytest.mark.sample(2, "bn-relu", "gn-silu")
 @pytest.mark.parametrize("case", NNX_CASES)
 def test_nnx_equals_flax_then_the_activation(case):
   ours_cls, flax_cls, kw, act, dtype = NNX_CASES[case]
