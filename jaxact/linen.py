@@ -33,6 +33,8 @@ from jaxact._src.fused.linen import DenseAct as DenseAct  # noqa: E402 (after th
 from jaxact._src.gated.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.lce.linen import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.linen import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.norm_act.linen import BatchNorm as BatchNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.linen import GroupNorm as GroupNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -44,5 +46,7 @@ __all__ = [
   "attend_cross_entropy",
   "RMSNorm",
   "LayerNorm",
+  "BatchNorm",
+  "GroupNorm",
   "dot_product_attention",
 ]

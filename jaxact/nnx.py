@@ -30,6 +30,8 @@ from jaxact._src.fused.nnx import LinearAct as LinearAct  # noqa: E402 (after th
 from jaxact._src.gated.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.norm_act.nnx import BatchNorm as BatchNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -41,5 +43,7 @@ __all__ = [
   "attend_cross_entropy",
   "RMSNorm",
   "LayerNorm",
+  "BatchNorm",
+  "GroupNorm",
   "dot_product_attention",
 ]

@@ -238,7 +238,8 @@ FLOORS = (
   ("codes",),
   ("activations",),
   ("layers",),  # the Flax plumbing the families' layers share
-  ("fused", "gated", "norms", "attention", "lce"),  # the op families: none imports another
+  # the op families: none imports another
+  ("fused", "gated", "norms", "norm_act", "attention", "lce"),
 )
 
 

@@ -1,0 +1,218 @@
+"""``flax.nnx.BatchNorm`` / ``GroupNorm`` followed by an activation, computed by
+:func:`jaxact.batch_norm_act` / :func:`jaxact.group_norm_act`, which keep the normalized input
+(and one float32 number a statistic) for the backward pass.
+
+Each subclasses Flax's layer and adds the keyword argument ``activation`` (default
+``"identity"``: the layer is Flax's): the arguments, attributes, parameters and batch statistics
+are Flax's, made by its ``__init__``, so the same ``rngs`` give the same parameters and
+checkpoints load both ways. A ``mask`` raises a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+from flax.typing import Array, Axes, Dtype, Initializer, PromoteDtypeFn
+
+from jaxact._src.layers.common import Activation, check_activation
+from jaxact._src.norm_act import api as norm_act
+
+
+class BatchNorm(nnx.BatchNorm):
+  """``flax.nnx.BatchNorm`` then ``activation``, as one op (:func:`jaxact.batch_norm_act`).
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from jaxact.nnx import BatchNorm
+    >>> bn = BatchNorm(3, activation="relu", rngs=nnx.Rngs(0))
+    >>> bn(jnp.ones((4, 3))).shape, bn.mean.shape
+    ((4, 3), (3,))
+
+  Args:
+    num_features, use_running_average, axis, momentum, epsilon, dtype, param_dtype, use_bias,
+      use_scale, bias_init, scale_init, axis_name, axis_index_groups, use_fast_variance,
+      promote_dtype, rngs, bias_metadata, scale_metadata: as ``flax.nnx.BatchNorm``'s.
+    activation: applied to the normalized output (default ``"identity"``).
+  """
+
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    use_running_average: bool | None = False,
+    axis: int = -1,
+    momentum: float = 0.99,
+    epsilon: float = 1e-5,
+    dtype: Dtype | None = None,
+    param_dtype: Dtype = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Initializer = initializers.zeros,
+    scale_init: Initializer = initializers.ones,
+    axis_name: str | None = None,
+    axis_index_groups: tp.Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+    rngs: nnx.Rngs,
+    bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    activation: Activation = "identity",
+  ):
+    check_activation("jaxact.nnx.BatchNorm", activation)
+    super().__init__(
+      num_features,
+      use_running_average=use_running_average,
+      axis=axis,
+      momentum=momentum,
+      epsilon=epsilon,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_bias=use_bias,
+      use_scale=use_scale,
+      bias_init=bias_init,
+      scale_init=scale_init,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      use_fast_variance=use_fast_variance,
+      promote_dtype=promote_dtype,
+      rngs=rngs,
+      bias_metadata=bias_metadata,
+      scale_metadata=scale_metadata,
+    )
+    self.activation = activation
+
+  def __call__(self, x, use_running_average: bool | None = None, *, mask: Array | None = None):
+    """``activation(BatchNorm(x))``; in training the batch statistics update ``mean`` / ``var``."""
+    layer = "jaxact.nnx.BatchNorm"
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if use_running_average is None:
+      raise ValueError(
+        f"{layer}: no `use_running_average`: pass it to the constructor or to the call"
+      )
+    axes = norm_act.canonical_axes(layer, self.axis, x.ndim)
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, mean, var, scale, bias = self.promote_dtype(
+      (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
+    )
+    given = (mean, var) if use_running_average else (None, None)
+    y, mean, var = norm_act.for_layer(
+      layer,
+      norm_act.batch,
+      x,
+      scale,
+      bias,
+      activation=self.activation,
+      axis=axes,
+      epsilon=self.epsilon,
+      mean=given[0],
+      var=given[1],
+      use_fast_variance=self.use_fast_variance,
+      axis_name=self.axis_name,
+      axis_index_groups=self.axis_index_groups,
+      mask=mask,
+    )
+    if not use_running_average:
+      # as Flax: stop_gradient only where the variables are array refs
+      stop = jax.lax.stop_gradient if self.mean._can_update or self.var._can_update else None
+      for v, stat in ((self.mean, mean), (self.var, var)):
+        new = self.momentum * v[...] + (1 - self.momentum) * stat
+        v[...] = stop(new) if stop is not None else new
+    return y
+
+
+class GroupNorm(nnx.GroupNorm):
+  """``flax.nnx.GroupNorm`` then ``activation``, as one op (:func:`jaxact.group_norm_act`).
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from jaxact.nnx import GroupNorm
+    >>> gn = GroupNorm(4, num_groups=2, activation="silu", rngs=nnx.Rngs(0))
+    >>> gn(jnp.ones((2, 5, 4))).shape
+    (2, 5, 4)
+
+  Args:
+    num_features, num_groups, group_size, epsilon, dtype, param_dtype, use_bias, use_scale,
+      bias_init, scale_init, reduction_axes, axis_name, axis_index_groups, use_fast_variance,
+      promote_dtype, rngs, bias_metadata, scale_metadata: as ``flax.nnx.GroupNorm``'s.
+    activation: applied to the normalized output (default ``"identity"``).
+  """
+
+  def __init__(
+    self,
+    num_features: int,
+    num_groups: int | None = 32,
+    group_size: int | None = None,
+    *,
+    epsilon: float = 1e-6,
+    dtype: Dtype | None = None,
+    param_dtype: Dtype = jnp.float32,
+    use_bias: bool = True,
+    use_scale: bool = True,
+    bias_init: Initializer = initializers.zeros,
+    scale_init: Initializer = initializers.ones,
+    reduction_axes: Axes | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: tp.Any = None,
+    use_fast_variance: bool = True,
+    promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+    rngs: nnx.Rngs,
+    bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    activation: Activation = "identity",
+  ):
+    check_activation("jaxact.nnx.GroupNorm", activation)
+    super().__init__(
+      num_features,
+      num_groups,
+      group_size,
+      epsilon=epsilon,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_bias=use_bias,
+      use_scale=use_scale,
+      bias_init=bias_init,
+      scale_init=scale_init,
+      reduction_axes=reduction_axes,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      use_fast_variance=use_fast_variance,
+      promote_dtype=promote_dtype,
+      rngs=rngs,
+      bias_metadata=bias_metadata,
+      scale_metadata=scale_metadata,
+    )
+    self.activation = activation
+
+  def __call__(self, x, *, mask: Array | None = None):
+    """``activation(GroupNorm(x))``."""
+    layer = "jaxact.nnx.GroupNorm"
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    return norm_act.for_layer(
+      layer,
+      norm_act.group,
+      x,
+      scale,
+      bias,
+      activation=self.activation,
+      num_groups=self.num_groups,
+      group_size=None,
+      epsilon=self.epsilon,
+      reduction_axes=self.reduction_axes,
+      use_fast_variance=self.use_fast_variance,
+      axis_name=self.axis_name,
+      axis_index_groups=self.axis_index_groups,
+      mask=mask,
+    )

@@ -1,0 +1,230 @@
+"""Batch and group norms fused with their activation, keeping one array: the normalized input.
+
+``y = act(scale * x_hat + bias)`` with ``x_hat = (x - mean) r`` and ``r = 1 / sqrt(var + eps)``.
+Autodiff of that composition keeps ``x`` (or ``x - mean``) for the norm, and ``z`` or ``y`` for the
+activation: two or three activation-sized arrays. The backward pass needs only ``x_hat`` (and
+``r``, one float32 number a statistic): from it it recomputes ``z = scale * x_hat + bias`` and the
+activation's derivative at ``z``, then
+
+.. math::
+  \\bar x = r \\left(\\bar{\\hat x} - \\overline{\\bar{\\hat x}} - \\hat x \\,
+  \\overline{\\bar{\\hat x} \\hat x}\\right), \\quad \\bar{\\hat x} = \\bar z \\, \\gamma
+
+(overlines are means over the statistic's elements, averaged over ``axis_name`` as the statistics
+are). So each op is one ``custom_vjp`` keeping ``x_hat`` in ``x``'s dtype, ``r`` and the parameters.
+
+Why ``x_hat`` and not ``y`` (In-Place ABN's choice): ``y`` determines ``x_hat`` only through
+``(act^-1(y) - bias) / scale``, which is lost where ``scale`` is 0 (and the derivative at
+``scale = 0`` is not: ``d scale = sum(dz x_hat)``), and only for invertible activations. ``x_hat``
+gives the exact gradient for every scale, zero included, and every activation, from one array.
+For half precision inputs ``x_hat`` is rounded to ``x``'s dtype before the scale and bias, in the
+forward as in the backward, so both see the same pre-activation (at a kink, the same side of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxact._src.activations import api as activations
+from jaxact._src.core import barriers
+from jaxact._src.norm_act.plan import NormActPlan
+
+
+def _pmean(plan: NormActPlan, v):
+  if plan.axis_name is None:
+    return v
+  return lax.pmean(v, plan.axis_name, axis_index_groups=plan.axis_index_groups)
+
+
+def _varying(a) -> frozenset:
+  """The named axes `a` varies over under ``shard_map``'s typing (empty outside it, or untyped)."""
+  t = getattr(jax.typeof(a), "manual_axis_type", None)
+  return frozenset(t.varying) if t is not None else frozenset()
+
+
+def _like(ct, primal, g):
+  """A parameter's cotangent in its shape and dtype; summed over the named axes that `g` varies
+  over and the parameter does not (autodiff's transpose of the implicit broadcast)."""
+  if primal is None:
+    return None
+  ct = ct.reshape(primal.shape).astype(primal.dtype)
+  axes = tuple(sorted(_varying(g) - _varying(primal)))
+  return lax.psum(ct, axes) if axes else ct
+
+
+def _param(plan: NormActPlan, p, ndim: int, shape):
+  if p is None:
+    return None
+  return p.astype(plan.acc).reshape(plan.feature_shape(ndim, shape))
+
+
+def statistics(plan: NormActPlan, xv):
+  """``(mean, var)`` of the view `xv` (in the accumulation dtype) over the plan's axes, kept as
+  size-1 axes; as Flax's ``_compute_stats`` computes them."""
+  mean = jnp.mean(xv, plan.axes, keepdims=True)
+  if plan.fast_variance:
+    mean, mean2 = _pmean(plan, (mean, jnp.mean(xv * xv, plan.axes, keepdims=True)))
+    return mean, jnp.maximum(0.0, mean2 - mean * mean)
+  mean = _pmean(plan, mean)
+  return mean, _pmean(plan, jnp.mean(jnp.square(xv - mean), plan.axes, keepdims=True))
+
+
+def _activate(plan: NormActPlan, z, dynamic):
+  act = plan.act
+  if act.fn is not None:  # a plain callable sees what `act(norm(x))` would give it
+    return act.fn(z.astype(plan.out_dtype), *dynamic)
+  return act.rule.spec.fn(z, **act.rule.params(dynamic)).astype(plan.out_dtype)
+
+
+def _preactivation(plan: NormActPlan, x_hat, scale, bias):
+  z = x_hat.astype(plan.acc)
+  if scale is not None:
+    z = z * _param(plan, scale, z.ndim, z.shape)
+  if bias is not None:
+    z = z + _param(plan, bias, z.ndim, z.shape)
+  return z
+
+
+def _dz(plan: NormActPlan, xh, scale, bias, g, dynamic):
+  """``(g act'(z), the activation's array parameters' cotangents)`` with z recomputed from x_hat."""
+  z = _preactivation(plan, xh, scale, bias)
+  act = plan.act
+  if act.fn is not None:
+    _, pull = jax.vjp(act.fn, z.astype(plan.out_dtype), *dynamic)
+    dz, *d_dynamic = pull(g)
+    return dz.astype(plan.acc), d_dynamic
+  rule = act.rule
+  if rule.residual == "output":  # the derivative from z, which is at hand (y is not)
+    rule = dataclasses.replace(rule, residual="input")
+  return activations.rule_cotangents(rule, z, g, dynamic, plan.acc, tied=True)
+
+
+def _param_grads(plan: NormActPlan, dz, xh, scale, bias, g):
+  others = plan.others(dz.ndim)
+  d_scale = None if scale is None else _like(jnp.sum(dz * xh, others), scale, g)
+  d_bias = None if bias is None else _like(jnp.sum(dz, others), bias, g)
+  dxh = dz if scale is None else dz * _param(plan, scale, dz.ndim, dz.shape)
+  return d_scale, d_bias, dxh
+
+
+# ------------------------------------------------------------------ training: batch statistics
+
+
+def _train_forward(plan: NormActPlan, x, scale, bias, dynamic):
+  xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
+  mean, var = statistics(plan, xv)
+  r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
+  x_hat = ((xv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
+  y = _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
+  return y, x_hat, mean, var, r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _train(plan: NormActPlan, x, scale, bias, *dynamic):
+  y, _, mean, var, _ = _train_forward(plan, x, scale, bias, dynamic)
+  return y, mean, var
+
+
+def _train_fwd(plan: NormActPlan, x, scale, bias, *dynamic):
+  y, x_hat, mean, var, r = _train_forward(plan, x, scale, bias, dynamic)
+  # The barrier keeps XLA from recomputing x_hat from x in the backward pass (which would keep x
+  # alive as well) and from fusing the forward's activation into the backward's.
+  y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
+  return (y, mean, var), (x_hat, r, scale, bias, dynamic)
+
+
+def _train_bwd(plan: NormActPlan, res, cts):
+  g, g_mean, g_var = cts
+  x_hat, r, scale, bias, dynamic = res
+  (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  xh = x_hat.astype(plan.acc)
+  dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
+  d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)
+  view = plan.view_shape(xh.shape)
+  dxh, xh = dxh.reshape(view), xh.reshape(view)
+  m1, m2 = _pmean(
+    plan,
+    (jnp.mean(dxh, plan.axes, keepdims=True), jnp.mean(dxh * xh, plan.axes, keepdims=True)),
+  )
+  dx = r * (dxh - m1 - xh * m2)
+  # The statistics' own cotangents (zero unless the caller differentiates through them):
+  # d mean / dx = 1 / n and d var / dx = 2 (x - mean) / n, with x - mean = x_hat / r.
+  n = math.prod(view[a] for a in plan.axes)
+  if plan.axis_name is None:
+    dx = dx + (g_mean + 2 * g_var * (xh / r)) / n
+  elif set(_names(plan.axis_name)) <= _varying(g):
+    # typed shard_map: the statistics are invariant over the axis, their cotangents too, and the
+    # transpose of the mean over it spreads them without a sum
+    size = lax.psum(1, plan.axis_name, axis_index_groups=plan.axis_index_groups)
+    dx = dx + (g_mean + 2 * g_var * (xh / r)) / (n * size)
+  else:  # pmap, or shard_map untyped: each device's own copy, summed as psum's transpose sums
+    g_mean, g_var = _pmean(plan, (g_mean, g_var))
+    dx = dx + (g_mean + 2 * g_var * (xh / r)) / n
+  dx = dx.reshape(x_hat.shape).astype(plan.x_dtype)
+  return (dx, d_scale, d_bias, *d_dynamic)
+
+
+def _names(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+_train.defvjp(_train_fwd, _train_bwd)
+_train_jit = jax.jit(_train, static_argnums=0)
+
+
+def train(plan: NormActPlan, x, scale, bias, *dynamic):
+  """``(y, mean, var)``: the statistics of the view (size-1 axes kept), accumulation dtype."""
+  # A closure-converted callable is a new object on every call; jit would retrace each time.
+  run = _train_jit if plan.act.fn is None else _train
+  return run(plan, x, scale, bias, *dynamic)
+
+
+# ------------------------------------------------------------ inference: given mean and variance
+
+
+def _infer_forward(plan: NormActPlan, x, scale, bias, mean, var, dynamic):
+  r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
+  x_hat = ((x.astype(plan.acc) - mean) * r).astype(plan.x_dtype)
+  y = _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
+  return y, x_hat, r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
+  return _infer_forward(plan, x, scale, bias, mean, var, dynamic)[0]
+
+
+def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
+  y, x_hat, r = lax.optimization_barrier(_infer_forward(plan, x, scale, bias, mean, var, dynamic))
+  return y, (x_hat, r, scale, bias, mean, var, dynamic)
+
+
+def _infer_bwd(plan: NormActPlan, res, g):
+  x_hat, r, scale, bias, mean, var, dynamic = res
+  (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  xh = x_hat.astype(plan.acc)
+  dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
+  d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)
+  others = plan.others(xh.ndim)
+  # x_hat = (x - mean) r with r = (var + eps)^-1/2: d x_hat / d mean = -r and
+  # d x_hat / d var = -x_hat r^2 / 2
+  d_mean = _like(-jnp.sum(dxh, others, keepdims=True) * r, mean, g)
+  d_var = _like(-0.5 * r * r * jnp.sum(dxh * xh, others, keepdims=True), var, g)
+  dx = (dxh * r).astype(plan.x_dtype)
+  return (dx, d_scale, d_bias, d_mean, d_var, *d_dynamic)
+
+
+_infer.defvjp(_infer_fwd, _infer_bwd)
+_infer_jit = jax.jit(_infer, static_argnums=0)
+
+
+def infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
+  """``y`` normalized with the given `mean` and `var` (broadcastable to x, accumulation dtype)."""
+  run = _infer_jit if plan.act.fn is None else _infer
+  return run(plan, x, scale, bias, mean, var, *dynamic)
