@@ -297,8 +297,6 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, stats: Array, do: Array)
   sh = _shapes(x.q, x.k)
   acc, bq, bk = plan.acc_dtype, plan.block_q, plan.block_k
   n_k = -(-sh.kv_len // bk)
-  # D_t = sum_h dO O: the softmax's backward term, one number a (row, head); (B, K, G, T).
-  delta = jnp.einsum("btkgh,btkgh->bkgt", do.astype(acc), o.astype(acc))
   row_max, log_sum = stats[:, :, :, 0], stats[:, :, :, 1]
 
   def k_block(j, carry):
@@ -315,7 +313,12 @@ def backward(plan: AttentionPlan, x: _Inputs, o: Array, stats: Array, do: Array)
       blk = _logits(plan, sh, x, q_blk, k_blk, q0, k0, i, j, backward=True)
       m_blk = lax.dynamic_slice_in_dim(row_max, q0, bq, 3)[..., None]
       l_blk = lax.dynamic_slice_in_dim(log_sum, q0, bq, 3)[..., None]
-      d_blk = lax.dynamic_slice_in_dim(delta, q0, bq, 3)
+      # D_t = sum_h dO O, the softmax's backward term, one number a (row, head) (B, K, G, bq):
+      # formed a block at a time from the block's dO and O (h products a row, beside the block's
+      # bq x bk logits). Formed once over whole arrays, XLA (for GPUs) first wrote float32
+      # transposed copies of dO and O.
+      o_blk = lax.dynamic_slice_in_dim(o, q0, bq, 1)
+      d_blk = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), -1).transpose(0, 2, 3, 1)
       # s - m <= 0, but for a recomputed logit an ulp above the forward's (a huge exponent for
       # huge logits).
       p = jnp.exp(jnp.minimum(blk.s - m_blk, 0) - l_blk)
