@@ -42,6 +42,7 @@ from jaxact._src.activations.api import squareplus as squareplus
 from jaxact._src.activations.api import swish as swish
 from jaxact._src.activations.api import tanh as tanh
 from jaxact._src.attention.api import dot_product_attention as dot_product_attention
+from jaxact._src.attention.api_project import project_heads as project_heads
 from jaxact._src.attention.vjp import CHECKPOINT_NAMES as ATTENTION_CHECKPOINT_NAMES
 from jaxact._src.fused.api import conv_bias_act as conv_bias_act
 from jaxact._src.fused.api import dense_bias_act as dense_bias_act
@@ -112,5 +113,6 @@ __all__ = [
   "batch_norm_act",
   "group_norm_act",
   "dot_product_attention",
+  "project_heads",
   "ATTENTION_CHECKPOINT_NAMES",
 ]
