@@ -130,6 +130,13 @@ _REMAT = jax.checkpoint_policies.nothing_saveable
 # The projections' outputs, not attention's batched logits (which dots_saveable would keep too).
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 _SAVE = jax.checkpoint_policies.save_only_these_names
+# What jaxact's ops keep, by name: under a remat saving them a block recomputes only its q, k, v
+# projections (and its plain ops), not the attention, the norms or the gated MLP's a, b.
+_JAXACT_NAMES = (
+  *jaxact.GATED_CHECKPOINT_NAMES,
+  *jaxact.ATTENTION_CHECKPOINT_NAMES,
+  *jaxact.NORM_CHECKPOINT_NAMES,
+)
 BODIES = {
   # label: (mlp, checkpoint policy or None, attention)
   "flax": (_flax_mlp, None, nn_attention),
@@ -141,7 +148,12 @@ BODIES = {
   "jaxact_attn_remat": (_jaxact_mlp, _REMAT, jaxact_attention),
   "flax_names": (_flax_mlp_named, _SAVE(*gated.FLAX_CHECKPOINT_NAMES), nn_attention),
   "jaxact_attn_dots": (_jaxact_mlp, _DOTS, jaxact_attention),
-  "jaxact_attn_names": (_jaxact_mlp, _SAVE(*jaxact.GATED_CHECKPOINT_NAMES), jaxact_attention),
+  "jaxact_attn_names": (_jaxact_mlp, _SAVE(*_JAXACT_NAMES), jaxact_attention),
+  "jaxact_attn_gated_names": (
+    _jaxact_mlp,
+    _SAVE(*jaxact.GATED_CHECKPOINT_NAMES),
+    jaxact_attention,
+  ),
 }
 BODY_LABELS = page.BODY_LABELS
 # The main job's frontier: each point (harness.frontier's keys) as (body, head). jaxact's bodies
@@ -155,6 +167,7 @@ FRONTIER = {
   "jaxact_remat": ("jaxact_attn_remat", "fused"),
   "jaxact_dots": ("jaxact_attn_dots", "fused"),
   "jaxact_names": ("jaxact_attn_names", "fused"),
+  "jaxact_gated_names": ("jaxact_attn_gated_names", "fused"),
   "jaxact_nn_attn": ("jaxact", "fused"),
   "jaxact_nn_attn_remat": ("jaxact_remat", "fused"),
 }

@@ -26,7 +26,10 @@ BODY_LABELS = {  # benchmarks.decoder's bodies
   "jaxact_attn_remat": "jaxact.gated_mlp + jaxact attention + block remat",
   "flax_names": "Flax + block remat saving the gate and up projections by name",
   "jaxact_attn_dots": "jaxact.gated_mlp + jaxact attention + remat, dots_saveable",
-  "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by name",
+  "jaxact_attn_names": "jaxact.gated_mlp + jaxact attention + block remat saving what jaxact's "
+  "ops keep by name",
+  "jaxact_attn_gated_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by "
+  "name",
 }
 HEADS = ("plain", "fused", "none")  # benchmarks.decoder's heads
 
