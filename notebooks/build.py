@@ -474,7 +474,582 @@ FLAX_TRAINING = [
   ),
 ]
 
-NOTEBOOKS = {"01_quickstart.ipynb": QUICKSTART, "02_flax_training.ipynb": FLAX_TRAINING}
+
+GRPO = [
+  md(
+    f"""
+    # GRPO on a toy reward, without the logits
+
+    {colab_badge("03_grpo.ipynb")}
+
+    `jaxact.policy_gradient_loss` is the clipped policy-gradient loss of GRPO (and of DAPO,
+    Dr. GRPO, GSPO and PPO) from the policy's final hidden states and its head: the per-token
+    log-probabilities come from `jaxact.linear_log_probs`, which never builds the
+    (tokens, vocabulary) logits. This notebook trains a tiny autoregressive policy with GRPO on a
+    verifiable toy reward: groups of completions sampled for each prompt, group-relative
+    advantages, the clipped surrogate against the sampling policy's log-probabilities and a KL
+    penalty towards a frozen reference. It then checks the loss against the plain composition
+    (`log_softmax` of the full logits) and compares the two's compiled memory at a vocabulary of
+    32768. It runs on a CPU in well under a minute.
+    """
+  ),
+  code(install_cell("optax")),
+  code(
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import optax
+
+    import jaxact
+
+    print(f"jax {jax.__version__} on {jax.default_backend()}, jaxact {jaxact.__version__}")
+    """
+  ),
+  md(
+    """
+    ## The task and the policy
+
+    A prompt is one token `s` of a vocabulary of 16. The policy writes 8 tokens, and the reward is
+    the fraction of them that count up by one from the token before (`s + 1, s + 2, ...`, modulo
+    16): checked by a rule, no reward model, and 1/16 for a policy that writes at random.
+
+    The policy is a tiny autoregressive model: the previous token's embedding, through a residual
+    MLP of `jaxact.dense_bias_act` layers, gives the final hidden state `x` (32 features), and the
+    head `w` (32 x 16) its next-token logits. It sees only the previous token, which is all this
+    task needs. Sampling runs the model one position at a time (`jax.random.categorical` of the
+    logits); training runs it over the whole completion at once and gives the hidden states and
+    the head to the loss.
+    """
+  ),
+  code(
+    """
+    V, T, D, HIDDEN = 16, 8, 32, 64  # vocabulary, completion length, features, MLP width
+    PROMPTS, GROUP = 16, 8  # each step: 16 prompts, a group of 8 completions for each
+
+
+    def init(key):
+      k = jax.random.split(key, 4)
+      return {
+        "embed": jax.random.normal(k[0], (V, D)) * 0.5,
+        "w1": jax.random.normal(k[1], (D, HIDDEN)) * D**-0.5,
+        "b1": jnp.zeros(HIDDEN),
+        "w2": jax.random.normal(k[2], (HIDDEN, D)) * HIDDEN**-0.5,
+        "b2": jnp.zeros(D),
+        "head": jax.random.normal(k[3], (D, V)) * D**-0.5,
+      }
+
+
+    def hidden(params, prev):
+      # The final hidden state after each previous token: (...,) -> (..., D).
+      h = params["embed"][prev]
+      u = jaxact.dense_bias_act(h, params["w1"], params["b1"], activation="gelu")
+      return h + jaxact.dense_bias_act(u, params["w2"], params["b2"], activation="tanh")
+
+
+    def sample(params, prompts, key):
+      # One completion per prompt, a token at a time: (n,) -> (n, T).
+      def step(prev, k):
+        token = jax.random.categorical(k, hidden(params, prev) @ params["head"])
+        return token, token
+
+      _, tokens = jax.lax.scan(step, prompts, jax.random.split(key, T))
+      return tokens.T
+
+
+    def previous(prompts, tokens):
+      # The token before each completion position: the prompt, then the completion shifted.
+      return jnp.concatenate([prompts[:, None], tokens[:, :-1]], axis=1)
+
+
+    def reward(prompts, tokens):
+      return jnp.mean(tokens == (previous(prompts, tokens) + 1) % V, axis=-1)
+
+
+    params = init(jax.random.key(0))
+    reference = params  # the frozen reference of the KL penalty: the initial policy
+    prompts = jnp.arange(4) * 4
+    tokens = sample(params, prompts, jax.random.key(1))
+    for s, y, r in zip(prompts, tokens, reward(prompts, tokens), strict=True):
+      print(f"prompt {int(s):2d} -> {np.asarray(y)}  reward {float(r):.3f}")
+    """
+  ),
+  md(
+    """
+    ## GRPO
+
+    Each step samples a group of 8 completions for each of 16 random prompts and scores them. A
+    completion's advantage is its reward less its group's mean, divided by the group's standard
+    deviation (GRPO's group-relative advantage: no value model). The sampling policy's
+    log-probabilities of the sampled tokens (`old_log_probs`) and the frozen reference's
+    (`ref_log_probs`) come from `jaxact.linear_log_probs`; then two Adam steps on
+    `policy_gradient_loss`: in the first the ratio to the sampling policy is 1 (the policy
+    gradient), in the second the policy has moved and the clip (`epsilon` 0.2) can bind. `beta`
+    weighs the KL penalty towards the reference.
+    """
+  ),
+  code(
+    """
+    BETA, EPSILON, INNER_STEPS, STEPS = 0.02, 0.2, 2, 120
+    optimizer = optax.adam(1e-2)
+
+
+    @jax.jit
+    def rollout(params, key):
+      k_prompts, k_sample = jax.random.split(key)
+      prompts = jnp.repeat(jax.random.randint(k_prompts, (PROMPTS,), 0, V), GROUP)
+      tokens = sample(params, prompts, k_sample)
+      rewards = reward(prompts, tokens).reshape(PROMPTS, GROUP)
+      mean, std = rewards.mean(1, keepdims=True), rewards.std(1, keepdims=True)
+      advantages = ((rewards - mean) / (std + 1e-4)).reshape(-1)  # one a completion
+      return previous(prompts, tokens), tokens, advantages, rewards.mean()
+
+
+    def loss_fn(params, prev, tokens, advantages, old_log_probs, ref_log_probs):
+      x = hidden(params, prev)  # (sequences, T, D): no logits from here on
+      return jaxact.policy_gradient_loss(
+        x,
+        params["head"],
+        tokens,
+        advantages,
+        old_log_probs=old_log_probs,
+        ref_log_probs=ref_log_probs,
+        loss_type="grpo",
+        epsilon=EPSILON,
+        beta=BETA,
+      )
+
+
+    def log_probs(params, prev, tokens):
+      return jaxact.linear_log_probs(hidden(params, prev), params["head"], tokens)
+
+
+    @jax.jit
+    def update(params, opt_state, prev, tokens, advantages):
+      old = log_probs(params, prev, tokens)  # the sampling policy's, fixed for the inner steps
+      ref = log_probs(reference, prev, tokens)
+      for _ in range(INNER_STEPS):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, metrics), grads = grad_fn(params, prev, tokens, advantages, old, ref)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+      return params, opt_state, loss, metrics
+
+
+    opt_state = optimizer.init(params)
+    history = {"reward": [], "loss": [], "kl": [], "clip_fraction": []}
+    start = time.perf_counter()
+    for i in range(STEPS):
+      if i == 10:
+        early = params  # the policy of step 10, for the check against the full logits below
+      prev, tokens, advantages, mean_reward = rollout(params, jax.random.key(100 + i))
+      params, opt_state, loss, metrics = update(params, opt_state, prev, tokens, advantages)
+      for name, value in (("reward", mean_reward), ("loss", loss)):
+        history[name].append(float(value))
+      for name in ("kl", "clip_fraction"):
+        history[name].append(float(metrics[name]))
+    print(f"{STEPS} GRPO steps in {time.perf_counter() - start:.1f} s")
+    print(
+      f"mean reward: first step {history['reward'][0]:.3f}, last 10 steps "
+      f"{np.mean(history['reward'][-10:]):.3f}"
+    )
+    """
+  ),
+  code(
+    """
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    panels = (
+      ("reward", "mean reward of the sampled completions"),
+      ("loss", "policy_gradient_loss (last inner step)"),
+      ("kl", "KL to the reference (k3)"),
+    )
+    for ax, (name, title) in zip(axes, panels, strict=True):
+      ax.plot(history[name])
+      ax.set_title(title)
+      ax.set_xlabel("GRPO step")
+    axes[0].axhline(1 / V, color="gray", ls=":", label="random policy")
+    axes[0].legend()
+    fig.tight_layout()
+
+    tokens = sample(params, prompts, jax.random.key(1))
+    for s, y, r in zip(prompts, tokens, reward(prompts, tokens), strict=True):
+      print(f"prompt {int(s):2d} -> {np.asarray(y)}  reward {float(r):.3f}")
+    """
+  ),
+  md(
+    """
+    The surrogate part of the loss stays near 0 (a group's advantages sum to 0: what moves the
+    policy is their weighting of the log-probabilities' gradients, not the loss's value), so the
+    loss follows its penalty, `beta` times the KL to the reference, which grows as the policy
+    leaves the near-uniform initial policy for the rewarded completions; a larger `beta` holds it
+    closer. A group whose completions all score alike has advantages 0 and teaches nothing: once
+    the policy counts up every time, the steps have little left to learn from.
+
+    ## The same loss from the full logits
+
+    Written without jaxact, the loss builds the logits `x @ w`, their `log_softmax`, and picks the
+    sampled tokens' entries. On one batch sampled by the policy of step 10 and scored after one
+    more update of it (off the policy: the ratios are not 1, and the clip binds for some tokens)
+    the two agree, values and gradients in `x` and `w`.
+    """
+  ),
+  code(
+    """
+    def plain_grpo(x, w, tokens, advantages, old, ref):
+      logits = x @ w  # (sequences, T, V): what policy_gradient_loss never builds
+      logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0]
+      ratio, a = jnp.exp(logp - old), advantages[:, None]
+      surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - EPSILON, 1 + EPSILON) * a)
+      d = ref - logp
+      kl = jnp.exp(d) - d - 1  # k3
+      return -jnp.mean(jnp.mean(surrogate - BETA * kl, axis=-1))  # GRPO: per sequence, then all
+
+
+    def ours(x, w, tokens, advantages, old, ref):
+      return jaxact.policy_gradient_loss(
+        x, w, tokens, advantages, old_log_probs=old, ref_log_probs=ref, epsilon=EPSILON, beta=BETA
+      )[0]
+
+
+    prev, tokens, advantages, _ = rollout(early, jax.random.key(0))
+    old, ref = log_probs(early, prev, tokens), log_probs(reference, prev, tokens)
+    moved = update(early, optimizer.init(early), prev, tokens, advantages)[0]  # one GRPO update
+    x = hidden(moved, prev)
+    args = (x, moved["head"], tokens, advantages, old, ref)
+    _, metrics = loss_fn(moved, prev, tokens, advantages, old, ref)
+    clip, ratio = float(metrics["clip_fraction"]), float(metrics["ratio"])
+    print(f"clip fraction {clip:.3f}, mean ratio {ratio:.3f}")
+    for label, f in (("jaxact", ours), ("plain", plain_grpo)):
+      value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(*args)
+      print(
+        f"{label:7s} loss {float(value):+.7f}  |dx| {float(jnp.linalg.norm(dx)):.6f}  "
+        f"|dw| {float(jnp.linalg.norm(dw)):.6f}"
+      )
+    g_ours, g_plain = (jax.grad(f, argnums=(0, 1))(*args) for f in (ours, plain_grpo))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g_ours, g_plain, strict=True))
+    print(f"max gradient difference: {diff:.1e}")
+    """
+  ),
+  md(
+    """
+    ## Memory at a real vocabulary
+
+    At a vocabulary of 16 the logits are nothing. At 32768 (8 completions of 128 tokens, 64
+    features) one float32 copy of them is 128 MiB, and the plain composition's gradient keeps
+    several. XLA's compiled memory analysis of `jit(grad)` of the loss in `x` and `w` (only
+    compiled, never run) reads the temporary memory each allocates.
+    """
+  ),
+  code(
+    """
+    BIG_GROUP, BIG_T, BIG_D, BIG_V = 8, 128, 64, 32768
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    big = (
+      f32(BIG_GROUP, BIG_T, BIG_D),  # x
+      f32(BIG_D, BIG_V),  # w
+      jax.ShapeDtypeStruct((BIG_GROUP, BIG_T), jnp.int32),  # tokens
+      f32(BIG_GROUP),  # advantages
+      f32(BIG_GROUP, BIG_T),  # old log-probs
+      f32(BIG_GROUP, BIG_T),  # reference log-probs
+    )
+    logits_mib = BIG_GROUP * BIG_T * BIG_V * 4 / 2**20
+    temp = {}
+    for label, f in (("plain composition", plain_grpo), ("jaxact", ours)):
+      compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(*big).compile()
+      temp[label] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+      print(
+        f"{label:18s} temp {temp[label]:7.1f} MiB  ({temp[label] / logits_mib:.2f} x the logits)"
+      )
+    print(f"jaxact / plain: {temp['jaxact'] / temp['plain composition']:.3f}")
+    """
+  ),
+  md(
+    """
+    jaxact's temporary memory is a few blocks of the vocabulary, whatever the number of tokens;
+    the plain composition's grows with tokens x vocabulary. The benchmark suite measures a real
+    step (8 completions of 8192 tokens, V = 128256): `python -m benchmarks posttrain`. The next
+    notebook distils a teacher into a smaller student the same way:
+    [04_distillation.ipynb](04_distillation.ipynb).
+    """
+  ),
+]
+
+
+DISTILLATION = [
+  md(
+    f"""
+    # Distilling a teacher into a smaller student, without the logits
+
+    {colab_badge("04_distillation.ipynb")}
+
+    `jaxact.distillation_loss` is a divergence between a student's and a teacher's next-token
+    distributions (the forward KL of Hinton et al., the reverse KL, or GKD's generalized
+    Jensen-Shannon divergence), at a temperature, from both models' final hidden states and heads:
+    neither model's (tokens, vocabulary) logits are built, and the two models' feature sizes may
+    differ. This notebook distils a fixed teacher (128 features) into students of 16 features
+    with the forward KL and with the JSD, draws the divergences over the steps, checks the loss
+    against the plain composition (`log_softmax` of both full logits) and compares the two's
+    compiled memory at a vocabulary of 32768. It runs on a CPU in well under a minute.
+    """
+  ),
+  code(install_cell("optax")),
+  code(
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import optax
+
+    import jaxact
+
+    print(f"jax {jax.__version__} on {jax.default_backend()}, jaxact {jaxact.__version__}")
+    """
+  ),
+  md(
+    """
+    ## Teacher and student
+
+    Both are next-token models over a vocabulary of 64 that see the previous token: its
+    embedding through a residual MLP of `jaxact.dense_bias_act` layers gives the final hidden
+    state, and the head its logits. The teacher is fixed: random weights, its head scaled up so
+    that its next-token distributions are peaked (about 1 nat of entropy) and differ from one
+    previous token to the next. The student is the same model with 16 features where the teacher
+    has 128.
+    """
+  ),
+  code(
+    """
+    V, TEACHER_D, STUDENT_D = 64, 128, 16
+
+
+    def init(key, d, head_scale=1.0):
+      k = jax.random.split(key, 4)
+      return {
+        "embed": jax.random.normal(k[0], (V, d)),
+        "w1": jax.random.normal(k[1], (d, 2 * d)) * d**-0.5,
+        "b1": jnp.zeros(2 * d),
+        "w2": jax.random.normal(k[2], (2 * d, d)) * (2 * d) ** -0.5,
+        "b2": jnp.zeros(d),
+        "head": jax.random.normal(k[3], (d, V)) * head_scale * d**-0.5,
+      }
+
+
+    def hidden(params, prev):
+      # The final hidden state after each previous token: (...,) -> (..., d).
+      h = params["embed"][prev]
+      u = jaxact.dense_bias_act(h, params["w1"], params["b1"], activation="gelu")
+      return h + jaxact.dense_bias_act(u, params["w2"], params["b2"], activation="identity")
+
+
+    teacher = init(jax.random.key(0), TEACHER_D, head_scale=4.0)
+    every = jnp.arange(V)  # each previous token once: the whole task
+    p = jax.nn.softmax(hidden(teacher, every) @ teacher["head"])
+    entropy = -jnp.sum(p * jnp.log(p), -1)
+    print(
+      f"teacher: entropy {float(entropy.mean()):.2f} nats (uniform: {np.log(V):.2f}), "
+      f"top token's probability {float(p.max(-1).mean()):.2f} on average"
+    )
+    """
+  ),
+  md(
+    """
+    ## Distillation
+
+    Each step draws 256 previous tokens, runs both models to their hidden states and gives them,
+    with both heads, to `distillation_loss` at temperature 2 (softer targets, Hinton's choice);
+    the teacher is frozen (the loss gives its arguments zero gradients). One student is trained
+    with the forward KL `KL(p || q)`, another from the same start with the JSD (`beta` 0.5). Every
+    10 steps each student is scored by the forward KL at temperature 1 over every previous token
+    and by how often its most likely next token is the teacher's.
+    """
+  ),
+  code(
+    """
+    BATCH, STEPS, TEMPERATURE = 256, 300, 2.0
+    optimizer = optax.adam(1e-2)
+    teacher_x = hidden(teacher, every)
+
+
+    def make_step(divergence):
+      def loss_fn(student, prev):
+        return jaxact.distillation_loss(
+          hidden(student, prev),
+          student["head"],
+          hidden(teacher, prev),
+          teacher["head"],
+          divergence=divergence,
+          temperature=TEMPERATURE,
+        )[0]  # (loss, metrics): the metrics are the divergence and cross-entropy, unweighted
+
+      @jax.jit
+      def step(student, opt_state, key):
+        prev = jax.random.randint(key, (BATCH,), 0, V)
+        loss, grads = jax.value_and_grad(loss_fn)(student, prev)
+        updates, opt_state = optimizer.update(grads, opt_state, student)
+        return optax.apply_updates(student, updates), opt_state, loss
+
+      return step
+
+
+    @jax.jit
+    def score(student):
+      x = hidden(student, every)
+      kl = jaxact.distillation_loss(x, student["head"], teacher_x, teacher["head"])[0]
+      agree = jnp.mean(jnp.argmax(x @ student["head"], -1) == jnp.argmax(p, -1))
+      return kl, agree
+
+
+    curves, students = {}, {}
+    start = time.perf_counter()
+    for divergence in ("forward_kl", "jsd"):
+      student, step = init(jax.random.key(1), STUDENT_D), make_step(divergence)
+      opt_state = optimizer.init(student)
+      curve = {"loss": [], "kl": [], "agree": []}
+      for i in range(STEPS):
+        student, opt_state, loss = step(student, opt_state, jax.random.key(i))
+        curve["loss"].append(float(loss))
+        if i % 10 == 9:
+          kl, agree = score(student)
+          curve["kl"].append(float(kl))
+          curve["agree"].append(float(agree))
+      curves[divergence], students[divergence] = curve, student
+      print(
+        f"{divergence:10s} KL at T=1 {curve['kl'][-1]:.4f}, top-1 agreement "
+        f"{curve['agree'][-1]:.3f}"
+      )
+    print(f"{2 * STEPS} distillation steps in {time.perf_counter() - start:.1f} s")
+    """
+  ),
+  code(
+    """
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    scored = np.arange(10, STEPS + 1, 10)
+    for divergence, curve in curves.items():
+      axes[0].plot(curve["loss"], label=divergence)
+      axes[1].plot(scored, curve["kl"], label=divergence)
+      axes[2].plot(scored, curve["agree"], label=divergence)
+    titles = (
+      f"training loss (its own divergence, T = {TEMPERATURE:g})",
+      "forward KL to the teacher, T = 1",
+      "top-1 agreement with the teacher",
+    )
+    for ax, title in zip(axes, titles, strict=True):
+      ax.set_title(title)
+      ax.set_xlabel("step")
+      ax.legend()
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    """
+  ),
+  md(
+    """
+    The JSD is bounded (by log 2 for `beta` 0.5) and weighs the student's own mass as well as the
+    teacher's, so its value runs lower than the forward KL's; scored by the forward KL, the student
+    trained on it is the further from the teacher, as expected of a loss that does not ask for
+    the teacher's whole distribution. Both agree with the teacher's top token almost everywhere.
+    The training losses level off above 0: 16 features cannot reproduce the teacher's whole table
+    of next-token logits (a student of 64 features, in the same steps, brings the forward KL at
+    temperature 2 to about 0.01), and temperature 2 spreads the targets over the unlikely tokens
+    where that shows, while at temperature 1 the likely tokens dominate.
+
+    ## The same loss from the full logits
+
+    Written without jaxact, each divergence builds both models' logits and their
+    `log_softmax`; the teacher's are detached. On one batch the values and the student's
+    gradients agree.
+    """
+  ),
+  code(
+    """
+    def plain_distillation(x, w, teacher_x, teacher_w, divergence, beta=0.5):
+      log_q = jax.nn.log_softmax(x @ w / TEMPERATURE)  # (tokens, V): the student's
+      log_p = jax.lax.stop_gradient(jax.nn.log_softmax(teacher_x @ teacher_w / TEMPERATURE))
+      kl = lambda log_a, log_b: jnp.sum(jnp.exp(log_a) * (log_a - log_b), -1)
+      if divergence == "forward_kl":
+        return jnp.mean(kl(log_p, log_q))
+      # GKD's generalized JSD: the mixture m = beta p + (1 - beta) q, in log space
+      log_m = jnp.logaddexp(log_p + jnp.log(beta), log_q + jnp.log1p(-beta))
+      return jnp.mean(beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m))
+
+
+    def ours(x, w, teacher_x, teacher_w, divergence):
+      return jaxact.distillation_loss(
+        x, w, teacher_x, teacher_w, divergence=divergence, temperature=TEMPERATURE
+      )[0]
+
+
+    prev = jax.random.randint(jax.random.key(7), (BATCH,), 0, V)
+    student = students["forward_kl"]
+    args = (hidden(student, prev), student["head"], hidden(teacher, prev), teacher["head"])
+    for divergence in ("forward_kl", "jsd"):
+      values, grads = {}, {}
+      for label, f in (("jaxact", ours), ("plain", plain_distillation)):
+        values[label], grads[label] = jax.value_and_grad(f, argnums=(0, 1))(*args, divergence)
+      diff = max(
+        float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads["jaxact"], grads["plain"], strict=True)
+      )
+      print(
+        f"{divergence:10s} jaxact {float(values['jaxact']):.7f}  plain "
+        f"{float(values['plain']):.7f}  max gradient difference {diff:.1e}"
+      )
+    """
+  ),
+  md(
+    """
+    ## Memory at a real vocabulary
+
+    At a vocabulary of 32768, 1024 tokens, a student of 64 features and a teacher of 256, one
+    float32 copy of either model's logits is 128 MiB; the plain composition builds both and keeps
+    several for the backward. XLA's compiled memory analysis of `jit(grad)` of the loss in the
+    student's `x` and `w` (only compiled, never run) reads the temporary memory each allocates.
+    """
+  ),
+  code(
+    """
+    TOKENS, BIG_STUDENT_D, BIG_TEACHER_D, BIG_V = 1024, 64, 256, 32768
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    big = (
+      f32(TOKENS, BIG_STUDENT_D),
+      f32(BIG_STUDENT_D, BIG_V),
+      f32(TOKENS, BIG_TEACHER_D),
+      f32(BIG_TEACHER_D, BIG_V),
+    )
+    logits_mib = TOKENS * BIG_V * 4 / 2**20
+    for divergence in ("forward_kl", "jsd"):
+      temp = {}
+      for label, f in (("plain", plain_distillation), ("jaxact", ours)):
+        grad = jax.jit(jax.grad(f, argnums=(0, 1)), static_argnums=4)
+        compiled = grad.lower(*big, divergence).compile()
+        temp[label] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+      print(
+        f"{divergence:10s} temp: plain {temp['plain']:6.1f} MiB "
+        f"({temp['plain'] / logits_mib:.1f} x one logits array), jaxact "
+        f"{temp['jaxact']:5.1f} MiB: {temp['jaxact'] / temp['plain']:.3f} x"
+      )
+    """
+  ),
+  md(
+    """
+    jaxact's temporary memory is a few column blocks of both heads, whatever the number of
+    tokens; the plain composition's grows with tokens x vocabulary, for each model. The benchmark
+    suite measures a real step (8192 tokens, V = 128256): `python -m benchmarks posttrain`.
+    """
+  ),
+]
+
+NOTEBOOKS = {
+  "01_quickstart.ipynb": QUICKSTART,
+  "02_flax_training.ipynb": FLAX_TRAINING,
+  "03_grpo.ipynb": GRPO,
+  "04_distillation.ipynb": DISTILLATION,
+}
 
 
 def without_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:

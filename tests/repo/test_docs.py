@@ -92,7 +92,10 @@ def test_python_snippets_run(path):
     exec(compile(block, f"{path.relative_to(ROOT)} (python block {i + 1})", "exec"), namespace)
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_flax_training.ipynb"])
+@pytest.mark.parametrize(
+  "name",
+  ["01_quickstart.ipynb", "02_flax_training.ipynb", "03_grpo.ipynb", "04_distillation.ipynb"],
+)
 def test_notebooks_are_committed_executed(name):
   # GitHub and the docs site (mkdocs-jupyter, execute: false) show the committed outputs.
   nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)

@@ -47,12 +47,15 @@ def test_notebooks_are_the_built_ones():
     )
 
 
-# The Flax training notebook (about 30 s) runs under `pytest -m exhaustive`; its claims (the same
-# loss curve as Flax at less memory) are tested by test_linen/test_nnx's digits training.
+# By default only the quickstart runs; the others (10 to 30 s each) run under `pytest -m
+# exhaustive`. Their claims are tested elsewhere: the Flax training one's (the same loss curve as
+# Flax at less memory) by test_linen/test_nnx's digits training, the GRPO and distillation ones'
+# (the plain composition's values and gradients, the compiled temp) by tests/lce/test_policy.py
+# and test_distill.py.
 @pytest.mark.parametrize(
   "name",
   [
-    pytest.param(n, marks=[pytest.mark.exhaustive] if n.startswith("02_") else [])
+    pytest.param(n, marks=[] if n.startswith("01_") else [pytest.mark.exhaustive])
     for n in sorted(BUILD.NOTEBOOKS)
   ],
 )
