@@ -71,6 +71,7 @@ from benchmarks.gpu.truth_timings import (
   time_decoder,
   time_gated,
   time_lce,
+  time_norm_act,
   time_posttrain,
 )
 from benchmarks.harness import rows
@@ -160,6 +161,8 @@ STEPS: tuple[Step, ...] = (
        "one layer's training step with each code, per implementation"),
   Step("time-posttrain",          4,  45, time_posttrain,
        "GRPO loss step 16 x 1024 x 4096 x 128k: the plain composition against jaxact"),
+  Step("time-norm-act",           4,  35, time_norm_act,
+       "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact"),
 )
 # fmt: on
 

@@ -369,3 +369,57 @@ def time_posttrain(ctx: th.Context):
       f"{1e3 * seconds:.1f} ms {seconds / base:.2f}x plain, temp {temp:.0f} MiB",
     )
   return lines, {k: list(v) for k, v in data.items()}
+
+
+def time_norm_act(ctx: th.Context):
+  """Batch norm + relu (a ResNet stage, NHWC) and group norm + SiLU (a U-Net block) in bfloat16,
+  training mode, forward and backward: jaxact.batch_norm_act / group_norm_act against the plain
+  composition JAX differentiates (the statistics in float32, as Flax computes them); time and
+  the compiled temp of each."""
+  import jaxact
+  from jaxact._src.norm_act import reference
+
+  runs = 1 if ctx.small else min(ctx.runs, 5)
+  shapes = {
+    "batch_norm_act relu": ctx.pick((64, 56, 56, 256), (2, 4, 4, 8)),
+    "group_norm_act silu": ctx.pick((8, 64, 64, 320), (2, 4, 4, 8)),
+  }
+  lines = ["| op | shape | path | fwd+bwd ms | / plain | temp MiB |", "|---|---|---|---|---|---|"]
+  data = {}
+  for op, shape in shapes.items():
+    x = jax.random.normal(jax.random.key(71), shape, jnp.float32).astype(jnp.bfloat16)
+    scale, bias = jnp.ones(shape[-1:], jnp.bfloat16), jnp.zeros(shape[-1:], jnp.bfloat16)
+    if op.startswith("batch"):
+      mine = lambda x, s, b: jaxact.batch_norm_act(x, s, b, activation="relu")[0]
+      plain = lambda x, s, b: reference.batch_norm_act(x, s, b, jax.nn.relu)[0]
+    else:
+      groups = min(32, shape[-1] // 2)
+      mine = lambda x, s, b, g=groups: jaxact.group_norm_act(
+        x, s, b, activation="silu", num_groups=g
+      )
+      plain = lambda x, s, b, g=groups: reference.group_norm_act(x, s, b, jax.nn.silu, num_groups=g)
+    base = math.nan
+    for label, fn in (("plain", plain), ("jaxact", mine)):
+      loss = lambda x, s, b, fn=fn: jnp.sum(fn(x, s, b).astype(jnp.float32))
+      step = jax.jit(jax.grad(loss, (0, 1, 2)))
+      try:
+        temp = step.lower(x, scale, bias).compile().memory_analysis().temp_size_in_bytes / 2**20
+        seconds = median_seconds_of(step, (x, scale, bias), runs)
+      except Exception as e:
+        ctx.log(f"time-norm-act {op} {label}\n{traceback.format_exc()}")
+        ctx.verdict(f"time-norm-act {op} {label}", "ERROR", th.one_line(e))
+        continue
+      base = seconds if label == "plain" else base
+      data[f"{op} {label}"] = [seconds, temp]
+      lines.append(
+        f"| {op} | {shape} | {label} | {1e3 * seconds:.2f} | {seconds / base:.2f} | {temp:.0f} |"
+      )
+      if label == "jaxact":
+        _ratio_verdict(ctx, f"time-norm-act {op}", seconds, base, "plain")
+  return lines, data
+
+
+def median_seconds_of(step, args, runs: int) -> float:
+  from benchmarks.gpu.common import median_seconds
+
+  return median_seconds(step, [args], runs)
