@@ -412,3 +412,37 @@ def test_a_scanned_stack_hoists_no_hidden_sized_array_out_of_its_loop():
     if F in getattr(v.aval, "shape", ())
   ]
   assert hoisted == []
+
+
+@pytest.mark.parametrize("mlp", [True, False], ids=["mlp", "dense"])
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16])
+def test_the_backward_in_blocks_of_tokens_equals_autodiff(monkeypatch, mlp, dtype):
+  """The XLA backward a block of rows at a time (rules.backward_rows; 1024 rows by default, 4 here,
+  so that the 15 tokens make four blocks, the last moved back over rows of the third): values and
+  gradients of every argument as autodiff of the composition."""
+  from jaxact._src.gated import rules
+
+  monkeypatch.setattr(rules, "BACKWARD_ROWS", 4)
+  args = operands(dtype)
+  if not mlp:
+    args = (*args[:3], None, *args[4:6], None)
+  f = ours("gelu", mlp)
+  keep = [a for a in args if a is not None]
+
+  def call(*keep):
+    full = iter(keep)
+    return f(*(None if a is None else next(full) for a in args))
+
+  ref = composition(reference_activation("gelu"), mlp)
+
+  def call_ref(*keep):
+    full = iter(keep)
+    return ref(*(None if a is None else next(full) for a in args))
+
+  wide = [a.astype(jnp.float64) for a in keep]
+  ct = jnp.cos(jnp.arange(np.prod(BATCH) * (O if mlp else F))).reshape(*BATCH, -1)
+  got = value_and_grads(call, keep, ct.astype(dtype))
+  want = value_and_grads(call_ref, wide, ct)
+  assert_close(got, want, dtype, "blocked")
+  plan_rows = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(call(*a).astype(jnp.float32))))(*keep)
+  assert "while" in str(plan_rows) or "scan" in str(plan_rows)  # the blocks' loop ran

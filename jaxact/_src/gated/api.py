@@ -9,6 +9,7 @@ This module checks the arguments and builds the call's static plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -145,6 +146,8 @@ def _run(
   plan = _sharded_plan(fn_name, plan, x, w_gate, w_up, w_down, out_sharding, prepared.values())
   decision = rules.decide(fn_name, implementation, plan, x, w_gate, w_up)
   plan = dataclasses.replace(plan, decision=decision)
+  rows = rules.backward_rows(plan, math.prod(x.shape[:-1]))
+  plan = dataclasses.replace(plan, backward_rows=rows)
   y = gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
   return shardings.constrain(y, out_sharding)
 

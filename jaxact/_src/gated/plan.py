@@ -36,3 +36,6 @@ class GatedPlan:
   x_gather: Any = None
   h_gather: Any = None
   shardings: tuple = (None,) * 7
+  # Rows (tokens) a block of the XLA backward (rules.backward_rows): its (tokens, hidden)
+  # temporaries (h, gh, da, db) a block at a time; None: the whole array at once.
+  backward_rows: int | None = None

@@ -135,3 +135,20 @@ def decide(
   the
   call. ``None`` takes the first row of :data:`GATED_AUTO_RULES` that holds."""
   return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w_gate, w_up))
+
+
+# Rows a block of the blocked XLA backward: the weight gradients' products then contract over 1024
+# tokens a block (full-size matmuls on a GPU), and the (tokens, hidden) temporaries of a block are
+# 1024 rows instead of every token's.
+BACKWARD_ROWS = 1024
+
+
+def backward_rows(plan: GatedPlan, tokens: int) -> int | None:
+  """The rows a block of the XLA backward, or None for one pass over every token: blocks where
+  there are at least two of them, on one device's whole arrays (no mesh axes: the weight
+  gradients' sums would cross devices), without dropout (its mask is drawn over the whole h)."""
+  split = lambda spec: spec is not None and any(axis is not None for axis in spec)
+  sharded = any(map(split, plan.shardings)) or plan.x_gather is not None
+  if plan.decision.backward != "xla" or plan.dropout is not None or sharded:
+    return None
+  return BACKWARD_ROWS if tokens >= 2 * BACKWARD_ROWS else None

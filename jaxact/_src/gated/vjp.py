@@ -26,6 +26,7 @@ backward pass and the down projection are XLA's either way.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,8 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
   (a, b, key), g = barriers.after_cotangent((a, b, key), g)
   if plan.decision.backward != "xla":
     return _kernel_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
+  if plan.backward_rows is not None and not dynamic:
+    return _blocked_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
   d_down = None, None
   if plan.has_down:
     h = dropped(plan, key, hidden(plan, a, b, dynamic))
@@ -233,6 +236,71 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
   if mm != acc:
     da, db = lax.optimization_barrier((da, db))
   return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, d_dynamic)
+
+
+def _blocked_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
+  """The XLA backward a block of ``plan.backward_rows`` tokens at a time: each block's h, gh, da
+  and db (its (rows, hidden) temporaries), its rows of dx, and its share of the weight and bias
+  gradients summed in the accumulation dtype (one rounding at the end). One device, no dropout,
+  no traced activation parameters (rules.backward_rows). The last block is moved back to end at
+  the last token; the rows it shares with its predecessor count once in the sums."""
+  acc, mm, rows = plan.acc_dtype, _matmul_dtype(plan, x.dtype), plan.backward_rows
+  t = math.prod(x.shape[:-1])
+  x2, a2, b2, g2 = (v.reshape(t, v.shape[-1]) for v in (x, a, b, g))
+  n = -(-t // rows)
+
+  def wsum(lhs, rhs):  # lhs^T rhs over the block's rows, in the accumulation dtype
+    dims = (((0,), (0,)), ((), ()))
+    return lax.dot_general(lhs, rhs, dims, plan.precision, preferred_element_type=acc)
+
+  def body(i, carry):
+    dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down = carry
+    start = jnp.minimum(i * rows, t - rows)
+    xi, ai, bi, gi = (lax.dynamic_slice_in_dim(v, start, rows, 0) for v in (x2, a2, b2, g2))
+    fresh = ((start + jnp.arange(rows)) >= i * rows)[:, None]
+    if plan.has_down:
+      gy = gi.astype(mm)
+      gy_once = jnp.where(fresh, gy, jnp.zeros_like(gy))
+      dw_down = dw_down + wsum(hidden(plan, ai, bi, ()), gy_once)
+      db_down = db_down + jnp.sum(gy_once, 0, dtype=acc)
+      gh = _input_grad(plan, gy, w_down, ai)
+    else:
+      gh = gi
+    da, db, _ = gate_cotangents(plan, ai, bi, gh, ())
+    da, db = da.astype(mm), db.astype(mm)
+    dxi = _input_grad(plan, da, w_gate, xi).astype(acc)
+    dxi = dxi + _input_grad(plan, db, w_up, xi).astype(acc)
+    dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, 0)
+    da, db = (jnp.where(fresh, v, jnp.zeros_like(v)) for v in (da, db))
+    dw_gate, dw_up = dw_gate + wsum(xi, da), dw_up + wsum(xi, db)
+    db_gate, db_up = db_gate + jnp.sum(da, 0, dtype=acc), db_up + jnp.sum(db, 0, dtype=acc)
+    return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down
+
+  f, o = w_gate.shape[1], (w_down.shape[1] if plan.has_down else 0)
+  # The buffers made from the step's arrays (barriers.zeros_from), not hoisted out of a scan.
+  init = (
+    barriers.zeros_from(x2),
+    *(barriers.zeros_from(w, acc) for w in (w_gate, w_up)),
+    barriers.zeros_from(w_down, acc) if plan.has_down else jnp.zeros((), acc),
+    jnp.zeros((f,), acc),
+    jnp.zeros((f,), acc),
+    jnp.zeros((o,), acc),
+  )
+  dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down = lax.fori_loop(0, n, body, init)
+
+  def bias(present, v, like):
+    return v.astype(like.dtype) if present else None
+
+  grads = (
+    dx.reshape(x.shape),
+    dw_gate.astype(w_gate.dtype),
+    dw_up.astype(w_up.dtype),
+    dw_down.astype(w_down.dtype) if plan.has_down else None,
+    bias(plan.has_gate_bias, db_gate, x),
+    bias(plan.has_up_bias, db_up, x),
+    bias(plan.has_down_bias, db_down, x),
+  )
+  return shardings.retype(grads, plan.shardings)
 
 
 def _down_weight_grad(plan: GatedPlan, h: Array, w_down: Array, gy: Array) -> Array:
