@@ -137,9 +137,9 @@ class UNetBlock(nn.Module):
     elif self.variant == "jaxact-gn":
       h = conv()(jnn.GroupNorm(activation="silu", **gn)(x))
       h = conv()(jnn.GroupNorm(activation="silu", **gn)(h))
-    else:  # the ConvNormAct's conv has no bias: the norm's bias takes its place
+    else:
       h = jnn.GroupNorm(activation="silu", **gn)(x)
-      h = jnn.ConvNormAct(c, (3, 3), norm="group", activation="silu", **gn)(h)
+      h = jnn.ConvNormAct(c, (3, 3), norm="group", activation="silu", conv_use_bias=True, **gn)(h)
       h = conv()(h)
     return x + h
 

@@ -27,10 +27,11 @@ class FlaxConvNormAct(nn.Module):
   norm: str = "batch"
   activation: str = "relu"
   kw: tuple = ()
+  conv_bias: bool = False
 
   @nn.compact
   def __call__(self, x, use_running_average=False):
-    x = nn.Conv(self.features, self.kernel_size, self.strides, use_bias=False)(x)
+    x = nn.Conv(self.features, self.kernel_size, self.strides, use_bias=self.conv_bias)(x)
     if self.norm == "batch":
       x = nn.BatchNorm(use_running_average=use_running_average, **dict(self.kw))(x)
     else:
@@ -68,6 +69,10 @@ LINEN_CASES = {
   ),
   "group-silu-f32": (dict(norm="group", activation="silu", kw=(("num_groups", 4),)), jnp.float32),
   "group-relu-f64": (dict(norm="group", activation="relu", kw=(("num_groups", 2),)), jnp.float64),
+  "group-conv-bias-f32": (
+    dict(norm="group", activation="silu", kw=(("num_groups", 2),), conv_bias=True),
+    jnp.float32,
+  ),
 }
 
 
@@ -83,6 +88,7 @@ def test_linen_equals_flax_conv_norm_activation(case, train):
   kw = dict(spec.get("kw", ()))
   theirs = FlaxConvNormAct(8, **spec)
   layer = dict(norm=spec["norm"], activation=spec["activation"], param_dtype=dtype, **kw)
+  layer["conv_use_bias"] = spec.get("conv_bias", False)
   ours = jnn.ConvNormAct(8, (3, 3), spec.get("strides", 1), **layer)
   call = dict(use_running_average=not train) if batch else {}
   variables = theirs.init(jax.random.key(2), x, **call)

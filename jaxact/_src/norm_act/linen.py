@@ -187,6 +187,8 @@ class ConvNormAct(nn.Module):
     epsilon: the norm's; None is its default (1e-5 for batch, 1e-6 for group norm).
     use_scale, use_bias, scale_init, bias_init, use_fast_variance: the norm's.
     dtype, param_dtype: both layers'.
+    conv_use_bias: the convolution's ``use_bias`` (default False: a batch norm's mean removes a
+      bias; a group norm's does not, and diffusion U-Nets keep one before it).
   """
 
   features: int
@@ -214,6 +216,7 @@ class ConvNormAct(nn.Module):
   axis_name: str | None = None
   axis_index_groups: Any = None
   use_fast_variance: bool = True
+  conv_use_bias: bool = False
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None):
@@ -236,7 +239,7 @@ class ConvNormAct(nn.Module):
       self.input_dilation,
       self.kernel_dilation,
       self.feature_group_count,
-      use_bias=False,
+      use_bias=self.conv_use_bias,
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       precision=self.precision,

@@ -251,6 +251,7 @@ class ConvNormAct(nnx.Module):
     epsilon: the norm's; None is its default (1e-5 for batch, 1e-6 for group norm).
     use_scale, use_bias, scale_init, bias_init, use_fast_variance: the norm's.
     dtype, param_dtype, rngs: both layers'.
+    conv_use_bias: the convolution's ``use_bias`` (default False).
   """
 
   def __init__(
@@ -282,6 +283,7 @@ class ConvNormAct(nnx.Module):
     axis_name: str | None = None,
     axis_index_groups: tp.Any = None,
     use_fast_variance: bool = True,
+    conv_use_bias: bool = False,
     rngs: nnx.Rngs,
   ):
     layer = "jaxact.nnx.ConvNormAct"
@@ -296,7 +298,7 @@ class ConvNormAct(nnx.Module):
       input_dilation=input_dilation,
       kernel_dilation=kernel_dilation,
       feature_group_count=feature_group_count,
-      use_bias=False,
+      use_bias=conv_use_bias,
       dtype=dtype,
       param_dtype=param_dtype,
       precision=precision,
