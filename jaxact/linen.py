@@ -34,6 +34,7 @@ from jaxact._src.gated.linen import GatedMLP as GatedMLP  # noqa: E402 (after th
 from jaxact._src.lce.linen import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.linen import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import BatchNorm as BatchNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.linen import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import GroupNorm as GroupNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import RMSNorm as RMSNorm  # noqa: E402 (after the check)
@@ -48,5 +49,6 @@ __all__ = [
   "LayerNorm",
   "BatchNorm",
   "GroupNorm",
+  "ConvNormAct",
   "dot_product_attention",
 ]

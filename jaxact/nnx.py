@@ -31,6 +31,7 @@ from jaxact._src.gated.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the 
 from jaxact._src.lce.nnx import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import BatchNorm as BatchNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.nnx import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import RMSNorm as RMSNorm  # noqa: E402 (after the check)
@@ -45,5 +46,6 @@ __all__ = [
   "LayerNorm",
   "BatchNorm",
   "GroupNorm",
+  "ConvNormAct",
   "dot_product_attention",
 ]

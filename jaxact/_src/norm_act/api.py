@@ -197,8 +197,9 @@ def batch_norm_act(
       autodiff, re-run in the backward pass); ``"identity"`` for none.
     axis: the feature axis or axes (Flax's ``axis``); the statistics reduce every other axis.
     epsilon: added to the variance, > 0 (Flax's default 1e-5).
-    mean, var: running averages to normalize with (inference), of the shape of `scale`; both or
-      neither.
+    mean: the running mean to normalize with (inference), of the shape of `scale`; given with
+      `var` or not at all.
+    var: the running variance, likewise.
     use_fast_variance: Flax's variance formula (default True); False: two passes.
     axis_name: the named axis (``shard_map``, ``pmap``) whose devices share the batch statistics,
       as Flax's; under ``jit`` with a sharded batch the statistics are global without it.
@@ -342,8 +343,9 @@ def group_norm_act(
     reduction_axes: the axes the statistics reduce, the last included (default: all but the
       first).
     use_fast_variance: Flax's variance formula (default True).
-    axis_name, axis_index_groups: average the statistics over the devices of a named axis, as
-      Flax's ``GroupNorm`` does.
+    axis_name: average the statistics over the devices of this named axis, as Flax's
+      ``GroupNorm`` does.
+    axis_index_groups: groups of device indices of `axis_name` that share statistics.
 
   Returns:
     ``y``, of `x`'s shape and dtype.

@@ -6,6 +6,9 @@ Each subclasses Flax's layer and adds the keyword argument ``activation`` (defau
 ``"identity"``: the layer is Flax's): the arguments, attributes, parameters and batch statistics
 are Flax's, made by its ``__init__``, so the same ``rngs`` give the same parameters and
 checkpoints load both ways. A ``mask`` raises a ``ValueError``.
+
+``ConvNormAct`` holds ``nnx.Conv`` (no bias) and one of those, and its backward pass keeps only
+the layer's input: the convolution is made again in the backward pass (``jax.checkpoint``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
-from flax.typing import Array, Axes, Dtype, Initializer, PromoteDtypeFn
+from flax.nnx.nn.linear import default_kernel_init
+from flax.typing import Array, Axes, Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 
 from jaxact._src.layers.common import Activation, check_activation
 from jaxact._src.norm_act import api as norm_act
@@ -216,3 +220,127 @@ class GroupNorm(nnx.GroupNorm):
       axis_index_groups=self.axis_index_groups,
       mask=mask,
     )
+
+
+class ConvNormAct(nnx.Module):
+  """``activation(norm(nnx.Conv(..., use_bias=False)(x)))``, keeping only `x` for the backward pass.
+
+  Holds ``conv`` (Flax's ``nnx.Conv``, no bias) and ``norm`` (this module's :class:`BatchNorm`,
+  batch statistics updated as Flax updates them, or :class:`GroupNorm`), made by their own
+  ``__init__`` from the same `rngs` in that order: a Flax module holding ``self.conv`` and
+  ``self.norm`` has the same state. The call runs both under ``jax.checkpoint``: the backward pass
+  makes the convolution, the statistics and the normalized input again from `x` (which the layer
+  before keeps anyway) instead of keeping the convolution's output and the norm's.
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from jaxact.nnx import ConvNormAct
+    >>> layer = ConvNormAct(3, 8, (3, 3), activation="relu", rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 6, 6, 3))).shape, layer.norm.mean.shape
+    ((2, 6, 6, 8), (8,))
+
+  Args:
+    in_features, out_features, kernel_size, strides, padding, input_dilation, kernel_dilation,
+      feature_group_count, precision, kernel_init: ``nnx.Conv``'s.
+    norm: ``"batch"`` (``nnx.BatchNorm``) or ``"group"`` (``nnx.GroupNorm``).
+    activation: applied to the normalized output (default ``"identity"``).
+    use_running_average, momentum, axis_name, axis_index_groups: ``nnx.BatchNorm``'s.
+    num_groups, group_size: ``nnx.GroupNorm``'s.
+    epsilon: the norm's; None is its default (1e-5 for batch, 1e-6 for group norm).
+    use_scale, use_bias, scale_init, bias_init, use_fast_variance: the norm's.
+    dtype, param_dtype, rngs: both layers'.
+    conv_use_bias: the convolution's ``use_bias`` (default False).
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int | tp.Sequence[int],
+    strides: int | tp.Sequence[int] = 1,
+    *,
+    padding: PaddingLike = "SAME",
+    input_dilation: int | tp.Sequence[int] = 1,
+    kernel_dilation: int | tp.Sequence[int] = 1,
+    feature_group_count: int = 1,
+    norm: tp.Literal["batch", "group"] = "batch",
+    activation: Activation = "identity",
+    use_running_average: bool | None = False,
+    momentum: float = 0.99,
+    epsilon: float | None = None,
+    num_groups: int | None = 32,
+    group_size: int | None = None,
+    use_scale: bool = True,
+    use_bias: bool = True,
+    dtype: Dtype | None = None,
+    param_dtype: Dtype = jnp.float32,
+    precision: PrecisionLike = None,
+    kernel_init: Initializer = default_kernel_init,
+    scale_init: Initializer = initializers.ones,
+    bias_init: Initializer = initializers.zeros,
+    axis_name: str | None = None,
+    axis_index_groups: tp.Any = None,
+    use_fast_variance: bool = True,
+    conv_use_bias: bool = False,
+    rngs: nnx.Rngs,
+  ):
+    layer = "jaxact.nnx.ConvNormAct"
+    if norm not in ("batch", "group"):
+      raise ValueError(f"{layer}: `norm` {norm!r} is not known; choose 'batch' or 'group'")
+    self.conv = nnx.Conv(
+      in_features,
+      out_features,
+      kernel_size,
+      strides,
+      padding=padding,
+      input_dilation=input_dilation,
+      kernel_dilation=kernel_dilation,
+      feature_group_count=feature_group_count,
+      use_bias=conv_use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      precision=precision,
+      kernel_init=kernel_init,
+      rngs=rngs,
+    )
+    kw = dict(
+      use_scale=use_scale,
+      use_bias=use_bias,
+      scale_init=scale_init,
+      bias_init=bias_init,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      use_fast_variance=use_fast_variance,
+      activation=activation,
+      rngs=rngs,
+    )
+    if epsilon is not None:
+      kw["epsilon"] = epsilon
+    if norm == "batch":
+      self.norm = BatchNorm(
+        out_features, use_running_average=use_running_average, momentum=momentum, **kw
+      )
+    else:
+      self.norm = GroupNorm(out_features, num_groups, group_size, **kw)
+
+  def __call__(self, x, use_running_average: bool | None = None):
+    """The layer on `x` ``(batch, *spatial, channels)``; in training with a batch norm the batch
+    statistics update ``norm.mean`` / ``norm.var``."""
+    batch = isinstance(self.norm, nnx.BatchNorm)
+    call = dict(use_running_average=use_running_average) if batch else {}
+    graph, state = nnx.split((self.conv, self.norm))
+
+    def run(x, state):
+      conv, norm = nnx.merge(graph, state)
+      y = norm(conv(x), **call)
+      return y, nnx.state(norm, nnx.BatchStat)
+
+    # Nothing of the forward is saved but the arguments: the convolution, the statistics and the
+    # normalized input are made again from x in the backward pass.
+    y, stats = jax.checkpoint(run)(x, state)
+    nnx.update(self.norm, stats)
+    return y

@@ -1,0 +1,74 @@
+"""The cnn job's tables from its rows (sections ``resnet``, ``resnet-h100``, ``unet``,
+``unet-h100``, ``time``)."""
+
+from __future__ import annotations
+
+from benchmarks.harness import render
+
+MiB = 2**20
+SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "time")
+WAYS = {
+  "flax": "Flax (conv, norm, activation)",
+  "flax-remat": "Flax + nn.remat a block",
+  "jaxact-bn": "jaxact.linen.BatchNorm(activation='relu')",
+  "jaxact-gn": "jaxact.linen.GroupNorm(activation='silu')",
+  "jaxact-cna": "jaxact.linen.ConvNormAct",
+}
+
+MEMORY = render.Table(
+  ("way", "temp MiB", "/ Flax's"),
+  lambda f: [f["way"], f"{f['temp_bytes'] / MiB:.1f}", f"{f['vs_flax']:.3f}"],
+)
+TIME = render.Table(
+  ("model", "way", "time / Flax's"), lambda f: [f["model"], f["way"], f"{f['ratio']:.3f}"]
+)
+
+
+def _what(f: dict) -> str:
+  if f["model"] == "resnet":
+    return f"ResNet-50 (Flax's ImageNet example), images {tuple(f['shape'])}"
+  unet = "U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
+  return f"{f['blocks']} {unet}, x {tuple(f['shape'])}"
+
+
+def memory(these: list[dict], section: str) -> list[str]:
+  f = these[0]["figures"]
+  where = "compiled for an H100" if section.endswith("-h100") else "CPU"
+  return [
+    f"{_what(f)}, {f['dtype']}, {where}: compiled temp of one training step's "
+    "`jit(value_and_grad)`.",
+    "",
+    *MEMORY.lines(these),
+  ]
+
+
+def time(these: list[dict], section: str) -> list[str]:
+  shapes = "; ".join(
+    dict.fromkeys(f"{r['figures']['model']} {tuple(r['figures']['shape'])}" for r in these)
+  )
+  f = these[0]["figures"]
+  return [
+    f"CPU step time, float32 ({shapes}), median over {f['runs']} alternated rounds of each way's "
+    "time over Flax's in the same round.",
+    "",
+    *TIME.lines(these),
+  ]
+
+
+DRAW = {s: memory for s in SECTIONS if s != "time"} | {"time": time}
+
+
+def heading(section: str) -> str:
+  return f"### {section}"
+
+
+def tables(rows: list[dict], section: str | None = None) -> list[str]:
+  """What the job prints from its rows: each section it ran, under its heading (`section` alone:
+  its table without the heading)."""
+  if section is not None:
+    return DRAW[section]([r for r in rows if r["section"] == section], section)
+  lines: list[str] = []
+  for name in dict.fromkeys(r["section"] for r in rows):
+    these = [r for r in rows if r["section"] == name]
+    lines += ["", heading(name), "", *DRAW[name](these, name)]
+  return lines
