@@ -117,6 +117,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sections", default=",".join(SECTIONS))
   parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--out", default="bench-out", help="the folder of cnn.rows.jsonl")
   a = parser.parse_args(argv)
   wanted = a.sections.split(",")
   unknown = [s for s in wanted if s not in SECTIONS]
