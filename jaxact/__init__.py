@@ -3,8 +3,8 @@
 Each op is one ``jax.custom_vjp`` keeping only what its backward needs (the output wherever the
 derivative can be written from it): every ``jax.nn`` activation under its own name (plus
 ``gelu_quick``), ``dense_bias_act`` / ``conv_bias_act``, ``gated_dense`` / ``gated_mlp``,
-``moe_mlp`` (mixture-of-experts),
-``rms_norm`` / ``layer_norm``, ``batch_norm_act`` / ``group_norm_act``,
+``moe_mlp`` (mixture of experts), ``rms_norm`` / ``layer_norm``, ``batch_norm_act`` /
+``group_norm_act``,
 ``dot_product_attention``, ``linear_cross_entropy`` (the LM head
 and its loss without the logits), ``linear_log_probs`` (per-token log-probabilities and entropy,
 without the logits) and ``preference_loss`` (DPO and its kin on them). Flax layers in
