@@ -320,3 +320,24 @@ def test_capacity_is_ceil_of_the_factor_times_the_even_share():
   y, _ = jaxact.moe_mlp(jnp.abs(x) + 0.1, router, *ws, top_k=2, capacity_factor=0.5)
   computed = np.abs(np.asarray(y)).sum(-1) > 0
   assert computed.sum() == math.ceil(0.5 * T * 2 / E)  # tokens 0..2: both experts; the rest none
+
+
+def test_named_residuals_let_a_remat_block_keep_only_a_and_b():
+  """Under ``jax.checkpoint(policy=save_only_these_names(*MOE_CHECKPOINT_NAMES))`` a block
+  ``x + moe_mlp(norm(x))`` keeps a and b (and its input), not the normed input; same gradients."""
+  x, router, w_gate, w_up, w_down = operands(jnp.float32)
+
+  def block(x, *ws):
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    return x + jaxact.moe_mlp(h, *ws, top_k=2)[0]
+
+  policy = jax.checkpoint_policies.save_only_these_names(*jaxact.MOE_CHECKPOINT_NAMES)
+  args = (x, router, w_gate, w_up, w_down)
+  _, pull = jax.vjp(jax.checkpoint(block, policy=policy), *args)
+  kept = sorted(leaf.shape for leaf in jax.tree.leaves(pull) if leaf.size >= x.size)
+  weights = [w_gate.shape, w_up.shape, w_down.shape]
+  assert kept == sorted([x.shape, (T * 2, F), (T * 2, F), *weights]), kept
+  _, plain = jax.vjp(block, *args)
+  ct = jnp.ones_like(x)
+  for g, w in zip(pull(ct), plain(ct), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
