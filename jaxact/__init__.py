@@ -3,7 +3,8 @@
 Each op is one ``jax.custom_vjp`` keeping only what its backward needs (the output wherever the
 derivative can be written from it): every ``jax.nn`` activation under its own name (plus
 ``gelu_quick``), ``dense_bias_act`` / ``conv_bias_act``, ``gated_dense`` / ``gated_mlp``,
-``rms_norm`` / ``layer_norm``, ``batch_norm_act`` / ``group_norm_act``,
+``moe_mlp`` (mixture of experts), ``rms_norm`` / ``layer_norm``, ``batch_norm_act`` /
+``group_norm_act``,
 ``dot_product_attention``, ``linear_cross_entropy`` (the LM head
 and its loss without the logits), ``linear_log_probs`` (per-token log-probabilities and entropy,
 without the logits) and ``preference_loss`` (DPO and its kin on them). Flax layers in
@@ -56,6 +57,8 @@ from jaxact._src.lce.api_log_probs import linear_log_probs as linear_log_probs
 from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_loss
 from jaxact._src.lce.api_preference import preference_loss as preference_loss
 from jaxact._src.lce.api_top_k import top_k_distillation_loss as top_k_distillation_loss
+from jaxact._src.moe.api import moe_mlp as moe_mlp
+from jaxact._src.moe.vjp import CHECKPOINT_NAMES as MOE_CHECKPOINT_NAMES
 from jaxact._src.norm_act.api import batch_norm_act as batch_norm_act
 from jaxact._src.norm_act.api import group_norm_act as group_norm_act
 from jaxact._src.norms.api import layer_norm as layer_norm
@@ -101,6 +104,8 @@ __all__ = [
   "gated_dense",
   "gated_mlp",
   "GATED_CHECKPOINT_NAMES",
+  "moe_mlp",
+  "MOE_CHECKPOINT_NAMES",
   "linear_cross_entropy",
   "linear_log_probs",
   "policy_gradient_loss",

@@ -5,8 +5,10 @@
 compute ``activation(nn.Dense(...)(x))`` as one :func:`jaxact.dense_bias_act` /
 :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of transformers (SwiGLU, ...) with the
 parameters of three ``nn.Dense`` (``gate_proj``, ``up_proj``, ``down_proj``) and one
-:func:`jaxact.gated_mlp`. ``LMHead`` is ``nn.Dense`` that, called with labels, returns
-:func:`jaxact.linear_cross_entropy` of its kernel and bias; ``attend_cross_entropy`` is that loss
+:func:`jaxact.gated_mlp`. ``MoEMLP`` is Mixtral's sparse mixture-of-experts block (router
+``gate``, experts ``w1`` / ``w3`` / ``w2``) as one :func:`jaxact.moe_mlp`. ``LMHead`` is
+``nn.Dense`` that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel
+and bias; ``attend_cross_entropy`` is that loss
 for a head tied to an ``nn.Embed`` (its ``attend``). ``RMSNorm`` and ``LayerNorm`` are
 Flax's, computed by :func:`jaxact.rms_norm` / :func:`jaxact.layer_norm` (keeping their output).
 This module imports Flax;
@@ -33,6 +35,7 @@ from jaxact._src.fused.linen import DenseAct as DenseAct  # noqa: E402 (after th
 from jaxact._src.gated.linen import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.lce.linen import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.linen import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.moe.linen import MoEMLP as MoEMLP  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import BatchNorm as BatchNorm  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import GroupNorm as GroupNorm  # noqa: E402 (after the check)
@@ -43,6 +46,7 @@ __all__ = [
   "DenseAct",
   "ConvAct",
   "GatedMLP",
+  "MoEMLP",
   "LMHead",
   "attend_cross_entropy",
   "RMSNorm",

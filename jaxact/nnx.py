@@ -5,7 +5,9 @@
 metadata included), and compute ``activation(nnx.Linear(...)(x))`` as one
 :func:`jaxact.dense_bias_act` / :func:`jaxact.conv_bias_act`. ``GatedMLP`` is the gated MLP of
 transformers (SwiGLU, ...) holding three ``nnx.Linear`` (``gate_proj``, ``up_proj``,
-``down_proj``) and computing with one :func:`jaxact.gated_mlp`. ``LMHead`` is ``nnx.Linear``
+``down_proj``) and computing with one :func:`jaxact.gated_mlp`. ``MoEMLP`` is Mixtral's sparse
+mixture-of-experts block (router ``gate``, experts ``w1`` / ``w3`` / ``w2``) as one
+:func:`jaxact.moe_mlp`. ``LMHead`` is ``nnx.Linear``
 that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel and bias;
 ``attend_cross_entropy`` is that loss for a head tied to an ``nnx.Embed`` (its ``attend``).
 ``RMSNorm`` and ``LayerNorm`` are Flax's, computed by :func:`jaxact.rms_norm` /
@@ -30,6 +32,7 @@ from jaxact._src.fused.nnx import LinearAct as LinearAct  # noqa: E402 (after th
 from jaxact._src.gated.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
+from jaxact._src.moe.nnx import MoEMLP as MoEMLP  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import BatchNorm as BatchNorm  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after the check)
@@ -40,6 +43,7 @@ __all__ = [
   "LinearAct",
   "ConvAct",
   "GatedMLP",
+  "MoEMLP",
   "LMHead",
   "attend_cross_entropy",
   "RMSNorm",

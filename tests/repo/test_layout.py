@@ -239,7 +239,7 @@ FLOORS = (
   ("activations",),
   ("layers",),  # the Flax plumbing the families' layers share
   # the op families: none imports another
-  ("fused", "gated", "norms", "norm_act", "attention", "lce"),
+  ("fused", "gated", "norms", "norm_act", "attention", "lce", "moe"),
 )
 
 

@@ -35,6 +35,7 @@ from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src.core import barriers, shardings
+from jaxact._src.core.numerics import safe_mul
 from jaxact._src.gated import kernels
 from jaxact._src.gated.plan import GatedPlan
 
@@ -42,19 +43,6 @@ from jaxact._src.gated.plan import GatedPlan
 # jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps a and b and its
 # input, and recomputes the rest (its norm) in the backward pass.
 CHECKPOINT_NAMES = ("jaxact.gated.a", "jaxact.gated.b")
-
-
-def safe_mul(p: Array, q: Array) -> Array:
-  """``p * q``, but 0 where one factor is 0 and the other infinite (an intermediate overflow).
-
-  NaN factors still give NaN, so a diverging run shows itself.
-  """
-  prod = p * q
-  zero_inf = ((p == 0) & jnp.isinf(q)) | (jnp.isinf(p) & (q == 0))
-  # The zero is min(|p|, |q|), read from the factors: an array of zeros (jnp.zeros_like, or a
-  # scalar broadcast by jnp.where) depends on nothing in a scanned block, so the scan hoists it
-  # out of the loop as one whole (tokens, hidden) buffer.
-  return jnp.where(zero_inf, jnp.minimum(jnp.abs(p), jnp.abs(q)), prod)
 
 
 def _matmul_dtype(plan: GatedPlan, operands) -> np.dtype:

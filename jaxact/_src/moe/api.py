@@ -1,0 +1,230 @@
+"""Mixture-of-experts MLP: routing, the experts' gated MLPs as grouped matmuls, the weighted
+combine, as one op keeping two hidden-sized arrays a routed token.
+
+This module checks the arguments, builds the call's static plan, routes the tokens
+(:mod:`jaxact._src.moe.api_routing`) and runs the experts' ``custom_vjp``
+(:mod:`jaxact._src.moe.vjp`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax import Array, lax
+from jax.typing import ArrayLike
+
+from jaxact._src.activations.resolve import resolve_activation
+from jaxact._src.core import args
+from jaxact._src.moe import api_routing
+from jaxact._src.moe.plan import MoEPlan
+from jaxact._src.moe.vjp import experts
+
+SCORES = ("softmax", "sigmoid")
+
+
+def _shapes(x, router, w_gate, w_up, w_down, router_bias) -> str:
+  named = [
+    ("x", x),
+    ("router", router),
+    ("w_gate", w_gate),
+    ("w_up", w_up),
+    ("w_down", w_down),
+    ("router_bias", router_bias),
+  ]
+  return ", ".join(f"{n}.shape={v.shape}" for n, v in named if v is not None)
+
+
+def _check_shapes(fn_name, x, router, w_gate, w_up, w_down, router_bias) -> None:
+  def fail(message):
+    shapes = _shapes(x, router, w_gate, w_up, w_down, router_bias)
+    raise ValueError(f"jaxact.{fn_name}: {message} ({shapes})")
+
+  if x.ndim < 1:
+    fail("`x` must have rank >= 1 (..., features)")
+  if router.ndim != 2:
+    fail(f"`router` must have rank 2 (features, experts); got rank {router.ndim}")
+  for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    if w.ndim != 3:
+      fail(f"`{name}` must have rank 3 (experts, in, out); got rank {w.ndim}")
+  d, e = router.shape
+  if x.shape[-1] != d:
+    fail(f"`x` has {x.shape[-1]} features but `router` expects {d}")
+  if w_gate.shape[:2] != (e, d):
+    fail(f"`w_gate` must have shape ({e}, {d}, hidden): (experts, features, hidden)")
+  if w_up.shape != w_gate.shape:
+    fail("`w_up` must have the shape of `w_gate` (experts, features, hidden)")
+  if w_down.shape[:2] != (e, w_gate.shape[2]):
+    fail(f"`w_down` must have shape ({e}, {w_gate.shape[2]}, out): (experts, hidden, out)")
+  if router_bias is not None and router_bias.shape != (e,):
+    fail(f"`router_bias` has shape {router_bias.shape}; accepted: shape ({e},) or None")
+
+
+def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+    raise TypeError(f"jaxact.{fn_name}: `top_k` must be an int; got {type(top_k).__name__}")
+  if not 1 <= top_k <= experts_:
+    raise ValueError(
+      f"jaxact.{fn_name}: `top_k` is {top_k}; accepted: 1 to the number of experts ({experts_})"
+    )
+  if score not in SCORES:
+    raise ValueError(f"jaxact.{fn_name}: `score` {score!r} is not known; choose one of: {SCORES}")
+  if capacity_factor is not None and (
+    isinstance(capacity_factor, bool)
+    or not isinstance(capacity_factor, (int, float, np.number))
+    or not capacity_factor > 0
+  ):
+    raise ValueError(
+      f"jaxact.{fn_name}: `capacity_factor` is {capacity_factor!r}; accepted: None (dropless) or "
+      "a positive number"
+    )
+
+
+def moe_mlp(
+  x: ArrayLike,
+  router: ArrayLike,
+  w_gate: ArrayLike,
+  w_up: ArrayLike,
+  w_down: ArrayLike,
+  *,
+  top_k: int,
+  activation: str | Callable[..., Array] = "silu",
+  score: str = "softmax",
+  normalize_top_k: bool = True,
+  capacity_factor: float | None = None,
+  router_bias: ArrayLike | None = None,
+  precision: lax.PrecisionLike = None,
+) -> tuple[Array, dict[str, Array]]:
+  r"""A mixture-of-experts MLP (Mixtral's, Qwen3-MoE's, DeepSeek-V3's), keeping ``x``, ``a``, ``b``.
+
+  Each token :math:`x_t` is routed to the ``top_k`` experts of highest score and goes through
+  their gated MLPs, weighted:
+
+  .. math::
+    s_t = \mathrm{score}(x_t R), \quad
+    y_t = \sum_{e \in \mathrm{top}_k(s_t)} w_{te}\,
+      \bigl(\mathrm{act}(x_t W_g^{e}) \odot x_t W_u^{e}\bigr) W_d^{e}
+
+  with :math:`w_{te} = s_{te}`, divided by :math:`\sum_{e' \in \mathrm{top}_k} s_{te'}` when
+  ``normalize_top_k``. Scores: ``"softmax"`` (Switch Transformer, top-1 without normalizing;
+  Mixtral, top-2 normalized; Qwen3-MoE, top-8 normalized, ``norm_topk_prob=True``; Qwen2-MoE does
+  not normalize) or ``"sigmoid"`` (DeepSeek-V3, top-8 normalized, then multiplied by its
+  ``routed_scaling_factor``, which is left to the caller). ``router_bias`` is DeepSeek-V3's
+  auxiliary-loss-free balancing bias: added to the scores to pick the experts, not to the weights,
+  and given no gradient. Ties pick the lower expert index, as :func:`jax.lax.top_k` does. The
+  router logits, scores and weights are computed in float32 (float64 for float64 inputs); the
+  normalized weights as a softmax of the top-k log-scores, exact where the scores underflow.
+
+  The tokens are sorted by expert and each expert's projections are one group of
+  :func:`jax.lax.ragged_dot`. Between the forward and the backward pass the op keeps the input
+  ``x``, the two projections ``a = x W_g`` and ``b = x W_u`` of every routed token (two
+  ``(tokens * top_k, hidden)`` arrays), the top-k weights and the routing (two ``(tokens *
+  top_k,)`` permutations and the group sizes), nothing else; ``h = act(a) * b`` is recomputed.
+  Autodiff of the same composition keeps the sorted input, ``act(a)``, ``h`` and the experts'
+  outputs besides. The router's gradient comes through the top-k weights (the choice of experts
+  is not differentiable).
+
+  Dropless by default: every expert computes every token routed to it. With ``capacity_factor``
+  each expert computes at most ``ceil(capacity_factor * tokens * top_k / experts)`` tokens; the
+  tokens beyond that, the later ones in token order, skip it (their weight times zero), as in
+  Switch Transformer.
+
+  Also returns, unweighted, the load-balancing loss (Switch Transformer eq. 4, as Mixtral's and
+  Qwen3-MoE's ``load_balancing_loss_func``) and the router z-loss (ST-MoE eq. 5):
+
+  .. math::
+    L_\mathrm{balance} = E \sum_e f_e P_e, \qquad
+    L_z = \frac{1}{T} \sum_t \bigl(\log \textstyle\sum_e e^{z_{te}}\bigr)^2
+
+  where :math:`f_e` is the fraction of tokens routed to expert :math:`e` (before any capacity
+  drop; the :math:`f_e` sum to ``top_k``, so a uniform router gives ``top_k``), :math:`P_e` the
+  mean over tokens of the softmax of the logits :math:`z = x R` (for sigmoid scores, the scores
+  normalized per token, as DeepSeek-V3's balance loss) and :math:`T` the number of tokens.
+
+  Args:
+    x: input of shape ``(..., features)``, floating point; the leading dimensions are tokens.
+    router: the router's kernel, ``(features, experts)``.
+    w_gate: the experts' gate kernels, ``(experts, features, hidden)``.
+    w_up: the experts' up kernels, ``(experts, features, hidden)``.
+    w_down: the experts' down kernels, ``(experts, hidden, out)``.
+    top_k: the number of experts each token goes to, 1 to ``experts``.
+    activation: the gate's activation, as :func:`jaxact.gated_mlp` takes it (default ``"silu"``).
+    score: ``"softmax"`` (default) or ``"sigmoid"``.
+    normalize_top_k: divide each token's top-k weights by their sum (default True).
+    capacity_factor: None (default: dropless) or a positive number (see above).
+    router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
+    precision: passed to the matmuls, forward and backward.
+
+  Returns:
+    ``(y, aux)``: ``y`` of shape ``(..., out)`` in the input dtype, and a dict of scalars
+    ``{"load_balancing_loss": ..., "router_z_loss": ...}`` (float32, float64 for float64 inputs)
+    for the caller to weigh (Switch: 0.01; ST-MoE: z-loss 0.001).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxact
+    >>> k = jax.random.split(jax.random.key(0), 5)
+    >>> x = jax.random.normal(k[0], (6, 4))
+    >>> router = jax.random.normal(k[1], (4, 3))
+    >>> w_gate, w_up = jax.random.normal(k[2], (3, 4, 8)), jax.random.normal(k[3], (3, 4, 8))
+    >>> w_down = jax.random.normal(k[4], (3, 8, 4))
+    >>> y, aux = jaxact.moe_mlp(x, router, w_gate, w_up, w_down, top_k=2)
+    >>> y.shape, sorted(aux)
+    ((6, 4), ['load_balancing_loss', 'router_z_loss'])
+  """
+  fn_name = "moe_mlp"
+  with jax.named_scope(f"jaxact.{fn_name}"):
+    arrays = {
+      "x": x,
+      "router": router,
+      "w_gate": w_gate,
+      "w_up": w_up,
+      "w_down": w_down,
+      "router_bias": router_bias,
+    }
+    prepared, acc, out = args.prepare_arrays(fn_name, arrays, None)
+    x, router, w_gate, w_up, w_down, router_bias = prepared.values()
+    _check_shapes(fn_name, x, router, w_gate, w_up, w_down, router_bias)
+    n_experts = router.shape[1]
+    _check_options(fn_name, top_k, n_experts, score, capacity_factor)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])
+    tokens = x2.shape[0]
+    capacity = None
+    if capacity_factor is not None:
+      capacity = math.ceil(capacity_factor * tokens * top_k / n_experts)
+    a_shape = jax.ShapeDtypeStruct((tokens * top_k, w_gate.shape[2]), acc)
+    act, dynamic = resolve_activation(fn_name, activation, a_shape, out)
+    if act.rule is not None and act.rule.code is not None:
+      raise ValueError(
+        f"jaxact.{fn_name}: `activation` asks for residual_bits={act.rule.code.bits}, but the "
+        "experts keep the gate's pre-activation a anyway; drop residual_bits"
+      )
+    plan = MoEPlan(
+      act=act,
+      precision=args.hashable_precision(precision),
+      acc_dtype=acc,
+      out_dtype=out,
+      tokens=tokens,
+      experts=n_experts,
+      top_k=int(top_k),
+      score=score,
+      normalize_top_k=bool(normalize_top_k),
+      capacity=capacity,
+    )
+    routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
+    y = experts(
+      plan,
+      x2,
+      routing.weights,
+      w_gate,
+      w_up,
+      w_down,
+      routing.order,
+      routing.inverse,
+      routing.group_sizes,
+      *dynamic,
+    )
+    aux = api_routing.aux_losses(plan, routing, z, log_s)
+    return y.reshape(*lead, w_down.shape[2]), aux

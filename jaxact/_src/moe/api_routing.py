@@ -1,0 +1,96 @@
+"""The routing of :func:`jaxact.moe_mlp`, plain JAX: router scores, the top-k experts and their
+weights, the assignments sorted by expert (what the grouped matmuls read), the capacity drop, and
+the auxiliary losses.
+
+Only the top-k weights carry a gradient (to the router and the input, through the scores); the
+indices, the sort and the group sizes are integers. Everything here is of (tokens, experts) or
+(tokens * top_k,) size, small beside the experts' hidden arrays.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from jaxact._src.activations.api import log_sigmoid, softmax
+from jaxact._src.moe.plan import MoEPlan
+
+
+class Routing(NamedTuple):
+  """Where each token goes. An assignment is one (token, slot) pair, flat index ``t * k + j``."""
+
+  weights: Array  # (T, k) the top-k weights, acc dtype: differentiable
+  experts: Array  # (T, k) int32, the top-k experts, best first
+  order: Array  # (T*k,) int32: the assignments sorted by expert; dropped ones last
+  inverse: Array  # (T*k,) int32: where each assignment sits in `order`
+  group_sizes: Array  # (E,) int32: the assignments each expert computes (after the drop)
+  counts: Array  # (E,) int32: the assignments each expert was given (before the drop)
+
+
+def logits(plan: MoEPlan, x: Array, router: Array) -> Array:
+  """``x @ router`` in the accumulation dtype (float32 for half precision): (T, E)."""
+  dims = (((1,), (0,)), ((), ()))
+  return lax.dot_general(x, router, dims, plan.precision, preferred_element_type=plan.acc_dtype)
+
+
+def log_scores(plan: MoEPlan, z: Array) -> Array:
+  """The logarithms of the router's scores up to a constant a token: the logits for ``softmax(z)``
+  (Switch, Mixtral, Qwen3-MoE), ``log_sigmoid(z)`` for ``sigmoid(z)`` (DeepSeek-V3). Finite where
+  the scores underflow, and in the order of the scores."""
+  return z if plan.score == "softmax" else log_sigmoid(z)
+
+
+def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None):
+  """``(routing, logits, log_scores)`` of the (T, D) input."""
+  z = logits(plan, x, router)
+  log_s = log_scores(plan, z)
+  if router_bias is None:
+    select = lax.stop_gradient(log_s)
+  else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights
+    select = lax.stop_gradient(jnp.exp(log_s)) + router_bias.astype(plan.acc_dtype)
+  _, experts = lax.top_k(select, plan.top_k)  # ties: the lower expert index first
+  experts = experts.astype(jnp.int32)
+  chosen = jnp.take_along_axis(log_s, experts, axis=-1)
+  if plan.normalize_top_k:
+    # s_i / sum_j s_j over the top k as a softmax of their log-scores: exact (and NaN-free, in
+    # value and gradient) where the scores underflow.
+    weights = softmax(chosen, axis=-1)
+  else:
+    weights = jnp.exp(chosen - _log_norm(plan, z))
+  flat = experts.reshape(-1)
+  # Stable: within an expert, its assignments stay in token order (the capacity drops the last).
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  counts = jnp.bincount(flat, length=plan.experts).astype(jnp.int32)
+  group_sizes = counts
+  if plan.capacity is not None:
+    ranked = flat[order]
+    starts = jnp.cumsum(counts) - counts
+    position = jnp.arange(flat.size, dtype=jnp.int32) - starts[ranked]
+    # The dropped assignments go after every group: ragged_dot gives their rows zeros.
+    key = jnp.where(position < plan.capacity, ranked, plan.experts)
+    order = order[jnp.argsort(key, stable=True)]
+    group_sizes = jnp.minimum(counts, plan.capacity)
+  inverse = jnp.argsort(order).astype(jnp.int32)
+  return Routing(weights, experts, order, inverse, group_sizes, counts), z, log_s
+
+
+def _log_norm(plan: MoEPlan, z: Array) -> Array:
+  """What the log-scores lack of the log-probabilities: logsumexp(z) for softmax, 0 for sigmoid."""
+  if plan.score == "softmax":
+    return jax.nn.logsumexp(z, axis=-1, keepdims=True)
+  return jnp.zeros((), z.dtype)
+
+
+def aux_losses(plan: MoEPlan, routing: Routing, z: Array, log_s: Array) -> dict[str, Array]:
+  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted."""
+  t = plan.tokens
+  # f_e: the fraction of tokens sent to expert e (before any drop; sums to k), a constant.
+  fraction = routing.counts.astype(plan.acc_dtype) / t
+  # P_e: the mean router probability; sigmoid scores are normalized per token (DeepSeek-V3).
+  p = softmax(log_s, axis=-1)
+  balance = plan.experts * jnp.sum(fraction * jnp.mean(p, axis=0))
+  z_loss = jnp.mean(jax.nn.logsumexp(z, axis=-1) ** 2)
+  return {"load_balancing_loss": balance, "router_z_loss": z_loss}

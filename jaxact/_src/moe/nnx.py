@@ -1,0 +1,132 @@
+"""The mixture-of-experts MLP as a Flax nnx layer, :class:`MoEMLP`: Mixtral's parameters computed
+with one :func:`jaxact.moe_mlp`. Public as ``jaxact.nnx.MoEMLP``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_kernel_init
+from flax.typing import Dtype, Initializer, PrecisionLike
+
+from jaxact._src.layers import common as layers
+from jaxact._src.layers.common import Activation
+from jaxact._src.moe import api as moe
+
+Array = jax.Array
+
+# lecun_normal of each expert's (in, out) kernel: the stacked kernel's first axis is a batch axis.
+default_expert_init = nnx.initializers.lecun_normal(batch_axis=(0,))
+
+
+class MoEMLP(nnx.Module):
+  """A mixture-of-experts MLP (Mixtral's sparse MoE block) as one :func:`jaxact.moe_mlp`.
+
+  The router ``gate`` is an ``nnx.Linear(in_features, num_experts, use_bias=False)`` (its kernel
+  is read, the layer is not called); the experts' ``w1`` (gate), ``w3`` (up) and ``w2`` (down) are
+  ``nnx.Param`` stacked over the experts, ``(num_experts, in_features, hidden_features)`` twice and
+  ``(num_experts, hidden_features, out_features)``, drawn from `rngs` in that order after the
+  router, as :class:`jaxact.linen.MoEMLP` lays them out (Mixtral's names; Qwen3-MoE's
+  ``gate_proj`` / ``up_proj`` / ``down_proj``). The call returns ``(y, aux)`` (see
+  :func:`jaxact.moe_mlp`).
+
+  Example usage::
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from jaxact.nnx import MoEMLP
+    >>> layer = MoEMLP(4, 8, num_experts=4, top_k=2, rngs=nnx.Rngs(0))
+    >>> layer.gate.kernel.shape, layer.w2.shape
+    ((4, 4), (4, 8, 4))
+    >>> y, aux = layer(jnp.ones((3, 4)))
+    >>> y.shape
+    (3, 4)
+
+  Args:
+    in_features: the number of input features.
+    hidden_features: each expert's hidden features (Mixtral's ``intermediate_size``).
+    out_features: the number of output features; None (default) is ``in_features``.
+    num_experts: the number of experts.
+    top_k: the number of experts each token goes to.
+    activation: the gate's activation, as :func:`jaxact.moe_mlp` takes it (default ``"silu"``).
+    score: ``"softmax"`` (default) or ``"sigmoid"``, as :func:`jaxact.moe_mlp`.
+    normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
+    capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
+    dtype: the dtype of the computation (default: infer from input and params).
+    param_dtype: the dtype passed to parameter initializers (default: float32).
+    precision: numerical precision of the computation, see ``jax.lax.Precision``.
+    kernel_init: initializer of the router's kernel.
+    expert_init: initializer of the stacked expert kernels.
+    rngs: rng key.
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    hidden_features: int,
+    out_features: int | None = None,
+    *,
+    num_experts: int,
+    top_k: int,
+    activation: Activation = "silu",
+    score: str = "softmax",
+    normalize_top_k: bool = True,
+    capacity_factor: float | None = None,
+    dtype: Dtype | None = None,
+    param_dtype: Dtype = jnp.float32,
+    precision: PrecisionLike = None,
+    kernel_init: Initializer = default_kernel_init,
+    expert_init: Initializer = default_expert_init,
+    rngs: nnx.Rngs,
+  ):
+    name = "jaxact.nnx.MoEMLP"
+    layers.check_features(name, "in_features", in_features)
+    layers.check_features(name, "hidden_features", hidden_features)
+    layers.check_features(name, "out_features", out_features, optional=True)
+    layers.check_features(name, "num_experts", num_experts)
+    layers.check_activation(name, activation)
+    out_features = in_features if out_features is None else out_features
+    self.gate = nnx.Linear(
+      in_features,
+      num_experts,
+      use_bias=False,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      rngs=rngs,
+    )
+    e, d, f = num_experts, in_features, hidden_features
+    self.w1 = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype))
+    self.w3 = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype))
+    self.w2 = nnx.Param(expert_init(rngs.params(), (e, f, out_features), param_dtype))
+    self.in_features = in_features
+    self.hidden_features = hidden_features
+    self.out_features = out_features
+    self.num_experts = num_experts
+    self.top_k = top_k
+    self.activation = activation
+    self.score = score
+    self.normalize_top_k = normalize_top_k
+    self.capacity_factor = capacity_factor
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+
+  def __call__(self, inputs: Array) -> tuple[Array, dict[str, Array]]:
+    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`."""
+    arrays = (inputs, self.gate.kernel[...], self.w1[...], self.w3[...], self.w2[...])
+    x, router, w1, w3, w2 = dtypes.promote_dtype(arrays, dtype=self.dtype)
+    return moe.moe_mlp(
+      x,
+      router,
+      w1,
+      w3,
+      w2,
+      top_k=self.top_k,
+      activation=self.activation,
+      score=self.score,
+      normalize_top_k=self.normalize_top_k,
+      capacity_factor=self.capacity_factor,
+      precision=self.precision,
+    )

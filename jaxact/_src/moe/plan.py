@@ -1,0 +1,29 @@
+"""The static plan of one MoE call: the activation, the dtypes, the routing's sizes; what every
+module of the family reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+
+from jaxact._src.activations.resolve import Act
+
+Score = Literal["softmax", "sigmoid"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEPlan:
+  """Everything static about one :func:`jaxact.moe_mlp` call."""
+
+  act: Act
+  precision: Any
+  acc_dtype: np.dtype  # router logits, activation and accumulation dtype
+  out_dtype: np.dtype  # of the kept a, b and of y
+  tokens: int  # T: the input's rows, its leading dimensions flattened
+  experts: int  # E
+  top_k: int  # k: the experts each token goes to
+  score: Score = "softmax"
+  normalize_top_k: bool = True
+  capacity: int | None = None  # per expert; None: dropless

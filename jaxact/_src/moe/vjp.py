@@ -1,0 +1,145 @@
+"""The ``custom_vjp`` of the experts' gated MLPs: grouped matmuls over the tokens sorted by expert.
+
+With the assignments (token, slot) sorted by expert (``order``, ``group_sizes``: the routing), the
+forward gathers the sorted input ``xs = x[order // k]``, computes ``a = xs @ W_g[e]`` and
+``b = xs @ W_u[e]`` as :func:`jax.lax.ragged_dot` (one group an expert), ``h = act(a) * b``,
+``o = h @ W_d[e]``, and combines ``y_t = sum_j w_tj o_(t, j)`` back in token order.
+
+Between the passes it keeps the input ``x``, ``a`` and ``b`` (two (T*k, F) arrays), the top-k
+weights and the integer routing (two (T*k,) permutations and the (E,) group sizes), nothing else:
+the backward gathers ``xs`` again, recomputes ``h`` from ``a`` and ``b``, and gets the weights'
+gradient ``<gy_t, o_(t, j)> = <gy_t W_d[e]^T, h>`` from the product it needs anyway for ``gh``, so
+``o`` is never recomputed. Autodiff of the same composition keeps ``xs``, ``act(a)`` (and the
+activation's intermediates), ``h`` and ``o`` besides.
+
+The matmuls' transposes are :func:`jax.linear_transpose` of the forward's ragged_dot (JAX's own
+grouped transposes). Products with a weight that may be 0 next to an overflowed factor are
+:func:`~jaxact._src.core.numerics.safe_mul`: 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxact._src.core import barriers
+from jaxact._src.core.numerics import safe_mul
+from jaxact._src.moe.plan import MoEPlan
+
+# The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name), for remat policies.
+CHECKPOINT_NAMES = ("jaxact.moe.a", "jaxact.moe.b")
+
+
+def _matmul_dtype(plan: MoEPlan, operands) -> np.dtype:
+  """16-bit operands give a 16-bit product (as XLA's GPU GEMMs write it); else the acc dtype."""
+  return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
+
+
+def _ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
+  return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
+
+
+def _act(plan: MoEPlan, a: Array, dynamic) -> Array:
+  """``act(a)`` in the accumulation dtype."""
+  act = plan.act
+  if act.fn is not None:  # a plain callable sees what `act(x @ w)` would give it
+    return act.fn(a, *dynamic).astype(plan.acc_dtype)
+  return act.rule.spec.fn(a.astype(plan.acc_dtype), **act.rule.params(dynamic))
+
+
+def hidden(plan: MoEPlan, a: Array, b: Array, dynamic) -> Array:
+  """``h = act(a) * b`` in the output dtype, from the kept (rounded) a and b."""
+  return safe_mul(_act(plan, a, dynamic), b.astype(plan.acc_dtype)).astype(plan.out_dtype)
+
+
+def _gate_cotangents(plan: MoEPlan, a: Array, b: Array, gh: Array, dynamic):
+  """``(da, db, d_dynamic)`` in the accumulation dtype from the cotangent of h."""
+  acc, act = plan.acc_dtype, plan.act
+  b32 = b.astype(acc)
+  if act.fn is not None:
+    act_a, pull = jax.vjp(act.fn, a, *dynamic)
+    da, *d_dynamic = pull((gh * b32).astype(act_a.dtype))
+    return da.astype(acc), gh * act_a.astype(acc), d_dynamic
+  spec, params = act.rule.spec, act.rule.params(dynamic)
+  a32 = a.astype(acc)
+  da = safe_mul(gh * spec.derivative_from_input(a32, **params), b32)
+  d_dynamic: list = []
+  if dynamic:  # traced parameters (alpha, slope, ...): autodiff of the forward formula
+    d_dynamic = list(jax.vjp(lambda *p: spec.fn(a32, **act.rule.params(p)), *dynamic)[1](gh * b32))
+  return da, gh * spec.fn(a32, **params), d_dynamic
+
+
+def _combine(plan: MoEPlan, rows: Array, inverse: Array, weights: Array | None) -> Array:
+  """The sorted (T*k, n) `rows` back in token order, summed over each token's k slots (weighted
+  by `weights` (T, k) where given), in the accumulation dtype: (T, n)."""
+  rows = rows[inverse].astype(plan.acc_dtype).reshape(plan.tokens, plan.top_k, -1)
+  if weights is not None:
+    rows = safe_mul(rows, weights[..., None])
+  return jnp.sum(rows, axis=1)
+
+
+def _experts_fwd(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+  mm = _matmul_dtype(plan, x.dtype)
+  xs = x[order // plan.top_k]
+  a = _ragged(plan, xs, w_gate, sizes, mm).astype(plan.out_dtype)
+  b = _ragged(plan, xs, w_up, sizes, mm).astype(plan.out_dtype)
+  o = _ragged(plan, hidden(plan, a, b, dynamic), w_down, sizes, mm)
+  y = _combine(plan, o, inverse, weights).astype(plan.out_dtype)
+  # As the gated family: hide a and b's origin, so that XLA neither recomputes them in the backward
+  # nor keeps the forward's act(a), h or o alive to share with the backward's.
+  y, a, b = lax.optimization_barrier((y, a, b))
+  a, b = (checkpoint_name(v, n) for v, n in zip((a, b), CHECKPOINT_NAMES, strict=True))
+  return y, (x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _experts(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+  return _experts_fwd(plan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)[0]
+
+
+def _transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
+  """The transpose of the linear `f` in `primal` (a ragged_dot's) applied to `ct`."""
+  return jax.linear_transpose(f, primal)(ct)[0]
+
+
+def _experts_bwd(plan: MoEPlan, res, gy: Array):
+  x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic = res
+  acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
+  # Nothing of the backward (xs, h) may run before the cotangent exists (barriers.after_cotangent).
+  (a, b), gy = barriers.after_cotangent((a, b), gy)
+  tokens = order // plan.top_k
+  ws = weights.reshape(-1)[order][:, None]  # each sorted row's weight
+  gys = gy[tokens].astype(mm)  # (T*k, out): each sorted row's cotangent, before its weight
+  h = hidden(plan, a, b, dynamic)
+  # g_o = gy W_d[e]^T: both the weights' gradient <g_o, h> and gh = w g_o come from it.
+  g_o = _transpose(plan, lambda h_: _ragged(plan, h_, w_down, sizes, mm), h, gys).astype(acc)
+  d_ws = jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1)
+  d_weights = d_ws[inverse].reshape(weights.shape).astype(weights.dtype)
+  gyw = safe_mul(gys.astype(acc), ws).astype(mm)
+  dw_down = _transpose(plan, lambda w: _ragged(plan, h, w, sizes, mm), w_down, gyw)
+  da, db, d_dynamic = _gate_cotangents(plan, a, b, safe_mul(g_o, ws), dynamic)
+  da, db = da.astype(mm), db.astype(mm)
+  xs = x[tokens]
+  dw_gate = _transpose(plan, lambda w: _ragged(plan, xs, w, sizes, mm), w_gate, da)
+  dw_up = _transpose(plan, lambda w: _ragged(plan, xs, w, sizes, mm), w_up, db)
+  dxs = _transpose(plan, lambda v: _ragged(plan, v, w_gate, sizes, mm), xs, da).astype(acc)
+  dxs = dxs + _transpose(plan, lambda v: _ragged(plan, v, w_up, sizes, mm), xs, db).astype(acc)
+  dx = _combine(plan, dxs, inverse, None).astype(x.dtype)
+  grads = (dx, d_weights, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype))
+  return (*grads, dw_down.astype(w_down.dtype), None, None, None, *d_dynamic)
+
+
+_experts.defvjp(_experts_fwd, _experts_bwd)
+_experts_jit = jax.jit(_experts, static_argnums=0)
+
+
+def experts(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+  """``y`` (T, out): the experts' gated MLPs of the routed (T, D) `x`, combined with `weights`."""
+  # A closure-converted callable is a new object on every call; jit would retrace each time.
+  run = _experts_jit if plan.act.fn is None else _experts
+  return run(plan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)

@@ -1,0 +1,97 @@
+"""The Flax MoEMLP layers (linen and nnx): Mixtral's parameter names and shapes, Flax Dense's
+initializers per expert, and the same result and gradients as jaxact.moe_mlp of their parameters;
+the two layers agree with each other's parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxact
+import jaxact.linen
+import jaxact.nnx
+
+D, F, E, K = 8, 16, 4, 2
+
+
+def _inputs(dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(1), (2, 5, D), jnp.float32).astype(dtype)
+
+
+def _op(x, p, **kw):
+  return jaxact.moe_mlp(x, p["gate"]["kernel"], p["w1"], p["w3"], p["w2"], top_k=K, **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(score="sigmoid", normalize_top_k=False, features=6)])
+def test_linen_layer_is_the_op_of_its_parameters(kw):
+  layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, **kw)
+  x = _inputs()
+  params = layer.init(jax.random.key(0), x)["params"]
+  out = kw.get("features", D)
+  shapes = jax.tree.map(jnp.shape, params)
+  assert shapes == {"gate": {"kernel": (D, E)}, "w1": (E, D, F), "w3": (E, D, F), "w2": (E, F, out)}
+  op_kw = {k: v for k, v in kw.items() if k != "features"}
+
+  def layer_loss(p, x):
+    y, aux = layer.apply({"params": p}, x)
+    return jnp.sum(jnp.sin(y)) + aux["load_balancing_loss"] + aux["router_z_loss"]
+
+  def op_loss(p, x):
+    y, aux = _op(x, p, **op_kw)
+    return jnp.sum(jnp.sin(y)) + aux["load_balancing_loss"] + aux["router_z_loss"]
+
+  y, aux = layer.apply({"params": params}, x)
+  y_op, aux_op = _op(x, params, **op_kw)
+  np.testing.assert_array_equal(y, y_op)
+  np.testing.assert_array_equal(aux["router_z_loss"], aux_op["router_z_loss"])
+  got = jax.grad(layer_loss, argnums=(0, 1))(params, x)
+  want = jax.grad(op_loss, argnums=(0, 1))(params, x)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_initializers_are_dense_kernels_per_expert():
+  """lecun normal: each expert's (in, out) kernel has variance 1 / in, not 1 / (experts * in)."""
+  layer = jaxact.linen.MoEMLP(num_experts=8, top_k=2, hidden_features=128)
+  params = layer.init(jax.random.key(0), jnp.ones((1, 64), jnp.float32))["params"]
+  for name, fan_in in (("w1", 64), ("w3", 64), ("w2", 128)):
+    np.testing.assert_allclose(np.std(params[name]), fan_in**-0.5, rtol=0.05)
+  np.testing.assert_allclose(np.std(params["gate"]["kernel"]), 64**-0.5, rtol=0.1)
+  assert params["w1"].dtype == jnp.float32
+
+
+def test_nnx_layer_equals_the_linen_layer_with_its_parameters():
+  layer = jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=K, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert layer.gate.kernel.shape == (D, E)
+  assert (layer.w1.shape, layer.w3.shape, layer.w2.shape) == ((E, D, F), (E, D, F), (E, F, D))
+  x = _inputs()  # float32, computed in bfloat16 (dtype)
+  y, aux = layer(x)
+  assert y.dtype == jnp.bfloat16 and y.shape == x.shape and layer.w1.dtype == jnp.float32
+  params = {
+    "gate": {"kernel": layer.gate.kernel[...]},
+    "w1": layer.w1[...],
+    "w3": layer.w3[...],
+    "w2": layer.w2[...],
+  }
+  linen = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, dtype=jnp.bfloat16)
+  y_linen, aux_linen = linen.apply({"params": params}, x)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_linen, np.float32))
+  np.testing.assert_array_equal(aux["load_balancing_loss"], aux_linen["load_balancing_loss"])
+
+  def loss(model, x):
+    y, aux = model(x)
+    return jnp.sum(y.astype(jnp.float32)) + aux["router_z_loss"]
+
+  grads = nnx.grad(loss)(layer, x)
+  assert grads.w1.shape == (E, D, F) and np.isfinite(np.asarray(grads.gate.kernel)).all()
+
+
+def test_layer_errors_name_the_layer_and_attribute():
+  with pytest.raises(ValueError, match=r"jaxact.linen.MoEMLP: `num_experts` must be a positive"):
+    jaxact.linen.MoEMLP(num_experts=0, top_k=1, hidden_features=F).init(
+      jax.random.key(0), _inputs()
+    )
+  with pytest.raises(ValueError, match=r"`top_k` is 5; accepted: 1 to the number of experts"):
+    jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=5, rngs=nnx.Rngs(0))(_inputs())
