@@ -91,7 +91,7 @@ CASES = {
 
 @pytest.mark.parametrize(
   "case",
-  representatives(list(CASES), {"top2", "top1-switch", "top_k=E", "sigmoid-bias", "capacity"}),
+  representatives(list(CASES), {"top2", "sigmoid-bias", "capacity"}),
 )
 def test_float64_matches_autodiff_of_the_dense_loop(case):
   kw = CASES[case]
