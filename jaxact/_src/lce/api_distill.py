@@ -5,6 +5,7 @@ hard-label cross-entropy term), on the blocked loops of :mod:`jaxact._src.lce.xl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -194,29 +195,31 @@ def distillation_loss(
       bt,
       None if where is None else where.reshape(count),
     ).reshape(shape)
-    ce = jnp.zeros(shape, acc)
-    if labels is not None:
-      ce = linear_cross_entropy(
-        x,
-        w,
-        labels,
-        bias=bias,
-        where=where,
-        logit_soft_cap=logit_soft_cap,
-        reduction="none",
-        w_layout=w_layout,
-        precision=precision,
-        vocab_block_size=vocab_block_size,
-      ).astype(acc)
+    hard_label = dict(labels=labels, bias=bias, logit_soft_cap=logit_soft_cap, w_layout=w_layout)
+    cross_entropy = functools.partial(
+      linear_cross_entropy, x, w, precision=precision, vocab_block_size=vocab_block_size
+    )
+    return loss_and_metrics(d, cross_entropy, hard_label, where, reduction, soft, hard, acc)
 
-    def reduce(v: Array) -> Array:
-      if reduction == "none":
-        return v
-      if reduction == "sum":
-        return jnp.sum(v)
-      counted = count if where is None else jnp.sum(where, dtype=acc)
-      return jnp.sum(v) / jnp.maximum(counted, 1)
 
-    loss = reduce(soft * d + hard * ce) if hard else reduce(soft * d)
-    metrics = {"divergence": reduce(d), "cross_entropy": reduce(ce)}
-    return loss, jax.tree.map(lax.stop_gradient, metrics)
+def loss_and_metrics(d, cross_entropy, hard_label: dict, where, reduction, soft, hard, acc):
+  """``(loss, metrics)`` of a distillation from each token's divergence `d`: the student's
+  cross-entropy against ``hard_label["labels"]`` (when given) by `cross_entropy`
+  (:func:`jaxact.linear_cross_entropy` of the student head), both reduced over the tokens
+  `where` selects, weighted by `soft` and `hard`; the metrics detached."""
+  ce = jnp.zeros(d.shape, acc)
+  labels = hard_label.pop("labels")
+  if labels is not None:
+    ce = cross_entropy(labels, where=where, reduction="none", **hard_label).astype(acc)
+
+  def reduce(v: Array) -> Array:
+    if reduction == "none":
+      return v
+    if reduction == "sum":
+      return jnp.sum(v)
+    counted = d.size if where is None else jnp.sum(where, dtype=acc)
+    return jnp.sum(v) / jnp.maximum(counted, 1)
+
+  loss = reduce(soft * d + hard * ce) if hard else reduce(soft * d)
+  metrics = {"divergence": reduce(d), "cross_entropy": reduce(ce)}
+  return loss, jax.tree.map(lax.stop_gradient, metrics)

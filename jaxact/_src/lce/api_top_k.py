@@ -6,6 +6,7 @@ over its head (:mod:`jaxact._src.lce.vjp_top_k`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -20,6 +21,7 @@ from jaxact._src.core.dispatch import Decision
 from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import rules
 from jaxact._src.lce.api import linear_cross_entropy
+from jaxact._src.lce.api_distill import loss_and_metrics
 from jaxact._src.lce.api_preference_losses import log1mexp
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.vjp_top_k import bucket_log_probs
@@ -287,29 +289,8 @@ def top_k_distillation_loss(
         lq = jnp.where(keep, lq, lp)
       d = bucket_divergence(divergence, float(beta), lq, lp).reshape(shape)
       d = d if where is None else jnp.where(where, d, 0)
-    ce = jnp.zeros(shape, acc)
-    if labels is not None:
-      ce = linear_cross_entropy(
-        x,
-        w,
-        labels,
-        bias=bias,
-        where=where,
-        logit_soft_cap=logit_soft_cap,
-        reduction="none",
-        w_layout=w_layout,
-        precision=precision,
-        vocab_block_size=vocab_block_size,
-      ).astype(acc)
-
-    def reduce(v: Array) -> Array:
-      if reduction == "none":
-        return v
-      if reduction == "sum":
-        return jnp.sum(v)
-      counted = count if where is None else jnp.sum(where, dtype=acc)
-      return jnp.sum(v) / jnp.maximum(counted, 1)
-
-    loss = reduce(soft * d + hard * ce) if hard else reduce(soft * d)
-    metrics = {"divergence": reduce(d), "cross_entropy": reduce(ce)}
-    return loss, jax.tree.map(lax.stop_gradient, metrics)
+    hard_label = dict(labels=labels, bias=bias, logit_soft_cap=logit_soft_cap, w_layout=w_layout)
+    cross_entropy = functools.partial(
+      linear_cross_entropy, x, w, precision=precision, vocab_block_size=vocab_block_size
+    )
+    return loss_and_metrics(d, cross_entropy, hard_label, where, reduction, soft, hard, acc)
