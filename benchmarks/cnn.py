@@ -87,6 +87,31 @@ def _concrete(args):
   return jax.tree.unflatten(tree, made)
 
 
+# The main job's ResNet frontier: each way to train it as a point of harness.frontier.
+FRONTIER = {
+  "flax": "flax",
+  "remat": "flax-remat",
+  "jaxact": "jaxact-bn",
+  "jaxact_cna": "jaxact-cna",
+}
+
+
+def frontier(runs: int, warmup: bool = True) -> tuple[float, dict[str, tuple]]:
+  """``(Flax's step in seconds, {point: (temp bytes, step time / Flax's, its rounds' ratios)})``
+  for the ResNet-50 on CPU (:data:`RESNET_CPU`, float32): each step compiled once, its memory
+  analysis read and the compiled programs timed, alternated, the ratios taken within rounds."""
+  temps, calls = {}, []
+  for key, variant in FRONTIER.items():
+    step, args = _step("resnet", variant, False)
+    leaves, tree = jax.tree.flatten(args)
+    flat = lambda *leaves, step=step, tree=tree: step(*jax.tree.unflatten(tree, leaves))
+    compiled = jax.jit(flat).lower(*leaves).compile()
+    temps[key] = compiled.memory_analysis().temp_size_in_bytes
+    calls.append(functools.partial(compiled, *jax.tree.leaves(_concrete(args))))
+  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
+  return seconds, timing.with_ratios(temps, by_round)
+
+
 def time_rows(runs: int) -> list[str]:
   for model in ("resnet", "unet"):
     variants = models.RESNETS if model == "resnet" else models.UNETS

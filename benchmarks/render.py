@@ -39,6 +39,7 @@ README_MODELS = {
   "cnn_gelu": "gelu",
   "gated": "8 gated MLP blocks (MiB)",
   "decoder": "LM decoder step (MiB)",
+  "resnet": "ResNet-50 (MiB)",
 }
 
 
