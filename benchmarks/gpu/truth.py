@@ -71,9 +71,9 @@ from benchmarks.gpu.truth_timings import (
   time_decoder,
   time_gated,
   time_lce,
-  time_norm_act,
   time_posttrain,
 )
+from benchmarks.gpu.truth_timings_ops import time_moe, time_norm_act
 from benchmarks.harness import rows
 from support import is_hopper
 from support import truth as th
@@ -163,6 +163,8 @@ STEPS: tuple[Step, ...] = (
        "GRPO loss step 16 x 1024 x 4096 x 128k: the plain composition against jaxact"),
   Step("time-norm-act",           4,  35, time_norm_act,
        "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact"),
+  Step("time-moe",                4,  40, time_moe,
+       "MoE MLP 16384 x 2048, 64 experts top 8: the plain ragged composition against jaxact"),
 )
 # fmt: on
 
