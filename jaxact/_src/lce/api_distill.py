@@ -135,15 +135,7 @@ def distillation_loss(
     True
   """
   with jax.named_scope(f"jaxact.{_FN}"):
-    if divergence not in DIVERGENCES:
-      raise ValueError(checks.err(_FN, f"`divergence` is {divergence!r}; accepted: {DIVERGENCES}"))
-    if divergence == "jsd":
-      beta = checks.number(_FN, "beta", beta, low=0.0, high=1.0, low_open=True)
-      if beta >= 1.0:
-        raise ValueError(checks.err(_FN, "`beta` must be below 1 (1 is divergence='reverse_kl')"))
-    if reduction not in ("mean", "sum", "none"):
-      raise ValueError(checks.err(_FN, f"`reduction` is {reduction!r}; accepted: mean, sum, none"))
-    temperature = checks.number(_FN, "temperature", temperature, low=0.0, low_open=True)
+    beta, temperature = check_options(_FN, divergence, beta, reduction, temperature)
     caps = []
     for name, cap in (
       ("logit_soft_cap", logit_soft_cap),
@@ -200,6 +192,20 @@ def distillation_loss(
       linear_cross_entropy, x, w, precision=precision, vocab_block_size=vocab_block_size
     )
     return loss_and_metrics(d, cross_entropy, hard_label, where, reduction, soft, hard, acc)
+
+
+def check_options(fn: str, divergence, beta, reduction, temperature) -> tuple[float, float]:
+  """``(beta, temperature)`` of a distillation call, checked: a divergence it knows, a JSD's beta
+  in (0, 1), a reduction, a positive temperature (errors name `fn` and the argument)."""
+  if divergence not in DIVERGENCES:
+    raise ValueError(checks.err(fn, f"`divergence` is {divergence!r}; accepted: {DIVERGENCES}"))
+  if divergence == "jsd":
+    beta = checks.number(fn, "beta", beta, low=0.0, high=1.0, low_open=True)
+    if beta >= 1.0:
+      raise ValueError(checks.err(fn, "`beta` must be below 1 (1 is divergence='reverse_kl')"))
+  if reduction not in ("mean", "sum", "none"):
+    raise ValueError(checks.err(fn, f"`reduction` is {reduction!r}; accepted: mean, sum, none"))
+  return beta, checks.number(fn, "temperature", temperature, low=0.0, low_open=True)
 
 
 def loss_and_metrics(d, cross_entropy, hard_label: dict, where, reduction, soft, hard, acc):

@@ -21,11 +21,10 @@ from jaxact._src.core.dispatch import Decision
 from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import rules
 from jaxact._src.lce.api import linear_cross_entropy
-from jaxact._src.lce.api_distill import loss_and_metrics
+from jaxact._src.lce.api_distill import check_options, loss_and_metrics
 from jaxact._src.lce.api_preference_losses import log1mexp
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.vjp_top_k import bucket_log_probs
-from jaxact._src.lce.xla_distill import DIVERGENCES
 
 _FN = "top_k_distillation_loss"
 
@@ -237,15 +236,7 @@ def top_k_distillation_loss(
     True
   """
   with jax.named_scope(f"jaxact.{_FN}"):
-    if divergence not in DIVERGENCES:
-      raise ValueError(checks.err(_FN, f"`divergence` is {divergence!r}; accepted: {DIVERGENCES}"))
-    if divergence == "jsd":
-      beta = checks.number(_FN, "beta", beta, low=0.0, high=1.0, low_open=True)
-      if beta >= 1.0:
-        raise ValueError(checks.err(_FN, "`beta` must be below 1 (1 is divergence='reverse_kl')"))
-    if reduction not in ("mean", "sum", "none"):
-      raise ValueError(checks.err(_FN, f"`reduction` is {reduction!r}; accepted: mean, sum, none"))
-    temperature = checks.number(_FN, "temperature", temperature, low=0.0, low_open=True)
+    beta, temperature = check_options(_FN, divergence, beta, reduction, temperature)
     cap = None
     if logit_soft_cap is not None:
       cap = checks.number(_FN, "logit_soft_cap", logit_soft_cap, low=0.0, low_open=True)

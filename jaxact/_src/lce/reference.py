@@ -173,17 +173,35 @@ def distillation_reference(
     )
   )
 
-  def kl(la, lb):  # KL(a || b), 0 log 0 = 0
+  d = _divergence(divergence, beta, lp, lq)
+  weights = dict(divergence_weight=divergence_weight, hard_label_weight=hard_label_weight)
+  return _distillation_mean(d, x, w, labels, bias, logit_soft_cap, mask, **weights)
+
+
+def _divergence(divergence, beta, lp, lq):
+  """Each token's forward KL(p || q), reverse KL(q || p) or GKD's JSD(beta) of the distributions
+  whose log-probabilities are `lp` and `lq` (last axis), from their definitions: a term of zero
+  probability counts 0 (0 log 0 = 0)."""
+
+  def kl(la, lb):  # KL(a || b)
     a = jnp.exp(la)
-    return jnp.sum(jnp.where(a > 0, a * (la - jnp.where(a > 0, lb, 0)), 0), -1)
+    la, lb = jnp.where(a > 0, la, 0), jnp.where(a > 0, lb, 0)
+    return jnp.sum(jnp.where(a > 0, a * (la - lb), 0), -1)
 
   if divergence == "forward_kl":
-    d = kl(lp, lq)
-  elif divergence == "reverse_kl":
-    d = kl(lq, lp)
-  else:
-    lm = jnp.log(beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq))
-    d = beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
+    return kl(lp, lq)
+  if divergence == "reverse_kl":
+    return kl(lq, lp)
+  m = beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq)
+  lm = jnp.log(jnp.where(m > 0, m, 1))
+  return beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
+
+
+def _distillation_mean(
+  d, x, w, labels, bias, logit_soft_cap, mask, *, divergence_weight, hard_label_weight
+):
+  """The distillation losses' "mean": `divergence_weight` times each token's divergence `d`,
+  plus `hard_label_weight` times the student's cross-entropy, averaged over the `mask`ed tokens."""
   loss = divergence_weight * d
   if hard_label_weight:
     ce = cross_entropy_reference(
@@ -390,25 +408,6 @@ def top_k_distillation_reference(
   p_tail = jnp.maximum(1 - jnp.sum(jnp.exp(lp_k), axis=-1), 0) if k < vocab else 0 * lq_tail
   lp = jnp.concatenate([lp_k, jnp.log(p_tail)[..., None]], axis=-1)
 
-  def kl(la, lb):  # KL(a || b), 0 log 0 = 0
-    a = jnp.exp(la)
-    la, lb = jnp.where(a > 0, la, 0), jnp.where(a > 0, lb, 0)
-    return jnp.sum(jnp.where(a > 0, a * (la - lb), 0), -1)
-
-  if divergence == "forward_kl":
-    d = kl(lp, lq)
-  elif divergence == "reverse_kl":
-    d = kl(lq, lp)
-  else:
-    m = beta * jnp.exp(lp) + (1 - beta) * jnp.exp(lq)
-    lm = jnp.log(jnp.where(m > 0, m, 1))
-    d = beta * kl(lp, lm) + (1 - beta) * kl(lq, lm)
-  loss = divergence_weight * d
-  if hard_label_weight:
-    ce = cross_entropy_reference(
-      x, w, labels, bias=bias, logit_soft_cap=logit_soft_cap, reduction="none"
-    )
-    loss = loss + hard_label_weight * ce
-  if mask is None:
-    return jnp.mean(loss)
-  return jnp.sum(jnp.where(mask, loss, 0)) / jnp.maximum(jnp.sum(mask), 1)
+  d = _divergence(divergence, beta, lp, lq)
+  weights = dict(divergence_weight=divergence_weight, hard_label_weight=hard_label_weight)
+  return _distillation_mean(d, x, w, labels, bias, logit_soft_cap, mask, **weights)
