@@ -16,16 +16,6 @@ from jax import Array, lax
 from jaxact._src.core import validation
 
 
-def _as_float_array(fn_name: str, v, arg: str) -> Array:
-  v = validation.as_real_array(fn_name, v, arg)
-  if not validation.is_floating(v.dtype):
-    raise TypeError(
-      f"jaxact.{fn_name}: `{arg}` has dtype {v.dtype}; accepted: floating-point dtypes "
-      "(float16, bfloat16, float32, float64)"
-    )
-  return v
-
-
 def prepare(fn_name, x, w, b, preferred_element_type):
   """Arrays of one common float dtype (as ``x @ w + b`` promotes), accumulation and out dtypes."""
   arrays, acc_dtype, out_dtype = prepare_arrays(
@@ -37,7 +27,9 @@ def prepare(fn_name, x, w, b, preferred_element_type):
 def prepare_arrays(fn_name: str, arrays: dict[str, Any], preferred_element_type):
   """`arrays` (None entries stay None) as one common float dtype, as the op's arithmetic promotes
   them; the accumulation and output dtypes."""
-  arrays = {k: None if v is None else _as_float_array(fn_name, v, k) for k, v in arrays.items()}
+  arrays = {
+    k: None if v is None else validation.as_float_array(fn_name, v, k) for k, v in arrays.items()
+  }
   dtype = jnp.result_type(*(v for v in arrays.values() if v is not None))
   # Convert only what differs: outside jit, astype to the same dtype still makes a new array, and
   # jax.vjp's pullback would then hold that copy of x next to the caller's x.

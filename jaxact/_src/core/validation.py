@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -37,6 +38,31 @@ def as_real_array(fn_name: str, x, arg: str = "x") -> jax.Array:
 
 def is_floating(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
+
+
+def as_float_array(fn_name: str, x, arg: str = "x") -> jax.Array:
+  """:func:`as_real_array`, refused (``TypeError`` naming `arg`) unless of a floating dtype."""
+  x = as_real_array(fn_name, x, arg)
+  if not is_floating(x.dtype):
+    raise TypeError(
+      f"jaxact.{fn_name}: `{arg}` has dtype {x.dtype}; accepted: floating-point dtypes "
+      "(float16, bfloat16, float32, float64)"
+    )
+  return x
+
+
+def positive_epsilon(fn_name: str, epsilon) -> float:
+  """A norm's `epsilon` as a float, refused (``ValueError``) unless a positive finite number."""
+  if (
+    isinstance(epsilon, bool)
+    or not isinstance(epsilon, numbers.Real)
+    or not np.isfinite(epsilon)
+    or epsilon <= 0
+  ):
+    raise ValueError(
+      f"jaxact.{fn_name}: `epsilon` must be a positive finite float; got {epsilon!r}"
+    )
+  return float(epsilon)
 
 
 def compute_dtype(dtype) -> np.dtype:

@@ -6,7 +6,6 @@ docstring).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,16 +23,6 @@ from jaxact._src.norm_act.plan import NormActPlan
 Activation = str | Callable[..., Array]
 
 
-def _float_array(fn_name: str, v, arg: str) -> Array:
-  v = validation.as_real_array(fn_name, v, arg)
-  if not validation.is_floating(v.dtype):
-    raise TypeError(
-      f"jaxact.{fn_name}: `{arg}` has dtype {v.dtype}; accepted: floating-point dtypes (float16, "
-      "bfloat16, float32, float64)"
-    )
-  return v
-
-
 def _axes(fn_name: str, arg: str, axes, ndim: int) -> tuple[int, ...]:
   try:
     return validation.normalize_axes(fn_name, axes, ndim)
@@ -41,24 +30,11 @@ def _axes(fn_name: str, arg: str, axes, ndim: int) -> tuple[int, ...]:
     raise type(e)(str(e).replace("`axis`", f"`{arg}`")) from None
 
 
-def _check_epsilon(fn_name: str, epsilon) -> float:
-  if (
-    isinstance(epsilon, bool)
-    or not isinstance(epsilon, numbers.Real)
-    or not np.isfinite(epsilon)
-    or epsilon <= 0
-  ):
-    raise ValueError(
-      f"jaxact.{fn_name}: `epsilon` must be a positive finite float; got {epsilon!r}"
-    )
-  return float(epsilon)
-
-
 def _check_params(fn_name: str, x: Array, shape: tuple[int, ...], what: str, **params):
   out = []
   for arg, p in params.items():
     if p is not None:
-      p = _float_array(fn_name, p, arg)
+      p = validation.as_float_array(fn_name, p, arg)
       if p.shape != shape:
         raise ValueError(
           f"jaxact.{fn_name}: `{arg}` has shape {p.shape}, but `x` {x.shape} has {shape} on "
@@ -119,7 +95,7 @@ def batch(
 ) -> tuple[Array, Array, Array]:
   """:func:`batch_norm_act` for `fn_name` (a Flax layer's name where it calls), output in
   `out_dtype` (None: x's)."""
-  x = _float_array(fn_name, x, "x")
+  x = validation.as_float_array(fn_name, x, "x")
   if x.ndim == 0:
     raise ValueError(f"jaxact.{fn_name}: `x` must have at least one axis; got a scalar")
   features = _axes(fn_name, "axis", axis, x.ndim)
@@ -142,7 +118,7 @@ def batch(
     groups=0,
     axes=tuple(d for d in range(x.ndim) if d not in features),
     feature_axes=features,
-    epsilon=_check_epsilon(fn_name, epsilon),
+    epsilon=validation.positive_epsilon(fn_name, epsilon),
     fast_variance=bool(use_fast_variance),
     axis_name=axis_name,
     axis_index_groups=groups,
@@ -272,7 +248,7 @@ def group(
   out_dtype=None,
 ) -> Array:
   """:func:`group_norm_act` for `fn_name`, output in `out_dtype` (None: x's)."""
-  x = _float_array(fn_name, x, "x")
+  x = validation.as_float_array(fn_name, x, "x")
   if x.ndim < 2:
     raise ValueError(
       f"jaxact.{fn_name}: `x` must have a batch axis and a channel axis (rank >= 2); got "
@@ -297,7 +273,7 @@ def group(
     groups=groups,
     axes=(*axes[:-1], x.ndim),  # in the view (..., groups, channels // groups)
     feature_axes=(x.ndim - 1,),
-    epsilon=_check_epsilon(fn_name, epsilon),
+    epsilon=validation.positive_epsilon(fn_name, epsilon),
     fast_variance=bool(use_fast_variance),
     axis_name=axis_name,
     axis_index_groups=_check_axis_name(fn_name, axis_name, axis_index_groups),

@@ -41,15 +41,7 @@ def _check(
       f"jaxact.{fn_name}: `x` must have at least one axis to normalize; got a scalar"
     )
   axes = validation.normalize_axes(fn_name, axis, x.ndim)
-  if (
-    isinstance(epsilon, bool)
-    or not isinstance(epsilon, numbers.Real)
-    or not np.isfinite(epsilon)
-    or epsilon <= 0
-  ):
-    raise ValueError(
-      f"jaxact.{fn_name}: `epsilon` must be a positive finite float; got {epsilon!r}"
-    )
+  validation.positive_epsilon(fn_name, epsilon)
   if residual not in ("output", "input"):
     raise ValueError(
       f"jaxact.{fn_name}: `residual` must be 'output' (keep y and 1/rms a row) or 'input' (keep "
