@@ -79,3 +79,21 @@ class Table:
 
   def lines(self, rows: Iterable[dict]) -> list[str]:
     return [*self.head(), *map(self.line, rows)]
+
+
+def section_heading(section: str) -> str:
+  return f"### {section}"
+
+
+def by_section(
+  draw: dict[str, Callable], rows: list[dict], section: str | None = None
+) -> list[str]:
+  """A job's tables from its rows: each section it ran, under its heading, drawn by
+  ``draw[section](its rows, section)`` (`section` alone: its table without the heading)."""
+  if section is not None:
+    return draw[section]([r for r in rows if r["section"] == section], section)
+  lines: list[str] = []
+  for name in dict.fromkeys(r["section"] for r in rows):
+    these = [r for r in rows if r["section"] == name]
+    lines += ["", section_heading(name), "", *draw[name](these, name)]
+  return lines

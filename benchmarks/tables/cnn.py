@@ -58,17 +58,9 @@ def time(these: list[dict], section: str) -> list[str]:
 DRAW = {s: memory for s in SECTIONS if s != "time"} | {"time": time}
 
 
-def heading(section: str) -> str:
-  return f"### {section}"
+heading = render.section_heading
 
 
 def tables(rows: list[dict], section: str | None = None) -> list[str]:
-  """What the job prints from its rows: each section it ran, under its heading (`section` alone:
-  its table without the heading)."""
-  if section is not None:
-    return DRAW[section]([r for r in rows if r["section"] == section], section)
-  lines: list[str] = []
-  for name in dict.fromkeys(r["section"] for r in rows):
-    these = [r for r in rows if r["section"] == name]
-    lines += ["", heading(name), "", *DRAW[name](these, name)]
-  return lines
+  """What the job prints from its rows (:func:`benchmarks.harness.render.by_section`)."""
+  return render.by_section(DRAW, rows, section)
