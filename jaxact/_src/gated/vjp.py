@@ -34,8 +34,8 @@ import numpy as np
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxact._src.activations import gating
 from jaxact._src.core import barriers, shardings
-from jaxact._src.core.numerics import safe_mul
 from jaxact._src.gated import kernels
 from jaxact._src.gated.plan import GatedPlan
 
@@ -73,40 +73,14 @@ def _down(plan: GatedPlan, h: Array, w_down: Array, b_down: Array | None) -> Arr
   return _project(plan, h, w_down, b_down, plan.out_sharding)
 
 
-def _act(plan: GatedPlan, a: Array, dynamic) -> Array:
-  """``act(a)`` in the accumulation dtype."""
-  act = plan.act
-  if act.fn is not None:  # a plain callable sees what `act(x @ w + b)` would give it
-    return act.fn(a, *dynamic).astype(plan.acc_dtype)
-  return act.rule.spec.fn(a.astype(plan.acc_dtype), **act.rule.params(dynamic))
-
-
 def hidden(plan: GatedPlan, a: Array, b: Array, dynamic) -> Array:
   """``h = act(a) * b`` in the output dtype, from the kept (rounded) a and b."""
-  return safe_mul(_act(plan, a, dynamic), b.astype(plan.acc_dtype)).astype(plan.out_dtype)
+  return gating.hidden(plan.act, a, b, dynamic, plan.acc_dtype, plan.out_dtype)
 
 
 def gate_cotangents(plan: GatedPlan, a: Array, b: Array, gh: Array, dynamic):
   """``(da, db, d_dynamic)`` in the accumulation dtype from the cotangent of h."""
-  acc = plan.acc_dtype
-  act = plan.act
-  gh32, b32 = gh.astype(acc), b.astype(acc)
-  if act.fn is not None:
-    act_a, pull = jax.vjp(act.fn, a, *dynamic)
-    da, *d_dynamic = pull((gh32 * b32).astype(act_a.dtype))
-    return da.astype(acc), gh32 * act_a.astype(acc), d_dynamic
-  spec, params = act.rule.spec, act.rule.params(dynamic)
-  a32 = a.astype(acc)
-  act_a = spec.fn(a32, **params)
-  da = safe_mul(gh32 * spec.derivative_from_input(a32, **params), b32)
-  d_dynamic: list = []
-  if dynamic:  # traced parameters (alpha, slope, ...): autodiff of the forward formula
-
-    def fn_of_params(*p):
-      return spec.fn(a32, **act.rule.params(p))
-
-    d_dynamic = list(jax.vjp(fn_of_params, *dynamic)[1](gh32 * b32))
-  return da, gh32 * act_a, d_dynamic
+  return gating.gate_cotangents(plan.act, a, b, gh, dynamic, plan.acc_dtype)
 
 
 # --------------------------------------------------------------------------------- the rules

@@ -27,6 +27,7 @@ import numpy as np
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxact._src.activations import gating
 from jaxact._src.core import barriers
 from jaxact._src.core.numerics import safe_mul
 from jaxact._src.moe.plan import MoEPlan
@@ -44,34 +45,9 @@ def _ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> A
   return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
 
 
-def _act(plan: MoEPlan, a: Array, dynamic) -> Array:
-  """``act(a)`` in the accumulation dtype."""
-  act = plan.act
-  if act.fn is not None:  # a plain callable sees what `act(x @ w)` would give it
-    return act.fn(a, *dynamic).astype(plan.acc_dtype)
-  return act.rule.spec.fn(a.astype(plan.acc_dtype), **act.rule.params(dynamic))
-
-
 def hidden(plan: MoEPlan, a: Array, b: Array, dynamic) -> Array:
   """``h = act(a) * b`` in the output dtype, from the kept (rounded) a and b."""
-  return safe_mul(_act(plan, a, dynamic), b.astype(plan.acc_dtype)).astype(plan.out_dtype)
-
-
-def _gate_cotangents(plan: MoEPlan, a: Array, b: Array, gh: Array, dynamic):
-  """``(da, db, d_dynamic)`` in the accumulation dtype from the cotangent of h."""
-  acc, act = plan.acc_dtype, plan.act
-  b32 = b.astype(acc)
-  if act.fn is not None:
-    act_a, pull = jax.vjp(act.fn, a, *dynamic)
-    da, *d_dynamic = pull((gh * b32).astype(act_a.dtype))
-    return da.astype(acc), gh * act_a.astype(acc), d_dynamic
-  spec, params = act.rule.spec, act.rule.params(dynamic)
-  a32 = a.astype(acc)
-  da = safe_mul(gh * spec.derivative_from_input(a32, **params), b32)
-  d_dynamic: list = []
-  if dynamic:  # traced parameters (alpha, slope, ...): autodiff of the forward formula
-    d_dynamic = list(jax.vjp(lambda *p: spec.fn(a32, **act.rule.params(p)), *dynamic)[1](gh * b32))
-  return da, gh * spec.fn(a32, **params), d_dynamic
+  return gating.hidden(plan.act, a, b, dynamic, plan.acc_dtype, plan.out_dtype)
 
 
 def _combine(plan: MoEPlan, rows: Array, inverse: Array, weights: Array | None) -> Array:
@@ -122,7 +98,7 @@ def _experts_bwd(plan: MoEPlan, res, gy: Array):
   d_weights = d_ws[inverse].reshape(weights.shape).astype(weights.dtype)
   gyw = safe_mul(gys.astype(acc), ws).astype(mm)
   dw_down = _transpose(plan, lambda w: _ragged(plan, h, w, sizes, mm), w_down, gyw)
-  da, db, d_dynamic = _gate_cotangents(plan, a, b, safe_mul(g_o, ws), dynamic)
+  da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
   da, db = da.astype(mm), db.astype(mm)
   xs = x[tokens]
   dw_gate = _transpose(plan, lambda w: _ragged(plan, xs, w, sizes, mm), w_gate, da)
