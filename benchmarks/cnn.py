@@ -108,8 +108,7 @@ def frontier(runs: int, warmup: bool = True) -> tuple[float, dict[str, tuple]]:
     compiled = jax.jit(flat).lower(*leaves).compile()
     temps[key] = compiled.memory_analysis().temp_size_in_bytes
     calls.append(functools.partial(compiled, *jax.tree.leaves(_concrete(args))))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
-  return seconds, timing.with_ratios(temps, by_round)
+  return timing.frontier_points(temps, calls, runs, warmup)
 
 
 def time_rows(runs: int) -> list[str]:

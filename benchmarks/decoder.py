@@ -244,8 +244,7 @@ def decoder_frontier(c: Decoder, runs: int, warmup: bool = True) -> tuple[float,
     compiled = jax.jit(step).lower(*decoder_shapes(c)).compile()
     temps[key] = compiled.memory_analysis().temp_size_in_bytes
     calls.append(functools.partial(compiled, *args))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
-  return seconds, timing.with_ratios(temps, by_round)
+  return timing.frontier_points(temps, calls, runs, warmup)
 
 
 def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[str, str], int]:

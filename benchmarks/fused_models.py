@@ -170,8 +170,7 @@ def frontier(
     compiled = jax.jit(jax.grad(_loss(apply))).lower(params, x).compile()
     found[variant] = compiled.memory_analysis().temp_size_in_bytes / (x.size * x.dtype.itemsize)
     calls.append(functools.partial(compiled, params, x))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
-  return seconds, timing.with_ratios(found, by_round)
+  return timing.frontier_points(found, calls, runs, warmup)
 
 
 def kept(model: str, variant: str, activation: str) -> float:

@@ -338,8 +338,7 @@ def frontier(
     temps[key] = known[peer]
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
     calls.append(functools.partial(compiled, params, x))
-  seconds, by_round = timing.alternated_round_ratios(calls, runs, warmup)
-  return seconds, timing.with_ratios(temps, by_round)
+  return timing.frontier_points(temps, calls, runs, warmup)
 
 
 def _memory_rows(section: str, found: list[MemoryRow]) -> list[MemoryRow]:

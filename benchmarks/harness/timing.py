@@ -64,6 +64,16 @@ def with_ratios(values: dict, by_round: list[list[float]]) -> dict:
   }
 
 
+def frontier_points(
+  values: dict, calls: Sequence[Callable[[], Any]], runs: int, warmup: bool = True
+) -> tuple[float, dict]:
+  """``(seconds of calls[0], {key: (value, median ratio, rounds' ratios)})``: a frontier's points,
+  `values` (a memory figure each, keyed in the calls' order) with their calls timed alternated
+  (:func:`alternated_round_ratios`, :func:`with_ratios`)."""
+  seconds, by_round = alternated_round_ratios(calls, runs, warmup)
+  return seconds, with_ratios(values, by_round)
+
+
 def alternated_medians(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:
   """Median seconds of each of `calls` over `runs` rounds in which every call runs once.
 
