@@ -154,8 +154,10 @@ def test_linen_attributes():
     "deterministic",
     "dropout_broadcast_dims",
     "rng_collection",
+    "residuals",
   ]
   assert fields["features"] is None and fields["activation"] == "silu"
+  assert fields["residuals"] == "projections"
   assert (fields["dropout_rate"], fields["deterministic"], fields["rng_collection"]) == (
     0.0,
     None,

@@ -24,6 +24,7 @@ def layer_gated_mlp(
   dropped=None,
   layer="",
   out_sharding=None,
+  residuals="projections",
 ) -> jax.Array:
   """``down(dropout(act(gate(x)) * up(x)))`` on promoted arrays, `dropped` the dropout's
   :func:`~jaxact._src.layers.common.dropout_kwargs` (None or {}: none): one
@@ -33,7 +34,12 @@ def layer_gated_mlp(
   dropped = dropped or {}
   if layers.fusable(*arrays):
     return gated.gated_mlp(
-      *arrays, activation=activation, precision=precision, out_sharding=out_sharding, **dropped
+      *arrays,
+      activation=activation,
+      precision=precision,
+      out_sharding=out_sharding,
+      residuals=residuals,
+      **dropped,
     )
   h = layers.activate(activation, _dense(x, w_gate, b_gate, precision))
   h = h * _dense(x, w_up, b_up, precision)

@@ -86,6 +86,9 @@ class GatedMLP(nn.Module):
     deterministic: as ``nn.Dropout``'s (also a call argument): True turns the dropout off.
     dropout_broadcast_dims: ``nn.Dropout``'s ``broadcast_dims``.
     rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
+    residuals: what the op keeps for the backward pass, as :func:`jaxact.gated_mlp` takes it:
+      ``"projections"`` (default) or ``"input"`` (the input alone; the gate and up projections
+      recomputed in the backward pass).
   """
 
   hidden_features: int
@@ -101,6 +104,7 @@ class GatedMLP(nn.Module):
   deterministic: bool | None = None
   dropout_broadcast_dims: Sequence[int] = ()
   rng_collection: str = "dropout"
+  residuals: str = "projections"
 
   @nn.compact
   def __call__(
@@ -137,4 +141,6 @@ class GatedMLP(nn.Module):
     w_up, b_up = projection("up_proj", in_features, self.hidden_features)
     w_down, b_down = projection("down_proj", self.hidden_features, out_features)
     arrays = promote_dtype(inputs, w_gate, w_up, w_down, b_gate, b_up, b_down, dtype=self.dtype)
-    return layer_gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)
+    return layer_gated_mlp(
+      self.activation, self.precision, *arrays, drop, name, out_sharding, self.residuals
+    )

@@ -79,6 +79,9 @@ class GatedMLP(nnx.Module):
     dropout_broadcast_dims: ``nnx.Dropout``'s ``broadcast_dims``.
     deterministic: as ``nnx.Dropout``'s (``model.eval()`` / ``model.train()`` set it).
     rng_collection: the rng stream the dropout key comes from (default ``'dropout'``).
+    residuals: what the op keeps for the backward pass, as :func:`jaxact.gated_mlp` takes it:
+      ``"projections"`` (default) or ``"input"`` (the input alone; the gate and up projections
+      recomputed in the backward pass).
   """
 
   def __init__(
@@ -103,6 +106,7 @@ class GatedMLP(nnx.Module):
     dropout_broadcast_dims: tp.Sequence[int] = (),
     deterministic: bool | None = False,
     rng_collection: str = "dropout",
+    residuals: str = "projections",
   ):
     name = "jaxact.nnx.GatedMLP"
     layers.check_features(name, "in_features", in_features)
@@ -143,6 +147,7 @@ class GatedMLP(nnx.Module):
     self.dropout_broadcast_dims = dropout_broadcast_dims
     self.deterministic = deterministic
     self.rng_collection = rng_collection
+    self.residuals = residuals
     # The dropout's stream, as nnx.Dropout forks it; none without dropout (the rngs stay untouched).
     self.rngs = rngs[rng_collection].fork() if dropout_rate != 0 else nnx.data(None)
 
@@ -179,4 +184,6 @@ class GatedMLP(nnx.Module):
     kernels = [p.kernel[...] for p in projections]
     biases = [None if p.bias is None else p.bias[...] for p in projections]
     arrays = dtypes.promote_dtype((inputs, *kernels, *biases), dtype=self.dtype)
-    return layer_gated_mlp(self.activation, self.precision, *arrays, drop, name, out_sharding)
+    return layer_gated_mlp(
+      self.activation, self.precision, *arrays, drop, name, out_sharding, self.residuals
+    )

@@ -39,3 +39,6 @@ class GatedPlan:
   # Rows (tokens) a block of the XLA backward (rules.backward_rows): its (tokens, hidden)
   # temporaries (h, gh, da, db) a block at a time; None: the whole array at once.
   backward_rows: int | None = None
+  # What the op keeps between the passes: "projections" (x, a and b) or "input" (x alone: a and b
+  # are recomputed in the backward pass, a block of rows at a time where it runs in blocks).
+  residuals: str = "projections"

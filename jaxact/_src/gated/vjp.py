@@ -127,12 +127,15 @@ def _gated_fwd(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, k
   if plan.decision.forward == "xla":
     out, a, b = _forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
   else:  # never with dropout (dispatch: the kernels draw no masks)
-    out, a, b = _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    keep = plan.residuals != "input"
+    out, a, b = _kernel_forward(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, keep)
+  if plan.residuals == "input":  # a and b are recomputed from x (and the biases) in the backward
+    return out, (x, w_gate, w_up, w_down, None, None, key, dynamic, (b_gate, b_up))
   # As barriers.barrier_residual: hide a and b's origin, so that XLA neither recomputes them in
   # the backward pass nor keeps the forward's act(a) or h alive to share with the backward's.
   out, a, b = lax.optimization_barrier((out, a, b))
   a, b = (checkpoint_name(v, n) for v, n in zip((a, b), CHECKPOINT_NAMES, strict=True))
-  return out, (x, w_gate, w_up, w_down, a, b, key, dynamic)
+  return out, (x, w_gate, w_up, w_down, a, b, key, dynamic, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -171,15 +174,23 @@ def _gated_bwd(plan: GatedPlan, res, g: Array):
 
 
 def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
-  x, w_gate, w_up, w_down, a, b, key, dynamic = res
+  x, w_gate, w_up, w_down, a, b, key, dynamic, biases = res
   acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
   # Nothing of the backward (h, act(a), the mask) may run before the cotangent exists: it would be
-  # computed in the forward pass and kept alive until here (barriers.after_cotangent).
-  (a, b, key), g = barriers.after_cotangent((a, b, key), g)
+  # computed in the forward pass and kept alive until here (barriers.after_cotangent). Where a and
+  # b are recomputed, x is tied to it: XLA would otherwise share the forward's projections (CSE)
+  # and keep them alive until here.
+  (x, a, b, key), g = barriers.after_cotangent((x, a, b, key), g)
+  blocked = plan.backward_rows is not None and not dynamic and plan.decision.backward == "xla"
+  if a is None and not blocked:
+    a, b = (
+      _project(plan, x, w, v, plan.hidden_sharding)
+      for w, v in zip((w_gate, w_up), biases, strict=True)
+    )
   if plan.decision.backward != "xla":
     return _kernel_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
-  if plan.backward_rows is not None and not dynamic:
-    return _blocked_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
+  if blocked:
+    return _blocked_bwd(plan, x, w_gate, w_up, w_down, a, b, g, biases)
   d_down = None, None
   if plan.has_down:
     h = dropped(plan, key, hidden(plan, a, b, dynamic))
@@ -200,15 +211,17 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
   return _projection_grads(plan, x, w_gate, w_up, da, db, d_down, d_dynamic)
 
 
-def _blocked_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
+def _blocked_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g, biases=None):
   """The XLA backward a block of ``plan.backward_rows`` tokens at a time: each block's h, gh, da
   and db (its (rows, hidden) temporaries), its rows of dx, and its share of the weight and bias
   gradients summed in the accumulation dtype (one rounding at the end). One device, no dropout,
   no traced activation parameters (rules.backward_rows). The last block is moved back to end at
-  the last token; the rows it shares with its predecessor count once in the sums."""
+  the last token; the rows it shares with its predecessor count once in the sums. With `a` None
+  (residuals="input") each block's a and b are recomputed from its rows of x and the `biases`."""
   acc, mm, rows = plan.acc_dtype, _matmul_dtype(plan, x.dtype), plan.backward_rows
   t = math.prod(x.shape[:-1])
-  x2, a2, b2, g2 = (v.reshape(t, v.shape[-1]) for v in (x, a, b, g))
+  x2, g2 = (v.reshape(t, v.shape[-1]) for v in (x, g))
+  kept = () if a is None else tuple(v.reshape(t, v.shape[-1]) for v in (a, b))
   n = -(-t // rows)
 
   def wsum(lhs, rhs):  # lhs^T rhs over the block's rows, in the accumulation dtype
@@ -218,7 +231,11 @@ def _blocked_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g):
   def body(i, carry):
     dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down = carry
     start = jnp.minimum(i * rows, t - rows)
-    xi, ai, bi, gi = (lax.dynamic_slice_in_dim(v, start, rows, 0) for v in (x2, a2, b2, g2))
+    xi, gi, *kept_i = (lax.dynamic_slice_in_dim(v, start, rows, 0) for v in (x2, g2, *kept))
+    if kept_i:
+      ai, bi = kept_i
+    else:
+      ai, bi = (_project(plan, xi, w, v) for w, v in zip((w_gate, w_up), biases, strict=True))
     fresh = ((start + jnp.arange(rows)) >= i * rows)[:, None]
     if plan.has_down:
       gy = gi.astype(mm)
