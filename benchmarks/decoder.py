@@ -114,8 +114,8 @@ def _flax_mlp_named(h, p):
   return jnp.dot(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def _jaxact_mlp(h, p):
-  return jaxact.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
+def _jaxact_mlp(h, p, residuals="projections"):
+  return jaxact.gated_mlp(h, p["w_gate"], p["w_up"], p["w_down"], residuals=residuals)
 
 
 def make_block(mlp, heads: int, norm=rms_norm, attention=nn_attention):
@@ -154,6 +154,11 @@ BODIES = {
     _SAVE(*jaxact.GATED_CHECKPOINT_NAMES),
     jaxact_attention,
   ),
+  "jaxact_attn_input": (
+    functools.partial(_jaxact_mlp, residuals="input"),
+    None,
+    jaxact_attention,
+  ),
 }
 BODY_LABELS = page.BODY_LABELS
 # The main job's frontier: each point (harness.frontier's keys) as (body, head). jaxact's bodies
@@ -168,6 +173,7 @@ FRONTIER = {
   "jaxact_dots": ("jaxact_attn_dots", "fused"),
   "jaxact_names": ("jaxact_attn_names", "fused"),
   "jaxact_gated_names": ("jaxact_attn_gated_names", "fused"),
+  "jaxact_input": ("jaxact_attn_input", "fused"),
   "jaxact_nn_attn": ("jaxact", "fused"),
   "jaxact_nn_attn_remat": ("jaxact_remat", "fused"),
 }

@@ -98,8 +98,8 @@ def _flax_mlp(h, w_gate, w_up, w_down, named=False):
   return FlaxGatedMLP(w_gate.shape[1], w_down.shape[1], named).apply({"params": params}, h)
 
 
-def _jaxact_mlp(h, w_gate, w_up, w_down):
-  return jaxact.gated_mlp(h, w_gate, w_up, w_down)
+def _jaxact_mlp(h, w_gate, w_up, w_down, residuals="projections"):
+  return jaxact.gated_mlp(h, w_gate, w_up, w_down, residuals=residuals)
 
 
 def _tokamax_mlp(h, w_gate, w_up, w_down, implementation=None):
@@ -128,6 +128,8 @@ def peers(tokamax_implementation=None) -> dict[str, Callable]:
       _block(_jaxact_mlp),
       policy=jax.checkpoint_policies.save_only_these_names(*jaxact.GATED_CHECKPOINT_NAMES),
     ),
+    # The op keeping its input alone: a and b recomputed inside its backward pass.
+    "jaxact_input": _block(functools.partial(_jaxact_mlp, residuals="input")),
   }
   if tokamax is not None:
     mlp = functools.partial(_tokamax_mlp, implementation=tokamax_implementation)
@@ -147,6 +149,7 @@ FRONTIER = {
   "jaxact_remat": "jaxact_remat",
   "jaxact_dots": "jaxact_dots",
   "jaxact_names": "jaxact_saved",
+  "jaxact_input": "jaxact_input",
 }
 
 

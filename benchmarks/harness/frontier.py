@@ -30,6 +30,7 @@ LABELS = {
   "jaxact_dots": "jaxact + remat(dots)",
   "jaxact_names": "jaxact + remat(names)",
   "jaxact_gated_names": "jaxact + remat(a, b)",
+  "jaxact_input": "jaxact, MLP keeps x",
   "jaxact_cna": "jaxact ConvNormAct",
   "jaxact_nn_attn": "jaxact, jax.nn attn",
   "jaxact_nn_attn_remat": "jaxact, jax.nn attn + remat",

@@ -13,6 +13,7 @@ LABELS = {
   "jaxact_remat": "jaxact + remat",
   "jaxact_dots": "jaxact + remat(dots)",
   "jaxact_saved": "jaxact.gated_mlp, block remat saving a, b",
+  "jaxact_input": 'jaxact.gated_mlp(residuals="input")',
   "tokamax": "tokamax GLU + Dense",
 }
 LAYER_LABELS = {"flax": "Flax", "remat": "Flax + remat", "jaxact": "jaxact layers"}

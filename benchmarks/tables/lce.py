@@ -30,6 +30,7 @@ BODY_LABELS = {  # benchmarks.decoder's bodies
   "ops keep by name",
   "jaxact_attn_gated_names": "jaxact.gated_mlp + jaxact attention + block remat saving a, b by "
   "name",
+  "jaxact_attn_input": 'jaxact.gated_mlp(residuals="input") + jaxact attention',
 }
 HEADS = ("plain", "fused", "none")  # benchmarks.decoder's heads
 
