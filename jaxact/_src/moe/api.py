@@ -8,6 +8,7 @@ This module checks the arguments, builds the call's static plan, routes the toke
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,8 +18,8 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from jaxact._src.activations.resolve import resolve_activation
-from jaxact._src.core import args
-from jaxact._src.moe import api_routing
+from jaxact._src.core import args, shardings
+from jaxact._src.moe import api_routing, sharding
 from jaxact._src.moe.plan import MoEPlan
 from jaxact._src.moe.vjp import experts
 
@@ -80,6 +81,15 @@ def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
       f"jaxact.{fn_name}: `capacity_factor` is {capacity_factor!r}; accepted: None (dropless) or "
       "a positive number"
     )
+
+
+def _unflatten(y: Array, x: Array, lead: tuple[int, ...], out: int) -> Array:
+  """The (T, out) `y` as (*lead, out); sharded, with x's leading dimensions' sharding."""
+  spec = shardings.spec(x)
+  if spec is None or shardings.spec(y) is None:
+    return y.reshape(*lead, out)
+  y = y.reshape(*lead, out, out_sharding=shardings.pspec((*spec[:-1], ())))
+  return y
 
 
 def moe_mlp(
@@ -213,18 +223,28 @@ def moe_mlp(
       normalize_top_k=bool(normalize_top_k),
       capacity=capacity,
     )
-    routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
-    y = experts(
-      plan,
-      x2,
-      routing.weights,
-      w_gate,
-      w_up,
-      w_down,
-      routing.order,
-      routing.inverse,
-      routing.group_sizes,
-      *dynamic,
-    )
-    aux = api_routing.aux_losses(plan, routing, z, log_s)
-    return y.reshape(*lead, w_down.shape[2]), aux
+    pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
+    if pat is None:
+      routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
+      y = experts(
+        plan,
+        x2,
+        routing.weights,
+        w_gate,
+        w_up,
+        w_down,
+        routing.order,
+        routing.inverse,
+        routing.group_sizes,
+        *dynamic,
+      )
+      counts = routing.counts
+    else:  # expert parallel: each device sorts and sends its own tokens
+      x2 = shardings.to_spec(x2, (pat.tokens, ()))
+      pick = functools.partial(sharding.top_k, pat)
+      weights, chosen, z, log_s = api_routing.choose(plan, x2, router, router_bias, pick)
+      placed = sharding.place(pat, x2, weights, chosen, w_gate, w_up, w_down)
+      y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
+      counts = api_routing.counts_of(plan, chosen)
+    aux = api_routing.aux_losses(plan, counts, z, log_s)
+    return _unflatten(y, x, lead, w_down.shape[2]), aux
