@@ -83,6 +83,7 @@ CASES = {
   "top1-switch": dict(top_k=1, normalize_top_k=False),
   "top_k=E": dict(top_k=E),
   "sigmoid-bias": dict(top_k=2, score="sigmoid", router_bias=np.array([0.0, 0.3, -0.2, 0.1])),
+  "softmax-bias": dict(top_k=2, router_bias=np.array([0.0, 0.3, -0.2, 0.1])),
   "softmax-unnormalized": dict(top_k=3, normalize_top_k=False),
   "capacity": dict(top_k=2, capacity_factor=0.75),
   "gelu": dict(top_k=2, activation="gelu"),
@@ -91,7 +92,7 @@ CASES = {
 
 @pytest.mark.parametrize(
   "case",
-  representatives(list(CASES), {"top2", "sigmoid-bias", "capacity"}),
+  representatives(list(CASES), {"top2", "sigmoid-bias", "softmax-bias", "capacity"}),
 )
 def test_float64_matches_autodiff_of_the_dense_loop(case):
   kw = CASES[case]

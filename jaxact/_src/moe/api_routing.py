@@ -58,7 +58,9 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   if router_bias is None:
     select = lax.stop_gradient(log_s)
   else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights
-    select = lax.stop_gradient(jnp.exp(log_s)) + router_bias.astype(plan.acc_dtype)
+    # The scores themselves, not the log-scores' exp: for softmax those lack the normalizer.
+    scores = jnp.exp(log_s - _log_norm(plan, z))
+    select = lax.stop_gradient(scores) + router_bias.astype(plan.acc_dtype)
   experts = pick(plan, select)
   chosen = jnp.take_along_axis(log_s, experts, axis=-1)
   if plan.normalize_top_k:
