@@ -141,6 +141,14 @@ def moe_mlp(
   tokens beyond that, the later ones in token order, skip it (their weight times zero), as in
   Switch Transformer.
 
+  Expert parallel under Explicit mesh axes: with the experts' dimension of ``w_gate``, ``w_up``
+  and ``w_down`` split over mesh axes, each device routes its tokens and sends each routed token
+  to its expert's device and back (:func:`jax.lax.all_to_all` in :func:`jax.shard_map`); tokens
+  split over data axes and hidden features over tensor axes beside, the result and gradients those
+  of one device. Dropless, each device computes the most rows it can receive (``devices *
+  tokens a device * min(top_k, experts a device)``); a capacity shrinks that to what it admits.
+  See ``docs/moe.md``.
+
   Also returns, unweighted, the load-balancing loss (Switch Transformer eq. 4, as Mixtral's and
   Qwen3-MoE's ``load_balancing_loss_func``) and the router z-loss (ST-MoE eq. 5):
 
