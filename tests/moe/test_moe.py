@@ -111,6 +111,32 @@ def test_leading_dimensions_are_tokens():
   assert_close(got, value_and_grads(reference(), args, ct, top_k=2), jnp.float64, "(3, 4, D)")
 
 
+def test_shared_experts_as_moe_plus_gated_mlp_match_the_dense_loop():
+  """DeepSeek's shared expert, an always-on gated MLP added to the routed output, composed from
+  the public ops (docs/moe.md): float64 values and gradients of every weight, the shared ones
+  included, against the dense loop plus the plain gated formula."""
+  args = operands()
+  ks = jax.random.split(jax.random.key(5), 3)
+  shared = tuple(
+    jax.random.normal(k, s, jnp.float64) * s[0] ** -0.5
+    for k, s in zip(ks, [(D, 2 * F), (D, 2 * F), (2 * F, D)], strict=True)
+  )
+  ct = jax.random.normal(jax.random.key(9), (T, D), jnp.float64)
+
+  def block(moe, gated):
+    def f(x, router, wg, wu, wd, sg, su, sd, **kw):
+      y, aux = moe(x, router, wg, wu, wd, **kw)
+      return y + gated(x, sg, su, sd), aux
+
+    return f
+
+  ours_ = block(ours, jaxact.gated_mlp)
+  dense = block(reference(), lambda x, g, u, d: (jax.nn.silu(x @ g) * (x @ u)) @ d)
+  got = value_and_grads(ours_, (*args, *shared), ct, top_k=2)
+  want = value_and_grads(dense, (*args, *shared), ct, top_k=2)
+  assert_close(got, want, jnp.float64, "shared experts")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_lower_precisions_match_the_dense_loop_in_float32(dtype):
   """bfloat16 routes and accumulates in float32, keeping a and b rounded; y and the gradients come
