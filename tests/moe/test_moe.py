@@ -83,6 +83,7 @@ CASES = {
   "top1-switch": dict(top_k=1, normalize_top_k=False),
   "top_k=E": dict(top_k=E),
   "sigmoid-bias": dict(top_k=2, score="sigmoid", router_bias=np.array([0.0, 0.3, -0.2, 0.1])),
+  "softmax-bias": dict(top_k=2, router_bias=np.array([0.0, 0.3, -0.2, 0.1])),
   "softmax-unnormalized": dict(top_k=3, normalize_top_k=False),
   "capacity": dict(top_k=2, capacity_factor=0.75),
   "gelu": dict(top_k=2, activation="gelu"),
@@ -91,7 +92,7 @@ CASES = {
 
 @pytest.mark.parametrize(
   "case",
-  representatives(list(CASES), {"top2", "sigmoid-bias", "capacity"}),
+  representatives(list(CASES), {"top2", "sigmoid-bias", "softmax-bias", "capacity"}),
 )
 def test_float64_matches_autodiff_of_the_dense_loop(case):
   kw = CASES[case]
@@ -108,6 +109,32 @@ def test_leading_dimensions_are_tokens():
   got = value_and_grads(ours, args, ct, top_k=2)
   assert got[0].shape == (3, 4, D)
   assert_close(got, value_and_grads(reference(), args, ct, top_k=2), jnp.float64, "(3, 4, D)")
+
+
+def test_shared_experts_as_moe_plus_gated_mlp_match_the_dense_loop():
+  """DeepSeek's shared expert, an always-on gated MLP added to the routed output, composed from
+  the public ops (docs/moe.md): float64 values and gradients of every weight, the shared ones
+  included, against the dense loop plus the plain gated formula."""
+  args = operands()
+  ks = jax.random.split(jax.random.key(5), 3)
+  shared = tuple(
+    jax.random.normal(k, s, jnp.float64) * s[0] ** -0.5
+    for k, s in zip(ks, [(D, 2 * F), (D, 2 * F), (2 * F, D)], strict=True)
+  )
+  ct = jax.random.normal(jax.random.key(9), (T, D), jnp.float64)
+
+  def block(moe, gated):
+    def f(x, router, wg, wu, wd, sg, su, sd, **kw):
+      y, aux = moe(x, router, wg, wu, wd, **kw)
+      return y + gated(x, sg, su, sd), aux
+
+    return f
+
+  ours_ = block(ours, jaxact.gated_mlp)
+  dense = block(reference(), lambda x, g, u, d: (jax.nn.silu(x @ g) * (x @ u)) @ d)
+  got = value_and_grads(ours_, (*args, *shared), ct, top_k=2)
+  want = value_and_grads(dense, (*args, *shared), ct, top_k=2)
+  assert_close(got, want, jnp.float64, "shared experts")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])

@@ -8,6 +8,7 @@ This module checks the arguments, builds the call's static plan, routes the toke
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,8 +18,8 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from jaxact._src.activations.resolve import resolve_activation
-from jaxact._src.core import args
-from jaxact._src.moe import api_routing
+from jaxact._src.core import args, shardings
+from jaxact._src.moe import api_routing, sharding
 from jaxact._src.moe.plan import MoEPlan
 from jaxact._src.moe.vjp import experts
 
@@ -82,6 +83,15 @@ def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
     )
 
 
+def _unflatten(y: Array, x: Array, lead: tuple[int, ...], out: int) -> Array:
+  """The (T, out) `y` as (*lead, out); sharded, with x's leading dimensions' sharding."""
+  spec = shardings.spec(x)
+  if spec is None or shardings.spec(y) is None:
+    return y.reshape(*lead, out)
+  y = y.reshape(*lead, out, out_sharding=shardings.pspec((*spec[:-1], ())))
+  return y
+
+
 def moe_mlp(
   x: ArrayLike,
   router: ArrayLike,
@@ -130,6 +140,14 @@ def moe_mlp(
   each expert computes at most ``ceil(capacity_factor * tokens * top_k / experts)`` tokens; the
   tokens beyond that, the later ones in token order, skip it (their weight times zero), as in
   Switch Transformer.
+
+  Expert parallel under Explicit mesh axes: with the experts' dimension of ``w_gate``, ``w_up``
+  and ``w_down`` split over mesh axes, each device routes its tokens and sends each routed token
+  to its expert's device and back (:func:`jax.lax.all_to_all` in :func:`jax.shard_map`); tokens
+  split over data axes and hidden features over tensor axes beside, the result and gradients those
+  of one device. Dropless, each device computes the most rows it can receive (``devices *
+  tokens a device * min(top_k, experts a device)``); a capacity shrinks that to what it admits.
+  See ``docs/moe.md``.
 
   Also returns, unweighted, the load-balancing loss (Switch Transformer eq. 4, as Mixtral's and
   Qwen3-MoE's ``load_balancing_loss_func``) and the router z-loss (ST-MoE eq. 5):
@@ -213,18 +231,28 @@ def moe_mlp(
       normalize_top_k=bool(normalize_top_k),
       capacity=capacity,
     )
-    routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
-    y = experts(
-      plan,
-      x2,
-      routing.weights,
-      w_gate,
-      w_up,
-      w_down,
-      routing.order,
-      routing.inverse,
-      routing.group_sizes,
-      *dynamic,
-    )
-    aux = api_routing.aux_losses(plan, routing, z, log_s)
-    return y.reshape(*lead, w_down.shape[2]), aux
+    pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
+    if pat is None:
+      routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
+      y = experts(
+        plan,
+        x2,
+        routing.weights,
+        w_gate,
+        w_up,
+        w_down,
+        routing.order,
+        routing.inverse,
+        routing.group_sizes,
+        *dynamic,
+      )
+      counts = routing.counts
+    else:  # expert parallel: each device sorts and sends its own tokens
+      x2 = shardings.to_spec(x2, (pat.tokens, ()))
+      pick = functools.partial(sharding.top_k, pat)
+      weights, chosen, z, log_s = api_routing.choose(plan, x2, router, router_bias, pick)
+      placed = sharding.place(pat, x2, weights, chosen, w_gate, w_up, w_down)
+      y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
+      counts = api_routing.counts_of(plan, chosen)
+    aux = api_routing.aux_losses(plan, counts, z, log_s)
+    return _unflatten(y, x, lead, w_down.shape[2]), aux

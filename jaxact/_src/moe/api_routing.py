@@ -43,16 +43,25 @@ def log_scores(plan: MoEPlan, z: Array) -> Array:
   return z if plan.score == "softmax" else log_sigmoid(z)
 
 
-def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None):
-  """``(routing, logits, log_scores)`` of the (T, D) input."""
+def top_k(plan: MoEPlan, select: Array) -> Array:
+  """(T, k) int32: the indices of each row's `plan.top_k` largest, the lower index first on ties."""
+  return lax.top_k(select, plan.top_k)[1].astype(jnp.int32)
+
+
+def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pick=top_k):
+  """``(weights, experts, logits, log_scores)`` of the (T, D) input: each token's top-k experts
+  (T, k) (``pick(plan, select)``, :func:`top_k` or one run on each device's rows) and their
+  weights (T, k), before any sort; plain JAX, which XLA partitions as it partitions `x` (the
+  expert-parallel path sorts on each device)."""
   z = logits(plan, x, router)
   log_s = log_scores(plan, z)
   if router_bias is None:
     select = lax.stop_gradient(log_s)
   else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights
-    select = lax.stop_gradient(jnp.exp(log_s)) + router_bias.astype(plan.acc_dtype)
-  _, experts = lax.top_k(select, plan.top_k)  # ties: the lower expert index first
-  experts = experts.astype(jnp.int32)
+    # The scores themselves, not the log-scores' exp: for softmax those lack the normalizer.
+    scores = jnp.exp(log_s - _log_norm(plan, z))
+    select = lax.stop_gradient(scores) + router_bias.astype(plan.acc_dtype)
+  experts = pick(plan, select)
   chosen = jnp.take_along_axis(log_s, experts, axis=-1)
   if plan.normalize_top_k:
     # s_i / sum_j s_j over the top k as a softmax of their log-scores: exact (and NaN-free, in
@@ -60,6 +69,12 @@ def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None):
     weights = softmax(chosen, axis=-1)
   else:
     weights = jnp.exp(chosen - _log_norm(plan, z))
+  return weights, experts, z, log_s
+
+
+def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None):
+  """``(routing, logits, log_scores)`` of the (T, D) input."""
+  weights, experts, z, log_s = choose(plan, x, router, router_bias)
   flat = experts.reshape(-1)
   # Stable: within an expert, its assignments stay in token order (the capacity drops the last).
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
@@ -84,11 +99,19 @@ def _log_norm(plan: MoEPlan, z: Array) -> Array:
   return jnp.zeros((), z.dtype)
 
 
-def aux_losses(plan: MoEPlan, routing: Routing, z: Array, log_s: Array) -> dict[str, Array]:
-  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted."""
+def counts_of(plan: MoEPlan, experts: Array) -> Array:
+  """(E,) int32: the assignments each expert was given, as a sum of one-hot rows (a reduction
+  over the tokens, which XLA partitions where the tokens are sharded; a bincount would gather
+  them)."""
+  return jnp.sum(jax.nn.one_hot(experts, plan.experts, dtype=jnp.int32), axis=(0, 1))
+
+
+def aux_losses(plan: MoEPlan, counts: Array, z: Array, log_s: Array) -> dict[str, Array]:
+  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted, from
+  the (E,) `counts` of assignments each expert was given (before any drop)."""
   t = plan.tokens
   # f_e: the fraction of tokens sent to expert e (before any drop; sums to k), a constant.
-  fraction = routing.counts.astype(plan.acc_dtype) / t
+  fraction = counts.astype(plan.acc_dtype) / t
   # P_e: the mean router probability; sigmoid scores are normalized per token (DeepSeek-V3).
   p = softmax(log_s, axis=-1)
   balance = plan.experts * jnp.sum(fraction * jnp.mean(p, axis=0))

@@ -36,12 +36,12 @@ from jaxact._src.moe.plan import MoEPlan
 CHECKPOINT_NAMES = ("jaxact.moe.a", "jaxact.moe.b")
 
 
-def _matmul_dtype(plan: MoEPlan, operands) -> np.dtype:
+def matmul_dtype(plan: MoEPlan, operands) -> np.dtype:
   """16-bit operands give a 16-bit product (as XLA's GPU GEMMs write it); else the acc dtype."""
   return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
 
 
-def _ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
+def ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
   return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
 
 
@@ -60,11 +60,11 @@ def _combine(plan: MoEPlan, rows: Array, inverse: Array, weights: Array | None) 
 
 
 def _experts_fwd(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
-  mm = _matmul_dtype(plan, x.dtype)
+  mm = matmul_dtype(plan, x.dtype)
   xs = x[order // plan.top_k]
-  a = _ragged(plan, xs, w_gate, sizes, mm).astype(plan.out_dtype)
-  b = _ragged(plan, xs, w_up, sizes, mm).astype(plan.out_dtype)
-  o = _ragged(plan, hidden(plan, a, b, dynamic), w_down, sizes, mm)
+  a = ragged(plan, xs, w_gate, sizes, mm).astype(plan.out_dtype)
+  b = ragged(plan, xs, w_up, sizes, mm).astype(plan.out_dtype)
+  o = ragged(plan, hidden(plan, a, b, dynamic), w_down, sizes, mm)
   y = _combine(plan, o, inverse, weights).astype(plan.out_dtype)
   # As the gated family: hide a and b's origin, so that XLA neither recomputes them in the backward
   # nor keeps the forward's act(a), h or o alive to share with the backward's.
@@ -78,14 +78,14 @@ def _experts(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, si
   return _experts_fwd(plan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)[0]
 
 
-def _transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
+def transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
   """The transpose of the linear `f` in `primal` (a ragged_dot's) applied to `ct`."""
   return jax.linear_transpose(f, primal)(ct)[0]
 
 
 def _experts_bwd(plan: MoEPlan, res, gy: Array):
   x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic = res
-  acc, mm = plan.acc_dtype, _matmul_dtype(plan, x.dtype)
+  acc, mm = plan.acc_dtype, matmul_dtype(plan, x.dtype)
   # Nothing of the backward (xs, h) may run before the cotangent exists (barriers.after_cotangent).
   (a, b), gy = barriers.after_cotangent((a, b), gy)
   tokens = order // plan.top_k
@@ -93,18 +93,18 @@ def _experts_bwd(plan: MoEPlan, res, gy: Array):
   gys = gy[tokens].astype(mm)  # (T*k, out): each sorted row's cotangent, before its weight
   h = hidden(plan, a, b, dynamic)
   # g_o = gy W_d[e]^T: both the weights' gradient <g_o, h> and gh = w g_o come from it.
-  g_o = _transpose(plan, lambda h_: _ragged(plan, h_, w_down, sizes, mm), h, gys).astype(acc)
+  g_o = transpose(plan, lambda h_: ragged(plan, h_, w_down, sizes, mm), h, gys).astype(acc)
   d_ws = jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1)
   d_weights = d_ws[inverse].reshape(weights.shape).astype(weights.dtype)
   gyw = safe_mul(gys.astype(acc), ws).astype(mm)
-  dw_down = _transpose(plan, lambda w: _ragged(plan, h, w, sizes, mm), w_down, gyw)
+  dw_down = transpose(plan, lambda w: ragged(plan, h, w, sizes, mm), w_down, gyw)
   da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
   da, db = da.astype(mm), db.astype(mm)
   xs = x[tokens]
-  dw_gate = _transpose(plan, lambda w: _ragged(plan, xs, w, sizes, mm), w_gate, da)
-  dw_up = _transpose(plan, lambda w: _ragged(plan, xs, w, sizes, mm), w_up, db)
-  dxs = _transpose(plan, lambda v: _ragged(plan, v, w_gate, sizes, mm), xs, da).astype(acc)
-  dxs = dxs + _transpose(plan, lambda v: _ragged(plan, v, w_up, sizes, mm), xs, db).astype(acc)
+  dw_gate = transpose(plan, lambda w: ragged(plan, xs, w, sizes, mm), w_gate, da)
+  dw_up = transpose(plan, lambda w: ragged(plan, xs, w, sizes, mm), w_up, db)
+  dxs = transpose(plan, lambda v: ragged(plan, v, w_gate, sizes, mm), xs, da).astype(acc)
+  dxs = dxs + transpose(plan, lambda v: ragged(plan, v, w_up, sizes, mm), xs, db).astype(acc)
   dx = _combine(plan, dxs, inverse, None).astype(x.dtype)
   grads = (dx, d_weights, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype))
   return (*grads, dw_down.astype(w_down.dtype), None, None, None, *d_dynamic)
