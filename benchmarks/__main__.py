@@ -30,6 +30,9 @@ JOBS = {
   "gated": Job("gated", "gated MLP stacks against Flax, Flax + remat and tokamax", cpu=True),
   "norms": Job("norms", "rms_norm / layer_norm in the gated stack and the decoder", cpu=True),
   "cnn": Job("cnn", "ResNet-50 and U-Net blocks: BatchNorm/GroupNorm + act, ConvNormAct", cpu=True),
+  "moe": Job(
+    "moe", "MoE block stacks: jaxact.moe_mlp against the plain ragged composition", cpu=True
+  ),
   "lce": Job("lce", "the LM head and its loss against the plain composition", cpu=True),
   "posttrain": Job(
     "posttrain", "GRPO and distillation steps' LM head: memory, fits, time", cpu=True

@@ -128,7 +128,10 @@ def device(device_kind: str = H100):
 def abstract_mesh(device_kind: str) -> jax.sharding.AbstractMesh:
   """The abstract mesh jaxact's dispatch reads the target GPU from while tracing."""
   dev = jax.sharding.AbstractDevice(platform="cuda", device_kind=device_kind, num_cores=None)
-  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+  # Auto: one device has nothing to shard, and jax's Explicit sharding inference refuses some
+  # primitives outright (ragged_dot: "not currently implemented").
+  auto = (jax.sharding.AxisType.Auto,)
+  return jax.sharding.AbstractMesh((1,), ("x",), axis_types=auto, abstract_device=dev)
 
 
 def compile_for(
