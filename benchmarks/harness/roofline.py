@@ -128,18 +128,41 @@ def _as_entry(text: str, name: str) -> str:
   return "\n".join(lines)
 
 
+def _window(line: str, key: str, dims: int, default: str) -> list[int]:
+  found = re.search(rf"\b{key}=([\dx_\-]+)", line)
+  values = found.group(1).split("x") if found else [default] * dims
+  return [int(v.split("_")[0]) for v in values]
+
+
+def _valid_taps(out: int, size: int, k: int, stride: int, lo: int, dilation: int) -> int:
+  """Multiply-adds of one spatial dimension that read the input, not its padding (XLA counts a
+  convolution so)."""
+  return sum(0 <= o * stride - lo + j * dilation < size for o in range(out) for j in range(k))
+
+
 def _conv_flops(target: str, line: str, operands: list[str], result: str) -> float:
-  """A cuDNN convolution's flops, 2 a multiply-add: per output position of the forward
-  convolution, one multiply-add per kernel element over one output feature."""
-  labels = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
+  """A cuDNN convolution's flops as XLA counts an HLO convolution's: 2 a multiply-add, each
+  output feature's multiply-adds over the kernel's input features and the taps that read the
+  input (of the forward convolution, which a backward call's window and labels describe)."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line)
+  lhs, rhs, out = labels.groups()
   if target.endswith("BackwardFilter"):
-    kernel, forward_out = result, operands[1]
+    x, kernel, y = operands[0], result, operands[1]
   elif target.endswith("BackwardInput"):
-    kernel, forward_out = operands[1], operands[0]
+    x, kernel, y = result, operands[1], operands[0]
   else:
-    kernel, forward_out = operands[1], result
-  k_dims, out_elems = _arrays(kernel)[0][1], math.prod(_arrays(forward_out)[0][1])
-  return 2.0 * out_elems / k_dims[labels.index("o")] * math.prod(k_dims)
+    x, kernel, y = operands[0], operands[1], result
+  x, kernel, y = (_arrays(a)[0][1] for a in (x, kernel, y))
+  spatial = sorted(c for c in out if c.isdigit())
+  sizes = re.search(r"size=([\dx]+)", line).group(1).split("x")
+  strides = _window(line, "stride", len(spatial), "1")
+  dilations = _window(line, "rhs_dilate", len(spatial), "1")
+  pads = _window(line, "pad", len(spatial), "0_0")
+  taps = math.prod(
+    _valid_taps(y[out.index(d)], x[lhs.index(d)], int(sizes[i]), strides[i], pads[i], dilations[i])
+    for i, d in enumerate(spatial)
+  )
+  return 2.0 * y[out.index("b")] * kernel[rhs.index("o")] * kernel[rhs.index("i")] * taps
 
 
 def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, float, list[str]]:
