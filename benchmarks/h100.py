@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import support
-from benchmarks import cnn, decoder, fused_models, fused_scanned, gated
+from benchmarks import cnn, cnn_models, decoder, fused_models, fused_scanned, gated
 from benchmarks.harness import roofline, rows
 from benchmarks.tables import h100 as page
 
@@ -58,7 +58,7 @@ def _decoder():
 
 def _resnet():
   for key, variant in cnn.FRONTIER.items():
-    yield key, _flat(*cnn._step("resnet", variant, True))
+    yield key, _flat(*cnn_models.resnet_step(variant, cnn.RESNET_GPU, BF16))
 
 
 def _models() -> dict[str, tuple[str, str, Callable]]:
@@ -66,11 +66,10 @@ def _models() -> dict[str, tuple[str, str, Callable]]:
   out = {}
   for model in ("MLP", "CNN"):
     layers, _, x = fused_scanned.LAYER_SIZES[model]
-    sizes = (
-      f"{layers} layers, {x[0]} x {x[1]}"
-      if model == "MLP"
-      else (f"{layers} conv layers (3x3), NHWC {'x'.join(map(str, x))}")
-    )
+    if model == "MLP":
+      sizes = f"{layers} layers, {x[0]} x {x[1]}"
+    else:
+      sizes = f"{layers} conv layers (3x3), NHWC {'x'.join(map(str, x))}"
     for act in ("relu", "gelu"):
       out[f"{model.lower()}_{act}"] = (f"{model}, {act}", sizes, partial(_mlp_cnn, model, act))
   t, d, f = gated.GPU_SIZE
@@ -87,7 +86,7 @@ def _models() -> dict[str, tuple[str, str, Callable]]:
     _decoder,
   )
   out["resnet"] = ("ResNet-50", "images " + " x ".join(map(str, cnn.RESNET_GPU)), _resnet)
-  return out  # fmt: skip
+  return out
 
 
 MODELS = tuple(_models())
@@ -104,7 +103,8 @@ def measure(key: str, cpu) -> None:
     if found.kernels:  # the kernels' arithmetic, counted by XLA in the CPU's program
       flops_from = "cpu"
       flops = roofline.cost(jax.jit(step).lower(*shapes).compile().as_text(), cpu).flops
-    r = rows.add(
+    rows.emit(
+      page.POINT,
       "point",
       f"{key}: {point}",
       model=key,
@@ -116,7 +116,6 @@ def measure(key: str, cpu) -> None:
       flops_from=flops_from,
       estimate_s=roofline.seconds(flops, found.bytes),
     )
-    print(page.POINT.line(r), flush=True)
 
 
 def main(argv=None) -> int:
