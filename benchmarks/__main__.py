@@ -43,6 +43,9 @@ JOBS = {
   "lm": Job("lm", "a byte-level LM trained with Flax and with jaxact: the losses"),
   "dropin": Job("dropin", "jaxact swapped into a Flax example's MLP block"),
   "gemma": Job("gemma", "Flax's Gemma example ported to jaxact"),
+  "h100": Job(
+    "h100", "the main job's frontiers compiled for an H100, step time estimated", cpu=True
+  ),
   "aot": Job("aot", "compiled for an H100 and an A100 on this machine: memory, spills", cpu=True),
   "gpu": Job("gpu.check", "on a GPU: kernels against XLA, timings (--truth: the prepared run)"),
   "hlo": Job("gpu.hlo_dump", "one bf16 layer's optimized HLO per path, to a folder"),

@@ -121,19 +121,36 @@ def _layer(variant: str):
   return nn.remat(layer, policy=_POLICIES[option]) if option else layer
 
 
+def _stack(model: str, variant: str, activation: str, features: int) -> Stack:
+  if model not in MODELS:
+    raise ValueError(f"`model` {model!r} is not known; choose one of: {', '.join(MODELS)}")
+  layers = fused.MLP_LAYERS if model == "MLP" else fused.CNN_LAYERS
+  return Stack(_layer(variant), layers, features, activation, model == "CNN")
+
+
 def build(model: str, variant: str, activation: str):
   """(apply, params, x, layers) for `model` ("MLP" or "CNN") written as `variant`."""
-  if model == "MLP":
-    layers, features, conv = fused.MLP_LAYERS, fused.MLP_WIDTH, False
-    shape = (fused.MLP_BATCH, fused.MLP_WIDTH)
-  elif model == "CNN":
-    layers, features, conv = fused.CNN_LAYERS, fused.CNN_KERNEL[3], True
-    shape = fused.CNN_SHAPE
-  else:
-    raise ValueError(f"`model` {model!r} is not known; choose one of: {', '.join(MODELS)}")
-  module = Stack(_layer(variant), layers, features, activation, conv)
+  shape = (fused.MLP_BATCH, fused.MLP_WIDTH) if model == "MLP" else fused.CNN_SHAPE
+  features = fused.MLP_WIDTH if model == "MLP" else fused.CNN_KERNEL[3]
+  module = _stack(model, variant, activation, features)
   x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-  return module.apply, _init(module, x), x, layers
+  return module.apply, _init(module, x), x, module.layers
+
+
+def shaped(model: str, variant: str, activation: str, x_shape: tuple[int, ...], dtype):
+  """``(step, shapes)``: ``step(x, *params)``, the gradient of `model` written as `variant` with
+  input `x_shape` (its width the layers' too), and the shapes of its arguments, all in `dtype`:
+  what compiling for a GPU needs, no array made."""
+  module = _stack(model, variant, activation, x_shape[-1])
+  x = jax.ShapeDtypeStruct(x_shape, dtype)
+  found = jax.eval_shape(module.init, jax.random.key(0), x)
+  leaves, tree = jax.tree.flatten(found)
+  grad = jax.grad(_loss(module.apply))
+
+  def step(x, *leaves):
+    return grad(jax.tree.unflatten(tree, leaves), x)
+
+  return step, [x, *(jax.ShapeDtypeStruct(p.shape, dtype) for p in leaves)]
 
 
 def _init(module: nn.Module, x):
