@@ -305,6 +305,25 @@ def test_a_scanned_stack_needs_less_memory_than_the_plain_ragged_composition():
     np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * float(np.abs(w).max()))
 
 
+def test_one_layers_backward_holds_one_grouped_product_at_a_time():
+  """jit(grad) of one MoE layer (512 tokens, D 64, hidden 128, 8 experts, top-2, float32): XLA's
+  ragged_dot is a dense product over a masked (experts x rows) operand, and the backward's six
+  grouped products, chained, hold one such operand at a time: compiled temp below 0.9x the plain
+  composition's (measured 11.8 against 14.3 MiB; 20.0 when XLA was free to overlap them)."""
+  t, d, f, e, k = 512, 64, 128, 8, 2
+  s = jax.ShapeDtypeStruct
+  f32 = jnp.float32
+  ws = (s((d, e), f32), s((e, d, f), f32), s((e, d, f), f32), s((e, f, d), f32))
+
+  def temp(block):
+    loss = lambda ws, x: jnp.sum(block(x, *ws) ** 2)
+    compiled = jax.jit(jax.grad(loss)).lower(ws, s((t, d), f32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  mine, plain = temp(lambda *a: jaxact.moe_mlp(*a, top_k=k)[0]), temp(_plain_ragged_block(k))
+  assert mine < 0.9 * plain, (mine, plain)
+
+
 # -------------------------------------------------------------------------------------- errors
 
 

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxact._src.activations import gating
 from jaxact._src.core import barriers
 from jaxact._src.core.numerics import safe_mul
 from jaxact._src.moe.plan import MoEPlan
-from jaxact._src.moe.vjp import CHECKPOINT_NAMES, hidden, matmul_dtype, ragged, transpose
+from jaxact._src.moe.vjp import CHECKPOINT_NAMES, grouped_grads, hidden, matmul_dtype, ragged
 
 
 class Layout(NamedTuple):
@@ -135,24 +134,16 @@ def forward(plan: MoEPlan, pat, x, weights, w_gate, w_up, w_down, experts, *dyna
 def backward(plan: MoEPlan, pat, x, weights, w_gate, w_up, w_down, experts, a, b, gy, *dynamic):
   """``(dx, d_weights, dw_gate, dw_up, dw_down, *d_dynamic)`` of this device: the weights' and
   the dynamic parameters' summed over the devices that share them."""
-  mm, acc, k = matmul_dtype(plan, x.dtype), plan.acc_dtype, plan.top_k
+  mm, k = matmul_dtype(plan, x.dtype), plan.top_k
   (a, b), gy = barriers.after_cotangent((a, b), gy)
   lay = layout(plan, pat, experts)
   tokens = lay.slot_assign // k
   gys = to_experts(pat, lay, gy.astype(mm), tokens)
   ws = to_experts(pat, lay, weights.reshape(-1), lay.slot_assign)[:, None]
-  h = hidden(plan, a, b, dynamic)
-  g_o = transpose(plan, lambda h_: ragged(plan, h_, w_down, lay.sizes, mm), h, gys).astype(acc)
-  d_ws = _psum(jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1), pat.model)
-  gyw = safe_mul(gys.astype(acc), ws).astype(mm)
-  dw_down = transpose(plan, lambda w: ragged(plan, h, w, lay.sizes, mm), w_down, gyw)
-  da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
-  da, db = da.astype(mm), db.astype(mm)
   xs = to_experts(pat, lay, x, tokens)
-  dw_gate = transpose(plan, lambda w: ragged(plan, xs, w, lay.sizes, mm), w_gate, da)
-  dw_up = transpose(plan, lambda w: ragged(plan, xs, w, lay.sizes, mm), w_up, db)
-  dxs = transpose(plan, lambda v: ragged(plan, v, w_gate, lay.sizes, mm), xs, da).astype(acc)
-  dxs = dxs + transpose(plan, lambda v: ragged(plan, v, w_up, lay.sizes, mm), xs, db).astype(acc)
+  rows = (xs, gys, ws, a, b, w_gate, w_up, w_down, lay.sizes, dynamic)
+  d_ws, dxs, dw_gate, dw_up, dw_down, d_dynamic = grouped_grads(plan, *rows)
+  d_ws = _psum(d_ws, pat.model)
   dxs = _psum(dxs, pat.model)
   dx = from_experts(pat, lay, dxs).reshape(*weights.shape, -1).sum(axis=1).astype(x.dtype)
   d_weights = from_experts(pat, lay, d_ws).reshape(weights.shape).astype(weights.dtype)
