@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import support
-from benchmarks import cnn, cnn_models, decoder, fused_models, fused_scanned, gated
+from benchmarks import cnn, cnn_models, decoder, fused_models, fused_scanned, gated, moe
 from benchmarks.harness import roofline, rows
 from benchmarks.tables import h100 as page
 
@@ -61,6 +61,13 @@ def _resnet():
     yield key, _flat(*cnn_models.resnet_step(variant, cnn.RESNET_GPU, BF16))
 
 
+def _moe():
+  c = moe.H100[0]
+  for key in moe.POINTS:
+    loss = moe.loss_of(key, c.top_k)
+    yield key, _flat(jax.value_and_grad(loss), moe.shapes(c, moe.BLOCKS[-1], BF16))
+
+
 def _models() -> dict[str, tuple[str, str, Callable]]:
   """``{key: (name, sizes, points)}``, the models keyed as the main job keys them."""
   out = {}
@@ -86,6 +93,9 @@ def _models() -> dict[str, tuple[str, str, Callable]]:
     _decoder,
   )
   out["resnet"] = ("ResNet-50", "images " + " x ".join(map(str, cnn.RESNET_GPU)), _resnet)
+  c = moe.H100[0]
+  sizes = f"{moe.BLOCKS[-1]} scanned blocks, {c} (Flax: the plain ragged_dot composition)"
+  out["moe"] = ("MoE block stack", sizes, _moe)
   return out
 
 

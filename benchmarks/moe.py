@@ -59,6 +59,9 @@ CPU = (Config(1024, 256, 512, 8, 2), Config(512, 256, 128, 64, 8))
 # XLA's GPU ragged_dot (jax 0.12) is a dense product over an (rows, experts * D) masked operand:
 # the 64-expert stack runs 2048 tokens so that operand stays 4 GiB.
 H100 = (Config(8192, 2048, 5632, 8, 2), Config(2048, 2048, 768, 64, 8))
+# The main job's MoE frontier (`frontier`): small enough to time on 2 cores in seconds.
+MAIN = Config(512, 128, 256, 8, 2)
+MAIN_BLOCKS = 8
 # CUB's radix sort asks the CUDA runtime for its scratch size while compiling, which fails without
 # a GPU ("invalid device ordinal"); XLA's own sort compiles instead (the sort is not the peak).
 GPU_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
@@ -204,6 +207,18 @@ def time_rows(runs: int) -> list[str]:
         runs=runs,
       )
   return page.tables(rows.current().rows, "time")
+
+
+def frontier(runs: int, warmup: bool = True) -> tuple[float, dict]:
+  """The main job's MoE frontier: ``(the plain step's seconds, {point: (temp bytes, median time
+  ratio, rounds' ratios)})`` for every point of :data:`POINTS`, :data:`MAIN` on CPU, float32."""
+  params, x = make(MAIN, MAIN_BLOCKS, jnp.float32)
+  temps, calls = {}, []
+  for key in POINTS:
+    compiled = jax.jit(jax.value_and_grad(loss_of(key, MAIN.top_k))).lower(params, x).compile()
+    temps[key] = compiled.memory_analysis().temp_size_in_bytes
+    calls.append(functools.partial(compiled, params, x))
+  return timing.frontier_points(temps, calls, runs, warmup)
 
 
 def main(argv=None) -> int:

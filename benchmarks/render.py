@@ -40,6 +40,7 @@ README_MODELS = {
   "gated": "8 gated MLP blocks (MiB)",
   "decoder": "LM decoder step (MiB)",
   "resnet": "ResNet-50 (MiB)",
+  "moe": "MoE block stack (MiB)",
 }
 
 

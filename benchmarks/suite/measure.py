@@ -4,7 +4,7 @@ Sections, with the row section each writes: the 8-layer MLP's temp per activatio
 step time per activation (``step``), the fused layers (``fused``), the MLP and CNN frontiers
 (``frontier`` a model, ``point`` a way to train it, ``kept`` the arrays jax.vjp keeps per layer),
 the gated MLP stack (``gated``, ``frontier``, ``point``), the LM decoder step, the ResNet-50, the
-NaN counts
+MoE block stack, the NaN counts
 (``nan``), on a GPU the fused layers and activations against the device's peaks (``gpu-layer``,
 ``gpu-eltwise``); first the run's settings (``run``: ``settings``), last its seconds (``run``:
 ``time``).
@@ -28,7 +28,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jaxact  # noqa: E402
 from benchmarks import activations as bench  # noqa: E402
-from benchmarks import cnn, decoder, fused, fused_models, gated  # noqa: E402
+from benchmarks import cnn, decoder, fused, fused_models, gated, moe  # noqa: E402
 from benchmarks.gpu import suite as gpu  # noqa: E402
 from benchmarks.harness.progress import Progress  # noqa: E402
 from benchmarks.harness.rows import Recorder  # noqa: E402
@@ -80,7 +80,7 @@ class Plan:
   @property
   def total(self) -> int:
     n = len(self.memory) + len(self.timed) + len(self.fused) + len(self.fused_timed)
-    n += len(self.flax) + len(self.nans) + 3 * self.stacks + int(self.gated_table)
+    n += len(self.flax) + len(self.nans) + 4 * self.stacks + int(self.gated_table)
     return n + (2 if self.gpu else 0)
 
 
@@ -147,6 +147,12 @@ def _resnet_frontier(rec: Recorder, runs: int, warmup: bool) -> None:
   shape = " x ".join(map(str, cnn.RESNET_CPU))
   title = f"Flax's ImageNet ResNet-50, images {shape}, float32"
   _frontier(rec, "resnet", "ResNet-50", title, "MiB", runs, found, seconds, MiB)
+
+
+def _moe_frontier(rec: Recorder, runs: int, warmup: bool) -> None:
+  seconds, found = moe.frontier(runs, warmup)
+  title = f"{moe.MAIN_BLOCKS} scanned blocks, {moe.MAIN}, float32; Flax: the plain ragged_dot MoE"
+  _frontier(rec, "moe", "MoE block stack", title, "MiB", runs, found, seconds, MiB)
 
 
 def measure(rec: Recorder, quick: bool, activations_only: bool = False) -> None:
@@ -229,6 +235,10 @@ def measure(rec: Recorder, quick: bool, activations_only: bool = False) -> None:
 
     progress.section("frontier: ResNet-50")
     _resnet_frontier(rec, stack_runs, warmup)
+    progress.step("points")
+
+    progress.section("frontier: MoE block stack")
+    _moe_frontier(rec, stack_runs, warmup)
     progress.step("points")
 
   progress.section("NaN counts")
