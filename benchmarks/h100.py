@@ -107,7 +107,7 @@ def measure(key: str, cpu) -> None:
   name, sizes, points = _models()[key]
   rows.add("model", key, name=name, title=f"{sizes}, bfloat16", unit="MiB")
   for point, (step, shapes) in points():
-    compiled = support.compile_for(step, shapes)
+    compiled = support.compile_for(step, shapes, **(moe.GPU_COMPILE if key == "moe" else {}))
     found = roofline.cost(compiled.as_text(), cpu)
     flops, flops_from = found.flops, "h100"
     if found.kernels:  # the kernels' arithmetic, counted by XLA in the CPU's program

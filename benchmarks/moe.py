@@ -62,9 +62,10 @@ H100 = (Config(8192, 2048, 5632, 8, 2), Config(2048, 2048, 768, 64, 8))
 # The main job's MoE frontier (`frontier`): small enough to time on 2 cores in seconds.
 MAIN = Config(512, 128, 256, 8, 2)
 MAIN_BLOCKS = 8
-# CUB's radix sort asks the CUDA runtime for its scratch size while compiling, which fails without
-# a GPU ("invalid device ordinal"); XLA's own sort compiles instead (the sort is not the peak).
-GPU_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+# How the stacks compile for an H100 here: CUB's radix sort asks the CUDA runtime for its scratch
+# size while compiling, which fails without a GPU ("invalid device ordinal"), so XLA's own sort
+# (not the peak); under an Auto mesh axis (jax's Explicit inference refuses ragged_dot).
+GPU_COMPILE = {"options": {"xla_gpu_enable_cub_radix_sort": False}, "auto": True}
 
 
 def plain_moe(x, router, w_gate, w_up, w_down, *, top_k: int, named: bool = False):
@@ -163,7 +164,7 @@ def memory_rows(gpu: bool) -> list[str]:
         params, x = shapes(c, n, dtype)
         loss = loss_of(key, c.top_k)
         if gpu:
-          temps[key, n] = memory.gpu_memory(loss, params, x, options=GPU_OPTIONS)[0]
+          temps[key, n] = memory.gpu_memory(loss, params, x, **GPU_COMPILE)[0]
         else:
           temps[key, n] = memory.cpu_memory(loss, params, x)
     growth = {key: (temps[key, 8] - temps[key, 2]) / (8 - 2) for key in POINTS}

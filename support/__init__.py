@@ -125,13 +125,14 @@ def device(device_kind: str = H100):
   return topo.devices[0]
 
 
-def abstract_mesh(device_kind: str) -> jax.sharding.AbstractMesh:
-  """The abstract mesh jaxact's dispatch reads the target GPU from while tracing."""
+def abstract_mesh(device_kind: str, auto: bool = False) -> jax.sharding.AbstractMesh:
+  """The abstract mesh jaxact's dispatch reads the target GPU from while tracing; `auto`: its
+  axis Auto (jax's Explicit sharding inference refuses some primitives outright, ragged_dot's
+  "not currently implemented"), else Explicit as jax makes it (what every other program here
+  compiles under: the compiled temp differs between the two)."""
   dev = jax.sharding.AbstractDevice(platform="cuda", device_kind=device_kind, num_cores=None)
-  # Auto: one device has nothing to shard, and jax's Explicit sharding inference refuses some
-  # primitives outright (ragged_dot: "not currently implemented").
-  auto = (jax.sharding.AxisType.Auto,)
-  return jax.sharding.AbstractMesh((1,), ("x",), axis_types=auto, abstract_device=dev)
+  types = {"axis_types": (jax.sharding.AxisType.Auto,)} if auto else {}
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev, **types)
 
 
 def compile_for(
@@ -139,13 +140,15 @@ def compile_for(
   shapes: Sequence[jax.ShapeDtypeStruct],
   device_kind: str = H100,
   options: dict[str, Any] | None = None,
+  auto: bool = False,
 ):
-  """``jax.jit(fn)`` lowered and compiled for `device_kind`'s GPU (`shapes` placed on it)."""
+  """``jax.jit(fn)`` lowered and compiled for `device_kind`'s GPU (`shapes` placed on it; `auto`:
+  see :func:`abstract_mesh`)."""
   dev = device(device_kind)
   sharding = jax.sharding.SingleDeviceSharding(dev)
   args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
   with jax.default_device(dev):
-    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind)):
+    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, auto)):
       lowered = jax.jit(fn).lower(*args)
     return lowered.compile(compiler_options={**FULL_OPTIMIZATION, **(options or {})})
 

@@ -16,14 +16,14 @@ def cpu_memory(loss, params, x) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def gpu_memory(loss, params, x, device_kind=support.H100, options=None) -> tuple[int, int]:
+def gpu_memory(loss, params, x, device_kind=support.H100, **compile_kw) -> tuple[int, int]:
   """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU
-  (XLA `options` besides support's)."""
+  (`compile_kw`: :func:`support.compile_for`'s options)."""
 
   def step(x, *params):
     return jax.value_and_grad(loss)(params, x)
 
-  m = support.compile_for(step, [x, *params], device_kind, options).memory_analysis()
+  m = support.compile_for(step, [x, *params], device_kind, **compile_kw).memory_analysis()
   total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
   return m.temp_size_in_bytes, total - m.alias_size_in_bytes
 

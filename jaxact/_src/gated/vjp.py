@@ -179,8 +179,11 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
   # Nothing of the backward (h, act(a), the mask) may run before the cotangent exists: it would be
   # computed in the forward pass and kept alive until here (barriers.after_cotangent). Where a and
   # b are recomputed, x is tied to it: XLA would otherwise share the forward's projections (CSE)
-  # and keep them alive until here.
-  (x, a, b, key), g = barriers.after_cotangent((x, a, b, key), g)
+  # and keep them alive until here. (Not otherwise: a scanned step would copy x's slice.)
+  if a is None:
+    (x, key), g = barriers.after_cotangent((x, key), g)
+  else:
+    (a, b, key), g = barriers.after_cotangent((a, b, key), g)
   blocked = plan.backward_rows is not None and not dynamic and plan.decision.backward == "xla"
   if a is None and not blocked:
     a, b = (
