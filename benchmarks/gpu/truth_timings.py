@@ -102,7 +102,8 @@ def time_attention(ctx: th.Context):
 
 def time_gated(ctx: th.Context):
   """gated_mlp (SwiGLU) in bfloat16, forward and forward + backward: the jax.nn composition,
-  jaxact's XLA path, the Triton kernels, the Hopper forward, and None."""
+  jaxact's XLA path (and keeping its input alone), the Triton kernels, the Hopper forward, and
+  None."""
   from benchmarks import gated as gated_bench
   from benchmarks.gpu.common import median_seconds
 
@@ -118,6 +119,10 @@ def time_gated(ctx: th.Context):
     return jnp.dot(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
 
   paths = {"jaxact xla": functools.partial(_gated_mlp, implementation="xla"), "jax.nn": composition}
+  # The op keeping its input alone: two more matmuls, in blocks of tokens in the backward.
+  paths["jaxact xla, keeps x"] = functools.partial(
+    _gated_mlp, implementation="xla", residuals="input"
+  )
   for impl in ("pallas", "mosaic", None):
     if impl == "mosaic" and not ctx.hopper:
       continue
@@ -156,10 +161,10 @@ def time_gated(ctx: th.Context):
   return lines, {k: list(v) for k, v in times.items()}
 
 
-def _gated_mlp(x, wg, wu, wd, implementation):
+def _gated_mlp(x, wg, wu, wd, implementation, residuals="projections"):
   import jaxact
 
-  return jaxact.gated_mlp(x, wg, wu, wd, implementation=implementation)
+  return jaxact.gated_mlp(x, wg, wu, wd, implementation=implementation, residuals=residuals)
 
 
 def time_lce(ctx: th.Context):
