@@ -10,9 +10,14 @@ SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "time")
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
   "flax-remat": "Flax + nn.remat a block",
+  "flax-dots": "Flax + nn.remat a block, dots_saveable",
   "jaxact-bn": "jaxact.linen.BatchNorm(activation='relu')",
   "jaxact-gn": "jaxact.linen.GroupNorm(activation='silu')",
   "jaxact-cna": "jaxact.linen.ConvNormAct",
+  "jaxact-bn-remat": "BatchNorm(activation='relu') + nn.remat a block",
+  "jaxact-bn-dots": "BatchNorm(activation='relu') + nn.remat a block, dots_saveable",
+  "jaxact-gn-remat": "GroupNorm(activation='silu') + nn.remat a block",
+  "jaxact-gn-dots": "GroupNorm(activation='silu') + nn.remat a block, dots_saveable",
 }
 
 MEMORY = render.Table(
