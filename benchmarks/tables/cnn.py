@@ -1,12 +1,12 @@
 """The cnn job's tables from its rows (sections ``resnet``, ``resnet-h100``, ``unet``,
-``unet-h100``, ``time``)."""
+``unet-h100``, ``fit-h100``, ``time``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
 
-MiB = 2**20
-SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "time")
+MiB, GiB = 2**20, 2**30
+SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "fit-h100", "time")
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
   "flax-remat": "Flax + nn.remat a block",
@@ -23,6 +23,16 @@ WAYS = {
 MEMORY = render.Table(
   ("way", "temp MiB", "/ Flax's"),
   lambda f: [f["way"], f"{f['temp_bytes'] / MiB:.1f}", f"{f['vs_flax']:.3f}"],
+)
+FIT = render.Table(
+  ("model", "way", "largest batch", "/ Flax's", "temp + arguments + outputs GiB"),
+  lambda f: [
+    f["model"],
+    f["way"],
+    str(f["batch"]),
+    f"{f['vs_flax']:.2f}",
+    f"{f['total_bytes'] / GiB:.1f}",
+  ],
 )
 TIME = render.Table(
   ("model", "way", "time / Flax's"), lambda f: [f["model"], f["way"], f"{f['ratio']:.3f}"]
@@ -47,6 +57,20 @@ def memory(these: list[dict], section: str) -> list[str]:
   ]
 
 
+def fit(these: list[dict], section: str) -> list[str]:
+  f = these[0]["figures"]
+  sizes = "; ".join(
+    dict.fromkeys(f"{r['figures']['model']} x {tuple(r['figures']['shape'])}" for r in these)
+  )
+  return [
+    f"The largest batch (a multiple of 8) whose training step, {f['dtype']} ({sizes}), "
+    f"compiled for an H100 fits {f['capacity_bytes'] / GiB:.1f} GiB less a reserve of "
+    f"{f['reserve_bytes'] / GiB:.0f} GiB: compiled temp, arguments and outputs.",
+    "",
+    *FIT.lines(these),
+  ]
+
+
 def time(these: list[dict], section: str) -> list[str]:
   shapes = "; ".join(
     dict.fromkeys(f"{r['figures']['model']} {tuple(r['figures']['shape'])}" for r in these)
@@ -60,7 +84,8 @@ def time(these: list[dict], section: str) -> list[str]:
   ]
 
 
-DRAW = {s: memory for s in SECTIONS if s != "time"} | {"time": time}
+DRAW = {s: memory for s in SECTIONS if s not in ("time", "fit-h100")}
+DRAW |= {"time": time, "fit-h100": fit}
 
 
 heading = render.section_heading
