@@ -10,6 +10,8 @@ Flax's ImageNet ResNet-50 and a stack of diffusion U-Net residual blocks
   statistics updated) on CPU, float32, and its ratio to Flax's;
 * ``resnet-h100`` / ``unet-h100``: the same compiled for an H100 on this machine
   (``support.compile_for``), bfloat16;
+* ``unet-stem-h100``: the U-Net stack behind a 1x1 conv, so that no way's first norm keeps the
+  step's argument (as in a whole U-Net);
 * ``fit-h100``: the largest batch of each model and way whose step, compiled for an H100 in
   bfloat16, fits its memory less :data:`FIT_RESERVE` (temp, arguments and outputs:
   ``harness.memory.largest_fit_of``);
@@ -31,7 +33,7 @@ from benchmarks import cnn_models as models
 from benchmarks.harness import memory, rows, timing
 from benchmarks.tables import cnn as page
 
-SECTIONS = ("resnet", "unet", "time", "unet-h100", "resnet-h100", "fit-h100")
+SECTIONS = ("resnet", "unet", "time", "unet-h100", "resnet-h100", "unet-stem-h100", "fit-h100")
 # (batch, height, width, channels); the U-Net's stack depth
 RESNET_CPU, RESNET_GPU = (8, 64, 64, 3), (32, 224, 224, 3)
 UNET_CPU, UNET_GPU, UNET_BLOCKS = (8, 32, 32, 128), (32, 64, 64, 256), 4
@@ -56,7 +58,7 @@ def _step(model: str, variant: str, gpu: bool, batch: int | None = None):
     shape = (batch, *shape[1:])
   if model == "resnet":
     return models.resnet_step(variant, shape, dtype)
-  return models.unet_step(variant, shape, UNET_BLOCKS, dtype)
+  return models.unet_step(variant, shape, UNET_BLOCKS, dtype, stem=model == "unet-stem")
 
 
 def _compiled(step, args, gpu: bool, options: dict | None = None):
@@ -91,7 +93,7 @@ def memory_rows(model: str, gpu: bool) -> list[str]:
       model=model,
       way=page.WAYS[variant],
       shape=list(shape),
-      blocks=UNET_BLOCKS if model == "unet" else 16,
+      blocks=16 if model == "resnet" else UNET_BLOCKS,
       dtype="bfloat16" if gpu else "float32",
       temp_bytes=temp,
       vs_flax=temp / temps["flax"],
@@ -119,7 +121,7 @@ def fit_rows() -> list[str]:
         model=model,
         way=page.WAYS[variant],
         shape=list((RESNET_GPU if model == "resnet" else UNET_GPU)[1:]),
-        blocks=UNET_BLOCKS if model == "unet" else 16,
+        blocks=16 if model == "resnet" else UNET_BLOCKS,
         dtype="bfloat16",
         batch=batch,
         total_bytes=used,
@@ -212,6 +214,7 @@ def main(argv=None) -> int:
     "resnet-h100": lambda: memory_rows("resnet", True),
     "unet": lambda: memory_rows("unet", False),
     "unet-h100": lambda: memory_rows("unet", True),
+    "unet-stem-h100": lambda: memory_rows("unet-stem", True),
     "time": lambda: time_rows(a.runs),
     "fit-h100": fit_rows,
   }

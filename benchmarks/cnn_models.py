@@ -180,9 +180,14 @@ class UNetStack(nn.Module):
   blocks: int = 4
   variant: str = "flax"
   dtype: object = jnp.float32
+  # a 1x1 conv in front: the first block's input is then made in the step, as in a whole U-Net,
+  # not the step's argument (which Flax's first GroupNorm keeps at no cost in temp)
+  stem: bool = False
 
   @nn.compact
   def __call__(self, x):
+    if self.stem:
+      x = nn.Conv(x.shape[-1], (1, 1), dtype=self.dtype)(x)
     block, inner = blocked(UNetBlock, self.variant)
     for _ in range(self.blocks):
       x = block(inner, dtype=self.dtype)(x)
@@ -210,9 +215,11 @@ def resnet_step(variant: str, shape: tuple[int, ...], dtype=jnp.float32, classes
   return step, (variables["params"], variables["batch_stats"], images, labels)
 
 
-def unet_step(variant: str, shape: tuple[int, ...], blocks: int, dtype=jnp.float32):
+def unet_step(
+  variant: str, shape: tuple[int, ...], blocks: int, dtype=jnp.float32, stem: bool = False
+):
   """``(step, (params, x) shapes)``: ``value_and_grad`` of a squared error through the stack."""
-  model = UNetStack(blocks, variant, dtype)
+  model = UNetStack(blocks, variant, dtype, stem)
   x = jax.ShapeDtypeStruct(shape, dtype)
   variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), x)
 

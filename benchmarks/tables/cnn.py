@@ -1,12 +1,12 @@
 """The cnn job's tables from its rows (sections ``resnet``, ``resnet-h100``, ``unet``,
-``unet-h100``, ``fit-h100``, ``time``)."""
+``unet-h100``, ``unet-stem-h100``, ``fit-h100``, ``time``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
 
 MiB, GiB = 2**20, 2**30
-SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "fit-h100", "time")
+SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "unet-stem-h100", "fit-h100", "time")
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
   "flax-remat": "Flax + nn.remat a block",
@@ -42,8 +42,10 @@ TIME = render.Table(
 def _what(f: dict) -> str:
   if f["model"] == "resnet":
     return f"ResNet-50 (Flax's ImageNet example), images {tuple(f['shape'])}"
-  unet = "U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
-  return f"{f['blocks']} {unet}, x {tuple(f['shape'])}"
+  unet = f"{f['blocks']} U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
+  if f["model"] == "unet-stem":
+    unet = f"a 1x1 conv, then {unet}"
+  return f"{unet}, x {tuple(f['shape'])}"
 
 
 def memory(these: list[dict], section: str) -> list[str]:
