@@ -1,14 +1,20 @@
-"""`python -m benchmarks cnn [--sections resnet,unet,time,unet-h100,resnet-h100] [--runs N]`.
+"""`python -m benchmarks cnn [--sections S,...] [--runs N]`: ResNet-50 and U-Net blocks each way.
 
 Flax's ImageNet ResNet-50 and a stack of diffusion U-Net residual blocks
-(:mod:`benchmarks.cnn_models`), each trained the Flax way, with ``nn.remat`` around each block,
-with jaxact's norm + activation drop-in (``jaxact.linen.BatchNorm`` / ``GroupNorm`` with an
-``activation``), and with ``jaxact.linen.ConvNormAct``:
+(:mod:`benchmarks.cnn_models`), each trained the Flax way, with ``nn.remat`` around each block
+(no policy, ``dots_saveable``), with jaxact's norm + activation drop-in (``jaxact.linen.BatchNorm``
+/ ``GroupNorm`` with an ``activation``; also under the two remats), and with
+``jaxact.linen.ConvNormAct``:
 
 * ``resnet`` / ``unet``: compiled temp of one training step (``jit(value_and_grad)``, the batch
   statistics updated) on CPU, float32, and its ratio to Flax's;
 * ``resnet-h100`` / ``unet-h100``: the same compiled for an H100 on this machine
   (``support.compile_for``), bfloat16;
+* ``unet-stem-h100``: the U-Net stack behind a 1x1 conv, so that no way's first norm keeps the
+  step's argument (as in a whole U-Net);
+* ``fit-h100``: the largest batch of each model and way whose step, compiled for an H100 in
+  bfloat16, fits its memory less :data:`FIT_RESERVE` (temp, arguments and outputs:
+  ``harness.memory.largest_fit_of``);
 * ``time``: CPU step time of both models, median over alternated rounds of each way's time over
   Flax's in the same round.
 """
@@ -24,28 +30,49 @@ import numpy as np
 
 import support
 from benchmarks import cnn_models as models
-from benchmarks.harness import rows, timing
+from benchmarks.harness import memory, rows, timing
 from benchmarks.tables import cnn as page
 
-SECTIONS = ("resnet", "unet", "time", "unet-h100", "resnet-h100")
+SECTIONS = ("resnet", "unet", "time", "unet-h100", "resnet-h100", "unet-stem-h100", "fit-h100")
 # (batch, height, width, channels); the U-Net's stack depth
 RESNET_CPU, RESNET_GPU = (8, 64, 64, 3), (32, 224, 224, 3)
 UNET_CPU, UNET_GPU, UNET_BLOCKS = (8, 32, 32, 128), (32, 64, 64, 256), 4
+# What a fit leaves free of the H100's memory (XLA's target config: 79.1 GiB): the CUDA context,
+# cuDNN's convolution workspaces (a compile without a GPU autotunes none) and the allocator's
+# slack. A run that uses the rest sets XLA_PYTHON_CLIENT_MEM_FRACTION (jax takes 0.75 by default).
+FIT_RESERVE = 4 * 2**30
+FIT_STEP, FIT_START = 8, (512, 2048)  # batches between compiled candidates; the first two
+# XLA's rematerialization pass off: above ~54 GiB it recomputes what it can to fit the memory it
+# assumes, so each way's fit would partly be XLA's remat (at a cost in time no one measures
+# here), and memory stops growing with the batch. Off, the fit is the program each way writes.
+FIT_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-def _step(model: str, variant: str, gpu: bool):
+def _step(model: str, variant: str, gpu: bool, batch: int | None = None):
   dtype = jnp.bfloat16 if gpu else jnp.float32
   if model == "resnet":
-    return models.resnet_step(variant, RESNET_GPU if gpu else RESNET_CPU, dtype)
-  return models.unet_step(variant, UNET_GPU if gpu else UNET_CPU, UNET_BLOCKS, dtype)
+    shape = RESNET_GPU if gpu else RESNET_CPU
+  else:
+    shape = UNET_GPU if gpu else UNET_CPU
+  if batch is not None:
+    shape = (batch, *shape[1:])
+  if model == "resnet":
+    return models.resnet_step(variant, shape, dtype)
+  return models.unet_step(variant, shape, UNET_BLOCKS, dtype, stem=model == "unet-stem")
+
+
+def _compiled(step, args, gpu: bool, options: dict | None = None):
+  """The step's ``memory_analysis()``, compiled for an H100 (`gpu`, with XLA `options`) or this
+  CPU."""
+  leaves, tree = jax.tree.flatten(args)
+  flat = lambda *leaves: step(*jax.tree.unflatten(tree, leaves))
+  if gpu:
+    return support.compile_for(flat, leaves, options=options).memory_analysis()
+  return jax.jit(flat).lower(*leaves).compile().memory_analysis()
 
 
 def _temp(step, args, gpu: bool) -> int:
-  leaves, tree = jax.tree.flatten(args)
-  flat = lambda *leaves: step(*jax.tree.unflatten(tree, leaves))
-  compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
-  compiled = compile_(flat, leaves)
-  return compiled.memory_analysis().temp_size_in_bytes
+  return _compiled(step, args, gpu).temp_size_in_bytes
 
 
 def memory_rows(model: str, gpu: bool) -> list[str]:
@@ -66,12 +93,43 @@ def memory_rows(model: str, gpu: bool) -> list[str]:
       model=model,
       way=page.WAYS[variant],
       shape=list(shape),
-      blocks=UNET_BLOCKS if model == "unet" else 16,
+      blocks=16 if model == "resnet" else UNET_BLOCKS,
       dtype="bfloat16" if gpu else "float32",
       temp_bytes=temp,
       vs_flax=temp / temps["flax"],
     )
   return page.tables(rows.current().rows, section)
+
+
+def _fit_total(model: str, variant: str, batch: int) -> int:
+  return memory.footprint(_compiled(*_step(model, variant, True, batch), True, FIT_OPTIONS))
+
+
+def fit_rows() -> list[str]:
+  cap = memory.capacity() - FIT_RESERVE
+  for model in ("resnet", "unet"):
+    variants = models.RESNETS if model == "resnet" else models.UNETS
+    batches = {}
+    for variant in variants:
+      total = functools.partial(_fit_total, model, variant)
+      batch, used = memory.largest_fit_of(total, cap, step=FIT_STEP, start=FIT_START)
+      batches[variant] = batch
+      print(f"  fit-h100 {model} {variant}: batch {batch}", flush=True)
+      rows.add(
+        "fit-h100",
+        f"{model}, {variant}",
+        model=model,
+        way=page.WAYS[variant],
+        shape=list((RESNET_GPU if model == "resnet" else UNET_GPU)[1:]),
+        blocks=16 if model == "resnet" else UNET_BLOCKS,
+        dtype="bfloat16",
+        batch=batch,
+        total_bytes=used,
+        capacity_bytes=cap + FIT_RESERVE,
+        reserve_bytes=FIT_RESERVE,
+        vs_flax=batch / batches["flax"],
+      )
+  return page.tables(rows.current().rows, "fit-h100")
 
 
 def _concrete(args):
@@ -156,7 +214,9 @@ def main(argv=None) -> int:
     "resnet-h100": lambda: memory_rows("resnet", True),
     "unet": lambda: memory_rows("unet", False),
     "unet-h100": lambda: memory_rows("unet", True),
+    "unet-stem-h100": lambda: memory_rows("unet-stem", True),
     "time": lambda: time_rows(a.runs),
+    "fit-h100": fit_rows,
   }
   print(f"jax {jax.__version__}")
   for name in wanted:

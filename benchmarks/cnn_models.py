@@ -8,18 +8,24 @@
 
   - ``flax``: ``nn.Conv(use_bias=False)`` -> ``nn.BatchNorm`` -> ``nn.relu``, the example itself;
   - ``flax-remat``: the same with ``nn.remat`` around each block;
+  - ``flax-dots``: ``nn.remat(policy=jax.checkpoint_policies.dots_saveable)`` around each block
+    (the convolutions' and the head's outputs kept, the norms and activations recomputed);
   - ``jaxact-bn``: ``nn.BatchNorm`` + relu swapped for ``jaxact.linen.BatchNorm(activation=
     "relu")`` (the drop-in: the same variables), the block's closing relu ``jaxact.relu``;
-  - ``jaxact-cna``: each conv -> norm -> activation one ``jaxact.linen.ConvNormAct``.
+  - ``jaxact-cna``: each conv -> norm -> activation one ``jaxact.linen.ConvNormAct``;
+  - ``jaxact-bn-remat``, ``jaxact-bn-dots``: the drop-in with ``nn.remat`` around each block,
+    without a policy and with ``dots_saveable``.
 
 * A diffusion U-Net's residual block, as diffusion models write it (``h = conv(silu(GroupNorm(32)
   (x)))`` twice, then ``x + h``), stacked:
 
   - ``flax``: ``nn.GroupNorm`` -> ``nn.silu`` -> ``nn.Conv``;
-  - ``flax-remat``: each block under ``nn.remat``;
+  - ``flax-remat``, ``flax-dots``: each block under ``nn.remat``, without a policy and with
+    ``dots_saveable``;
   - ``jaxact-gn``: ``jaxact.linen.GroupNorm(activation="silu")`` -> ``nn.Conv``;
   - ``jaxact-cna``: the first norm as ``jaxact-gn``, then the first conv, the second norm and
-    its silu as one ``jaxact.linen.ConvNormAct(norm="group")``, then the second conv.
+    its silu as one ``jaxact.linen.ConvNormAct(norm="group")``, then the second conv;
+  - ``jaxact-gn-remat``, ``jaxact-gn-dots``: the drop-in's blocks under ``nn.remat`` as above.
 """
 
 from __future__ import annotations
@@ -34,8 +40,35 @@ import jaxact
 import jaxact.linen as jnn
 
 RESNET50_STAGES = (3, 4, 6, 3)
-RESNETS = ("flax", "flax-remat", "jaxact-bn", "jaxact-cna")
-UNETS = ("flax", "flax-remat", "jaxact-gn", "jaxact-cna")
+RESNETS = (
+  "flax",
+  "flax-remat",
+  "flax-dots",
+  "jaxact-bn",
+  "jaxact-cna",
+  "jaxact-bn-remat",
+  "jaxact-bn-dots",
+)
+UNETS = (
+  "flax",
+  "flax-remat",
+  "flax-dots",
+  "jaxact-gn",
+  "jaxact-cna",
+  "jaxact-gn-remat",
+  "jaxact-gn-dots",
+)
+# a variant's suffix: the remat policy around each block (None: save nothing but its input)
+REMATS = {"-remat": None, "-dots": jax.checkpoint_policies.dots_saveable}
+
+
+def blocked(block: type[nn.Module], variant: str) -> tuple[type[nn.Module], str]:
+  """``(the block class, the variant inside it)``: `block` under ``nn.remat`` with the policy
+  that `variant`'s suffix names, or `block` itself."""
+  for suffix, policy in REMATS.items():
+    if variant.endswith(suffix):
+      return nn.remat(block, policy=policy), variant.removesuffix(suffix)
+  return block, variant
 
 
 class Unit(nn.Module):
@@ -106,11 +139,10 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    unit = functools.partial(Unit, variant=self.variant, train=self.train, dtype=self.dtype)
+    block, inner = blocked(Bottleneck, self.variant)  # the stem unit as the blocks' units
+    unit = functools.partial(Unit, variant=inner, train=self.train, dtype=self.dtype)
     x = unit(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)])(x)
     x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-    block = nn.remat(Bottleneck) if self.variant == "flax-remat" else Bottleneck
-    inner = "flax" if self.variant == "flax-remat" else self.variant
     for i, size in enumerate(self.stage_sizes):
       for j in range(size):
         strides = (2, 2) if i > 0 and j == 0 else (1, 1)
@@ -131,7 +163,7 @@ class UNetBlock(nn.Module):
     c = x.shape[-1]
     conv = functools.partial(nn.Conv, c, (3, 3), dtype=self.dtype)
     gn = dict(num_groups=self.groups, dtype=self.dtype)
-    if self.variant in ("flax", "flax-remat"):
+    if self.variant == "flax":
       h = conv()(nn.silu(nn.GroupNorm(**gn)(x)))
       h = conv()(nn.silu(nn.GroupNorm(**gn)(h)))
     elif self.variant == "jaxact-gn":
@@ -148,11 +180,15 @@ class UNetStack(nn.Module):
   blocks: int = 4
   variant: str = "flax"
   dtype: object = jnp.float32
+  # a 1x1 conv in front: the first block's input is then made in the step, as in a whole U-Net,
+  # not the step's argument (which Flax's first GroupNorm keeps at no cost in temp)
+  stem: bool = False
 
   @nn.compact
   def __call__(self, x):
-    block = nn.remat(UNetBlock) if self.variant == "flax-remat" else UNetBlock
-    inner = "flax" if self.variant == "flax-remat" else self.variant
+    if self.stem:
+      x = nn.Conv(x.shape[-1], (1, 1), dtype=self.dtype)(x)
+    block, inner = blocked(UNetBlock, self.variant)
     for _ in range(self.blocks):
       x = block(inner, dtype=self.dtype)(x)
     return x
@@ -179,9 +215,11 @@ def resnet_step(variant: str, shape: tuple[int, ...], dtype=jnp.float32, classes
   return step, (variables["params"], variables["batch_stats"], images, labels)
 
 
-def unet_step(variant: str, shape: tuple[int, ...], blocks: int, dtype=jnp.float32):
+def unet_step(
+  variant: str, shape: tuple[int, ...], blocks: int, dtype=jnp.float32, stem: bool = False
+):
   """``(step, (params, x) shapes)``: ``value_and_grad`` of a squared error through the stack."""
-  model = UNetStack(blocks, variant, dtype)
+  model = UNetStack(blocks, variant, dtype, stem)
   x = jax.ShapeDtypeStruct(shape, dtype)
   variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), x)
 

@@ -164,8 +164,7 @@ def section_head(runs: int = 5, vocabs=CPU_VOCABS, time_it: bool = True) -> list
 def _gpu_head_total(head, tokens, dim, vocab) -> tuple[int, int]:
   m = support.compile_for(_step(head), _head_args(tokens, dim, vocab, jnp.bfloat16))
   m = m.memory_analysis()
-  total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-  return m.temp_size_in_bytes, total - m.alias_size_in_bytes
+  return m.temp_size_in_bytes, memory.footprint(m)
 
 
 def section_head_h100(fits: bool = True) -> list[HeadRow]:

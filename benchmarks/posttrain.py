@@ -282,9 +282,7 @@ def section_memory(lengths, vocabs, gpu: bool, tasks=TASKS) -> list[MemRow]:
 
 def _gpu_total(loss, task, length, vocab) -> int:
   args = shapes(task, SEQUENCES, length, DIM, vocab, jnp.bfloat16)
-  m = support.compile_for(step(loss), args).memory_analysis()
-  total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-  return total - m.alias_size_in_bytes
+  return memory.footprint(support.compile_for(step(loss), args).memory_analysis())
 
 
 def section_fit(vocabs, tasks=TASKS) -> list[FitRow]:

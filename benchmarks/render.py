@@ -181,7 +181,9 @@ def job_block(job: str, section: str | None, job_rows: list[dict]) -> list[str]:
   lines = list(module.tables(job_rows, section))
   while lines and not lines[0]:
     lines.pop(0)
-  return [*provenance(job, job_rows), "", *lines]
+  # a section's block names the run that measured it (a rows file may hold several runs)
+  these = [r for r in job_rows if section is None or r["section"] == section]
+  return [*provenance(job, these), "", *lines]
 
 
 def job_blocks(text: str) -> list[tuple[str, str | None]]:

@@ -24,8 +24,14 @@ def gpu_memory(loss, params, x, device_kind=support.H100, **compile_kw) -> tuple
     return jax.value_and_grad(loss)(params, x)
 
   m = support.compile_for(step, [x, *params], device_kind, **compile_kw).memory_analysis()
+  return m.temp_size_in_bytes, footprint(m)
+
+
+def footprint(m) -> int:
+  """A compiled program's memory (its ``memory_analysis()``): temp, arguments and outputs, less
+  the outputs that alias (are donated) arguments."""
   total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-  return m.temp_size_in_bytes, total - m.alias_size_in_bytes
+  return total - m.alias_size_in_bytes
 
 
 def largest_fit_of(
@@ -33,8 +39,9 @@ def largest_fit_of(
 ) -> tuple[int, int]:
   """``(tokens, bytes)``: the largest multiple of `step` tokens whose ``total(tokens)`` (a step's
   temp, arguments and outputs) fits `capacity` bytes: secant steps from compiles at the two
-  `start` sizes, then `step` at a time, every candidate compiled (near the limit XLA's
-  rematerialization makes memory non-linear)."""
+  `start` sizes, then bisection between the largest size that fits and the next that does not,
+  every candidate compiled (near the limit XLA's rematerialization makes memory non-linear, and
+  flat: a walk of `step` at a time can take a hundred compiles)."""
   known = {t: total(t) for t in start}
   for _ in range(4):  # secant through the two candidates nearest the limit
     (t0, m0), (t1, m1) = sorted(known.items(), key=lambda tm: abs(tm[1] - capacity))[:2]
@@ -51,10 +58,17 @@ def largest_fit_of(
     return known[t]
 
   fits = [t for t, m in known.items() if m <= capacity]
-  if fits:  # walk up from the largest that fits
-    tokens = max(fits)
-    while at(tokens + step) <= capacity:
-      tokens += step
+  if fits:  # bisect above the largest that fits, after doubling strides to a size that does not
+    tokens, stride = max(fits), step
+    over = min((t for t in known if t > tokens), default=None)
+    while over is None:
+      if at(tokens + stride) > capacity:
+        over = tokens + stride
+      else:
+        tokens, stride = tokens + stride, 2 * stride
+    while over - tokens > step:
+      mid = (tokens + over) // 2 // step * step
+      tokens, over = (mid, over) if at(mid) <= capacity else (tokens, mid)
   else:  # walk down from the smallest tried
     tokens = min(known) - step
     while tokens > step and at(tokens) > capacity:

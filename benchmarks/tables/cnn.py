@@ -1,23 +1,38 @@
 """The cnn job's tables from its rows (sections ``resnet``, ``resnet-h100``, ``unet``,
-``unet-h100``, ``time``)."""
+``unet-h100``, ``unet-stem-h100``, ``fit-h100``, ``time``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
 
-MiB = 2**20
-SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "time")
+MiB, GiB = 2**20, 2**30
+SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "unet-stem-h100", "fit-h100", "time")
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
   "flax-remat": "Flax + nn.remat a block",
+  "flax-dots": "Flax + nn.remat a block, dots_saveable",
   "jaxact-bn": "jaxact.linen.BatchNorm(activation='relu')",
   "jaxact-gn": "jaxact.linen.GroupNorm(activation='silu')",
   "jaxact-cna": "jaxact.linen.ConvNormAct",
+  "jaxact-bn-remat": "BatchNorm(activation='relu') + nn.remat a block",
+  "jaxact-bn-dots": "BatchNorm(activation='relu') + nn.remat a block, dots_saveable",
+  "jaxact-gn-remat": "GroupNorm(activation='silu') + nn.remat a block",
+  "jaxact-gn-dots": "GroupNorm(activation='silu') + nn.remat a block, dots_saveable",
 }
 
 MEMORY = render.Table(
   ("way", "temp MiB", "/ Flax's"),
   lambda f: [f["way"], f"{f['temp_bytes'] / MiB:.1f}", f"{f['vs_flax']:.3f}"],
+)
+FIT = render.Table(
+  ("model", "way", "largest batch", "/ Flax's", "temp + arguments + outputs GiB"),
+  lambda f: [
+    f["model"],
+    f["way"],
+    str(f["batch"]),
+    f"{f['vs_flax']:.2f}",
+    f"{f['total_bytes'] / GiB:.1f}",
+  ],
 )
 TIME = render.Table(
   ("model", "way", "time / Flax's"), lambda f: [f["model"], f["way"], f"{f['ratio']:.3f}"]
@@ -27,8 +42,10 @@ TIME = render.Table(
 def _what(f: dict) -> str:
   if f["model"] == "resnet":
     return f"ResNet-50 (Flax's ImageNet example), images {tuple(f['shape'])}"
-  unet = "U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
-  return f"{f['blocks']} {unet}, x {tuple(f['shape'])}"
+  unet = f"{f['blocks']} U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
+  if f["model"] == "unet-stem":
+    unet = f"a 1x1 conv, then {unet}"
+  return f"{unet}, x {tuple(f['shape'])}"
 
 
 def memory(these: list[dict], section: str) -> list[str]:
@@ -39,6 +56,20 @@ def memory(these: list[dict], section: str) -> list[str]:
     "`jit(value_and_grad)`.",
     "",
     *MEMORY.lines(these),
+  ]
+
+
+def fit(these: list[dict], section: str) -> list[str]:
+  f = these[0]["figures"]
+  sizes = "; ".join(
+    dict.fromkeys(f"{r['figures']['model']} x {tuple(r['figures']['shape'])}" for r in these)
+  )
+  return [
+    f"The largest batch (a multiple of 8) whose training step, {f['dtype']} ({sizes}), "
+    f"compiled for an H100 fits {f['capacity_bytes'] / GiB:.1f} GiB less a reserve of "
+    f"{f['reserve_bytes'] / GiB:.0f} GiB: compiled temp, arguments and outputs.",
+    "",
+    *FIT.lines(these),
   ]
 
 
@@ -55,7 +86,8 @@ def time(these: list[dict], section: str) -> list[str]:
   ]
 
 
-DRAW = {s: memory for s in SECTIONS if s != "time"} | {"time": time}
+DRAW = {s: memory for s in SECTIONS if s not in ("time", "fit-h100")}
+DRAW |= {"time": time, "fit-h100": fit}
 
 
 heading = render.section_heading
