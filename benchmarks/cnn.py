@@ -149,8 +149,11 @@ def _concrete(args):
 FRONTIER = {
   "flax": "flax",
   "remat": "flax-remat",
+  "dots": "flax-dots",
   "jaxact": "jaxact-bn",
   "jaxact_cna": "jaxact-cna",
+  "jaxact_remat": "jaxact-bn-remat",
+  "jaxact_dots": "jaxact-bn-dots",
 }
 
 
