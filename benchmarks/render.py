@@ -62,7 +62,10 @@ def _readme_row(f: Frontier) -> list[str]:
   )
   smallest = "none" if v.smallest is None else f"{mem(v.smallest)}: {_short(v.smallest)}"
   front = "; ".join(
-    f"{p.label.removeprefix('Flax + ')}: {mem(p)}, {fr.fmt_time(p.time)}" for p in v.flax_front
+    fr.with_level(
+      p, v.points, f"{p.label.removeprefix('Flax + ')}: {mem(p)}, {fr.fmt_time(p.time)}"
+    )
+    for p in v.flax_front
   )
   return [
     README_MODELS.get(f.key, f"{f.name} ({f.unit})"),

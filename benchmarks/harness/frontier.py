@@ -69,6 +69,26 @@ def front(points: Sequence[Point]) -> list[Point]:
   )
 
 
+def level_with(p: Point, points: Sequence[Point]) -> Point | None:
+  """The smallest jaxact point that a Flax point `p` of the front cannot be told from in time: as
+  small as `p` or smaller, its rounds' ratios overlapping `p`'s (without rounds: the same time).
+  Such a `p` is on the front by a difference the rounds do not resolve."""
+
+  def overlaps(q: Point) -> bool:
+    if p.spread is None or q.spread is None:
+      return q.time == p.time
+    return q.spread[0] <= p.spread[1] and p.spread[0] <= q.spread[1]
+
+  level = [q for q in points if q.library == JAXACT and q.memory <= p.memory and overlaps(q)]
+  return min(level, key=lambda q: (q.memory, q.time), default=None)
+
+
+def with_level(p: Point, points: Sequence[Point], text: str) -> str:
+  """`text` (a Flax point of the front) and the jaxact point level with it, if one is."""
+  q = level_with(p, points)
+  return text if q is None else f"{text} (level with {q.label})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   flax: Point
@@ -76,6 +96,7 @@ class Verdict:
   fastest: Point | None  # jaxact's fastest point at `remat`'s memory or less
   smallest: Point | None  # jaxact's least-memory point at `flax`'s step time or less
   flax_front: tuple[Point, ...]  # Flax's points on the front: no jaxact point beats them
+  points: tuple[Point, ...] = ()  # every point of the model
 
 
 def verdict(points: Sequence[Point], flax_key: str = "flax") -> Verdict:
@@ -96,7 +117,7 @@ def verdict(points: Sequence[Point], flax_key: str = "flax") -> Verdict:
     (p for p in ours if p.time <= flax.time), key=lambda p: (p.memory, p.time), default=None
   )
   flax_front = tuple(p for p in front(points) if p.library == FLAX)
-  return Verdict(flax, remat, fastest, smallest, flax_front)
+  return Verdict(flax, remat, fastest, smallest, flax_front, tuple(points))
 
 
 # ----------------------------------------------------------------------------------- rendering
@@ -129,7 +150,8 @@ def cells(v: Verdict, unit: str) -> tuple[str, str, str]:
       f"**{_mem(v.smallest, unit, False)}**: {v.smallest.label}, {fmt_time(v.smallest.time)}"
     )
   on_front = "; ".join(
-    f"{p.label} ({_mem(p, unit, False)}, {fmt_time(p.time)})" for p in v.flax_front
+    with_level(p, v.points, f"{p.label} ({_mem(p, unit, False)}, {fmt_time(p.time)})")
+    for p in v.flax_front
   )
   return fastest, smallest, on_front or "none"
 
@@ -153,7 +175,10 @@ def sentence(v: Verdict, unit: str) -> str:
       f"Flax {_mem(v.flax, unit)})."
     )
   if v.flax_front:
-    names = ", ".join(f"{p.label} ({_mem(p, unit)}, {fmt_time(p.time)})" for p in v.flax_front)
+    names = ", ".join(
+      with_level(p, v.points, f"{p.label} ({_mem(p, unit)}, {fmt_time(p.time)})")
+      for p in v.flax_front
+    )
     out += f" On the front and beaten by no jaxact point: {names}."
   return out
 

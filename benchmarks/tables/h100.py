@@ -37,14 +37,6 @@ def _at(p: fr.Point, ms: dict[str, float]) -> str:
   return f"{p.memory:.0f} MiB, {ms[p.key]:.1f} ms"
 
 
-def _level(p: fr.Point, points: list[fr.Point]) -> str:
-  """A Flax point on the front, and the jaxact point level with it if one is."""
-  level = [
-    q.label for q in points if q.library == fr.JAXACT and (q.memory, q.time) == (p.memory, p.time)
-  ]
-  return p.label + (f" (level with {level[0]})" if level else "")
-
-
 def summary(rows: list[dict]) -> list[str]:
   """Per model: Flax, Flax + remat's least temp, jaxact's least temp at Flax's estimated time or
   less, the front, and the Flax points on it."""
@@ -55,7 +47,7 @@ def summary(rows: list[dict]) -> list[str]:
     v = fr.verdict(points)
     smallest = "none" if v.smallest is None else f"{v.smallest.label}: {_at(v.smallest, ms)}"
     front = "; ".join(f"{p.label} {_at(p, ms)}" for p in fr.front(points))
-    flax_front = "; ".join(_level(p, points) for p in v.flax_front) or "**none**"
+    flax_front = "; ".join(fr.with_level(p, points, p.label) for p in v.flax_front) or "**none**"
     remat = f"{_at(v.remat, ms)} ({v.remat.label})"
     body.append([r["figures"]["name"], _at(v.flax, ms), remat, smallest, front, flax_front])
   header = [

@@ -105,6 +105,26 @@ def test_verdict_says_none_and_names_the_unbeaten_flax_points():
   assert "beaten by no jaxact point: Flax (1266 MiB, 1.00x)." in text
 
 
+def test_a_flax_point_on_the_front_is_level_with_a_jaxact_point_whose_rounds_overlap():
+  """A Flax point the front keeps by less than its rounds resolve names the smallest jaxact
+  point as small or smaller whose rounds' ratios overlap; rounds apart, or a larger jaxact
+  point, is no tie."""
+  remat = fr.point("remat", 204, 0.96, (0.95, 0.97))
+  near = fr.point("jaxact_remat", 183, 0.97, (0.95, 0.99))
+  far = fr.point("jaxact_input", 200, 1.05, (1.03, 1.08))
+  big = fr.point("jaxact", 599, 0.94, (0.93, 0.95))
+  flax = fr.point("flax", 1266, 1.0, (1.0, 1.0))
+  assert fr.level_with(remat, [remat, near, far, big]) == near
+  assert fr.level_with(remat, [remat, far, big]) is None
+  v = fr.verdict([flax, remat, near, far, big])
+  assert [p.key for p in v.flax_front] == ["remat"]
+  assert fr.cells(v, "MiB")[2] == "Flax + remat (204, 0.96x) (level with jaxact + remat)"
+  assert "Flax + remat (204 MiB, 0.96x) (level with jaxact + remat)." in fr.sentence(v, "MiB")
+  # Without rounds (estimates), level means the same time.
+  a, b = fr.point("remat", 10, 1.2), fr.point("jaxact_remat", 10, 1.2)
+  assert fr.level_with(a, [a, b]) == b and fr.level_with(a, [fr.point("jaxact", 9, 1.21)]) is None
+
+
 def test_remat_reference_is_flax_least_memory_point():
   # The reference for "at Flax + remat's memory" is Flax's smallest remat point, whichever.
   ps = points(flax=(20, 1.0), remat=(12, 1.2), dots=(10, 1.1), jaxact=(11, 0.9))
