@@ -183,17 +183,26 @@ def memory_rows(gpu: bool) -> list[str]:
   return page.tables(rows.current().rows, section)
 
 
+def frontier(
+  runs: int, warmup: bool = True, c: Config = MAIN, blocks: int = MAIN_BLOCKS
+) -> tuple[float, dict]:
+  """``(the plain step's seconds, {point: (temp bytes, median time ratio, rounds' ratios)})`` for
+  every point of :data:`POINTS`: `c` in `blocks` scanned blocks on CPU, float32 (by default the
+  main job's MoE frontier)."""
+  params, x = make(c, blocks, jnp.float32)
+  temps, calls = {}, []
+  for key in POINTS:
+    compiled = jax.jit(jax.value_and_grad(loss_of(key, c.top_k))).lower(params, x).compile()
+    temps[key] = compiled.memory_analysis().temp_size_in_bytes
+    calls.append(functools.partial(compiled, params, x))
+  return timing.frontier_points(temps, calls, runs, warmup)
+
+
 def time_rows(runs: int) -> list[str]:
   """Each configuration's points at 8 blocks: compiled temp and CPU step time against plain."""
   n = BLOCKS[-1]
   for c in CPU:
-    params, x = make(c, n, jnp.float32)
-    temps, calls = {}, []
-    for key in POINTS:
-      compiled = jax.jit(jax.value_and_grad(loss_of(key, c.top_k))).lower(params, x).compile()
-      temps[key] = compiled.memory_analysis().temp_size_in_bytes
-      calls.append(functools.partial(compiled, params, x))
-    seconds, points = timing.frontier_points(temps, calls, runs)
+    seconds, points = frontier(runs, True, c, n)
     for key, (temp, ratio, spread) in points.items():
       rows.add(
         "time",
@@ -208,18 +217,6 @@ def time_rows(runs: int) -> list[str]:
         runs=runs,
       )
   return page.tables(rows.current().rows, "time")
-
-
-def frontier(runs: int, warmup: bool = True) -> tuple[float, dict]:
-  """The main job's MoE frontier: ``(the plain step's seconds, {point: (temp bytes, median time
-  ratio, rounds' ratios)})`` for every point of :data:`POINTS`, :data:`MAIN` on CPU, float32."""
-  params, x = make(MAIN, MAIN_BLOCKS, jnp.float32)
-  temps, calls = {}, []
-  for key in POINTS:
-    compiled = jax.jit(jax.value_and_grad(loss_of(key, MAIN.top_k))).lower(params, x).compile()
-    temps[key] = compiled.memory_analysis().temp_size_in_bytes
-    calls.append(functools.partial(compiled, params, x))
-  return timing.frontier_points(temps, calls, runs, warmup)
 
 
 def main(argv=None) -> int:
