@@ -416,7 +416,7 @@ def test_a_scanned_stack_hoists_no_hidden_sized_array_out_of_its_loop():
 
 
 @pytest.mark.parametrize("mlp", [True, False], ids=["mlp", "dense"])
-@pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 def test_the_backward_in_blocks_of_tokens_equals_autodiff(monkeypatch, mlp, dtype):
   """The XLA backward a block of rows at a time (rules.backward_rows; 1024 rows by default, 4 here,
   so that the 15 tokens make four blocks, the last moved back over rows of the third): values and
@@ -449,6 +449,22 @@ def test_the_backward_in_blocks_of_tokens_equals_autodiff(monkeypatch, mlp, dtyp
   assert "while" in str(plan_rows) or "scan" in str(plan_rows)  # the blocks' loop ran
 
 
+def test_16_bit_weights_take_one_pass_over_every_token(monkeypatch):
+  """No blocks for bfloat16 weights: their float32 gradient sums would cost more than the blocks
+  save (rules.backward_rows); float32 weights of the same call run in blocks."""
+  from jaxact._src.gated import rules
+
+  monkeypatch.setattr(rules, "BACKWARD_ROWS", 4)
+
+  def loops(dtype):
+    args = operands(dtype)[:4]
+    grad = jax.grad(lambda *a: jnp.sum(jaxact.gated_mlp(*a).astype(jnp.float32)), (0, 1, 2, 3))
+    text = str(jax.make_jaxpr(grad)(*args))
+    return "while" in text or "scan" in text
+
+  assert loops(jnp.float32) and not loops(jnp.bfloat16)
+
+
 # ------------------------------------------------------ residuals="input": the input kept alone
 
 
@@ -462,7 +478,8 @@ def call(mlp, activation="silu", **kw):
 def test_keeping_the_input_gives_the_gradients_of_the_composition(monkeypatch, mlp, dtype, blocks):
   """Values and every gradient as autodiff of the composition (float64), and equal to the default's
   to rounding; `blocks`: the backward in blocks of 4 rows (the 15 tokens make four, the last
-  moved back), each block's a and b recomputed from its rows of x."""
+  moved back), each block's a and b recomputed from its rows of x (float64; 16-bit weights take
+  one pass)."""
   from jaxact._src.gated import rules
 
   if blocks:

@@ -157,7 +157,7 @@ def _run(
   plan = _sharded_plan(fn_name, plan, x, w_gate, w_up, w_down, out_sharding, prepared.values())
   decision = rules.decide(fn_name, implementation, plan, x, w_gate, w_up)
   plan = dataclasses.replace(plan, decision=decision)
-  rows = rules.backward_rows(plan, math.prod(x.shape[:-1]))
+  rows = rules.backward_rows(plan, math.prod(x.shape[:-1]), w_gate.dtype)
   plan = dataclasses.replace(plan, backward_rows=rows)
   y = gated(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic)
   return shardings.constrain(y, out_sharding)
