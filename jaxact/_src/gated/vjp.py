@@ -67,6 +67,12 @@ def _project(plan: GatedPlan, x: Array, w: Array, bias: Array | None, out_shardi
   return z.astype(plan.out_dtype)
 
 
+def _projections(plan: GatedPlan, x, w_gate, w_up, b_gate, b_up, out_sharding=None):
+  """``(a, b)``: the gate and up projections of `x`, each as :func:`_project` makes it."""
+  a = _project(plan, x, w_gate, b_gate, out_sharding)
+  return a, _project(plan, x, w_up, b_up, out_sharding)
+
+
 def _down(plan: GatedPlan, h: Array, w_down: Array, b_down: Array | None) -> Array:
   """The down projection of (the dropped) h, gathered first where its product needs it."""
   h = shardings.to_spec(h, plan.h_gather) if plan.h_gather is not None else h
@@ -96,8 +102,7 @@ def dropped(plan: GatedPlan, key, h: Array) -> Array:
 
 def _forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, key, *dynamic):
   """``(out, a, b)``: out is h for gated_dense, y for gated_mlp (h dropped first, with a key)."""
-  a = _project(plan, x, w_gate, b_gate, plan.hidden_sharding)
-  b = _project(plan, x, w_up, b_up, plan.hidden_sharding)
+  a, b = _projections(plan, x, w_gate, w_up, b_gate, b_up, plan.hidden_sharding)
   out = hidden(plan, a, b, dynamic)
   if plan.has_down:
     out = _down(plan, dropped(plan, key, out), w_down, b_down)
@@ -110,8 +115,7 @@ def _kernel_forward(plan: GatedPlan, x, w_gate, w_up, w_down, b_gate, b_up, b_do
   the kernel writes h alone, and a and b are None."""
 
   def xla(x, w_gate, w_up, b_gate, b_up):
-    hs = plan.hidden_sharding
-    a, b = _project(plan, x, w_gate, b_gate, hs), _project(plan, x, w_up, b_up, hs)
+    a, b = _projections(plan, x, w_gate, w_up, b_gate, b_up, plan.hidden_sharding)
     return (hidden(plan, a, b, ()), a, b) if keep else (hidden(plan, a, b, ()), None, None)
 
   args = (x, w_gate, w_up, b_gate, b_up)
@@ -184,12 +188,9 @@ def _gated_bwd_rule(plan: GatedPlan, res, g: Array):
     (x, key), g = barriers.after_cotangent((x, key), g)
   else:
     (a, b, key), g = barriers.after_cotangent((a, b, key), g)
-  blocked = plan.backward_rows is not None and not dynamic and plan.decision.backward == "xla"
+  blocked = plan.backward_rows is not None and not dynamic  # rules: XLA's backward alone
   if a is None and not blocked:
-    a, b = (
-      _project(plan, x, w, v, plan.hidden_sharding)
-      for w, v in zip((w_gate, w_up), biases, strict=True)
-    )
+    a, b = _projections(plan, x, w_gate, w_up, *biases, plan.hidden_sharding)
   if plan.decision.backward != "xla":
     return _kernel_bwd(plan, x, w_gate, w_up, w_down, a, b, g)
   if blocked:
@@ -238,7 +239,7 @@ def _blocked_bwd(plan: GatedPlan, x, w_gate, w_up, w_down, a, b, g, biases=None)
     if kept_i:
       ai, bi = kept_i
     else:
-      ai, bi = (_project(plan, xi, w, v) for w, v in zip((w_gate, w_up), biases, strict=True))
+      ai, bi = _projections(plan, xi, w_gate, w_up, *biases)
     fresh = ((start + jnp.arange(rows)) >= i * rows)[:, None]
     if plan.has_down:
       gy = gi.astype(mm)
