@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +70,15 @@ def _moe():
     yield key, _flat(jax.value_and_grad(loss), moe.shapes(c, moe.BLOCKS[-1], BF16))
 
 
-def _models() -> dict[str, tuple[str, str, Callable]]:
-  """``{key: (name, sizes, points)}``, the models keyed as the main job keys them."""
+class Model(NamedTuple):
+  name: str
+  sizes: str
+  points: Callable  # yields (point, (step, argument shapes))
+  compile_kw: Mapping[str, Any] = MappingProxyType({})  # support.compile_for's options
+
+
+def _models() -> dict[str, Model]:
+  """The models keyed as the main job keys them."""
   out = {}
   for model in ("MLP", "CNN"):
     layers, _, x = fused_scanned.LAYER_SIZES[model]
@@ -78,24 +87,24 @@ def _models() -> dict[str, tuple[str, str, Callable]]:
     else:
       sizes = f"{layers} conv layers (3x3), NHWC {'x'.join(map(str, x))}"
     for act in ("relu", "gelu"):
-      out[f"{model.lower()}_{act}"] = (f"{model}, {act}", sizes, partial(_mlp_cnn, model, act))
+      out[f"{model.lower()}_{act}"] = Model(f"{model}, {act}", sizes, partial(_mlp_cnn, model, act))
   t, d, f = gated.GPU_SIZE
   c = decoder.DECODER_GPU
-  out["gated"] = (
+  out["gated"] = Model(
     "gated MLP stack",
     f"{gated.BLOCKS} scanned blocks, {t} tokens, D {d}, F {f}",
     _gated,
   )
-  out["decoder"] = (
+  out["decoder"] = Model(
     "LM decoder step",
     f"{c.blocks} scanned blocks, {c.batch} x {c.seq} tokens, "
     f"D {c.dim}, F {c.hidden}, {c.heads} heads, V {c.vocab}",
     _decoder,
   )
-  out["resnet"] = ("ResNet-50", "images " + " x ".join(map(str, cnn.RESNET_GPU)), _resnet)
+  out["resnet"] = Model("ResNet-50", "images " + " x ".join(map(str, cnn.RESNET_GPU)), _resnet)
   c = moe.H100[0]
   sizes = f"{moe.BLOCKS[-1]} scanned blocks, {c} (Flax: the plain ragged_dot composition)"
-  out["moe"] = ("MoE block stack", sizes, _moe)
+  out["moe"] = Model("MoE block stack", sizes, _moe, moe.GPU_COMPILE)
   return out
 
 
@@ -104,10 +113,10 @@ MODELS = tuple(_models())
 
 def measure(key: str, cpu) -> None:
   """A model's ``model`` row and a ``point`` row a way to train it."""
-  name, sizes, points = _models()[key]
-  rows.add("model", key, name=name, title=f"{sizes}, bfloat16", unit="MiB")
-  for point, (step, shapes) in points():
-    compiled = support.compile_for(step, shapes, **(moe.GPU_COMPILE if key == "moe" else {}))
+  model = _models()[key]
+  rows.add("model", key, name=model.name, title=f"{model.sizes}, bfloat16", unit="MiB")
+  for point, (step, shapes) in model.points():
+    compiled = support.compile_for(step, shapes, **model.compile_kw)
     found = roofline.cost(compiled.as_text(), cpu)
     flops, flops_from = found.flops, "h100"
     if found.kernels:  # the kernels' arithmetic, counted by XLA in the CPU's program
