@@ -26,13 +26,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 import jaxact
 import support
 from benchmarks import gated
 from benchmarks.harness import memory, rows, timing
 from benchmarks.tables import moe as page
+from jaxact._src.moe.reference import ragged_composition
 
 SECTIONS = ("memory", "memory-h100", "time")
 BLOCKS = (2, 8)
@@ -69,22 +69,10 @@ GPU_COMPILE = {"options": {"xla_gpu_enable_cub_radix_sort": False}, "auto": True
 
 
 def plain_moe(x, router, w_gate, w_up, w_down, *, top_k: int, named: bool = False):
-  """The plain composition, as :func:`jaxact.moe_mlp` defines it (softmax scores, normalized
-  top-k weights, dropless); `named`: the gate and up projections carry MaxText's names."""
-  lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
-  p = jax.nn.softmax((x @ router).astype(jnp.float32), -1)
-  _, idx = lax.top_k(lax.stop_gradient(p), top_k)
-  w = jnp.take_along_axis(p, idx, -1)
-  w = (w / jnp.sum(w, -1, keepdims=True)).astype(x.dtype)
-  order = jnp.argsort(idx.reshape(-1), stable=True)
-  sizes = jnp.bincount(idx.reshape(-1), length=router.shape[1]).astype(jnp.int32)
-  xs = x[order // top_k]
-  a, b = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
-  if named:
-    a, b = checkpoint_name(a, PLAIN_NAMES[0]), checkpoint_name(b, PLAIN_NAMES[1])
-  o = lax.ragged_dot(jax.nn.silu(a) * b, w_down, sizes)[jnp.argsort(order)]
-  y = jnp.einsum("tk,tkd->td", w, o.reshape(*idx.shape, -1))
-  return y.reshape(*lead, -1)
+  """The plain ragged composition (:func:`jaxact._src.moe.reference.ragged_composition`);
+  `named`: the gate and up projections carry MaxText's names."""
+  names = PLAIN_NAMES if named else None
+  return ragged_composition(x, router, w_gate, w_up, w_down, top_k=top_k, names=names)
 
 
 def jaxact_moe(x, router, w_gate, w_up, w_down, *, top_k: int):
@@ -102,7 +90,6 @@ POINTS = {
   "jaxact_remat": (jaxact_moe, False, _NOTHING),
   "jaxact_names": (jaxact_moe, False, _SAVE(*jaxact.MOE_CHECKPOINT_NAMES)),
 }
-LABELS = page.LABELS
 
 
 def block(key: str, top_k: int):
@@ -167,7 +154,8 @@ def memory_rows(gpu: bool) -> list[str]:
           temps[key, n] = memory.gpu_memory(loss, params, x, **GPU_COMPILE)[0]
         else:
           temps[key, n] = memory.cpu_memory(loss, params, x)
-    growth = {key: (temps[key, 8] - temps[key, 2]) / (8 - 2) for key in POINTS}
+    lo, hi = BLOCKS
+    growth = {key: (temps[key, hi] - temps[key, lo]) / (hi - lo) for key in POINTS}
     kept = {} if gpu else {k: kept_bytes(c, POINTS[k][0], dtype) for k in ("flax", "jaxact")}
     for key in POINTS:
       rows.add(

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src.moe.reference import moe_reference, reference_activation
+from jaxact._src.moe.reference import moe_reference, ragged_composition, reference_activation
 
 from cases import representatives
 
@@ -251,21 +251,7 @@ def test_the_pullback_keeps_x_a_b_and_the_small_routing():
 
 def _plain_ragged_block(k):
   """The same routing, ragged_dot and activation, differentiated by JAX."""
-
-  def block(x, router, w_gate, w_up, w_down):
-    p = jax.nn.softmax(x @ router, -1)
-    _, idx = jax.lax.top_k(jax.lax.stop_gradient(p), k)
-    w = jnp.take_along_axis(p, idx, -1)
-    w = w / jnp.sum(w, -1, keepdims=True)
-    order = jnp.argsort(idx.reshape(-1), stable=True)
-    sizes = jnp.bincount(idx.reshape(-1), length=router.shape[1]).astype(jnp.int32)
-    xs = x[order // k]
-    a = jax.lax.ragged_dot(xs, w_gate, sizes)
-    h = jax.nn.silu(a) * jax.lax.ragged_dot(xs, w_up, sizes)
-    o = jax.lax.ragged_dot(h, w_down, sizes)[jnp.argsort(order)].reshape(*idx.shape, -1)
-    return jnp.einsum("tk,tkd->td", w, o)
-
-  return block
+  return functools.partial(ragged_composition, top_k=k)
 
 
 def test_a_scanned_stack_needs_less_memory_than_the_plain_ragged_composition():

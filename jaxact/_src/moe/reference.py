@@ -10,10 +10,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxact._src.activations.reference import jax_nn as reference_activation
 
-__all__ = ["moe_reference", "reference_activation"]
+__all__ = ["moe_reference", "ragged_composition", "reference_activation"]
 
 
 def moe_reference(
@@ -56,3 +57,24 @@ def moe_reference(
   z_loss = jnp.mean(jax.nn.logsumexp(z, -1) ** 2)
   aux = {"load_balancing_loss": balance, "router_z_loss": z_loss}
   return y.reshape(*lead, -1), aux
+
+
+def ragged_composition(x, router, w_gate, w_up, w_down, *, top_k, names=None):
+  """The same op as users write it with ``jax.lax.ragged_dot`` (softmax scores, normalized top-k
+  weights, dropless, silu), for JAX's autodiff to differentiate: the peer whose memory the op is
+  measured against. `names`: two ``checkpoint_name``s for the gate and up projections (MaxText's
+  ``mlpwi_0`` / ``mlpwi_1``)."""
+  lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+  p = jax.nn.softmax((x @ router).astype(jnp.float32), -1)
+  _, idx = lax.top_k(lax.stop_gradient(p), top_k)
+  w = jnp.take_along_axis(p, idx, -1)
+  w = (w / jnp.sum(w, -1, keepdims=True)).astype(x.dtype)
+  order = jnp.argsort(idx.reshape(-1), stable=True)
+  sizes = jnp.bincount(idx.reshape(-1), length=router.shape[1]).astype(jnp.int32)
+  xs = x[order // top_k]
+  a, b = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
+  if names is not None:
+    a, b = checkpoint_name(a, names[0]), checkpoint_name(b, names[1])
+  o = lax.ragged_dot(jax.nn.silu(a) * b, w_down, sizes)[jnp.argsort(order)]
+  y = jnp.einsum("tk,tkd->td", w, o.reshape(*idx.shape, -1))
+  return y.reshape(*lead, -1)
