@@ -129,7 +129,8 @@ def abstract_mesh(device_kind: str, auto: bool = False) -> jax.sharding.Abstract
   """The abstract mesh jaxact's dispatch reads the target GPU from while tracing; `auto`: its
   axis Auto (jax's Explicit sharding inference refuses some primitives outright, ragged_dot's
   "not currently implemented"), else Explicit as jax makes it (what every other program here
-  compiles under: the compiled temp differs between the two)."""
+  compiles under). jaxact's rules read that 1-device Explicit mesh as sharded (the gated backward
+  takes no blocks under it), so a program's temp may differ between the two."""
   dev = jax.sharding.AbstractDevice(platform="cuda", device_kind=device_kind, num_cores=None)
   types = {"axis_types": (jax.sharding.AxisType.Auto,)} if auto else {}
   return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev, **types)
