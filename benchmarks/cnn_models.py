@@ -25,7 +25,9 @@
   - ``jaxact-gn``: ``jaxact.linen.GroupNorm(activation="silu")`` -> ``nn.Conv``;
   - ``jaxact-cna``: the first norm as ``jaxact-gn``, then the first conv, the second norm and
     its silu as one ``jaxact.linen.ConvNormAct(norm="group")``, then the second conv;
-  - ``jaxact-gn-remat``, ``jaxact-gn-dots``: the drop-in's blocks under ``nn.remat`` as above.
+  - ``jaxact-gn-remat``, ``jaxact-gn-dots``: the drop-in's blocks under ``nn.remat`` as above;
+  - ``jaxact-nac``: each norm -> silu -> conv one ``jaxact.linen.NormActConv(norm="group")``
+    (keeping each conv's normalized input alone), and ``jaxact-nac-remat`` under ``nn.remat``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ UNETS = (
   "jaxact-cna",
   "jaxact-gn-remat",
   "jaxact-gn-dots",
+  "jaxact-nac",
+  "jaxact-nac-remat",
 )
 # a variant's suffix: the remat policy around each block (None: save nothing but its input)
 REMATS = {"-remat": None, "-dots": jax.checkpoint_policies.dots_saveable}
@@ -169,6 +173,9 @@ class UNetBlock(nn.Module):
     elif self.variant == "jaxact-gn":
       h = conv()(jnn.GroupNorm(activation="silu", **gn)(x))
       h = conv()(jnn.GroupNorm(activation="silu", **gn)(h))
+    elif self.variant == "jaxact-nac":
+      nac = functools.partial(jnn.NormActConv, c, (3, 3), norm="group", activation="silu", **gn)
+      h = nac()(nac()(x))
     else:
       h = jnn.GroupNorm(activation="silu", **gn)(x)
       h = jnn.ConvNormAct(c, (3, 3), norm="group", activation="silu", conv_use_bias=True, **gn)(h)

@@ -39,6 +39,7 @@ from jaxact._src.moe.linen import MoEMLP as MoEMLP  # noqa: E402 (after the chec
 from jaxact._src.norm_act.linen import BatchNorm as BatchNorm  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.linen import GroupNorm as GroupNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.linen_conv import NormActConv as NormActConv  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -54,5 +55,6 @@ __all__ = [
   "BatchNorm",
   "GroupNorm",
   "ConvNormAct",
+  "NormActConv",
   "dot_product_attention",
 ]

@@ -36,6 +36,7 @@ from jaxact._src.moe.nnx import MoEMLP as MoEMLP  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import BatchNorm as BatchNorm  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after the check)
+from jaxact._src.norm_act.nnx_conv import NormActConv as NormActConv  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import RMSNorm as RMSNorm  # noqa: E402 (after the check)
 
@@ -51,5 +52,6 @@ __all__ = [
   "BatchNorm",
   "GroupNorm",
   "ConvNormAct",
+  "NormActConv",
   "dot_product_attention",
 ]

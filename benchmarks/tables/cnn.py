@@ -18,6 +18,8 @@ WAYS = {
   "jaxact-bn-dots": "BatchNorm(activation='relu') + nn.remat a block, dots_saveable",
   "jaxact-gn-remat": "GroupNorm(activation='silu') + nn.remat a block",
   "jaxact-gn-dots": "GroupNorm(activation='silu') + nn.remat a block, dots_saveable",
+  "jaxact-nac": "jaxact.linen.NormActConv",
+  "jaxact-nac-remat": "NormActConv + nn.remat a block",
 }
 
 MEMORY = render.Table(

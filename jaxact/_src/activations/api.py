@@ -145,6 +145,26 @@ _elementwise.defvjp(_elementwise_fwd, _elementwise_bwd)
 _elementwise_jit = jax.jit(_elementwise, static_argnums=0)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def apply_rule(rule: _Rule, x: Array, *dynamic: Array) -> Array:
+  """`rule`'s activation of `x` (in x's dtype, no conversion), its derivative (kinks included)
+  from the spec table, as a ``custom_jvp``: it keeps no residual of its own and fuses with its
+  neighbours, for an op that makes the activation again under ``jax.checkpoint`` (where the
+  elementwise op's ``custom_vjp`` would store its input, in float32 for 16-bit activations)."""
+  return rule.spec.fn(x, **rule.params(dynamic))
+
+
+@apply_rule.defjvp
+def _apply_rule_jvp(rule: _Rule, primals, tangents):
+  x, *dynamic = primals
+  tx, *t_dynamic = tangents
+  y = apply_rule(rule, x, *dynamic)
+  dy = tx * rule.spec.derivative_from_input(x, **rule.params(dynamic))
+  if dynamic:  # traced parameters: their tangents through the forward formula
+    dy = dy + jax.jvp(lambda *p: rule.spec.fn(x, **rule.params(p)), dynamic, t_dynamic)[1]
+  return y, dy
+
+
 def _split_params(spec: ActivationSpec, x: Array, values: dict[str, Any]):
   """Sort parameters into static Python values and array values; validate; pick the residual."""
   static, dynamic, names = [], [], []

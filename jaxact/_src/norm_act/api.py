@@ -372,3 +372,24 @@ def canonical_axes(layer: str, axes, ndim: int) -> tuple[int, ...]:
     return validation.normalize_axes("batch_norm_act", axes, ndim)
   except (TypeError, ValueError) as e:
     raise type(e)(str(e).replace("jaxact.batch_norm_act", layer, 1)) from None
+
+
+def activate(layer: str, x_hat, scale, bias, *, activation: Activation, feature_axes, out_dtype):
+  """``activation(scale * x_hat + bias)`` as :func:`batch` / :func:`group` make it from their
+  normalized input (scale and bias along x's `feature_axes`), output in `out_dtype`; for a layer
+  that keeps `x_hat` alone and makes this again in its backward pass."""
+  try:
+    plan, dynamic = _plan(
+      "batch_norm_act",
+      x_hat,
+      activation,
+      out_dtype,
+      groups=0,
+      axes=(),
+      feature_axes=tuple(feature_axes),
+      epsilon=1.0,
+      fast_variance=True,
+    )
+  except (TypeError, ValueError) as e:
+    raise type(e)(str(e).replace("jaxact.batch_norm_act", layer, 1)) from None
+  return vjp.activate(plan, x_hat, scale, bias, *dynamic)

@@ -218,11 +218,9 @@ class ConvNormAct(nn.Module):
   use_fast_variance: bool = True
   conv_use_bias: bool = False
 
-  @nn.compact
-  def __call__(self, x, use_running_average: bool | None = None):
-    """The layer on `x` ``(batch, *spatial, channels)``; in training with ``norm="batch"`` the
-    batch statistics update ``batch_stats``."""
-    layer = "jaxact.linen.ConvNormAct"
+  def _layers(self, layer: str, use_running_average):
+    """``(conv, norm, the norm's call keywords, whether it takes batch statistics)``, named as
+    Flax names them; for `layer` (errors name it)."""
     check_activation(layer, self.activation)
     if self.norm not in ("batch", "group"):
       raise ValueError(f"{layer}: `norm` {self.norm!r} is not known; choose 'batch' or 'group'")
@@ -266,10 +264,16 @@ class ConvNormAct(nn.Module):
     else:
       groups = dict(num_groups=self.num_groups, group_size=self.group_size)
       norm, call = GroupNorm(**groups, name="GroupNorm_0", **norm_kw), {}
+    return conv, norm, call, batch and not use_running_average
+
+  @nn.compact
+  def __call__(self, x, use_running_average: bool | None = None):
+    """The layer on `x` ``(batch, *spatial, channels)``; in training with ``norm="batch"`` the
+    batch statistics update ``batch_stats``."""
+    conv, norm, call, train = self._layers("jaxact.linen.ConvNormAct", use_running_average)
     if self.is_initializing():
       return norm(conv(x), **call)
     conv_fn, norm_fn = conv.clone(parent=None), norm.clone(parent=None)
-    train = batch and not use_running_average
 
     def run(x, conv_vars, norm_vars):
       z = conv_fn.apply(conv_vars, x)

@@ -13,6 +13,7 @@ the layer's input: the convolution is made again in the backward pass (``jax.che
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 from types import MappingProxyType
 
@@ -94,6 +95,11 @@ class BatchNorm(nnx.BatchNorm):
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask: Array | None = None):
     """``activation(BatchNorm(x))``; in training the batch statistics update ``mean`` / ``var``."""
+    return self._run(x, use_running_average, mask)[0]
+
+  def _run(self, x, use_running_average, mask, affine: bool = True):
+    """``(y, scale, bias)`` (promoted as x is); without `affine`, y is x normalized alone, the
+    scale, bias and activation left to the caller."""
     layer = "jaxact.nnx.BatchNorm"
     if use_running_average is None:
       use_running_average = self.use_running_average
@@ -112,9 +118,9 @@ class BatchNorm(nnx.BatchNorm):
       layer,
       norm_act.batch,
       x,
-      scale,
-      bias,
-      activation=self.activation,
+      scale if affine else None,
+      bias if affine else None,
+      activation=self.activation if affine else "identity",
       axis=axes,
       epsilon=self.epsilon,
       mean=given[0],
@@ -130,7 +136,7 @@ class BatchNorm(nnx.BatchNorm):
       for v, stat in ((self.mean, mean), (self.var, var)):
         new = self.momentum * v[...] + (1 - self.momentum) * stat
         v[...] = stop(new) if stop is not None else new
-    return y
+    return y, scale, bias
 
 
 class GroupNorm(nnx.GroupNorm):
@@ -200,17 +206,22 @@ class GroupNorm(nnx.GroupNorm):
 
   def __call__(self, x, *, mask: Array | None = None):
     """``activation(GroupNorm(x))``."""
+    return self._run(x, mask)[0]
+
+  def _run(self, x, mask, affine: bool = True):
+    """``(y, scale, bias)`` (promoted as x is); without `affine`, y is x normalized alone, the
+    scale, bias and activation left to the caller."""
     layer = "jaxact.nnx.GroupNorm"
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    return norm_act.for_layer(
+    y = norm_act.for_layer(
       layer,
       norm_act.group,
       x,
-      scale,
-      bias,
-      activation=self.activation,
+      scale if affine else None,
+      bias if affine else None,
+      activation=self.activation if affine else "identity",
       num_groups=self.num_groups,
       group_size=None,
       epsilon=self.epsilon,
@@ -220,6 +231,7 @@ class GroupNorm(nnx.GroupNorm):
       axis_index_groups=self.axis_index_groups,
       mask=mask,
     )
+    return y, scale, bias
 
 
 class ConvNormAct(nnx.Module):
@@ -254,6 +266,8 @@ class ConvNormAct(nnx.Module):
     conv_use_bias: the convolution's ``use_bias`` (default False).
   """
 
+  _norm_first = False  # NormActConv: the norm on the input, made (from `rngs`) before the conv
+
   def __init__(
     self,
     in_features: int,
@@ -286,10 +300,11 @@ class ConvNormAct(nnx.Module):
     conv_use_bias: bool = False,
     rngs: nnx.Rngs,
   ):
-    layer = "jaxact.nnx.ConvNormAct"
+    layer = f"jaxact.nnx.{type(self).__name__}"
     if norm not in ("batch", "group"):
       raise ValueError(f"{layer}: `norm` {norm!r} is not known; choose 'batch' or 'group'")
-    self.conv = nnx.Conv(
+    make_conv = functools.partial(
+      nnx.Conv,
       in_features,
       out_features,
       kernel_size,
@@ -305,6 +320,8 @@ class ConvNormAct(nnx.Module):
       kernel_init=kernel_init,
       rngs=rngs,
     )
+    if not self._norm_first:
+      self.conv = make_conv()
     kw = dict(
       use_scale=use_scale,
       use_bias=use_bias,
@@ -320,12 +337,15 @@ class ConvNormAct(nnx.Module):
     )
     if epsilon is not None:
       kw["epsilon"] = epsilon
+    features = in_features if self._norm_first else out_features
     if norm == "batch":
       self.norm = BatchNorm(
-        out_features, use_running_average=use_running_average, momentum=momentum, **kw
+        features, use_running_average=use_running_average, momentum=momentum, **kw
       )
     else:
-      self.norm = GroupNorm(out_features, num_groups, group_size, **kw)
+      self.norm = GroupNorm(features, num_groups, group_size, **kw)
+    if self._norm_first:
+      self.conv = make_conv()
 
   def __call__(self, x, use_running_average: bool | None = None):
     """The layer on `x` ``(batch, *spatial, channels)``; in training with a batch norm the batch

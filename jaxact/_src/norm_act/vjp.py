@@ -34,6 +34,7 @@ from jax import lax
 
 from jaxact._src.activations import api as activations
 from jaxact._src.core import barriers
+from jaxact._src.core.spec import JAX_NN
 from jaxact._src.norm_act.plan import NormActPlan
 
 
@@ -131,13 +132,31 @@ def _param_grads(plan: NormActPlan, dz, xh, scale, bias, g):
 # ------------------------------------------------------------------ training: batch statistics
 
 
+def _normalize_only(plan: NormActPlan, scale, bias) -> bool:
+  """No scale, bias or activation and y in x's dtype: y is x_hat itself, one array for the
+  output and the residual (a caller keeping x_hat as its next op's input keeps nothing more)."""
+  act = plan.act
+  return (
+    scale is None
+    and bias is None
+    and act.fn is None
+    and act.rule.name == "identity"
+    and plan.out_dtype == plan.x_dtype
+  )
+
+
+def _output(plan: NormActPlan, x_hat, scale, bias, dynamic):
+  if _normalize_only(plan, scale, bias):
+    return x_hat
+  return _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
+
+
 def _train_forward(plan: NormActPlan, x, scale, bias, dynamic):
   xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
   mean, var = statistics(plan, xv)
   r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
   x_hat = ((xv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
-  y = _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
-  return y, x_hat, mean, var, r
+  return _output(plan, x_hat, scale, bias, dynamic), x_hat, mean, var, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -150,7 +169,11 @@ def _train_fwd(plan: NormActPlan, x, scale, bias, *dynamic):
   y, x_hat, mean, var, r = _train_forward(plan, x, scale, bias, dynamic)
   # The barrier keeps XLA from recomputing x_hat from x in the backward pass (which would keep x
   # alive as well) and from fusing the forward's activation into the backward's.
-  y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
+  if y is x_hat:
+    x_hat, r = lax.optimization_barrier((x_hat, r))
+    y = x_hat
+  else:
+    y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
   return (y, mean, var), (x_hat, r, scale, bias, dynamic)
 
 
@@ -206,8 +229,7 @@ def train(plan: NormActPlan, x, scale, bias, *dynamic):
 def _infer_forward(plan: NormActPlan, x, scale, bias, mean, var, dynamic):
   r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
   x_hat = ((x.astype(plan.acc) - mean) * r).astype(plan.x_dtype)
-  y = _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
-  return y, x_hat, r
+  return _output(plan, x_hat, scale, bias, dynamic), x_hat, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -216,7 +238,12 @@ def _infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
 
 
 def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
-  y, x_hat, r = lax.optimization_barrier(_infer_forward(plan, x, scale, bias, mean, var, dynamic))
+  y, x_hat, r = _infer_forward(plan, x, scale, bias, mean, var, dynamic)
+  if y is x_hat:
+    x_hat, r = lax.optimization_barrier((x_hat, r))
+    y = x_hat
+  else:
+    y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
   return y, (x_hat, r, scale, bias, mean, var, dynamic)
 
 
@@ -243,3 +270,23 @@ def infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
   """``y`` normalized with the given `mean` and `var` (broadcastable to x, accumulation dtype)."""
   run = _infer_jit if plan.act.fn is None else _infer
   return run(plan, x, scale, bias, mean, var, *dynamic)
+
+
+# --------------------------------------------------------- the affine and activation on x_hat
+
+
+def activate(plan: NormActPlan, x_hat, scale, bias, *dynamic):
+  """``act(scale * x_hat + bias)`` as the ops' forward makes it from the normalized input, with
+  the activation's derivative from the spec table under JAX's autodiff: for a caller that keeps
+  `x_hat` and makes this again in its backward pass (a norm, activation and convolution keeping
+  one array)."""
+  z = _preactivation(plan, x_hat, scale, bias)
+  act = plan.act
+  if act.fn is not None:
+    return act.fn(z.astype(plan.out_dtype), *dynamic)
+  spec = act.rule.spec
+  if spec.jax_nn and not spec.jax_nn_kinks:
+    # jax.nn's autodiff is the table's derivative here, and XLA fuses it into the backward's
+    # sums where it stores the table's derivative (a U-Net step for an H100: one float32 array)
+    return JAX_NN[spec.name](z, **act.rule.params(dynamic)).astype(plan.out_dtype)
+  return activations.apply_rule(act.rule, z, *dynamic).astype(plan.out_dtype)
