@@ -13,7 +13,7 @@ from jaxact._src.norm_act.nnx import ConvNormAct
 class NormActConv(ConvNormAct):
   """``conv(activation(norm(x)))``, keeping only the norm's normalized input.
 
-  Holds ``norm`` (this module's :class:`BatchNorm` or :class:`GroupNorm` over the input's
+  Holds ``norm`` (:class:`jaxact.nnx.BatchNorm` or :class:`jaxact.nnx.GroupNorm` over the input's
   ``in_features`` channels, batch statistics updated as Flax updates them) and ``conv`` (Flax's
   ``nnx.Conv``), made by their own ``__init__`` from the same `rngs` in that order: a Flax module
   holding ``self.norm`` and ``self.conv`` made in that order has the same state. The norm keeps
