@@ -175,7 +175,8 @@ class UNetBlock(nn.Module):
       h = conv()(jnn.GroupNorm(activation="silu", **gn)(h))
     elif self.variant == "jaxact-nac":
       nac = functools.partial(jnn.NormActConv, c, (3, 3), norm="group", activation="silu", **gn)
-      h = nac()(nac()(x))
+      h = nac()(x)
+      h = nac()(h)
     else:
       h = jnn.GroupNorm(activation="silu", **gn)(x)
       h = jnn.ConvNormAct(c, (3, 3), norm="group", activation="silu", conv_use_bias=True, **gn)(h)
