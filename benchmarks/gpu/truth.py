@@ -22,7 +22,8 @@ process age, ``--budget``), each writing its verdicts and tables under ``--out``
 2. the same in float16, then 3. in float32 (Triton only: Mosaic GPU takes 16-bit operands);
 4. timings, each against XLA in the same process: the gated MLP forward and backward, the LM head
    at 16384 x 4096 x 128k against the plain composition (and tokamax where it imports), the code
-   kernels, a decoder training step with and without jaxact's ops, one layer's step with each code.
+   kernels, a decoder training step with and without jaxact's ops, one layer's step with each code,
+   the ResNet-50 and U-Net steps each way.
 
 Correctness is judged as ``benchmarks.gpu.check``'s ``check`` judges it: the kernel path and the
 XLA path at the inputs' dtype, each against the XLA path on float32 inputs at HIGHEST precision;
@@ -73,6 +74,7 @@ from benchmarks.gpu.truth_timings import (
   time_lce,
   time_posttrain,
 )
+from benchmarks.gpu.truth_timings_cnn import time_cnn
 from benchmarks.gpu.truth_timings_ops import time_moe, time_norm_act
 from benchmarks.harness import rows
 from support import is_hopper
@@ -165,6 +167,8 @@ STEPS: tuple[Step, ...] = (
        "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact"),
   Step("time-moe",                4,  40, time_moe,
        "MoE MLP 16384 x 2048, 64 experts top 8: the plain ragged composition against jaxact"),
+  Step("time-cnn",                4, 120, time_cnn,
+       "ResNet-50 and U-Net steps: Flax, block remat, the drop-ins, ConvNormAct, NormActConv"),
 )
 # fmt: on
 
