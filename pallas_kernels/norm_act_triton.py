@@ -20,8 +20,9 @@ statistic the kernels read is a ``(samples, C)`` float32 array and a tile reads 
 
   A training step runs it twice, reading x_hat and g each time: first the sums alone (no
   activation-sized write), then dx alone (dx's centring needs every sum); a norm by given
-  statistics runs it once, the sums and dx from one read. XLA's backward stores ``dz`` and reads it
-  back for the sums and for dx; this reads x_hat and g twice and stores only dx.
+  statistics runs it once, the sums and dx from one read. For half precision inputs XLA's backward
+  stores ``dz`` (in x's dtype) and reads it back with x_hat for the sums and again for dx; these
+  read x_hat and g twice and write only dx.
 
 Tiles are ``(block_rows, block_cols)`` of one sample, ragged edges masked. The arithmetic is float32
 whatever the storage dtype; the activation is an :class:`pallas_kernels.Epilogue` whose derivative
@@ -86,7 +87,7 @@ def default_tiles(shape: tuple[int, int, int], dtype) -> NormActTiles:
 # ---------------------------------------------------------------------------------- kernels
 
 
-def _tile(ref, row0, tile, c0, tiles: NormActTiles, rows: int, other=0.0):
+def _tile(ref, row0, tile, c0, tiles: NormActTiles, rows: int):
   """Row tile `tile` of the sample starting at `row0` of a 2-D ``(samples * rows, C)`` ref, and its
   mask (rows past the sample's, columns past C)."""
   r = tile * tiles.rows + iota(tiles.rows)
@@ -164,9 +165,8 @@ def _bwd_kernel(
         dx = dx - a - b * x_hat
       out, _ = _tile(dx_ref, s * rows, tile, c0, tiles, rows)
       tr.store(out, dx.astype(dx_ref.dtype), mask=mask)
-    return acc[0] + jnp.sum(dz, axis=0, keepdims=True), acc[1] + jnp.sum(
-      dz * x_hat, axis=0, keepdims=True
-    )
+    sum_dz, sum_dz_xh = acc
+    return sum_dz + jnp.sum(dz, 0, keepdims=True), sum_dz_xh + jnp.sum(dz * x_hat, 0, keepdims=True)
 
   acc = (jnp.zeros((1, cols), jnp.float32),) * 2
   acc = step(0, acc) if tiles.steps == 1 else lax.fori_loop(0, tiles.steps, step, acc)
