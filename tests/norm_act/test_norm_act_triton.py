@@ -27,10 +27,11 @@ import jaxact
 import support
 from jaxact._src import docs
 from jaxact._src.norm_act import api, rules
+from jaxact._src.norm_act import reference as R
 from kernel_cases import TRITON, cuda_mesh, lowered_text
 from pallas_kernels import norm_act_triton as kernels
 
-from cases import representatives
+from cases import assert_trees_close, representatives, value_and_grads_or_skip
 
 # Summation order only (the kernels sum a tile's rows, then the tiles); in bfloat16 the outputs
 # are rounded from the same float32 values, so an ulp where those differ.
@@ -126,6 +127,35 @@ def test_pallas_matches_xla(kind, name, dtype):
   want = value_and_grads(kind, name, "xla", *args)
   chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
   assert_close(got, want, dtype)
+
+
+_BACKENDS = [(i, k) for i in (None, *rules.FAMILY.implementations) for k in ("batch", "group")]
+
+
+# XLA's path meets the composition in test_norm_act.py already: the kernels by default, and the
+# kernel the family lacks (a skip with its reason).
+@pytest.mark.parametrize(
+  "implementation,kind",
+  representatives(
+    _BACKENDS, {"pallas-group", "mosaic-batch"}, ids=[f"{i or 'none'}-{k}" for i, k in _BACKENDS]
+  ),
+)
+def test_every_backend_equals_autodiff_of_the_composition(implementation, kind):
+  """Every implementation the family declares (a missing kernel skips with its reason) against
+  autodiff of the plain composition (``jaxact/_src/norm_act/reference.py``), float32, silu."""
+  x, scale, bias = operands((2, 3, 5, 12), jnp.float32, seed=3)
+  if kind == "group":
+    ours = lambda x, s, b: jaxact.group_norm_act(
+      x, s, b, activation="silu", num_groups=3, implementation=implementation
+    )
+    plain = lambda x, s, b: R.group_norm_act(x, s, b, jax.nn.silu, num_groups=3)
+  else:
+    ours = lambda x, s, b: jaxact.batch_norm_act(
+      x, s, b, activation="silu", implementation=implementation
+    )[0]
+    plain = lambda x, s, b: R.batch_norm_act(x, s, b, jax.nn.silu)[0]
+  got = value_and_grads_or_skip(jax.jit(ours), x, scale, bias)
+  assert_trees_close(got, value_and_grads_or_skip(jax.jit(plain), x, scale, bias), 2e-5)
 
 
 # ------------------------------------------------------------------- the kernels themselves
