@@ -10,7 +10,9 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
 * Triton backend (``_triton.py``, the one import): :mod:`pallas_kernels.dense_triton` (fused
   matmul + epilogue and its backward; its tiles in :mod:`pallas_kernels.dense_triton_tiles`),
   :mod:`pallas_kernels.bias_act_triton` (convolution epilogue and its backward, the bias gradient
-  pass), :mod:`pallas_kernels.gated_triton` (the gated projection ``act(x @ w_gate + b_gate) * (x @
+  pass), :mod:`pallas_kernels.norm_act_triton` (a batch or group norm's normalize-and-activate
+  epilogue from given statistics, and its two-pass backward from x_hat),
+  :mod:`pallas_kernels.gated_triton` (the gated projection ``act(x @ w_gate + b_gate) * (x @
   w_up + b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
   :mod:`pallas_kernels.attention_triton` (FlashAttention-2's forward and backward keeping q, k, v, o
   and two float32 numbers a row, its maximum and log-sum: GQA/MQA, causal, sliding window, lengths,
@@ -60,6 +62,11 @@ from pallas_kernels.gated_triton import gated_bwd_reference as gated_bwd_referen
 from pallas_kernels.gated_triton import gated_dense as gated_dense
 from pallas_kernels.gated_triton import gated_dense_reference as gated_dense_reference
 from pallas_kernels.gated_triton import gated_fwd as gated_fwd
+from pallas_kernels.norm_act_triton import NormActTiles as NormActTiles
+from pallas_kernels.norm_act_triton import norm_act_bwd as norm_act_bwd
+from pallas_kernels.norm_act_triton import norm_act_bwd_reference as norm_act_bwd_reference
+from pallas_kernels.norm_act_triton import norm_act_fwd as norm_act_fwd
+from pallas_kernels.norm_act_triton import norm_act_reference as norm_act_reference
 
 __all__ = [
   "CUSTOM_CALL_TARGET_NAME",
@@ -70,6 +77,7 @@ __all__ = [
   "EltwiseTiles",
   "Epilogue",
   "GatedBlockConfig",
+  "NormActTiles",
   "Tiles",
   "allow_tf32",
   "attention_backward",
@@ -91,6 +99,10 @@ __all__ = [
   "gated_dense",
   "gated_dense_reference",
   "gated_fwd",
+  "norm_act_bwd",
+  "norm_act_bwd_reference",
+  "norm_act_fwd",
+  "norm_act_reference",
   "supported_dtypes",
   "unlowered_primitives",
 ]

@@ -63,6 +63,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from benchmarks.gpu import truth_checks
 from benchmarks.gpu.truth_checks import attention, codes, conv, dense, env, gated, judge, lce
 from benchmarks.gpu.truth_timings import (
   time_attention,
@@ -81,6 +82,7 @@ from support import is_hopper
 from support import truth as th
 
 SG = ("silu", "gelu")  # the gated activations of the float16 and float32 rows
+NA = ("batch relu", "group silu")  # the norm + activation cases of those rows
 
 
 # ------------------------------------------------------------------------------- the table
@@ -116,6 +118,8 @@ STEPS: tuple[Step, ...] = (
        "Hopper dense forward and backward: identity, relu, gelu", H),
   Step("attention-bf16",          1,  25, P(attention, dtype="bf16"),
        "attention: jaxact's Triton kernels and cuDNN's against jaxact's XLA path"),
+  Step("norm-act-triton-bf16",    1,  16, P(truth_checks.norm_act, dtype="bf16"),
+       "batch / group norm + activation: Triton epilogue forward and backward"),
   # 2: float16
   Step("gated-triton-f16",        2,  10, P(gated, dtype="f16", impl="pallas", activations=SG),
        "gated MLP: Triton"),
@@ -135,6 +139,8 @@ STEPS: tuple[Step, ...] = (
        "conv epilogue"),
   Step("dense-mosaic-f16",        2,  21, P(dense, dtype="f16", impl="mosaic"),
        "Hopper dense", H),
+  Step("norm-act-triton-f16",     2,   9, P(truth_checks.norm_act, dtype="f16", cases=NA),
+       "norm + activation epilogue"),
   # 3: float32 (the Mosaic GPU kernels take 16-bit operands only)
   Step("gated-triton-f32",        3,  10, P(gated, dtype="f32", impl="pallas", activations=SG),
        "gated MLP: Triton"),
@@ -146,6 +152,8 @@ STEPS: tuple[Step, ...] = (
        "Triton dense"),
   Step("conv-triton-f32",         3,  12, P(conv, dtype="f32"),
        "conv epilogue"),
+  Step("norm-act-triton-f32",     3,   9, P(truth_checks.norm_act, dtype="f32", cases=NA),
+       "norm + activation epilogue"),
   # 4: timings, each against XLA in this process (attention first: is jaxact's near cuDNN's?)
   Step("time-attention",          4,  70, time_attention,
        "causal attention 4 x 2048, 1 x 8192, capped, GQA: jaxact xla / pallas, jax.nn xla / cudnn"),
@@ -163,8 +171,9 @@ STEPS: tuple[Step, ...] = (
        "one layer's training step with each code, per implementation"),
   Step("time-posttrain",          4,  45, time_posttrain,
        "GRPO loss step 16 x 1024 x 4096 x 128k: the plain composition against jaxact"),
-  Step("time-norm-act",           4,  35, time_norm_act,
-       "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact"),
+  Step("time-norm-act",           4,  50, time_norm_act,
+       "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact's XLA "
+       "path and its Triton kernels"),
   Step("time-moe",                4,  40, time_moe,
        "MoE MLP 16384 x 2048, 64 experts top 8: the plain ragged composition against jaxact"),
   Step("time-cnn",                4, 120, time_cnn,

@@ -194,3 +194,47 @@ def attention(ctx: th.Context, dtype: str):
         ),
       )
   return [f"(B, T, N, H) = {(b, t, n, h)}"], {}
+
+
+# The norm + activation cases: op, activation (a residual family each), by given statistics.
+NORM_ACT_CASES = ("batch relu", "batch-infer silu", "group silu", "group gelu")
+
+
+def norm_act(ctx: th.Context, dtype: str, cases=NORM_ACT_CASES):
+  """``batch_norm_act`` / ``group_norm_act`` through the Triton normalize-and-activate kernels
+  (``implementation="pallas"``) against XLA's: y and the gradients of x, scale (every fourth
+  channel 0) and bias; batch norm by its batch statistics and by given ones, group norm."""
+  import jaxact
+  from support.gpu_compare import compare_to_xla
+
+  shape = ctx.pick((16, 28, 28, 200), (2, 3, 5, 12))  # 200 channels: a ragged column tile
+  groups = ctx.pick(8, 4)
+  c = shape[-1]
+  keys = jax.random.split(jax.random.key(50), 3)
+  dt = jnp.dtype(DTYPES[dtype])
+  x = (2 * jax.random.normal(keys[0], shape, jnp.float32) + 0.5).astype(dt)
+  scale = jax.random.normal(keys[1], (c,), jnp.float32).at[::4].set(0.0).astype(dt)
+  bias = jax.random.normal(keys[2], (c,), jnp.float32).astype(dt)
+  mean, var = jnp.linspace(-0.5, 1.0, c), jnp.linspace(0.5, 4.0, c)
+  for case in cases:
+    op, activation = case.split()
+
+    def build(impl, precision, op=op, activation=activation):
+      del precision  # no matmul
+      if op == "group":
+        return lambda x, s, b: jaxact.group_norm_act(
+          x, s, b, activation=activation, num_groups=groups, implementation=impl
+        )
+      given = {"mean": mean, "var": var} if op == "batch-infer" else {}
+      return lambda x, s, b: jaxact.batch_norm_act(
+        x, s, b, activation=activation, implementation=impl, **given
+      )[0]
+
+    judge(
+      ctx,
+      f"norm-act-triton {dtype} {case}",
+      lambda build=build: compare_to_xla(
+        build, (x, scale, bias), "pallas", names=("y", "dx", "dscale", "dbias")
+      ),
+    )
+  return [f"x {shape}, {groups} groups"], {"x": shape, "groups": groups}

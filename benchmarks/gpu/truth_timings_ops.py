@@ -4,6 +4,7 @@ differentiates, in this process (time and compiled temp)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import traceback
 
@@ -16,9 +17,10 @@ from support import truth as th
 
 def time_norm_act(ctx: th.Context):
   """Batch norm + relu (a ResNet stage, NHWC) and group norm + SiLU (a U-Net block) in bfloat16,
-  training mode, forward and backward: jaxact.batch_norm_act / group_norm_act against the plain
-  composition JAX differentiates (the statistics in float32, as Flax computes them); time and
-  the compiled temp of each."""
+  training mode, forward and backward: jaxact.batch_norm_act / group_norm_act on XLA (the default)
+  and on the Triton normalize-and-activate kernels (``implementation="pallas"``) against the plain
+  composition JAX differentiates (the statistics in float32, as Flax computes them); time and the
+  compiled temp of each, and the kernels' time against jaxact's XLA path."""
   import jaxact
   from jaxact._src.norm_act import reference
 
@@ -33,16 +35,25 @@ def time_norm_act(ctx: th.Context):
     x = jax.random.normal(jax.random.key(71), shape, jnp.float32).astype(jnp.bfloat16)
     scale, bias = jnp.ones(shape[-1:], jnp.bfloat16), jnp.zeros(shape[-1:], jnp.bfloat16)
     if op.startswith("batch"):
-      mine = lambda x, s, b: jaxact.batch_norm_act(x, s, b, activation="relu")[0]
+
+      def mine(x, s, b, impl):
+        return jaxact.batch_norm_act(x, s, b, activation="relu", implementation=impl)[0]
+
       plain = lambda x, s, b: reference.batch_norm_act(x, s, b, jax.nn.relu)[0]
     else:
       groups = min(32, shape[-1] // 2)
-      mine = lambda x, s, b, g=groups: jaxact.group_norm_act(
-        x, s, b, activation="silu", num_groups=g
-      )
+
+      def mine(x, s, b, impl, g=groups):
+        return jaxact.group_norm_act(x, s, b, activation="silu", num_groups=g, implementation=impl)
+
       plain = lambda x, s, b, g=groups: reference.group_norm_act(x, s, b, jax.nn.silu, num_groups=g)
-    base = math.nan
-    for label, fn in (("plain", plain), ("jaxact", mine)):
+    base = xla = math.nan
+    paths = {
+      "plain": plain,
+      "jaxact": functools.partial(mine, impl=None),
+      "jaxact pallas": functools.partial(mine, impl="pallas"),
+    }
+    for label, fn in paths.items():
       loss = lambda x, s, b, fn=fn: jnp.sum(fn(x, s, b).astype(jnp.float32))
       step = jax.jit(jax.grad(loss, (0, 1, 2)))
       try:
@@ -53,12 +64,15 @@ def time_norm_act(ctx: th.Context):
         ctx.verdict(f"time-norm-act {op} {label}", "ERROR", th.one_line(e))
         continue
       base = seconds if label == "plain" else base
+      xla = seconds if label == "jaxact" else xla
       data[f"{op} {label}"] = [seconds, temp]
       lines.append(
         f"| {op} | {shape} | {label} | {1e3 * seconds:.2f} | {seconds / base:.2f} | {temp:.0f} |"
       )
       if label == "jaxact":
         _ratio_verdict(ctx, f"time-norm-act {op}", seconds, base, "plain")
+      elif label == "jaxact pallas":
+        _ratio_verdict(ctx, f"time-norm-act {op} pallas", seconds, xla, "jaxact xla")
   return lines, data
 
 

@@ -84,12 +84,14 @@ def rule_tables() -> tuple:
   from jaxact._src.fused import rules as fused
   from jaxact._src.gated import rules as gated
   from jaxact._src.lce import rules as lce
+  from jaxact._src.norm_act import rules as norm_act
 
   return (
     fused.AUTO_RULES,
     gated.GATED_AUTO_RULES,
     lce.LCE_AUTO_RULES,
     attention.ATTENTION_AUTO_RULES,
+    norm_act.NORM_ACT_AUTO_RULES,
   )
 
 

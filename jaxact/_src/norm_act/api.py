@@ -6,6 +6,7 @@ docstring).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +17,9 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from jaxact._src.activations.resolve import resolve_activation
-from jaxact._src.core import validation
-from jaxact._src.norm_act import vjp
+from jaxact._src.core import dispatch, validation
+from jaxact._src.core.dispatch import Implementation
+from jaxact._src.norm_act import rules, vjp
 from jaxact._src.norm_act.plan import NormActPlan
 
 Activation = str | Callable[..., Array]
@@ -74,6 +76,15 @@ def _plan(fn_name, x, activation, out_dtype, **fields) -> tuple[NormActPlan, lis
   return NormActPlan(act=act, acc=acc, x_dtype=np.dtype(x.dtype), out_dtype=out, **fields), dynamic
 
 
+def _decided(fn_name, implementation, plan: NormActPlan, x, scale, bias) -> NormActPlan:
+  decision = rules.decide(fn_name, implementation, plan, x, scale, bias)
+  return dataclasses.replace(plan, decision=decision)
+
+
+def _check_implementation(fn_name: str, implementation) -> None:
+  dispatch.check_implementation(fn_name, implementation, tuple(rules.FAMILY.implementations))
+
+
 # ------------------------------------------------------------------------------- batch norm
 
 
@@ -92,9 +103,11 @@ def batch(
   axis_name,
   axis_index_groups,
   out_dtype=None,
+  implementation=None,
 ) -> tuple[Array, Array, Array]:
   """:func:`batch_norm_act` for `fn_name` (a Flax layer's name where it calls), output in
   `out_dtype` (None: x's)."""
+  _check_implementation(fn_name, implementation)
   x = validation.as_float_array(fn_name, x, "x")
   if x.ndim == 0:
     raise ValueError(f"jaxact.{fn_name}: `x` must have at least one axis; got a scalar")
@@ -123,6 +136,7 @@ def batch(
     axis_name=axis_name,
     axis_index_groups=groups,
   )
+  plan = _decided(fn_name, implementation, plan, x, scale, bias)
   if mean is not None:
     broadcast = plan.feature_shape(x.ndim, x.shape)
     m, v = (a.astype(plan.acc).reshape(broadcast) for a in (mean, var))
@@ -144,6 +158,7 @@ def batch_norm_act(
   use_fast_variance: bool = True,
   axis_name: Any = None,
   axis_index_groups: Any = None,
+  implementation: Implementation | None = None,
 ) -> tuple[Array, Array, Array]:
   r"""Batch norm followed by an activation, keeping one array for the backward pass.
 
@@ -180,6 +195,12 @@ def batch_norm_act(
     axis_name: the named axis (``shard_map``, ``pmap``) whose devices share the batch statistics,
       as Flax's; under ``jit`` with a sharded batch the statistics are global without it.
     axis_index_groups: groups of device indices of `axis_name` that share statistics.
+    implementation: ``None`` (the best available: XLA until a GPU measures the kernels, see the
+      dispatch docs), ``"xla"``, or ``"pallas"``: the Triton kernels of the normalize-and-activate
+      epilogue, forward and backward (the statistics stay XLA's; channels-last, float32, bfloat16
+      or float16, a spec-table activation with Python-number parameters, no `axis_name`, no
+      sharded inputs). Kernels run in interpret mode off CUDA; calls they do not support raise
+      ``NotImplementedError`` with the reason.
 
   Returns:
     ``(y, mean, var)``: ``y`` of `x`'s shape and dtype; the batch statistics (float32, or
@@ -207,6 +228,7 @@ def batch_norm_act(
       use_fast_variance=use_fast_variance,
       axis_name=axis_name,
       axis_index_groups=axis_index_groups,
+      implementation=implementation,
     )
 
 
@@ -246,8 +268,10 @@ def group(
   axis_name,
   axis_index_groups,
   out_dtype=None,
+  implementation=None,
 ) -> Array:
   """:func:`group_norm_act` for `fn_name`, output in `out_dtype` (None: x's)."""
+  _check_implementation(fn_name, implementation)
   x = validation.as_float_array(fn_name, x, "x")
   if x.ndim < 2:
     raise ValueError(
@@ -278,6 +302,7 @@ def group(
     axis_name=axis_name,
     axis_index_groups=_check_axis_name(fn_name, axis_name, axis_index_groups),
   )
+  plan = _decided(fn_name, implementation, plan, x, scale, bias)
   return vjp.train(plan, x, scale, bias, *dynamic)[0]
 
 
@@ -294,6 +319,7 @@ def group_norm_act(
   use_fast_variance: bool = True,
   axis_name: Any = None,
   axis_index_groups: Any = None,
+  implementation: Implementation | None = None,
 ) -> Array:
   r"""Group norm followed by an activation, keeping one array for the backward pass.
 
@@ -322,6 +348,8 @@ def group_norm_act(
     axis_name: average the statistics over the devices of this named axis, as Flax's
       ``GroupNorm`` does.
     axis_index_groups: groups of device indices of `axis_name` that share statistics.
+    implementation: as :func:`batch_norm_act` takes it (the kernels: the default
+      `reduction_axes`, a statistic per example and group).
 
   Returns:
     ``y``, of `x`'s shape and dtype.
@@ -348,6 +376,7 @@ def group_norm_act(
       use_fast_variance=use_fast_variance,
       axis_name=axis_name,
       axis_index_groups=axis_index_groups,
+      implementation=implementation,
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from jaxact._src.activations.resolve import Act
+from jaxact._src.core.dispatch import Decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,8 @@ class NormActPlan:
   # axis_name while x varies, so their cotangents are summed over it (as autodiff's transpose of
   # the implicit broadcast does).
   psum_params: bool = False
+  # the backends (rules.decide): XLA unless the kernels were chosen
+  decision: Decision = dataclasses.field(default_factory=Decision)
 
   def view_shape(self, shape) -> tuple[int, ...]:
     shape = tuple(shape)

@@ -35,6 +35,7 @@ from jax import lax
 from jaxact._src.activations import api as activations
 from jaxact._src.core import barriers
 from jaxact._src.core.spec import JAX_NN
+from jaxact._src.norm_act import kernels
 from jaxact._src.norm_act.plan import NormActPlan
 
 
@@ -151,17 +152,32 @@ def _output(plan: NormActPlan, x_hat, scale, bias, dynamic):
   return _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
 
 
-def _train_forward(plan: NormActPlan, x, scale, bias, dynamic):
+def _normalized(plan: NormActPlan, x, mean, r, scale, bias, dynamic=()):
+  """``(y, x_hat)`` of x normalized by the view's `mean` and `r` (or ones broadcast to x)."""
+  xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
+  x_hat = ((xv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
+  return _output(plan, x_hat, scale, bias, dynamic), x_hat
+
+
+def _normalize(plan: NormActPlan, x, mean, r, scale, bias, dynamic, keep: bool = True):
+  """:func:`_normalized` by the plan's backend (x_hat None from the kernels without `keep`)."""
+  if plan.decision.forward == "xla":
+    return _normalized(plan, x, mean, r, scale, bias, dynamic)
+  xla = functools.partial(_normalized, plan)
+  return kernels.forward(plan, x, mean, r, scale, bias, xla, keep=keep)
+
+
+def _train_forward(plan: NormActPlan, x, scale, bias, dynamic, keep: bool = True):
   xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
   mean, var = statistics(plan, xv)
   r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
-  x_hat = ((xv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
-  return _output(plan, x_hat, scale, bias, dynamic), x_hat, mean, var, r
+  y, x_hat = _normalize(plan, x, mean, r, scale, bias, dynamic, keep)
+  return y, x_hat, mean, var, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _train(plan: NormActPlan, x, scale, bias, *dynamic):
-  y, _, mean, var, _ = _train_forward(plan, x, scale, bias, dynamic)
+  y, _, mean, var, _ = _train_forward(plan, x, scale, bias, dynamic, keep=False)
   return y, mean, var
 
 
@@ -181,6 +197,13 @@ def _train_bwd(plan: NormActPlan, res, cts):
   g, g_mean, g_var = cts
   x_hat, r, scale, bias, dynamic = res
   (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  if plan.decision.backward == "xla":
+    return _train_grads(plan, x_hat, r, scale, bias, g, g_mean, g_var, dynamic)
+  xla = lambda *a: _train_grads(plan, *a, ())
+  return kernels.train_backward(plan, x_hat, r, scale, bias, g, g_mean, g_var, xla)
+
+
+def _train_grads(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, dynamic):
   xh = x_hat.astype(plan.acc)
   dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
   d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)
@@ -226,15 +249,15 @@ def train(plan: NormActPlan, x, scale, bias, *dynamic):
 # ------------------------------------------------------------ inference: given mean and variance
 
 
-def _infer_forward(plan: NormActPlan, x, scale, bias, mean, var, dynamic):
+def _infer_forward(plan: NormActPlan, x, scale, bias, mean, var, dynamic, keep: bool = True):
   r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
-  x_hat = ((x.astype(plan.acc) - mean) * r).astype(plan.x_dtype)
-  return _output(plan, x_hat, scale, bias, dynamic), x_hat, r
+  y, x_hat = _normalize(plan, x, mean, r, scale, bias, dynamic, keep)
+  return y, x_hat, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
-  return _infer_forward(plan, x, scale, bias, mean, var, dynamic)[0]
+  return _infer_forward(plan, x, scale, bias, mean, var, dynamic, keep=False)[0]
 
 
 def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
@@ -250,6 +273,13 @@ def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
 def _infer_bwd(plan: NormActPlan, res, g):
   x_hat, r, scale, bias, mean, var, dynamic = res
   (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  if plan.decision.backward == "xla":
+    return _infer_grads(plan, x_hat, r, scale, bias, mean, var, g, dynamic)
+  xla = lambda *a: _infer_grads(plan, *a, ())
+  return kernels.infer_backward(plan, x_hat, r, scale, bias, mean, var, g, xla)
+
+
+def _infer_grads(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, dynamic):
   xh = x_hat.astype(plan.acc)
   dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
   d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)

@@ -1,0 +1,164 @@
+"""The norm + activation kernel calls: the normalize-and-activate forward and the two-pass
+backward (:mod:`pallas_kernels.norm_act_triton`), behind the platform switch.
+
+The kernels see x channels-last as ``(samples, rows, C)``: a batch norm is one sample, a group norm
+one sample per example, its groups' statistics repeated over their channels (``(samples, C)``
+float32 arrays, a few KiB). The statistics, and the small sums that turn the kernels' per-(sample,
+channel) sums into the statistics' and parameters' cotangents, are XLA's. ``pallas_kernels`` is
+imported on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxact._src.core import pallas_sharding, platform, shardings
+from jaxact._src.norm_act import rules
+
+if TYPE_CHECKING:
+  from jaxact._src.norm_act.plan import NormActPlan
+
+
+def _view(plan: NormActPlan, shape) -> tuple[int, int, int]:
+  """x's ``(samples, rows, C)``."""
+  samples = shape[0] if plan.groups else 1
+  return samples, math.prod(shape[:-1]) // samples, shape[-1]
+
+
+def _per_sample(plan: NormActPlan, stat, samples: int, c: int):
+  """A statistic as the view keeps it (size-1 axes) as a ``(samples, C)`` float32 array."""
+  stat = stat.astype(jnp.float32)
+  if not plan.groups:
+    return stat.reshape(1, c)
+  return jnp.repeat(stat.reshape(samples, plan.groups), c // plan.groups, axis=1)
+
+
+def _group_mean(plan: NormActPlan, v, count: int):
+  """``(samples, C)`` per-channel sums as each statistic's mean, repeated over its channels."""
+  if not plan.groups:
+    return v / count
+  samples, c = v.shape
+  m = jnp.sum(v.reshape(samples, plan.groups, c // plan.groups), axis=2) / count
+  return jnp.repeat(m, c // plan.groups, axis=1)
+
+
+def _dz_dtype(plan: NormActPlan):
+  """dz rounded to x's dtype where the XLA path rounds it (vjp._rounded)."""
+  return plan.x_dtype if np.dtype(plan.x_dtype).itemsize < np.dtype(plan.acc).itemsize else None
+
+
+def _like(ct, primal):
+  return None if primal is None else ct.reshape(primal.shape).astype(primal.dtype)
+
+
+def _on_mesh(kernel: Callable[..., Any]) -> Callable[..., Any]:
+  """`kernel` under ``shard_map`` when its operands are typed over an Explicit mesh (replicated:
+  the rules decline sharded ones; a ``pallas_call`` takes no operands typed over Explicit axes),
+  as it is otherwise."""
+
+  def run(*arrays, **static):
+    mesh = shardings.explicit_mesh(*arrays)
+    if mesh is None:
+      return kernel(*arrays, **static)
+    specs = [None if a is None else ((),) * a.ndim for a in arrays]
+    whole = lambda *a: (kernel(*a, **static),)
+    return pallas_sharding.per_shard(whole, arrays, specs, ((),), mesh=mesh)[0]
+
+  return run
+
+
+def forward(plan: NormActPlan, x, mean, r, scale, bias, xla: Callable[..., Any], *, keep: bool):
+  """``(y, x_hat)`` of x normalized by `mean` and `r` (the view's statistics, size-1 axes kept), as
+  `xla` returns them; x_hat None without `keep` (no gradient to come)."""
+  from pallas_kernels import norm_act_triton
+
+  ep = rules.epilogue(plan)
+
+  def triton(x, mean, r, scale, bias, *, interpret):
+    samples, rows, c = _view(plan, x.shape)
+    y, x_hat = norm_act_triton.norm_act_fwd(
+      x.reshape(samples, rows, c),
+      _per_sample(plan, mean, samples, c),
+      _per_sample(plan, r, samples, c),
+      scale,
+      bias,
+      epilogue=ep,
+      out_dtype=plan.out_dtype,
+      keep_x_hat=keep,
+      interpret=interpret,
+    )
+    return y.reshape(x.shape), None if x_hat is None else x_hat.reshape(x.shape)
+
+  def fallback(*args):
+    y, x_hat = xla(*args)
+    return y, x_hat if keep else None
+
+  args = (x, mean, r, scale, bias)
+  return platform.switch(args, _on_mesh(triton), fallback, plan.decision, False)
+
+
+def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, xla):
+  """``(dx, d_scale, d_bias)`` of a norm by batch statistics, as `xla` returns them: the sums
+  pass, the statistics' means (XLA, ``(samples, C)``), then the dx pass."""
+  from pallas_kernels import norm_act_triton
+
+  ep, dz_dtype = rules.epilogue(plan), _dz_dtype(plan)
+
+  def triton(x_hat, r, scale, bias, g, g_mean, g_var, *, interpret):
+    samples, rows, c = _view(plan, x_hat.shape)
+    xh, g3 = x_hat.reshape(samples, rows, c), g.reshape(samples, rows, c)
+    run = lambda **kw: norm_act_triton.norm_act_bwd(
+      xh, g3, scale, bias, epilogue=ep, dz_dtype=dz_dtype, interpret=interpret, **kw
+    )
+    _, (s_dz, s_dz_xh) = run()
+    gamma = 1.0 if scale is None else scale.astype(jnp.float32)
+    count = rows * (c // plan.groups if plan.groups else 1)  # elements a statistic
+    m1, m2 = (_group_mean(plan, v * gamma, count) for v in (s_dz, s_dz_xh))
+    rr = _per_sample(plan, r, samples, c)
+    gm, gv = _per_sample(plan, g_mean, samples, c), _per_sample(plan, g_var, samples, c)
+    # dx = r (dxh - m1 - x_hat m2) + (g_mean + 2 g_var x_hat / r) / count, with dxh = dz scale
+    a = rr * m1 - gm / count
+    b = rr * m2 - 2.0 * gv / (rr * count)
+    dx, _ = run(sums=False, dx=(rr * gamma, a, b), dx_dtype=plan.x_dtype)
+    d_scale = _like(jnp.sum(s_dz_xh, axis=0), scale)
+    return dx.reshape(x_hat.shape), d_scale, _like(jnp.sum(s_dz, axis=0), bias)
+
+  args = (x_hat, r, scale, bias, g, g_mean, g_var)
+  return platform.switch(args, _on_mesh(triton), xla, plan.decision, False)
+
+
+def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
+  """``(dx, d_scale, d_bias, d_mean, d_var)`` of a norm by given statistics, as `xla` returns
+  them: one pass writes dx and the sums."""
+  from pallas_kernels import norm_act_triton
+
+  ep, dz_dtype = rules.epilogue(plan), _dz_dtype(plan)
+
+  def triton(x_hat, r, scale, bias, mean, var, g, *, interpret):
+    samples, rows, c = _view(plan, x_hat.shape)
+    rr = _per_sample(plan, r, samples, c)
+    gamma = 1.0 if scale is None else scale.astype(jnp.float32)
+    dx, (s_dz, s_dz_xh) = norm_act_triton.norm_act_bwd(
+      x_hat.reshape(samples, rows, c),
+      g.reshape(samples, rows, c),
+      scale,
+      bias,
+      epilogue=ep,
+      dx=(rr * gamma, None, None),
+      dx_dtype=plan.x_dtype,
+      dz_dtype=dz_dtype,
+      interpret=interpret,
+    )
+    # x_hat = (x - mean) r with r = (var + eps)^-1/2: d x_hat / d mean = -r and
+    # d x_hat / d var = -x_hat r^2 / 2
+    d_mean = _like(-gamma * s_dz * rr, mean)
+    d_var = _like(-0.5 * rr * rr * gamma * s_dz_xh, var)
+    return (dx.reshape(x_hat.shape), _like(s_dz_xh, scale), _like(s_dz, bias), d_mean, d_var)
+
+  args = (x_hat, r, scale, bias, mean, var, g)
+  return platform.switch(args, _on_mesh(triton), xla, plan.decision, False)
