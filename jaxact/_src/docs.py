@@ -84,12 +84,14 @@ def rule_tables() -> tuple:
   from jaxact._src.fused import rules as fused
   from jaxact._src.gated import rules as gated
   from jaxact._src.lce import rules as lce
+  from jaxact._src.moe import rules as moe
 
   return (
     fused.AUTO_RULES,
     gated.GATED_AUTO_RULES,
     lce.LCE_AUTO_RULES,
     attention.ATTENTION_AUTO_RULES,
+    moe.MOE_AUTO_RULES,
   )
 
 
