@@ -62,7 +62,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.gpu.truth_checks import attention, codes, conv, dense, env, gated, judge, lce
+from benchmarks.gpu.truth_checks import attention, codes, conv, dense, env, gated, judge, lce, moe
 from benchmarks.gpu.truth_timings import (
   time_attention,
   time_codes_hopper,
@@ -98,6 +98,8 @@ STEPS: tuple[Step, ...] = (
        "gated MLP: Triton forward and backward"),
   Step("gated-mosaic-bf16",       1,  24, P(gated, dtype="bf16", impl="mosaic"),
        "gated MLP: Hopper forward, Triton backward", H),
+  Step("moe-triton-bf16",         1,  25, P(moe, dtype="bf16"),
+       "MoE MLP: Triton grouped matmuls, forward and backward"),
   Step("lce-mosaic-bf16",         1,  48, P(lce, dtype="bf16"),
        "LM head: Hopper forward and backward, every option", H),
   Step("codes-triton-dense-bf16", 1,  18, P(codes, dtype="bf16", op="dense", impl="pallas"),
@@ -119,6 +121,8 @@ STEPS: tuple[Step, ...] = (
        "gated MLP: Triton"),
   Step("gated-mosaic-f16",        2,  12, P(gated, dtype="f16", impl="mosaic", activations=SG),
        "gated MLP: Hopper forward", H),
+  Step("moe-triton-f16",          2,  15, P(moe, dtype="f16"),
+       "MoE MLP: Triton grouped matmuls"),
   Step("lce-mosaic-f16",          2,  12, P(lce, dtype="f16", cases=("plain", "all, none")),
        "LM head: Hopper kernels", H),
   Step("codes-triton-dense-f16",  2,  15, P(codes, dtype="f16", op="dense", impl="pallas"),
@@ -136,6 +140,8 @@ STEPS: tuple[Step, ...] = (
   # 3: float32 (the Mosaic GPU kernels take 16-bit operands only)
   Step("gated-triton-f32",        3,  10, P(gated, dtype="f32", impl="pallas", activations=SG),
        "gated MLP: Triton"),
+  Step("moe-triton-f32",          3,  15, P(moe, dtype="f32"),
+       "MoE MLP: Triton grouped matmuls"),
   Step("codes-triton-dense-f32",  3,  15, P(codes, dtype="f32", op="dense", impl="pallas"),
        "codes: Triton dense"),
   Step("codes-triton-conv-f32",   3,  12, P(codes, dtype="f32", op="conv", impl="pallas"),
