@@ -7,7 +7,8 @@ inside a tile, padding rows past the groups), and ``moe_mlp`` through them again
 (values, auxiliary losses, the gradients of x, the router and every expert weight). For CUDA: the
 dispatch under abstract H100 and A100 meshes, the lowered step's Triton calls, and a training step
 at a real size (16384 routed rows, D 2048, hidden 1408, 64 experts, bf16) compiled for an H100
-without register spills, whose grouped products cost 1/64 of XLA's ragged_dot's flops.
+without register spills, whose matmuls cost 1/47 of the flops of XLA's ragged_dot step (1/64 for
+the rows' own products; the rest is the kernels' tiles that straddle two experts).
 """
 
 from __future__ import annotations
