@@ -4,7 +4,9 @@
 On CPU the kernels run in Pallas interpret mode: against their pure-jnp references and against
 ``jax.lax.ragged_dot`` and its transposes (empty groups, a group longer than a tile, boundaries
 inside a tile, padding rows past the groups), and ``moe_mlp`` through them against the XLA path
-(values, auxiliary losses, the gradients of x, the router and every expert weight). For CUDA: the
+(values, auxiliary losses, the gradients of x, the router and every expert weight), on one device
+and per device under expert parallelism (this module runs itself as the 8-device script in a
+subprocess, tests/eight_devices.py, for the latter). For CUDA: the
 dispatch under abstract H100 and A100 meshes, the lowered step's Triton calls, and a training step
 at a real size (16384 routed rows, D 2048, hidden 1408, 64 experts, bf16) compiled for an H100
 without register spills, whose matmuls cost 1/47 of the flops of XLA's ragged_dot step (1/64 for
@@ -13,16 +15,31 @@ the rows' own products; the rest is the kernels' tiles that straddle two experts
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import sys
+
+# Only when run as the 8-device script: pytest's own process must not get 8 devices.
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import eight_devices
 import jaxact
 import support
 from jaxact._src import docs
@@ -184,8 +201,9 @@ def test_implementation_is_checked_and_pallas_declines_with_the_reason():
   jax.eval_shape(lambda: jaxact.moe_mlp(*wide, top_k=2))  # None: XLA, silently
   plan = _plan(jnp.float32)
   x, w = jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((E, D, F), jnp.float32)
-  assert "expert parallelism" in rules.triton_unsupported(plan, x, w, w, pattern=object())
-  assert rules.triton_unsupported(plan, x, w, w, pattern=None) is None
+  assert rules.triton_unsupported(plan, x, w, w) is None
+  empty = jax.ShapeDtypeStruct((E, D, 0), jnp.float32)
+  assert rules.triton_unsupported(plan, x, empty, w) == "zero-size operands"
 
 
 def _plan(dtype):
@@ -203,12 +221,12 @@ def test_none_keeps_xla_on_every_target_and_pallas_forces_triton():
   w = jax.ShapeDtypeStruct((E, D, F), jnp.bfloat16)
   for kind in ("H100", "A100"):
     with jax.sharding.use_abstract_mesh(cuda_mesh(kind)):
-      auto = rules.decide("moe_mlp", None, plan, x, w, w, None)
-      named = rules.decide("moe_mlp", "pallas", plan, x, w, w, None)
+      auto = rules.decide("moe_mlp", None, plan, x, w, w)
+      named = rules.decide("moe_mlp", "pallas", plan, x, w, w)
     assert (auto.forward, auto.backward, auto.forced) == ("xla", "xla", False)
     assert "unmeasured on a GPU (issue 43)" in auto.declined
     assert (named.forward, named.backward, named.forced) == ("triton", "triton", True)
-  assert rules.decide("moe_mlp", "xla", plan, x, w, w, None) == dispatch.Decision()
+  assert rules.decide("moe_mlp", "xla", plan, x, w, w) == dispatch.Decision()
   for rule in rules.MOE_AUTO_RULES:
     assert rule.where in docs.dispatch_table()
 
@@ -365,3 +383,97 @@ def test_the_real_size_step_compiles_without_spills_for_an_a100():
   with jax.enable_x64(False):
     options = SORT | support.NO_SPILLS
     support.compile_for(_step("pallas", k), _shapes(t, d, f, e), support.A100, options, auto=True)
+
+
+# ------------------------------------------------------------------- expert parallelism
+
+SCRIPT = Path(__file__)
+EP_T, EP_K = 32, 2
+# name: (mesh shape, axis names, specs of x, router, w_gate, w_up, w_down, options); every axis
+# kind at once, and a capacity (each device's rows past its groups: the dropped and unreceived).
+EP_CASES = {
+  "ep_data_tensor": (
+    (2, 2, 2),
+    ("data", "expert", "model"),
+    (
+      P(("data", "expert")),
+      P(),
+      P("expert", None, "model"),
+      P("expert", None, "model"),
+      P("expert", "model"),
+    ),
+    {},
+  ),
+  "ep_capacity": (
+    (2, 4),
+    ("data", "expert"),
+    (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert")),
+    {"capacity_factor": 1.0},
+  ),
+}
+
+
+def ep_case(name: str) -> None:
+  """moe_mlp's pallas path against its XLA path under expert parallelism on 8 CPU devices,
+  float32: the largest difference (relative to each array's largest entry), and whether the
+  traced step holds the kernels."""
+  shape, names, specs, options = EP_CASES[name]
+  rng = np.random.default_rng(3)
+  shapes = [(EP_T, D), (D, 8), (8, D, F), (8, D, F), (8, F, D)]
+  scales = [1.0, 1.0, D**-0.5, D**-0.5, F**-0.5]
+  arrays = [_normal(rng, s, jnp.float32, c) for s, c in zip(shapes, scales, strict=True)]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+  results = {}
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs, strict=True)]
+    for impl in ("pallas", "xla"):
+      results[impl] = _value_and_grads(impl, args, top_k=EP_K, **options)
+    step = lambda *a: jaxact.moe_mlp(*a, top_k=EP_K, implementation="pallas", **options)[0]
+    kernels_traced = "pallas_call" in str(jax.make_jaxpr(step)(*args))
+  pairs = zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"]), strict=True)
+  err = max(
+    float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
+    / max(1e-30, float(np.max(np.abs(np.asarray(w, np.float64)))))
+    for g, w in pairs
+  )
+  out = dict(case=name, devices=jax.device_count(), err=err, kernels_traced=kernels_traced)
+  print(json.dumps(out), flush=True)
+
+
+@pytest.fixture(scope="module")
+def ep_results(request, tmp_path_factory):
+  names = eight_devices.selected_cases(request, __name__, {})
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory, names)
+
+
+# A subprocess of 8 devices costs seconds: under `pytest -m exhaustive`; the default suite lowers
+# the expert-parallel step for CUDA (below).
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name", list(EP_CASES))
+def test_expert_parallel_runs_the_kernels_per_device_as_xla(ep_results, name):
+  r = eight_devices.get(ep_results, name, SCRIPT)
+  assert r["kernels_traced"] and r["err"] < 2e-5, r
+
+
+def test_expert_parallel_lowers_the_nine_kernels_inside_the_shard_maps():
+  """On a 2x2x2 (data, expert, model) mesh of H100s: every grouped product a Triton call inside
+  the experts' shard_map regions."""
+  device = AbstractDevice(device_kind=support.H100, num_cores=None, platform="cuda")
+  names = ("data", "expert", "model")
+  mesh = AbstractMesh((2, 2, 2), names, (AxisType.Explicit,) * 3, abstract_device=device)
+  specs = EP_CASES["ep_data_tensor"][2]
+  shapes = [(EP_T, D), (D, 8), (8, D, F), (8, D, F), (8, F, D)]
+  with jax.sharding.use_abstract_mesh(mesh):
+    args = [
+      jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+      for s, p in zip(shapes, specs, strict=True)
+    ]
+    text = jax.jit(_step("pallas")).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count(f"@{TRITON}(") == 9
+  regions = text.split("sdy.manual_computation")[1:]
+  assert sum(r.count(f"@{TRITON}(") for r in regions) == 9
+
+
+if __name__ == "__main__":
+  cases = {n: (lambda n=n: ep_case(n)) for n in EP_CASES}
+  eight_devices.run_cases(cases, sys.argv[1:])

@@ -180,8 +180,8 @@ def moe_mlp(
     implementation: the experts' grouped products: ``None`` (the best available: XLA until a GPU
       measures the kernels, see the dispatch docs), ``"xla"`` (:func:`jax.lax.ragged_dot`) or
       ``"pallas"`` (the Triton grouped matmuls, forward and backward, which compute each expert's
-      rows alone; float32, bfloat16 and float16 on one device's arrays). Kernels run in interpret
-      mode off CUDA; calls they do not support raise ``NotImplementedError``.
+      rows alone; float32, bfloat16 and float16; per device under expert parallelism). Kernels
+      run in interpret mode off CUDA; calls they do not support raise ``NotImplementedError``.
 
   Returns:
     ``(y, aux)``: ``y`` of shape ``(..., out)`` in the input dtype, and a dict of scalars
@@ -241,7 +241,7 @@ def moe_mlp(
       capacity=capacity,
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
-    decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down, pat)
+    decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
     plan = dataclasses.replace(plan, decision=decision)
     if pat is None:
       routing, z, log_s = api_routing.route(plan, x2, router, router_bias)

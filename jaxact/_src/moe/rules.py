@@ -11,7 +11,7 @@ they cannot run the call (:func:`triton_unsupported`). ``None`` takes the first 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from jax import Array
@@ -22,14 +22,10 @@ if TYPE_CHECKING:
   from jaxact._src.moe.plan import MoEPlan
 
 
-def triton_unsupported(plan: MoEPlan, x: Array, w_gate: Array, w_down: Array, pattern):
-  """Why the grouped Triton kernels cannot run this call (its expert-parallel `pattern`, None on
-  one device): a string, or None."""
-  if pattern is not None:
-    return (
-      "expert parallelism (experts split over mesh axes, computed in a shard_map): the kernels "
-      "run on one device's arrays only"
-    )
+def triton_unsupported(plan: MoEPlan, x: Array, w_gate: Array, w_down: Array) -> str | None:
+  """Why the grouped Triton kernels cannot run this call, or None. Under expert parallelism they
+  run per device in the experts' shard_map, on each device's rows (its experts' groups, then the
+  padding of the rows it did not receive), as the XLA products do."""
   for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
     if np.dtype(dtype).name not in ("float32", "bfloat16", "float16"):
       return f"{name} dtype {np.dtype(dtype).name} (supported: float32, bfloat16, float16)"
@@ -51,7 +47,6 @@ class _Call(NamedTuple):
   x: Array
   w_gate: Array
   w_down: Array
-  pattern: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +72,7 @@ MOE_AUTO_RULES: tuple[dispatch.Rule, ...] = (
 
 
 def _triton(call: _Call, sharding) -> str | None:
-  return triton_unsupported(call.plan, call.x, call.w_gate, call.w_down, call.pattern)
+  return triton_unsupported(call.plan, call.x, call.w_gate, call.w_down)
 
 
 FAMILY = dispatch.Family(
@@ -92,8 +87,7 @@ FAMILY = dispatch.Family(
 
 
 def decide(
-  fn_name: str, implementation: str | None, plan: MoEPlan, x: Array, w_gate, w_down, pattern
+  fn_name: str, implementation: str | None, plan: MoEPlan, x: Array, w_gate, w_down
 ) -> dispatch.Decision:
   """The backends of one MoE call (:func:`jaxact._src.core.dispatch.decide` of :data:`FAMILY`)."""
-  call = _Call(plan, x, w_gate, w_down, pattern)
-  return dispatch.decide(FAMILY, fn_name, implementation, call)
+  return dispatch.decide(FAMILY, fn_name, implementation, _Call(plan, x, w_gate, w_down))
