@@ -63,8 +63,9 @@ def default_block_config(shape: tuple[int, int, int], dtype) -> GroupedConfig:
   dimension allows: a float32 accumulator of 64 registers a thread over 8 warps; 64 or 16 for
   small dimensions), its reduction step (64 for 16-bit operands, 32 for float32: 32 KiB of shared
   memory a pipeline stage, three stages within the A100's 164 KiB), and 8 warps at a side of 128.
-  :func:`tgmm` reduces over a group's rows 32 at a time (its loads start at the group's first
-  row, unaligned, as dense's dw kernel steps over M), so that a group of few rows wastes little.
+  :func:`tgmm` reduces over a group's rows 32 at a time (as dense's dw kernel steps over M),
+  from the group's first row rather than a multiple of 32, so that a group of few rows wastes
+  little.
   """
   m, k, n = shape
   half = np.dtype(dtype).itemsize == 2
