@@ -16,7 +16,8 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   w_up + b_up)``, both matmuls from the same tiles of ``x``, and its one-pass elementwise backward),
   :mod:`pallas_kernels.attention_triton` (FlashAttention-2's forward and backward keeping q, k, v, o
   and two float32 numbers a row, its maximum and log-sum: GQA/MQA, causal, sliding window, lengths,
-  logit soft cap).
+  logit soft cap), :mod:`pallas_kernels.grouped_triton` (grouped matmuls over rows sorted by
+  group, a mixture of experts' products: ``gmm`` and its weight gradient ``tgmm``).
 * Mosaic GPU backend (``_mosaic.py``, the one import and the lowering helpers), for Hopper:
   :mod:`pallas_kernels.dense_mosaic` (dense forward), :mod:`pallas_kernels.dense_mosaic_bwd` (its
   backward; its tiles in :mod:`pallas_kernels.dense_mosaic_bwd_tiles`),
@@ -62,6 +63,11 @@ from pallas_kernels.gated_triton import gated_bwd_reference as gated_bwd_referen
 from pallas_kernels.gated_triton import gated_dense as gated_dense
 from pallas_kernels.gated_triton import gated_dense_reference as gated_dense_reference
 from pallas_kernels.gated_triton import gated_fwd as gated_fwd
+from pallas_kernels.grouped_triton import GroupedConfig as GroupedConfig
+from pallas_kernels.grouped_triton import gmm as gmm
+from pallas_kernels.grouped_triton import gmm_reference as gmm_reference
+from pallas_kernels.grouped_triton import tgmm as tgmm
+from pallas_kernels.grouped_triton import tgmm_reference as tgmm_reference
 from pallas_kernels.norm_act_triton import NormActTiles as NormActTiles
 from pallas_kernels.norm_act_triton import norm_act_bwd as norm_act_bwd
 from pallas_kernels.norm_act_triton import norm_act_bwd_reference as norm_act_bwd_reference
@@ -78,6 +84,7 @@ __all__ = [
   "Epilogue",
   "GatedBlockConfig",
   "NormActTiles",
+  "GroupedConfig",
   "Tiles",
   "allow_tf32",
   "attention_backward",
@@ -103,6 +110,10 @@ __all__ = [
   "norm_act_bwd_reference",
   "norm_act_fwd",
   "norm_act_reference",
+  "gmm",
+  "gmm_reference",
   "supported_dtypes",
+  "tgmm",
+  "tgmm_reference",
   "unlowered_primitives",
 ]

@@ -17,8 +17,9 @@ process age, ``--budget``), each writing its verdicts and tables under ``--out``
    (2026-11-22): the gated MLP's (Triton forward and backward, Mosaic GPU forward), the LM head's
    Hopper forward and backward with every option, the few-bit code kernels (8, 4, 2 bits: Triton
    dense and conv epilogues, Hopper forward and backward), the Triton dense and conv kernels and the
-   Hopper dense kernels (one activation of each residual family: identity, relu, gelu), and the
-   attention kernels once they land (cuDNN's attention meanwhile); Triton's run on Hopper too;
+   Hopper dense kernels (one activation of each residual family: identity, relu, gelu), the
+   attention kernels (and cuDNN's attention), the MoE grouped matmuls and the norm + activation
+   epilogue (Triton); Triton's run on Hopper too;
 2. the same in float16, then 3. in float32 (Triton only: Mosaic GPU takes 16-bit operands);
 4. timings, each against XLA in the same process: the gated MLP forward and backward, the LM head
    at 16384 x 4096 x 128k against the plain composition (and tokamax where it imports), the code
@@ -63,8 +64,18 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.gpu import truth_checks
-from benchmarks.gpu.truth_checks import attention, codes, conv, dense, env, gated, judge, lce
+from benchmarks.gpu.truth_checks import (
+  attention,
+  codes,
+  conv,
+  dense,
+  env,
+  gated,
+  judge,
+  lce,
+  moe,
+  norm_act,
+)
 from benchmarks.gpu.truth_timings import (
   time_attention,
   time_codes_hopper,
@@ -102,6 +113,8 @@ STEPS: tuple[Step, ...] = (
        "gated MLP: Triton forward and backward"),
   Step("gated-mosaic-bf16",       1,  24, P(gated, dtype="bf16", impl="mosaic"),
        "gated MLP: Hopper forward, Triton backward", H),
+  Step("moe-triton-bf16",         1,  25, P(moe, dtype="bf16"),
+       "MoE MLP: Triton grouped matmuls, forward and backward"),
   Step("lce-mosaic-bf16",         1,  48, P(lce, dtype="bf16"),
        "LM head: Hopper forward and backward, every option", H),
   Step("codes-triton-dense-bf16", 1,  18, P(codes, dtype="bf16", op="dense", impl="pallas"),
@@ -118,13 +131,15 @@ STEPS: tuple[Step, ...] = (
        "Hopper dense forward and backward: identity, relu, gelu", H),
   Step("attention-bf16",          1,  25, P(attention, dtype="bf16"),
        "attention: jaxact's Triton kernels and cuDNN's against jaxact's XLA path"),
-  Step("norm-act-triton-bf16",    1,  16, P(truth_checks.norm_act, dtype="bf16"),
+  Step("norm-act-triton-bf16",    1,  16, P(norm_act, dtype="bf16"),
        "batch / group norm + activation: Triton epilogue forward and backward"),
   # 2: float16
   Step("gated-triton-f16",        2,  10, P(gated, dtype="f16", impl="pallas", activations=SG),
        "gated MLP: Triton"),
   Step("gated-mosaic-f16",        2,  12, P(gated, dtype="f16", impl="mosaic", activations=SG),
        "gated MLP: Hopper forward", H),
+  Step("moe-triton-f16",          2,  15, P(moe, dtype="f16"),
+       "MoE MLP: Triton grouped matmuls"),
   Step("lce-mosaic-f16",          2,  12, P(lce, dtype="f16", cases=("plain", "all, none")),
        "LM head: Hopper kernels", H),
   Step("codes-triton-dense-f16",  2,  15, P(codes, dtype="f16", op="dense", impl="pallas"),
@@ -139,11 +154,13 @@ STEPS: tuple[Step, ...] = (
        "conv epilogue"),
   Step("dense-mosaic-f16",        2,  21, P(dense, dtype="f16", impl="mosaic"),
        "Hopper dense", H),
-  Step("norm-act-triton-f16",     2,   9, P(truth_checks.norm_act, dtype="f16", cases=NA),
+  Step("norm-act-triton-f16",     2,   9, P(norm_act, dtype="f16", cases=NA),
        "norm + activation epilogue"),
   # 3: float32 (the Mosaic GPU kernels take 16-bit operands only)
   Step("gated-triton-f32",        3,  10, P(gated, dtype="f32", impl="pallas", activations=SG),
        "gated MLP: Triton"),
+  Step("moe-triton-f32",          3,  15, P(moe, dtype="f32"),
+       "MoE MLP: Triton grouped matmuls"),
   Step("codes-triton-dense-f32",  3,  15, P(codes, dtype="f32", op="dense", impl="pallas"),
        "codes: Triton dense"),
   Step("codes-triton-conv-f32",   3,  12, P(codes, dtype="f32", op="conv", impl="pallas"),
@@ -152,7 +169,7 @@ STEPS: tuple[Step, ...] = (
        "Triton dense"),
   Step("conv-triton-f32",         3,  12, P(conv, dtype="f32"),
        "conv epilogue"),
-  Step("norm-act-triton-f32",     3,   9, P(truth_checks.norm_act, dtype="f32", cases=NA),
+  Step("norm-act-triton-f32",     3,   9, P(norm_act, dtype="f32", cases=NA),
        "norm + activation epilogue"),
   # 4: timings, each against XLA in this process (attention first: is jaxact's near cuDNN's?)
   Step("time-attention",          4,  70, time_attention,

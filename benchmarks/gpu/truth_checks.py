@@ -238,3 +238,39 @@ def norm_act(ctx: th.Context, dtype: str, cases=NORM_ACT_CASES):
       ),
     )
   return [f"x {shape}, {groups} groups"], {"x": shape, "groups": groups}
+
+
+def moe(ctx: th.Context, dtype: str):
+  """``moe_mlp(..., implementation="pallas")`` (the grouped Triton kernels: the forward's three
+  products, the backward's six) against XLA's ragged_dot path, dropless and with a capacity (its
+  dropped rows past the groups): y and the gradients of x, the router and the three expert
+  weights. Each router column picks one feature of x, which is bf16-exact: the logits are exact in
+  every path and precision, so every path routes alike (TF32 and rounding cannot flip a top-k)."""
+  import jaxact
+  from support.gpu_compare import compare_to_xla
+
+  t, d, f, e, k = ctx.pick((1024, 256, 320, 16, 4), (24, 16, 20, 6, 2))
+  keys = jax.random.split(jax.random.key(50), 5)
+  dt = jnp.dtype(DTYPES[dtype])
+  x = jax.random.normal(keys[0], (t, d), jnp.float32).astype(jnp.bfloat16).astype(dt)
+  picks = jax.random.permutation(keys[1], d)[:e]
+  router = jax.nn.one_hot(picks, d, dtype=dt).T  # (d, e): expert i's logit is x[:, picks[i]]
+  w_gate, w_up = ((d**-0.5 * jax.random.normal(kk, (e, d, f))).astype(dt) for kk in keys[2:4])
+  w_down = (f**-0.5 * jax.random.normal(keys[4], (e, f, d))).astype(dt)
+  args = (x, router, w_gate, w_up, w_down)
+  names = ("y", "dx", "drouter", "dw_gate", "dw_up", "dw_down")
+  for label, options in (("dropless", {}), ("capacity 0.5", {"capacity_factor": 0.5})):
+
+    def build(impl, precision, options=options):
+      def f(*args):
+        y, _ = jaxact.moe_mlp(*args, top_k=k, precision=precision, implementation=impl, **options)
+        return y
+
+      return f
+
+    judge(
+      ctx,
+      f"moe-triton {dtype} {label}",
+      functools.partial(compare_to_xla, build, args, "pallas", names=names),
+    )
+  return [f"(T, D, F, E, k) = {(t, d, f, e, k)}"], {"shape": (t, d, f, e, k)}

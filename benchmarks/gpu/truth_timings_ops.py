@@ -84,8 +84,10 @@ def median_seconds_of(step, args, runs: int) -> float:
 
 def time_moe(ctx: th.Context):
   """A mixture-of-experts MLP (64 experts, top 8, SiLU gates) in bfloat16, forward and backward:
-  jaxact.moe_mlp against the same routing and ``jax.lax.ragged_dot`` experts differentiated by
-  JAX (the plain ragged composition); time and the compiled temp of each."""
+  jaxact.moe_mlp (``None``: XLA's ragged_dot; ``"pallas"``: the grouped Triton kernels) against
+  the same routing and ``jax.lax.ragged_dot`` experts differentiated by JAX (the plain ragged
+  composition), and that composition with tokamax's ``ragged_dot`` where tokamax imports; time and
+  the compiled temp of each."""
   import jaxact
 
   runs = 1 if ctx.small else min(ctx.runs, 5)
@@ -99,20 +101,40 @@ def time_moe(ctx: th.Context):
   )
   w_down = (f**-0.5 * jax.random.normal(keys[4], (e, f, d), jnp.float32)).astype(bf)
 
-  def plain(x, router, w_gate, w_up, w_down):
-    scores = jax.nn.softmax(jnp.dot(x, router, preferred_element_type=jnp.float32), -1)
-    weights, idx = jax.lax.top_k(scores, k)
-    weights = weights / jnp.sum(weights, -1, keepdims=True)
-    order = jnp.argsort(idx.reshape(-1), stable=True)
-    sizes = jnp.bincount(idx.reshape(-1), length=e)
-    xs = x[order // k]
-    a = jax.lax.ragged_dot(xs, w_gate, sizes)
-    h = jax.nn.silu(a) * jax.lax.ragged_dot(xs, w_up, sizes)
-    o = jax.lax.ragged_dot(h, w_down, sizes)[jnp.argsort(order)].reshape(t, k, d)
-    return jnp.sum(o * weights[..., None].astype(o.dtype), 1)
+  def composition(ragged_dot):
+    def plain(x, router, w_gate, w_up, w_down):
+      scores = jax.nn.softmax(jnp.dot(x, router, preferred_element_type=jnp.float32), -1)
+      weights, idx = jax.lax.top_k(scores, k)
+      weights = weights / jnp.sum(weights, -1, keepdims=True)
+      order = jnp.argsort(idx.reshape(-1), stable=True)
+      sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
+      xs = x[order // k]
+      a = ragged_dot(xs, w_gate, sizes)
+      h = jax.nn.silu(a) * ragged_dot(xs, w_up, sizes)
+      o = ragged_dot(h, w_down, sizes)[jnp.argsort(order)].reshape(t, k, d)
+      return jnp.sum(o * weights[..., None].astype(o.dtype), 1)
 
-  def mine(x, router, w_gate, w_up, w_down):
-    return jaxact.moe_mlp(x, router, w_gate, w_up, w_down, top_k=k)[0]
+    return plain
+
+  def mine(implementation):
+    def f(x, router, w_gate, w_up, w_down):
+      return jaxact.moe_mlp(
+        x, router, w_gate, w_up, w_down, top_k=k, implementation=implementation
+      )[0]
+
+    return f
+
+  paths = {
+    "plain": composition(jax.lax.ragged_dot),
+    "jaxact": mine(None),
+    "jaxact pallas": mine("pallas"),
+  }
+  try:
+    import tokamax
+  except ImportError:
+    ctx.verdict("time-moe tokamax", "skipped", "tokamax does not import here")
+  else:
+    paths["tokamax"] = composition(tokamax.ragged_dot)
 
   lines = [
     f"MoE MLP, (T, D, F, E, k) = {(t, d, f, e, k)}, bfloat16",
@@ -122,7 +144,7 @@ def time_moe(ctx: th.Context):
   ]
   data, base = {}, math.nan
   args = (x, router, w_gate, w_up, w_down)
-  for label, fn in (("plain", plain), ("jaxact", mine)):
+  for label, fn in paths.items():
     loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32))
     step = jax.jit(jax.grad(loss, tuple(range(5))))
     try:
@@ -135,6 +157,7 @@ def time_moe(ctx: th.Context):
     base = seconds if label == "plain" else base
     data[label] = [seconds, temp]
     lines.append(f"| {label} | {1e3 * seconds:.1f} | {seconds / base:.2f} | {temp:.0f} |")
-    if label == "jaxact":
-      _ratio_verdict(ctx, "time-moe", seconds, base, "plain")
+    if label != "plain":  # the verdicts: time-moe (jaxact's None), time-moe pallas, ...
+      name = "time-moe" if label == "jaxact" else f"time-moe {label.removeprefix('jaxact ')}"
+      _ratio_verdict(ctx, name, seconds, base, "plain")
   return lines, data

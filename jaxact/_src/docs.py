@@ -84,6 +84,7 @@ def rule_tables() -> tuple:
   from jaxact._src.fused import rules as fused
   from jaxact._src.gated import rules as gated
   from jaxact._src.lce import rules as lce
+  from jaxact._src.moe import rules as moe
   from jaxact._src.norm_act import rules as norm_act
 
   return (
@@ -92,6 +93,7 @@ def rule_tables() -> tuple:
     lce.LCE_AUTO_RULES,
     attention.ATTENTION_AUTO_RULES,
     norm_act.NORM_ACT_AUTO_RULES,
+    moe.MOE_AUTO_RULES,
   )
 
 

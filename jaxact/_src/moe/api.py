@@ -8,6 +8,7 @@ This module checks the arguments, builds the call's static plan, routes the toke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -18,8 +19,9 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from jaxact._src.activations.resolve import resolve_activation
-from jaxact._src.core import args, shardings
-from jaxact._src.moe import api_routing, sharding
+from jaxact._src.core import args, dispatch, shardings
+from jaxact._src.core.dispatch import Implementation
+from jaxact._src.moe import api_routing, rules, sharding
 from jaxact._src.moe.plan import MoEPlan
 from jaxact._src.moe.vjp import experts
 
@@ -106,6 +108,7 @@ def moe_mlp(
   capacity_factor: float | None = None,
   router_bias: ArrayLike | None = None,
   precision: lax.PrecisionLike = None,
+  implementation: Implementation | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   r"""A mixture-of-experts MLP (Mixtral's, Qwen3-MoE's, DeepSeek-V3's), keeping ``x``, ``a``, ``b``.
 
@@ -174,6 +177,11 @@ def moe_mlp(
     capacity_factor: None (default: dropless) or a positive number (see above).
     router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
     precision: passed to the matmuls, forward and backward.
+    implementation: the experts' grouped products: ``None`` (the best available: XLA until a GPU
+      measures the kernels, see the dispatch docs), ``"xla"`` (:func:`jax.lax.ragged_dot`) or
+      ``"pallas"`` (the Triton grouped matmuls, forward and backward, which compute each expert's
+      rows alone; float32, bfloat16 and float16; per device under expert parallelism). Kernels
+      run in interpret mode off CUDA; calls they do not support raise ``NotImplementedError``.
 
   Returns:
     ``(y, aux)``: ``y`` of shape ``(..., out)`` in the input dtype, and a dict of scalars
@@ -192,6 +200,7 @@ def moe_mlp(
     ((6, 4), ['load_balancing_loss', 'router_z_loss'])
   """
   fn_name = "moe_mlp"
+  dispatch.check_implementation(fn_name, implementation, tuple(rules.FAMILY.implementations))
   with jax.named_scope(f"jaxact.{fn_name}"):
     arrays = {
       "x": x,
@@ -232,6 +241,8 @@ def moe_mlp(
       capacity=capacity,
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
+    decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
+    plan = dataclasses.replace(plan, decision=decision)
     if pat is None:
       routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
       y = experts(

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxact._src.activations.resolve import Act
+from jaxact._src.core.dispatch import Decision
 
 Score = Literal["softmax", "sigmoid"]
 
@@ -27,3 +28,4 @@ class MoEPlan:
   score: Score = "softmax"
   normalize_top_k: bool = True
   capacity: int | None = None  # per expert; None: dropless
+  decision: Decision = dataclasses.field(default_factory=Decision)  # the grouped products'

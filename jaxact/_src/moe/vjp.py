@@ -13,7 +13,9 @@ gradient ``<gy_t, o_(t, j)> = <gy_t W_d[e]^T, h>`` from the product it needs any
 activation's intermediates), ``h`` and ``o`` besides.
 
 The matmuls' transposes are :func:`jax.linear_transpose` of the forward's ragged_dot (JAX's own
-grouped transposes). Products with a weight that may be 0 next to an overflowed factor are
+grouped transposes). With ``implementation="pallas"`` (``plan.decision``) every grouped product,
+forward and backward, is a Triton grouped matmul instead (:mod:`jaxact._src.moe.kernels`).
+Products with a weight that may be 0 next to an overflowed factor are
 :func:`~jaxact._src.core.numerics.safe_mul`: 0, not NaN.
 """
 
@@ -30,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxact._src.activations import gating
 from jaxact._src.core import barriers
 from jaxact._src.core.numerics import safe_mul
+from jaxact._src.moe import kernels
 from jaxact._src.moe.plan import MoEPlan
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name), for remat policies.
@@ -42,6 +45,9 @@ def matmul_dtype(plan: MoEPlan, operands) -> np.dtype:
 
 
 def ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
+  """``lhs[rows of e] @ w[e]`` in `dtype`: XLA's ragged_dot, or the decision's kernel."""
+  if plan.decision.forward != "xla":
+    return kernels.gmm(plan, lhs, w, group_sizes, dtype)
   return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
 
 
@@ -83,6 +89,20 @@ def transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
   return jax.linear_transpose(f, primal)(ct)[0]
 
 
+def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype) -> Array:
+  """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`."""
+  if plan.decision.backward != "xla":
+    return kernels.tgmm(plan, lhs, ct, sizes, w.shape[0], dtype)
+  return transpose(plan, lambda w_: ragged(plan, lhs, w_, sizes, dtype), w, ct)
+
+
+def input_grad(plan: MoEPlan, ct, w, lhs, sizes, dtype) -> Array:
+  """The cotangent of `lhs` in ``ragged(lhs, w)`` from the output's `ct`."""
+  if plan.decision.backward != "xla":
+    return kernels.gmm_t(plan, ct, w, sizes, dtype)
+  return transpose(plan, lambda v: ragged(plan, v, w, sizes, dtype), lhs, ct)
+
+
 def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic):
   """The experts' backward over their sorted rows: ``(d_ws, dxs, dw_gate, dw_up, dw_down,
   d_dynamic)`` from the rows' inputs `xs`, cotangents `gys` (before their weights), weights `ws`
@@ -96,20 +116,20 @@ def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes,
   acc, mm = plan.acc_dtype, matmul_dtype(plan, xs.dtype)
   h = hidden(plan, a, b, dynamic)
   gyw = safe_mul(gys.astype(acc), ws).astype(mm)
-  dw_down = transpose(plan, lambda w: ragged(plan, h, w, sizes, mm), w_down, gyw)
+  dw_down = weight_grad(plan, h, gyw, w_down, sizes, mm)
   (gys, h), dw_down = lax.optimization_barrier(((gys, h), dw_down))
   # g_o = gy W_d[e]^T: both the weights' gradient <g_o, h> and gh = w g_o come from it.
-  g_o = transpose(plan, lambda h_: ragged(plan, h_, w_down, sizes, mm), h, gys).astype(acc)
+  g_o = input_grad(plan, gys, w_down, h, sizes, mm).astype(acc)
   d_ws = jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1)
   da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
   da, db = da.astype(mm), db.astype(mm)
-  dw_gate = transpose(plan, lambda w: ragged(plan, xs, w, sizes, mm), w_gate, da)
+  dw_gate = weight_grad(plan, xs, da, w_gate, sizes, mm)
   (xs, db), dw_gate = lax.optimization_barrier(((xs, db), dw_gate))
-  dw_up = transpose(plan, lambda w: ragged(plan, xs, w, sizes, mm), w_up, db)
+  dw_up = weight_grad(plan, xs, db, w_up, sizes, mm)
   (xs, da), dw_up = lax.optimization_barrier(((xs, da), dw_up))
-  dxs = transpose(plan, lambda v: ragged(plan, v, w_gate, sizes, mm), xs, da).astype(acc)
+  dxs = input_grad(plan, da, w_gate, xs, sizes, mm).astype(acc)
   (xs, db), dxs = lax.optimization_barrier(((xs, db), dxs))
-  dxs = dxs + transpose(plan, lambda v: ragged(plan, v, w_up, sizes, mm), xs, db).astype(acc)
+  dxs = dxs + input_grad(plan, db, w_up, xs, sizes, mm).astype(acc)
   return d_ws, dxs, dw_gate, dw_up, dw_down, d_dynamic
 
 
