@@ -132,7 +132,7 @@ def fit_rows() -> list[str]:
   return page.tables(rows.current().rows, "fit-h100")
 
 
-def _concrete(args):
+def concrete(args):
   """Arrays for the shapes: parameters and inputs N(0, 1) (labels 0), statistics 0 / 1."""
   leaves, tree = jax.tree.flatten(args)
   keys = jax.random.split(jax.random.key(0), len(leaves))
@@ -168,7 +168,7 @@ def frontier(runs: int, warmup: bool = True) -> tuple[float, dict[str, tuple]]:
     flat = lambda *leaves, step=step, tree=tree: step(*jax.tree.unflatten(tree, leaves))
     compiled = jax.jit(flat).lower(*leaves).compile()
     temps[key] = compiled.memory_analysis().temp_size_in_bytes
-    calls.append(functools.partial(compiled, *jax.tree.leaves(_concrete(args))))
+    calls.append(functools.partial(compiled, *jax.tree.leaves(concrete(args))))
   return timing.frontier_points(temps, calls, runs, warmup)
 
 
@@ -179,7 +179,7 @@ def time_rows(runs: int) -> list[str]:
     for variant in variants:
       step, args = _step(model, variant, False)
       compiled = jax.jit(step)
-      calls.append(functools.partial(compiled, *_concrete(args)))
+      calls.append(functools.partial(compiled, *concrete(args)))
     base, ratios = timing.alternated_ratios(
       [lambda c=c: jax.block_until_ready(c()) for c in calls], runs
     )

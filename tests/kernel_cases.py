@@ -8,6 +8,7 @@ from the mesh, and Pallas lowers the kernels to their custom calls.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +17,29 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import pallas_kernels
+import support
 from support import GPUS
 
 TRITON = pallas_kernels.CUSTOM_CALL_TARGET_NAME
 MOSAIC = "mosaic_gpu_v2"
+
+
+def _gpu_compiler() -> str | None:
+  """Why this machine cannot compile for a GPU (jax's CUDA compiler plugin), or None; CI installs
+  the plugin, so there its absence is an error, not a skip."""
+  try:
+    support.device(support.H100)
+  except support.Unavailable as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("CI"):
+      raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
+    return str(e)
+  return None
+
+
+_NO_COMPILER = _gpu_compiler()
+needs_gpu_compiler = pytest.mark.skipif(
+  _NO_COMPILER is not None, reason=f"cannot compile for a GPU here: {_NO_COMPILER}"
+)
 
 
 def args(shape, dtype, seed=0, bias=True):

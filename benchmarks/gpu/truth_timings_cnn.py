@@ -22,23 +22,11 @@ WAYS = {
 }
 
 
-def _arrays(args):
-  """Arrays for the shapes: parameters and inputs N(0, 0.1), integer labels 0."""
-  leaves, tree = jax.tree.flatten(args)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  made = [
-    jnp.zeros(s.shape, s.dtype)
-    if jnp.issubdtype(s.dtype, jnp.integer)
-    else (jax.random.normal(k, s.shape, jnp.float32) * 0.1).astype(s.dtype)
-    for k, s in zip(keys, leaves, strict=True)
-  ]
-  return jax.tree.unflatten(tree, made)
-
-
 def time_cnn(ctx: th.Context):
   """ResNet-50 (batch 64, 224 x 224) and 4 U-Net blocks (32 x 64 x 64 x 256), bfloat16: one
   training step's ``jit(value_and_grad)`` each way, its time over Flax's and its compiled temp."""
   from benchmarks import cnn_models as models
+  from benchmarks.cnn import concrete
   from benchmarks.gpu.common import median_seconds
 
   runs = 1 if ctx.small else min(ctx.runs, 5)
@@ -58,7 +46,7 @@ def time_cnn(ctx: th.Context):
       name = f"time-cnn {model} {way}"
       try:
         step, shapes = steps[model](way)
-        args = _arrays(shapes)
+        args = concrete(shapes)
         compiled = jax.jit(step).lower(*args).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         seconds = median_seconds(compiled, [args], runs)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 
 import support
-from kernel_cases import TRITON, lowered_text
+from kernel_cases import TRITON, lowered_text, needs_gpu_compiler
 from pallas_kernels import attention_triton as kernels
 
 from cases import representatives
@@ -485,22 +484,6 @@ def test_the_kernels_lower_to_three_triton_calls_for_cuda():
   with jax.enable_x64(False):
     text = lowered_text(f, args, kind="A100")
   assert text.count(f"@{TRITON}(") == 3
-
-
-def _gpu_compiler() -> str | None:
-  try:
-    support.device(support.H100)
-  except support.Unavailable as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI"):
-      raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
-    return str(e)
-  return None
-
-
-_NO_COMPILER = _gpu_compiler()
-needs_gpu_compiler = pytest.mark.skipif(
-  _NO_COMPILER is not None, reason=f"cannot compile for a GPU here: {_NO_COMPILER}"
-)
 
 
 def _training_kernels(options: dict, lengths: bool):

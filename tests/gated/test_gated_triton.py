@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import chex
 import jax
@@ -32,7 +31,7 @@ from jaxact._src.core import dispatch, pallas_sharding
 from jaxact._src.gated import rules
 from jaxact._src.gated.plan import GatedPlan
 from jaxact._src.gated.vjp import gate_cotangents, hidden
-from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text
+from kernel_cases import MOSAIC, TRITON, cuda_mesh, lowered_text, needs_gpu_compiler
 from pallas_kernels import gated_triton as kernels
 
 from cases import representatives
@@ -326,21 +325,6 @@ def test_per_shard_kernels_lower_for_cuda_without_collectives():
 
 # ------------------------------------------------------------------- compiled for the GPUs
 
-
-def _gpu_compiler() -> str | None:
-  try:
-    support.device(support.H100)
-  except support.Unavailable as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI"):
-      raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
-    return str(e)
-  return None
-
-
-_NO_COMPILER = _gpu_compiler()
-needs_gpu_compiler = pytest.mark.skipif(
-  _NO_COMPILER is not None, reason=f"cannot compile for a GPU here: {_NO_COMPILER}"
-)
 
 ISSUE = (8192, 4096, 11008)  # tokens, model width, hidden width (Llama-7B's MLP)
 

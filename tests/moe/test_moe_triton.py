@@ -45,7 +45,7 @@ import support
 from jaxact._src import docs
 from jaxact._src.core import dispatch
 from jaxact._src.moe import rules
-from kernel_cases import TRITON, cuda_mesh, lowered_text
+from kernel_cases import TRITON, cuda_mesh, lowered_text, needs_gpu_compiler
 from pallas_kernels import grouped_triton as kernels
 from pallas_kernels.dense_triton_tiles import Tiles
 
@@ -260,21 +260,6 @@ def test_the_lowered_step_runs_nine_grouped_kernels_only_when_asked():
 
 # ------------------------------------------------------------------- compiled for the GPUs
 
-
-def _gpu_compiler() -> str | None:
-  try:
-    support.device(support.H100)
-  except support.Unavailable as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI"):
-      raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
-    return str(e)
-  return None
-
-
-_NO_COMPILER = _gpu_compiler()
-needs_gpu_compiler = pytest.mark.skipif(
-  _NO_COMPILER is not None, reason=f"cannot compile for a GPU here: {_NO_COMPILER}"
-)
 
 # 2048 tokens to their top 8 of 64 experts: 16384 routed rows, D 2048, hidden 1408 (DeepSeek-MoE /
 # Qwen-MoE sized experts).

@@ -9,11 +9,11 @@ import flax.linen as nn
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
+from conv_cases import close, grads, inputs, perturbed, scanned, stack
 
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
@@ -39,28 +39,6 @@ class FlaxConvNormAct(nn.Module):
     return ACTS[self.activation](x)
 
 
-def _x(dtype, shape=(4, 6, 6, 3)):
-  return (jax.random.normal(jax.random.key(0), shape, jnp.float32) * 2 + 0.5).astype(dtype)
-
-
-def _close(a, b, dtype):
-  tol = 2e-5 if dtype == jnp.float32 else 1e-11
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert u.dtype == v.dtype and u.shape == v.shape
-    np.testing.assert_allclose(u, v, rtol=tol, atol=tol * float(np.abs(v).max()))
-
-
-def _perturbed(variables):
-  """Parameters and running averages away from their initial values (a zero scale kept)."""
-
-  def move(path, v):
-    if path[-1].key == "scale":
-      return v.at[0].set(0.0) * 1.5
-    return v + 0.1 * jnp.arange(v.size, dtype=v.dtype).reshape(v.shape) / v.size
-
-  return jax.tree_util.tree_map_with_path(move, variables)
-
-
 LINEN_CASES = {
   "batch-relu-f32": (dict(norm="batch", activation="relu"), jnp.float32),
   "batch-silu-stride2-f64": (
@@ -83,7 +61,7 @@ LINEN_CASES = {
 def test_linen_equals_flax_conv_norm_activation(case, train):
   """train=False with a batch norm: normalized by the (perturbed) running averages."""
   spec, dtype = LINEN_CASES[case]
-  x = _x(dtype)
+  x = inputs(dtype)
   batch = spec["norm"] == "batch"
   kw = dict(spec.get("kw", ()))
   theirs = FlaxConvNormAct(8, **spec)
@@ -92,74 +70,40 @@ def test_linen_equals_flax_conv_norm_activation(case, train):
   ours = jnn.ConvNormAct(8, (3, 3), spec.get("strides", 1), **layer)
   call = dict(use_running_average=not train) if batch else {}
   variables = theirs.init(jax.random.key(2), x, **call)
-  variables = _perturbed(jax.tree.map(lambda v: v.astype(dtype), variables))
+  variables = perturbed(jax.tree.map(lambda v: v.astype(dtype), variables))
   assert jax.tree.map(jnp.shape, ours.init(jax.random.key(2), x, **call)) == jax.tree.map(
     jnp.shape, variables
   )
   mutable = ["batch_stats"] if batch and train else False
 
-  def run(module):
-    def loss(params, x):
-      out = module.apply({**variables, "params": params}, x, **call, mutable=mutable)
-      y, new = out if mutable else (out, {})
-      return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))), (y, new)
-
-    return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(variables["params"], x)
-
-  _close(run(ours), run(theirs), dtype)
+  close(grads(ours, variables, x, call, mutable), grads(theirs, variables, x, call, mutable), dtype)
 
 
 def test_linen_init_is_flax_init():
-  x = _x(jnp.float32)
+  x = inputs(jnp.float32)
   for norm in ("batch", "group"):
     ours = jnn.ConvNormAct(8, (3, 3), norm=norm, num_groups=4, use_running_average=False)
     kw = (("num_groups", 4),) if norm == "group" else ()
     theirs = FlaxConvNormAct(8, norm=norm, kw=kw)
     v1 = ours.init(jax.random.key(3), x)
     v2 = theirs.init(jax.random.key(3), x, use_running_average=False)
-    _close(v1, v2, jnp.float32)
-
-
-def _stack(layer, n=3):
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for i in range(n):
-        x = layer(name=f"layers_{i}")(x)
-      return x
-
-  return Stack()
-
-
-def _scanned(layer, n=3):
-  class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      body = nn.scan(
-        lambda module, carry, _: (module(carry), None),
-        variable_axes={"params": 0, "batch_stats": 0},
-        split_rngs={"params": True},
-        length=n,
-      )
-      return body(layer(name="layers"), x, None)[0]
-
-  return Scanned()
+    close(v1, v2, jnp.float32)
 
 
 @pytest.mark.parametrize("wrap", ["remat", "scan"])
 def test_batch_statistics_update_once_a_step_under_remat_and_scan(wrap):
   """nn.remat around the layer, or nn.scan over a stack: the updated running averages are the
   plain composition's (not updated twice by the backward pass's recomputation)."""
-  x = _x(jnp.float32, (4, 6, 6, 8))
+  x = inputs(jnp.float32, (4, 6, 6, 8))
   kw = dict(activation="relu", use_running_average=False)
   ours = lambda name: jnn.ConvNormAct(8, (3, 3), **kw, name=name)
   theirs = lambda name: FlaxConvNormAct(8, name=name)
   if wrap == "remat":
-    ours_stack = _stack(lambda name: nn.remat(jnn.ConvNormAct)(8, (3, 3), **kw, name=name))
-    theirs_stack = _stack(theirs)
+    ours_stack = stack(lambda name: nn.remat(jnn.ConvNormAct)(8, (3, 3), **kw, name=name))
+    theirs_stack = stack(theirs)
   else:
-    ours_stack, theirs_stack = _scanned(ours), _scanned(theirs)
-  variables = _perturbed(theirs_stack.init(jax.random.key(0), x))
+    ours_stack, theirs_stack = scanned(ours), scanned(theirs)
+  variables = perturbed(theirs_stack.init(jax.random.key(0), x))
 
   def step(module):
     def loss(params):
@@ -168,7 +112,7 @@ def test_batch_statistics_update_once_a_step_under_remat_and_scan(wrap):
 
     return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
 
-  _close(step(ours_stack), step(theirs_stack), jnp.float32)
+  close(step(ours_stack), step(theirs_stack), jnp.float32)
 
 
 class FlaxNNX(nnx.Module):
@@ -185,12 +129,12 @@ class FlaxNNX(nnx.Module):
 
 @pytest.mark.parametrize("norm", ["batch", "group"])
 def test_nnx_equals_flax_conv_norm_activation(norm):
-  x = _x(jnp.float32)
+  x = inputs(jnp.float32)
   ct = jax.random.normal(jax.random.key(1), (4, 6, 6, 8), jnp.float32)
   kw = dict(momentum=0.9) if norm == "batch" else dict(num_groups=4)
   ours = jnnx.ConvNormAct(3, 8, (3, 3), norm=norm, activation="silu", rngs=nnx.Rngs(0), **kw)
   theirs = FlaxNNX(norm, nnx.Rngs(0))
-  _close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param), jnp.float32)
+  close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param), jnp.float32)
   nnx.update(theirs.norm, jax.tree.map(lambda v: v * 1.5, nnx.state(theirs.norm, nnx.Param)))
   nnx.update(ours.norm, nnx.state(theirs.norm, nnx.Param))
 
@@ -202,10 +146,10 @@ def test_nnx_equals_flax_conv_norm_activation(norm):
     grads, y = nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, x)
     return grads, (y, nnx.state(module, nnx.BatchStat))
 
-  _close(run(ours), run(theirs), jnp.float32)
+  close(run(ours), run(theirs), jnp.float32)
   if norm == "batch":  # inference, with the running averages just updated
     want = jax.nn.silu(theirs.norm(theirs.conv(x), use_running_average=True))
-    _close(ours(x, use_running_average=True), want, jnp.float32)
+    close(ours(x, use_running_average=True), want, jnp.float32)
 
 
 def _pullback_arrays(module, x):
@@ -219,10 +163,10 @@ def _pullback_arrays(module, x):
 
 
 def test_the_pullback_of_a_stack_keeps_one_array_a_layer():
-  x = _x(jnp.float32, (4, 6, 6, 8))
+  x = inputs(jnp.float32, (4, 6, 6, 8))
   kw = dict(activation="relu", use_running_average=False)
-  ours = _pullback_arrays(_stack(lambda name: jnn.ConvNormAct(8, (3, 3), **kw, name=name)), x)
-  theirs = _pullback_arrays(_stack(lambda name: FlaxConvNormAct(8, name=name)), x)
+  ours = _pullback_arrays(stack(lambda name: jnn.ConvNormAct(8, (3, 3), **kw, name=name)), x)
+  theirs = _pullback_arrays(stack(lambda name: FlaxConvNormAct(8, name=name)), x)
   assert len(ours) == 3, [a.shape for a in ours]  # each layer's input
   assert len(theirs) >= 6, [a.shape for a in theirs]
 
@@ -240,11 +184,11 @@ def _temp(module, x):
 
 @pytest.mark.parametrize("how", ["unrolled", "scan"])
 def test_compiled_temp_of_a_stack_is_below_flax(how):
-  x = _x(jnp.float32, (8, 16, 16, 16))
+  x = inputs(jnp.float32, (8, 16, 16, 16))
   kw = dict(activation="relu", use_running_average=False)
   ours = lambda name: jnn.ConvNormAct(16, (3, 3), **kw, name=name)
   theirs = lambda name: FlaxConvNormAct(16, name=name)
-  build = _stack if how == "unrolled" else _scanned
+  build = stack if how == "unrolled" else scanned
   t_ours, t_theirs = _temp(build(ours, 4), x), _temp(build(theirs, 4), x)
   layer = x.size * 4
   # measured: 6 and 8 layer-sized arrays against Flax's 13 and 17
@@ -252,7 +196,7 @@ def test_compiled_temp_of_a_stack_is_below_flax(how):
 
 
 def test_a_lax_scan_of_the_nnx_layer_keeps_less_than_flax():
-  x = _x(jnp.float32, (8, 16, 16, 16))
+  x = inputs(jnp.float32, (8, 16, 16, 16))
 
   def temp(make):
     @nnx.vmap(in_axes=0, out_axes=0)
@@ -287,7 +231,7 @@ class FlaxNNXStackLayer(nnx.Module):
 
 
 def test_a_bad_norm_names_the_layer():
-  x = _x(jnp.float32)
+  x = inputs(jnp.float32)
   with pytest.raises(ValueError, match=r"jaxact\.linen\.ConvNormAct: `norm` 'layer' is not"):
     jnn.ConvNormAct(8, (3, 3), norm="layer").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r"jaxact\.nnx\.ConvNormAct: `norm` 'layer' is not"):

@@ -17,6 +17,7 @@ import pytest
 import jaxact
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
+from conv_cases import close, grads, inputs, perturbed, scanned, stack
 
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
@@ -42,29 +43,6 @@ class FlaxNormActConv(nn.Module):
     return conv(ACTS[self.activation](x))
 
 
-def _x(dtype, shape=(4, 6, 6, 4)):
-  return (jax.random.normal(jax.random.key(0), shape, jnp.float32) * 2 + 0.5).astype(dtype)
-
-
-def _close(a, b, dtype):
-  tol = {jnp.float32: 2e-5, jnp.float64: 1e-11, jnp.bfloat16: 2e-2}[dtype]
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert u.dtype == v.dtype and u.shape == v.shape
-    u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-    np.testing.assert_allclose(u, v, rtol=tol, atol=tol * float(np.abs(v).max()))
-
-
-def _perturbed(variables):
-  """Parameters and running averages away from their initial values (a zero scale kept)."""
-
-  def move(path, v):
-    if path[-1].key == "scale":
-      return v.at[0].set(0.0) * 1.5
-    return v + 0.1 * jnp.arange(v.size, dtype=v.dtype).reshape(v.shape) / v.size
-
-  return jax.tree_util.tree_map_with_path(move, variables)
-
-
 CASES = {
   "group-silu-f64": (dict(norm="group", activation="silu", kw=(("num_groups", 2),)), jnp.float64),
   "batch-relu-stride2-f64": (
@@ -86,7 +64,7 @@ CASES = {
 def test_linen_equals_flax_norm_activation_conv(case, train):
   """train=False with a batch norm: normalized by the (perturbed) running averages."""
   spec, dtype = CASES[case]
-  x = _x(dtype)
+  x = inputs(dtype, (4, 6, 6, 4))
   batch = spec["norm"] == "batch"
   kw = dict(spec.get("kw", ()))
   theirs = FlaxNormActConv(8, **spec)
@@ -98,30 +76,22 @@ def test_linen_equals_flax_norm_activation_conv(case, train):
   assert jax.tree.map(jnp.shape, ours.init(jax.random.key(2), x, **call)) == jax.tree.map(
     jnp.shape, variables
   )
-  _close(ours.init(jax.random.key(2), x, **call), variables, jnp.float32)
-  variables = _perturbed(jax.tree.map(lambda v: v.astype(dtype), variables))
+  close(ours.init(jax.random.key(2), x, **call), variables, jnp.float32)
+  variables = perturbed(jax.tree.map(lambda v: v.astype(dtype), variables))
   mutable = ["batch_stats"] if batch and train else False
 
-  def run(module):
-    def loss(params, x):
-      out = module.apply({**variables, "params": params}, x, **call, mutable=mutable)
-      y, new = out if mutable else (out, {})
-      return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))), (y, new)
-
-    return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(variables["params"], x)
-
-  _close(run(ours), run(theirs), dtype)
+  close(grads(ours, variables, x, call, mutable), grads(theirs, variables, x, call, mutable), dtype)
 
 
 def test_bfloat16_is_as_close_to_float32_as_flax_is():
   """bfloat16 output, and values and gradients no further from the float32 composition than
   Flax's own bfloat16 composition is (twice its error, plus one rounding)."""
-  x = _x(jnp.float32, (4, 8, 8, 8))
+  x = inputs(jnp.float32, (4, 8, 8, 8))
   exact = FlaxNormActConv(8, kw=(("num_groups", 4),))
   theirs = exact.clone(dtype=jnp.bfloat16)
   ours = jnn.NormActConv(8, (3, 3), norm="group", num_groups=4, activation="silu")
   ours = ours.clone(dtype=jnp.bfloat16)
-  variables = _perturbed(exact.init(jax.random.key(0), x))
+  variables = perturbed(exact.init(jax.random.key(0), x))
 
   def run(module, x):
     def loss(params, x):
@@ -140,38 +110,12 @@ def test_bfloat16_is_as_close_to_float32_as_flax_is():
     assert e_ours <= 2 * e_flax + 2**-8 * np.abs(w).max(), (e_ours, e_flax)
 
 
-def _stack(layer, n=3):
-  class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for i in range(n):
-        x = layer(name=f"layers_{i}")(x)
-      return x
-
-  return Stack()
-
-
-def _scanned(layer, n=3):
-  class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      body = nn.scan(
-        lambda module, carry, _: (module(carry), None),
-        variable_axes={"params": 0, "batch_stats": 0},
-        split_rngs={"params": True},
-        length=n,
-      )
-      return body(layer(name="layers"), x, None)[0]
-
-  return Scanned()
-
-
 def test_batch_statistics_update_once_a_step_under_scan():
-  x = _x(jnp.float32, (4, 6, 6, 8))
+  x = inputs(jnp.float32, (4, 6, 6, 8))
   kw = dict(activation="relu", use_running_average=False)
-  ours = _scanned(lambda name: jnn.NormActConv(8, (3, 3), **kw, name=name))
-  theirs = _scanned(lambda name: FlaxNormActConv(8, "batch", "relu", name=name))
-  variables = _perturbed(theirs.init(jax.random.key(0), x))
+  ours = scanned(lambda name: jnn.NormActConv(8, (3, 3), **kw, name=name))
+  theirs = scanned(lambda name: FlaxNormActConv(8, "batch", "relu", name=name))
+  variables = perturbed(theirs.init(jax.random.key(0), x))
 
   def step(module):
     def loss(params):
@@ -189,10 +133,10 @@ def test_batch_statistics_update_once_a_step_under_scan():
 
 
 def test_the_pullback_of_a_stack_keeps_one_array_a_layer():
-  x = _x(jnp.float32, (4, 6, 6, 8))
-  stack = _stack(lambda name: jnn.NormActConv(8, (3, 3), norm="group", num_groups=4, name=name))
-  variables = stack.init(jax.random.key(0), x)
-  _, pull = jax.vjp(lambda p, x: stack.apply({"params": p}, x), variables["params"], x)
+  x = inputs(jnp.float32, (4, 6, 6, 8))
+  layers = stack(lambda name: jnn.NormActConv(8, (3, 3), norm="group", num_groups=4, name=name))
+  variables = layers.init(jax.random.key(0), x)
+  _, pull = jax.vjp(lambda p, x: layers.apply({"params": p}, x), variables["params"], x)
   kept = [a for a in jax.tree.leaves(pull) if a.size >= x.size]
   assert len(kept) == 3, [a.shape for a in kept]  # each layer's normalized input
 
@@ -230,8 +174,8 @@ def _temp(module, x):
 
 @pytest.mark.parametrize("how", ["unrolled", "scan"])
 def test_a_unet_stack_keeps_less_than_flax_and_conv_norm_act(how):
-  x = _x(jnp.float32, (8, 16, 16, 16))
-  build = _stack if how == "unrolled" else _scanned
+  x = inputs(jnp.float32, (8, 16, 16, 16))
+  build = stack if how == "unrolled" else scanned
   temps = {
     k: _temp(build(lambda name, k=k: FlaxUNetBlock(k, name=name), 4), x)
     for k in ("flax", "conv-norm-act", "norm-act-conv")
@@ -257,12 +201,12 @@ class FlaxNNX(nnx.Module):
 
 @pytest.mark.parametrize("norm", ["batch", "group"])
 def test_nnx_equals_flax_norm_activation_conv(norm):
-  x = _x(jnp.float32)
+  x = inputs(jnp.float32, (4, 6, 6, 4))
   ct = jax.random.normal(jax.random.key(1), (4, 6, 6, 8), jnp.float32)
   kw = dict(momentum=0.9) if norm == "batch" else dict(num_groups=2)
   ours = jnnx.NormActConv(4, 8, (3, 3), norm=norm, activation="silu", rngs=nnx.Rngs(0), **kw)
   theirs = FlaxNNX(norm, nnx.Rngs(0))
-  _close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param), jnp.float32)
+  close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param), jnp.float32)
   nnx.update(theirs.norm, jax.tree.map(lambda v: v * 1.5 - 0.2, nnx.state(theirs.norm, nnx.Param)))
   nnx.update(ours.norm, nnx.state(theirs.norm, nnx.Param))
 
@@ -274,13 +218,13 @@ def test_nnx_equals_flax_norm_activation_conv(norm):
     grads, y = nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, x)
     return grads, (y, nnx.state(module, nnx.BatchStat))
 
-  _close(run(ours), run(theirs), jnp.float32)
+  close(run(ours), run(theirs), jnp.float32)
   if norm == "batch":  # inference, with the running averages just updated
-    _close(ours(x, use_running_average=True), theirs(x, use_running_average=True), jnp.float32)
+    close(ours(x, use_running_average=True), theirs(x, use_running_average=True), jnp.float32)
 
 
 def test_errors_name_the_layer():
-  x = _x(jnp.float32)
+  x = inputs(jnp.float32, (4, 6, 6, 4))
   with pytest.raises(ValueError, match=r"jaxact\.linen\.NormActConv: `norm` 'layer' is not"):
     jnn.NormActConv(8, (3, 3), norm="layer").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r"jaxact\.nnx\.NormActConv: `norm` 'layer' is not"):
@@ -292,7 +236,7 @@ def test_activations_beyond_jax_nn_follow_the_drop_in(activation):
   """The table's derivative where jax.nn's autodiff differs at a kink (sparse_sigmoid at +-1),
   where jax.nn has no such function (gelu_quick), and a traced parameter's gradient: equal to the
   drop-in norm followed by Flax's conv, float64, with pre-activations on the kinks."""
-  x = _x(jnp.float64, (4, 6, 6, 4))
+  x = inputs(jnp.float64, (4, 6, 6, 4))
   slope = jnp.asarray(0.3, jnp.float64)
 
   def model(ours, slope):
@@ -326,4 +270,4 @@ def test_activations_beyond_jax_nn_follow_the_drop_in(activation):
 
     return jax.grad(loss, (0, 1, 2))(p, x, slope)
 
-  _close(run(True), run(False), jnp.float64)
+  close(run(True), run(False), jnp.float64)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import chex
 import jax
@@ -28,7 +27,7 @@ import support
 from jaxact._src import docs
 from jaxact._src.norm_act import api, rules
 from jaxact._src.norm_act import reference as R
-from kernel_cases import TRITON, cuda_mesh, lowered_text
+from kernel_cases import TRITON, cuda_mesh, lowered_text, needs_gpu_compiler
 from pallas_kernels import norm_act_triton as kernels
 
 from cases import assert_trees_close, representatives, value_and_grads_or_skip
@@ -320,21 +319,6 @@ def test_sharded_inputs_are_declined_and_none_stays_on_xla():
 
 # ------------------------------------------------------------------- compiled for the GPUs
 
-
-def _gpu_compiler() -> str | None:
-  try:
-    support.device(support.H100)
-  except support.Unavailable as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI"):
-      raise RuntimeError(f"CI installs jax's CUDA compiler, yet: {e}") from e
-    return str(e)
-  return None
-
-
-_NO_COMPILER = _gpu_compiler()
-needs_gpu_compiler = pytest.mark.skipif(
-  _NO_COMPILER is not None, reason=f"cannot compile for a GPU here: {_NO_COMPILER}"
-)
 
 # ResNet-50's widest 56 x 56 batch norm (batch 32), and a Stable Diffusion U-Net block's group norm
 # (32 groups) at 64 x 64.

@@ -94,9 +94,11 @@ def target() -> Target:
 # ---------------------------------------------------------------------------------- support
 
 
-def kernels_unsupported(plan, x: Array, w: Array) -> str | None:
-  """What no Triton kernel takes: the activation, dtypes and sizes of a fused or gated call (its
-  plan's ``act``, ``dropout`` and dtypes, its operands `x` and `w`)."""
+def kernels_unsupported(plan, x: Array, *operands: Array, acc=None) -> str | None:
+  """What no Triton kernel takes: the activation, dtypes and sizes of a call (its plan's ``act``,
+  ``dropout`` and dtypes, its operands `x` and the others; `acc` the accumulation dtype where the
+  plan does not name it ``acc_dtype``)."""
+  acc = np.dtype(plan.acc_dtype if acc is None else acc)
   if getattr(plan, "dropout", None) is not None:
     return "dropout inside the op (the kernels draw no masks; XLA's path applies it)"
   rule = plan.act.rule
@@ -107,10 +109,26 @@ def kernels_unsupported(plan, x: Array, w: Array) -> str | None:
   for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
     if np.dtype(dtype).name not in _KERNEL_DTYPES:
       return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_KERNEL_DTYPES)})"
-  if np.dtype(plan.acc_dtype) != np.float32:
-    return f"accumulation in {np.dtype(plan.acc_dtype).name} (the kernels accumulate in float32)"
-  if 0 in x.shape or 0 in w.shape:
+  if acc != np.float32:
+    return f"accumulation in {acc.name} (the kernels accumulate in float32)"
+  if any(0 in a.shape for a in (x, *operands)):
     return "zero-size operands"
+  return None
+
+
+def unlowered(name: str, epilogue) -> str | None:
+  """Why Pallas Triton cannot run activation `name`'s kernel epilogue (a
+  :class:`pallas_kernels.Epilogue`): the primitives its function or derivative computes that
+  Triton does not lower; None where it lowers them all."""
+  from pallas_kernels import unlowered_primitives
+
+  z = jax.ShapeDtypeStruct((), np.float32)
+  parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
+  missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
+  if missing:
+    return (
+      f"the activation {name} computes {', '.join(missing)}, which Pallas Triton does not lower"
+    )
   return None
 
 

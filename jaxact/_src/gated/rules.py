@@ -15,7 +15,6 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-import jax
 import numpy as np
 from jax import Array
 
@@ -37,23 +36,14 @@ def triton_unsupported(plan: GatedPlan, x: Array, w_gate: Array, sharding) -> st
   sharded = pallas_sharding.pattern_reason(sharding, x.ndim, hidden)
   if sharded is not None:
     return f"inputs sharded over a mesh: {sharded}"
-  from pallas_kernels import allow_tf32, unlowered_primitives
+  from pallas_kernels import allow_tf32
 
   try:
     allow_tf32(plan.precision)
   except NotImplementedError as e:
     return str(e)
   rule = plan.act.rule
-  epilogue = resolve.epilogue(rule)
-  z = jax.ShapeDtypeStruct((), np.float32)
-  parts = [f for f in (epilogue.fn, epilogue.derivative) if f is not None]
-  missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
-  if missing:
-    return (
-      f"the activation {rule.name} computes {', '.join(missing)}, which Pallas Triton does not "
-      "lower"
-    )
-  return None
+  return dispatch.unlowered(rule.name, resolve.epilogue(rule))
 
 
 def mosaic_unsupported(plan: GatedPlan, x: Array, w_gate: Array) -> str | None:

@@ -14,7 +14,6 @@ import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
-import numpy as np
 from jax import Array
 
 from jaxact._src.activations import resolve
@@ -22,9 +21,6 @@ from jaxact._src.core import dispatch, shardings
 
 if TYPE_CHECKING:
   from jaxact._src.norm_act.plan import NormActPlan
-
-_DTYPES = ("float32", "bfloat16", "float16")
-
 
 def epilogue(plan: NormActPlan):
   """The kernels' activation: its derivative taken from the pre-activation, which the backward
@@ -71,33 +67,14 @@ def _sharding(plan: NormActPlan, arrays) -> str | None:
 def triton_unsupported(plan: NormActPlan, x: Array, scale, bias) -> str | None:
   """Why the Triton kernels (:mod:`pallas_kernels.norm_act_triton`) cannot run this call, or
   None."""
-  rule = plan.act.rule
-  if rule is None:
-    return "the activation is a plain callable, not a jaxact spec activation"
-  if rule.dynamic_names:
-    return f"activation parameters given as arrays ({', '.join(rule.dynamic_names)})"
-  for name, dtype in (("x", x.dtype), ("output", plan.out_dtype)):
-    if np.dtype(dtype).name not in _DTYPES:
-      return f"{name} dtype {np.dtype(dtype).name} (supported: {', '.join(_DTYPES)})"
-  if np.dtype(plan.acc) != np.float32:
-    return f"accumulation in {np.dtype(plan.acc).name} (the kernels accumulate in float32)"
-  if 0 in x.shape:
-    return "a zero-size x"
-  why = _layout(plan, x) or _sharding(plan, (x, scale, bias))
+  why = (
+    dispatch.kernels_unsupported(plan, x, acc=plan.acc)
+    or _layout(plan, x)
+    or _sharding(plan, (x, scale, bias))
+  )
   if why is not None:
     return why
-  from pallas_kernels import unlowered_primitives
-
-  ep = epilogue(plan)
-  z = jax.ShapeDtypeStruct((), np.float32)
-  parts = [f for f in (ep.fn, ep.derivative) if f is not None]
-  missing = sorted({p for f in parts for p in unlowered_primitives(f, z)})
-  if missing:
-    return (
-      f"the activation {rule.name} computes {', '.join(missing)}, which Pallas Triton does not "
-      "lower"
-    )
-  return None
+  return dispatch.unlowered(plan.act.rule.name, epilogue(plan))
 
 
 class _Call(NamedTuple):
