@@ -22,6 +22,7 @@ from jaxact._src.core import dispatch, shardings
 if TYPE_CHECKING:
   from jaxact._src.norm_act.plan import NormActPlan
 
+
 def epilogue(plan: NormActPlan):
   """The kernels' activation: its derivative taken from the pre-activation, which the backward
   recomputes from x_hat (as the XLA path's ``_dz`` takes it)."""
