@@ -12,6 +12,7 @@ Flax's ImageNet ResNet-50 and a stack of diffusion U-Net residual blocks
   (``support.compile_for``), bfloat16;
 * ``unet-stem-h100``: the U-Net stack behind a 1x1 conv, so that no way's first norm keeps the
   step's argument (as in a whole U-Net);
+* ``unet-scan`` / ``unet-scan-h100``: the U-Net blocks under ``nn.scan``, on CPU and for an H100;
 * ``fit-h100``: the largest batch of each model and way whose step, compiled for an H100 in
   bfloat16, fits its memory less :data:`FIT_RESERVE` (temp, arguments and outputs:
   ``harness.memory.largest_fit_of``);
@@ -33,7 +34,17 @@ from benchmarks import cnn_models as models
 from benchmarks.harness import memory, rows, timing
 from benchmarks.tables import cnn as page
 
-SECTIONS = ("resnet", "unet", "time", "unet-h100", "resnet-h100", "unet-stem-h100", "fit-h100")
+SECTIONS = (
+  "resnet",
+  "unet",
+  "time",
+  "unet-h100",
+  "resnet-h100",
+  "unet-stem-h100",
+  "unet-scan",
+  "unet-scan-h100",
+  "fit-h100",
+)
 # (batch, height, width, channels); the U-Net's stack depth
 RESNET_CPU, RESNET_GPU = (8, 64, 64, 3), (32, 224, 224, 3)
 UNET_CPU, UNET_GPU, UNET_BLOCKS = (8, 32, 32, 128), (32, 64, 64, 256), 4
@@ -58,7 +69,9 @@ def _step(model: str, variant: str, gpu: bool, batch: int | None = None):
     shape = (batch, *shape[1:])
   if model == "resnet":
     return models.resnet_step(variant, shape, dtype)
-  return models.unet_step(variant, shape, UNET_BLOCKS, dtype, stem=model == "unet-stem")
+  return models.unet_step(
+    variant, shape, UNET_BLOCKS, dtype, stem=model == "unet-stem", scan=model == "unet-scan"
+  )
 
 
 def _compiled(step, args, gpu: bool, options: dict | None = None):
@@ -218,6 +231,8 @@ def main(argv=None) -> int:
     "unet": lambda: memory_rows("unet", False),
     "unet-h100": lambda: memory_rows("unet", True),
     "unet-stem-h100": lambda: memory_rows("unet-stem", True),
+    "unet-scan": lambda: memory_rows("unet-scan", False),
+    "unet-scan-h100": lambda: memory_rows("unet-scan", True),
     "time": lambda: time_rows(a.runs),
     "fit-h100": fit_rows,
   }

@@ -191,12 +191,23 @@ class UNetStack(nn.Module):
   # a 1x1 conv in front: the first block's input is then made in the step, as in a whole U-Net,
   # not the step's argument (which Flax's first GroupNorm keeps at no cost in temp)
   stem: bool = False
+  # the blocks under nn.scan (how large models are built: XLA fuses nothing across the loop, so
+  # each block keeps what its layers' backward passes keep)
+  scan: bool = False
 
   @nn.compact
   def __call__(self, x):
     if self.stem:
       x = nn.Conv(x.shape[-1], (1, 1), dtype=self.dtype)(x)
     block, inner = blocked(UNetBlock, self.variant)
+    if self.scan:
+      body = nn.scan(
+        lambda module, carry, _: (module(carry), None),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=self.blocks,
+      )
+      return body(block(inner, dtype=self.dtype, name="blocks"), x, None)[0]
     for _ in range(self.blocks):
       x = block(inner, dtype=self.dtype)(x)
     return x
@@ -224,10 +235,15 @@ def resnet_step(variant: str, shape: tuple[int, ...], dtype=jnp.float32, classes
 
 
 def unet_step(
-  variant: str, shape: tuple[int, ...], blocks: int, dtype=jnp.float32, stem: bool = False
+  variant: str,
+  shape: tuple[int, ...],
+  blocks: int,
+  dtype=jnp.float32,
+  stem: bool = False,
+  scan: bool = False,
 ):
   """``(step, (params, x) shapes)``: ``value_and_grad`` of a squared error through the stack."""
-  model = UNetStack(blocks, variant, dtype, stem)
+  model = UNetStack(blocks, variant, dtype, stem, scan)
   x = jax.ShapeDtypeStruct(shape, dtype)
   variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), x)
 

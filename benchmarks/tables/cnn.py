@@ -6,7 +6,17 @@ from __future__ import annotations
 from benchmarks.harness import render
 
 MiB, GiB = 2**20, 2**30
-SECTIONS = ("resnet", "resnet-h100", "unet", "unet-h100", "unet-stem-h100", "fit-h100", "time")
+SECTIONS = (
+  "resnet",
+  "resnet-h100",
+  "unet",
+  "unet-h100",
+  "unet-stem-h100",
+  "unet-scan",
+  "unet-scan-h100",
+  "fit-h100",
+  "time",
+)
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
   "flax-remat": "Flax + nn.remat a block",
@@ -47,6 +57,8 @@ def _what(f: dict) -> str:
   unet = f"{f['blocks']} U-Net residual blocks (GroupNorm(32), SiLU, 3x3 conv, twice)"
   if f["model"] == "unet-stem":
     unet = f"a 1x1 conv, then {unet}"
+  if f["model"] == "unet-scan":
+    unet = f"{unet} under nn.scan"
   return f"{unet}, x {tuple(f['shape'])}"
 
 
