@@ -44,11 +44,16 @@ def matmul_dtype(plan: MoEPlan, operands) -> np.dtype:
   return np.dtype(operands) if np.dtype(operands).itemsize == 2 else plan.acc_dtype
 
 
+def _ragged_dot(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
+  return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
+
+
 def ragged(plan: MoEPlan, lhs: Array, w: Array, group_sizes: Array, dtype) -> Array:
   """``lhs[rows of e] @ w[e]`` in `dtype`: XLA's ragged_dot, or the decision's kernel."""
+  xla = lambda lhs, w, sizes: _ragged_dot(plan, lhs, w, sizes, dtype)
   if plan.decision.forward != "xla":
-    return kernels.gmm(plan, lhs, w, group_sizes, dtype)
-  return lax.ragged_dot(lhs, w, group_sizes, plan.precision, preferred_element_type=dtype)
+    return kernels.gmm(plan, lhs, w, group_sizes, dtype, xla)
+  return xla(lhs, w, group_sizes)
 
 
 def hidden(plan: MoEPlan, a: Array, b: Array, dynamic) -> Array:
@@ -91,16 +96,24 @@ def transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
 
 def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype) -> Array:
   """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`."""
+
+  def xla(lhs, ct, sizes):
+    return transpose(plan, lambda w_: _ragged_dot(plan, lhs, w_, sizes, dtype), w, ct)
+
   if plan.decision.backward != "xla":
-    return kernels.tgmm(plan, lhs, ct, sizes, w.shape[0], dtype)
-  return transpose(plan, lambda w_: ragged(plan, lhs, w_, sizes, dtype), w, ct)
+    return kernels.tgmm(plan, lhs, ct, sizes, dtype, xla)
+  return xla(lhs, ct, sizes)
 
 
 def input_grad(plan: MoEPlan, ct, w, lhs, sizes, dtype) -> Array:
   """The cotangent of `lhs` in ``ragged(lhs, w)`` from the output's `ct`."""
+
+  def xla(ct, w, sizes):
+    return transpose(plan, lambda v: _ragged_dot(plan, v, w, sizes, dtype), lhs, ct)
+
   if plan.decision.backward != "xla":
-    return kernels.gmm_t(plan, ct, w, sizes, dtype)
-  return transpose(plan, lambda v: ragged(plan, v, w, sizes, dtype), lhs, ct)
+    return kernels.gmm_t(plan, ct, w, sizes, dtype, xla)
+  return xla(ct, w, sizes)
 
 
 def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic):
