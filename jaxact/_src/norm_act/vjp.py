@@ -183,14 +183,18 @@ def _train(plan: NormActPlan, x, scale, bias, *dynamic):
 
 def _train_fwd(plan: NormActPlan, x, scale, bias, *dynamic):
   y, x_hat, mean, var, r = _train_forward(plan, x, scale, bias, dynamic)
-  # The barrier keeps XLA from recomputing x_hat from x in the backward pass (which would keep x
-  # alive as well) and from fusing the forward's activation into the backward's.
+  y, x_hat, r = _barrier(y, x_hat, r)
+  return (y, mean, var), (x_hat, r, scale, bias, dynamic)
+
+
+def _barrier(y, x_hat, r):
+  """`y`, `x_hat` and `r` past one barrier, which keeps XLA from recomputing x_hat from x in the
+  backward pass (which would keep x alive as well) and from fusing the forward's activation into
+  the backward's; a `y` that is `x_hat` stays its one buffer."""
   if y is x_hat:
     x_hat, r = lax.optimization_barrier((x_hat, r))
-    y = x_hat
-  else:
-    y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
-  return (y, mean, var), (x_hat, r, scale, bias, dynamic)
+    return x_hat, x_hat, r
+  return lax.optimization_barrier((y, x_hat, r))
 
 
 def _train_bwd(plan: NormActPlan, res, cts):
@@ -261,12 +265,7 @@ def _infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
 
 
 def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
-  y, x_hat, r = _infer_forward(plan, x, scale, bias, mean, var, dynamic)
-  if y is x_hat:
-    x_hat, r = lax.optimization_barrier((x_hat, r))
-    y = x_hat
-  else:
-    y, x_hat, r = lax.optimization_barrier((y, x_hat, r))
+  y, x_hat, r = _barrier(*_infer_forward(plan, x, scale, bias, mean, var, dynamic))
   return y, (x_hat, r, scale, bias, mean, var, dynamic)
 
 
