@@ -5,6 +5,7 @@ under ``nn.scan``."""
 from __future__ import annotations
 
 import flax.linen as nn
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +79,15 @@ def grads(module, variables, x, call, mutable):
     return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))), (y, new)
 
   return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(variables["params"], x)
+
+
+def nnx_grads(module, x, ct):
+  """``(d module, d x), (y, batch statistics)`` of ``sum(module(x) * ct)``: what the nnx layer
+  tests compare between jaxact's layer and Flax's composition."""
+
+  def loss(module, x):
+    y = module(x)
+    return jnp.sum(y * ct), y
+
+  grads, y = nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, x)
+  return grads, (y, nnx.state(module, nnx.BatchStat))

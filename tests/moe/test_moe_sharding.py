@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 import eight_devices
 import jaxact
 from jaxact._src.moe.reference import moe_reference
+from moe_cases import CASES
 
 from cases import representatives
 
@@ -47,53 +48,6 @@ COLLECTIVE = re.compile(
   r"(?:-start)?\("
 )
 
-# name: (mesh shape, axis names, specs of x, router, w_gate, w_up, w_down, options)
-CASES = {
-  "ep": ((8,), ("expert",), (P("expert"), P(), P("expert"), P("expert"), P("expert")), {}),
-  "ep_data": (
-    (2, 4),
-    ("data", "expert"),
-    (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert")),
-    {},
-  ),
-  "ep_data_tensor": (
-    (2, 2, 2),
-    ("data", "expert", "model"),
-    (
-      P(("data", "expert")),
-      P(),
-      P("expert", None, "model"),
-      P("expert", None, "model"),
-      P("expert", "model"),
-    ),
-    {},
-  ),
-  "ep_fsdp": (
-    (2, 4),
-    ("data", "expert"),
-    (
-      P(("data", "expert")),
-      P(),
-      P("expert", "data"),
-      P("expert", "data"),
-      P("expert", None, "data"),
-    ),
-    {},
-  ),
-  "data": ((8,), ("data",), (P("data"), P(), P(), P(), P()), {}),  # no expert axis: no all-to-all
-  "ep_skewed": (  # every token's two experts are 0 and 1, on one device: the dropless extreme
-    (8,),
-    ("expert",),
-    (P("expert"), P(), P("expert"), P("expert"), P("expert")),
-    {"router_bias": True},
-  ),
-  "ep_data_capacity": (
-    (2, 4),
-    ("data", "expert"),
-    (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert")),
-    {"capacity_factor": 1.0, "score": "sigmoid"},
-  ),
-}
 ERRORS = ("error_up_split_otherwise", "error_tokens_do_not_split")
 
 

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import eight_devices
 import jaxact
@@ -46,6 +45,7 @@ from jaxact._src import docs
 from jaxact._src.core import dispatch
 from jaxact._src.moe import rules
 from kernel_cases import TRITON, cuda_mesh, lowered_text, needs_gpu_compiler
+from moe_cases import CASES
 from pallas_kernels import grouped_triton as kernels
 from pallas_kernels.dense_triton_tiles import Tiles
 
@@ -377,24 +377,8 @@ EP_T, EP_K = 32, 2
 # name: (mesh shape, axis names, specs of x, router, w_gate, w_up, w_down, options); every axis
 # kind at once, and a capacity (each device's rows past its groups: the dropped and unreceived).
 EP_CASES = {
-  "ep_data_tensor": (
-    (2, 2, 2),
-    ("data", "expert", "model"),
-    (
-      P(("data", "expert")),
-      P(),
-      P("expert", None, "model"),
-      P("expert", None, "model"),
-      P("expert", "model"),
-    ),
-    {},
-  ),
-  "ep_capacity": (
-    (2, 4),
-    ("data", "expert"),
-    (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert")),
-    {"capacity_factor": 1.0},
-  ),
+  "ep_data_tensor": CASES["ep_data_tensor"],
+  "ep_capacity": (*CASES["ep_data"][:3], {"capacity_factor": 1.0}),
 }
 
 

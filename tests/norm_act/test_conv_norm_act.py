@@ -13,7 +13,7 @@ import pytest
 
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
-from conv_cases import close, grads, inputs, perturbed, scanned, stack
+from conv_cases import close, grads, inputs, nnx_grads, perturbed, scanned, stack
 
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
@@ -138,15 +138,7 @@ def test_nnx_equals_flax_conv_norm_activation(norm):
   nnx.update(theirs.norm, jax.tree.map(lambda v: v * 1.5, nnx.state(theirs.norm, nnx.Param)))
   nnx.update(ours.norm, nnx.state(theirs.norm, nnx.Param))
 
-  def run(module):
-    def loss(module, x):
-      y = module(x)
-      return jnp.sum(y * ct), y
-
-    grads, y = nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, x)
-    return grads, (y, nnx.state(module, nnx.BatchStat))
-
-  close(run(ours), run(theirs), jnp.float32)
+  close(nnx_grads(ours, x, ct), nnx_grads(theirs, x, ct), jnp.float32)
   if norm == "batch":  # inference, with the running averages just updated
     want = jax.nn.silu(theirs.norm(theirs.conv(x), use_running_average=True))
     close(ours(x, use_running_average=True), want, jnp.float32)

@@ -17,7 +17,7 @@ import pytest
 import jaxact
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
-from conv_cases import close, grads, inputs, perturbed, scanned, stack
+from conv_cases import close, grads, inputs, nnx_grads, perturbed, scanned, stack
 
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
@@ -210,15 +210,7 @@ def test_nnx_equals_flax_norm_activation_conv(norm):
   nnx.update(theirs.norm, jax.tree.map(lambda v: v * 1.5 - 0.2, nnx.state(theirs.norm, nnx.Param)))
   nnx.update(ours.norm, nnx.state(theirs.norm, nnx.Param))
 
-  def run(module):
-    def loss(module, x):
-      y = module(x)
-      return jnp.sum(y * ct), y
-
-    grads, y = nnx.grad(loss, argnums=(0, 1), has_aux=True)(module, x)
-    return grads, (y, nnx.state(module, nnx.BatchStat))
-
-  close(run(ours), run(theirs), jnp.float32)
+  close(nnx_grads(ours, x, ct), nnx_grads(theirs, x, ct), jnp.float32)
   if norm == "batch":  # inference, with the running averages just updated
     close(ours(x, use_running_average=True), theirs(x, use_running_average=True), jnp.float32)
 
