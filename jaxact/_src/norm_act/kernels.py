@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxact._src.core import pallas_sharding, platform, shardings
 from jaxact._src.norm_act import rules
@@ -45,11 +44,6 @@ def _group_mean(plan: NormActPlan, v, count: int):
   samples, c = v.shape
   m = jnp.sum(v.reshape(samples, plan.groups, c // plan.groups), axis=2) / count
   return jnp.repeat(m, c // plan.groups, axis=1)
-
-
-def _dz_dtype(plan: NormActPlan):
-  """dz rounded to x's dtype where the XLA path rounds it (vjp._rounded)."""
-  return plan.x_dtype if np.dtype(plan.x_dtype).itemsize < np.dtype(plan.acc).itemsize else None
 
 
 def _like(ct, primal):
@@ -107,7 +101,7 @@ def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, x
   pass, the statistics' means (XLA, ``(samples, C)``), then the dx pass."""
   from pallas_kernels import norm_act_triton
 
-  ep, dz_dtype = rules.epilogue(plan), _dz_dtype(plan)
+  ep, dz_dtype = rules.epilogue(plan), plan.dz_dtype
 
   def triton(x_hat, r, scale, bias, g, g_mean, g_var, *, interpret):
     samples, rows, c = _view(plan, x_hat.shape)
@@ -137,7 +131,7 @@ def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
   them: one pass writes dx and the sums."""
   from pallas_kernels import norm_act_triton
 
-  ep, dz_dtype = rules.epilogue(plan), _dz_dtype(plan)
+  ep, dz_dtype = rules.epilogue(plan), plan.dz_dtype
 
   def triton(x_hat, r, scale, bias, mean, var, g, *, interpret):
     samples, rows, c = _view(plan, x_hat.shape)

@@ -37,6 +37,12 @@ class NormActPlan:
   # the backends (rules.decide): XLA unless the kernels were chosen
   decision: Decision = dataclasses.field(default_factory=Decision)
 
+  @property
+  def dz_dtype(self) -> np.dtype | None:
+    """The dtype the pre-activation's cotangent ``dz`` is rounded to, as autodiff of the 16-bit
+    composition stores it: x's where it is narrower than the arithmetic, else None (no rounding)."""
+    return self.x_dtype if np.dtype(self.x_dtype).itemsize < np.dtype(self.acc).itemsize else None
+
   def view_shape(self, shape) -> tuple[int, ...]:
     shape = tuple(shape)
     if not self.groups:

@@ -29,7 +29,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxact._src.activations import api as activations
@@ -117,9 +116,9 @@ def _rounded(plan: NormActPlan, dz):
   activation's derivative for each); in float32 that array is twice the 16-bit one Flax's
   backward stores (a U-Net step compiled for an H100: 1218 against Flax's 1090 MiB). The barrier
   keeps XLA from folding the two conversions away, so the stored array is the 16-bit one."""
-  if np.dtype(plan.x_dtype).itemsize >= np.dtype(plan.acc).itemsize:
+  if plan.dz_dtype is None:
     return dz
-  return lax.optimization_barrier(dz.astype(plan.x_dtype)).astype(plan.acc)
+  return lax.optimization_barrier(dz.astype(plan.dz_dtype)).astype(plan.acc)
 
 
 def _param_grads(plan: NormActPlan, dz, xh, scale, bias, g):
