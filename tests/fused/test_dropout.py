@@ -184,7 +184,9 @@ def test_jit_and_vmap_over_keys():
 
   batched = jax.vmap(grad_x)(keys)
   for k, g in zip(keys, batched, strict=True):
-    np.testing.assert_allclose(g, ref(k), rtol=1e-6, atol=1e-6)
+    # float32 sums of 512 products: the order vmap sums them in moves with jax's version
+    r = ref(k)
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(r))))
 
 
 @pytest.mark.parametrize(
