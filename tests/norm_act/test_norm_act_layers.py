@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 
 import flax.linen as nn
 import flax.nnx as nnx
@@ -149,6 +150,22 @@ def test_nnx_equals_flax_then_the_activation(case):
   (g2, (y2, s2)) = run(theirs, ACTS[act])
   _close((y1, g1), (y2, g2), dtype)
   _close(jax.tree.leaves(s1), jax.tree.leaves(s2), jnp.float32)
+
+
+def test_nnx_float64_input_keeps_float32_statistics_without_a_warning():
+  # the suite runs under x64: Flax's own layer writes the float64 update into its float32
+  # statistics through a casting scatter (a FutureWarning, an error in a later jax); ours casts
+  x = _x(jnp.float64)
+  ours = jnnx.BatchNorm(8, activation="relu", rngs=nnx.Rngs(0))
+  theirs = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    y1 = ours(x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    y2 = jax.nn.relu(theirs(x))
+  assert ours.mean[...].dtype == ours.var[...].dtype == jnp.float32
+  _close((y1, ours.mean[...], ours.var[...]), (y2, theirs.mean[...], theirs.var[...]), jnp.float32)
 
 
 def test_a_mask_and_bad_groups_name_the_layer():

@@ -134,7 +134,9 @@ class BatchNorm(nnx.BatchNorm):
       # as Flax: stop_gradient only where the variables are array refs
       stop = jax.lax.stop_gradient if self.mean._can_update or self.var._can_update else None
       for v, stat in ((self.mean, mean), (self.var, var)):
-        new = self.momentum * v[...] + (1 - self.momentum) * stat
+        # in the variable's dtype, as Flax's assignment casts it (a float64 input under x64 would
+        # otherwise write float64 into a float32 variable: a FutureWarning today, an error later)
+        new = (self.momentum * v[...] + (1 - self.momentum) * stat).astype(v.dtype)
         v[...] = stop(new) if stop is not None else new
     return y, scale, bias
 
