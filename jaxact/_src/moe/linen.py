@@ -55,8 +55,8 @@ class MoEMLP(nn.Module):
     >>> from jaxact.linen import MoEMLP
     >>> layer = MoEMLP(num_experts=4, top_k=2, hidden_features=8)
     >>> (y, aux), params = layer.init_with_output(jax.random.key(0), jnp.ones((3, 5, 4)))
-    >>> {name: jnp.shape(p) for name, p in sorted(params["params"].items())}["w1"]
-    (4, 4, 8)
+    >>> jax.tree_util.tree_map(jnp.shape, params["params"])
+    {'gate': {'kernel': (4, 4)}, 'w1': (4, 4, 8), 'w2': (4, 8, 4), 'w3': (4, 4, 8)}
     >>> y.shape
     (3, 5, 4)
 
