@@ -65,7 +65,7 @@ import jax
 from jax import Array
 from jax.sharding import AxisType, NamedSharding
 
-from jaxact._src.core.shardings import Axes, explicit_mesh, pspec, spec_of
+from jaxact._src.core.shardings import Axes, explicit_mesh, pspec, spec_of, splits
 
 # ---------------------------------------------------------------------------------- per_shard
 
@@ -215,7 +215,7 @@ def dense_pattern(
   if w_transposed:
     ws = ws[::-1]
   split = None
-  if xs[-1] or ws[0]:
+  if splits(mesh, xs[-1]) or splits(mesh, ws[0]):  # axes of one device hold it whole
     split = (
       f"the contraction dimension is sharded (x over {pspec(xs)}, w over {pspec(ws)}; "
       "per-shard kernels split x's rows and w's columns only)"
@@ -226,7 +226,7 @@ def dense_pattern(
     xs, ws = (*xs[:-1], ()), ((), ws[1])
   data = tuple(a for axes in xs[:-1] for a in axes)
   model = ws[1]
-  if set(data) & set(model):
+  if {a for a in data if splits(mesh, (a,))} & {a for a in model if splits(mesh, (a,))}:
     return (
       f"x's rows and w's columns are sharded over the same mesh axes ({pspec(xs)}, {pspec(ws)})"
     )
@@ -323,7 +323,7 @@ def _elementwise_plan(z: Array, feature_axis: int) -> tuple[Any, tuple[Axes, ...
   if mesh is None or isinstance(mesh, str):
     return mesh
   spec = spec_of(z)
-  if spec[feature_axis]:
+  if splits(mesh, spec[feature_axis]):
     return f"the feature axis is sharded ({pspec(spec)}; per-shard kernels split the batch only)"
   return mesh, spec
 

@@ -65,6 +65,20 @@ def spec_of(a: Array) -> tuple[Axes, ...]:
   return tuple(_axes(e) for e in spec) + ((),) * (a.ndim - len(spec))
 
 
+def splits(mesh, axes: Axes) -> bool:
+  """Whether `axes` split a dimension over more than one device of `mesh` (a program written for
+  any device count types a one-GPU array over axes of one device, which split nothing)."""
+  return any(mesh.shape[a] > 1 for a in axes)
+
+
+def split_spec(a: Array) -> tuple[Axes, ...]:
+  """:func:`spec_of` without the mesh axes of one device: the axes that split `a`'s dimensions."""
+  sharding = _sharding(a)
+  if sharding is None:
+    return spec_of(a)
+  return tuple(tuple(n for n in axes if splits(sharding.mesh, (n,))) for axes in spec_of(a))
+
+
 def explicit_mesh(*arrays: Array | None):
   """The one mesh with Explicit axes in the arrays' types, None if there is none, or a reason.
 

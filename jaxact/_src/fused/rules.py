@@ -61,7 +61,7 @@ def triton_unsupported(plan: Plan, x: Array, w: Array, sharding) -> str | None:
   else:
     # The convolution stays XLA's (partitioned as usual); its epilogue kernels run per shard.
     sharded = pallas_sharding.elementwise_reason(x, plan.linear.dimension_numbers.lhs_spec[1])
-    if sharded is None and any(shardings.spec_of(w)):
+    if sharded is None and any(shardings.split_spec(w)):
       sharded = "the convolution kernel `w` is sharded (only data-parallel convolutions are)"
     if sharded is None and out is not None and out[plan.linear.dimension_numbers.out_spec[1]]:
       sharded = (

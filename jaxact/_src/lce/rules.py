@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from jax import Array, lax
 
-from jaxact._src.core import dispatch, pallas_sharding
+from jaxact._src.core import dispatch, pallas_sharding, shardings
 
 if TYPE_CHECKING:
   from jaxact._src.lce.plan import LcePlan
@@ -78,7 +78,7 @@ def mosaic_unsupported(plan: LcePlan, x: Array, w: Array, sharding) -> str | Non
     return f"inputs sharded over a mesh: {sharding}"
   if sharding is not None and sharding.gathers:  # the kernels gather nothing
     return f"inputs sharded over a mesh: {sharding.gathers}"
-  if sharding is not None and sharding.model:
+  if sharding is not None and shardings.splits(sharding.mesh, sharding.model):
     return "the vocabulary split over devices (the kernel path runs data parallel only)"
   from pallas_kernels import lce_mosaic, lce_mosaic_bwd
 

@@ -50,18 +50,19 @@ def _like(ct, primal):
   return None if primal is None else ct.reshape(primal.shape).astype(primal.dtype)
 
 
-def _on_mesh(kernel: Callable[..., Any]) -> Callable[..., Any]:
-  """`kernel` under ``shard_map`` when its operands are typed over an Explicit mesh (replicated:
-  the rules decline sharded ones; a ``pallas_call`` takes no operands typed over Explicit axes),
-  as it is otherwise."""
+def _on_mesh(kernel: Callable[..., Any], like: tuple[int, ...]) -> Callable[..., Any]:
+  """`kernel` under ``shard_map`` when its operands are typed over an Explicit mesh (a
+  ``pallas_call`` takes no operands typed over Explicit axes), as it is otherwise. The rules
+  decline operands split over a mesh, so each device's block is the whole array (replicated, or
+  typed over axes of one device); output `i` is typed as argument ``like[i]``."""
 
   def run(*arrays, **static):
     mesh = shardings.explicit_mesh(*arrays)
     if mesh is None:
       return kernel(*arrays, **static)
-    specs = [None if a is None else ((),) * a.ndim for a in arrays]
-    whole = lambda *a: (kernel(*a, **static),)
-    return pallas_sharding.per_shard(whole, arrays, specs, ((),), mesh=mesh)[0]
+    specs = [None if a is None else shardings.spec_of(a) for a in arrays]
+    outs = tuple(() if specs[i] is None else specs[i] for i in like)  # None: no cotangent
+    return pallas_sharding.per_shard(kernel, arrays, specs, outs, mesh=mesh, **static)
 
   return run
 
@@ -93,7 +94,7 @@ def forward(plan: NormActPlan, x, mean, r, scale, bias, xla: Callable[..., Any],
     return y, x_hat if keep else None
 
   args = (x, mean, r, scale, bias)
-  return platform.switch(args, _on_mesh(triton), fallback, plan.decision, False)
+  return platform.switch(args, _on_mesh(triton, (0, 0)), fallback, plan.decision, False)
 
 
 def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, xla):
@@ -123,7 +124,7 @@ def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, x
     return dx.reshape(x_hat.shape), d_scale, _like(jnp.sum(s_dz, axis=0), bias)
 
   args = (x_hat, r, scale, bias, g, g_mean, g_var)
-  return platform.switch(args, _on_mesh(triton), xla, plan.decision, False)
+  return platform.switch(args, _on_mesh(triton, (0, 2, 3)), xla, plan.decision, False)
 
 
 def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
@@ -155,4 +156,4 @@ def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
     return (dx.reshape(x_hat.shape), _like(s_dz_xh, scale), _like(s_dz, bias), d_mean, d_var)
 
   args = (x_hat, r, scale, bias, mean, var, g)
-  return platform.switch(args, _on_mesh(triton), xla, plan.decision, False)
+  return platform.switch(args, _on_mesh(triton, (0, 2, 3, 4, 5)), xla, plan.decision, False)

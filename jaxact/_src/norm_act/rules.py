@@ -57,7 +57,7 @@ def _sharding(plan: NormActPlan, arrays) -> str | None:
   if isinstance(mesh, str):
     return mesh
   for a in arrays:
-    if a is not None and any(shardings.spec_of(a)):
+    if a is not None and any(shardings.split_spec(a)):
       return f"inputs sharded over a mesh (spec {shardings.pspec(shardings.spec_of(a))})"
   t = getattr(jax.typeof(arrays[0]), "manual_axis_type", None)
   if t is not None and t.varying:

@@ -1,0 +1,119 @@
+"""A program written for any number of devices, run on one: its arrays typed over Explicit mesh
+axes of one device (``jax.make_mesh((jax.device_count(),), ("data",), ...)`` on one GPU). Such
+axes split nothing, so the kernels run as on untyped arrays: ``implementation=None`` decides as it
+does without a mesh, ``"pallas"`` runs (interpret mode here) and equals the untyped call, and every
+cotangent is typed as its primal. Before, the rules read a one-device contraction, feature axis or
+norm input as sharded and declined the kernels."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxact
+from jaxact._src.activations import api as activations
+from jaxact._src.activations.resolve import Act
+from jaxact._src.fused import rules as fused_rules
+from jaxact._src.fused.plan import Dense, Plan
+from jaxact._src.norm_act import rules as norm_act_rules
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _normal(i, shape, scale=1.0):
+  return jax.random.normal(jax.random.key(i), shape, jnp.float32) * scale
+
+
+X2, W, B = _normal(0, (16, 32)), _normal(1, (32, 64), 0.2), _normal(2, (64,))
+X4, WC, BC = _normal(3, (4, 8, 8, 16)), _normal(4, (3, 3, 16, 16), 0.2), _normal(5, (16,))
+WG, WU, WD = _normal(6, (32, 48), 0.2), _normal(7, (32, 48), 0.2), _normal(8, (48, 32), 0.2)
+SCALE, BIAS = 1.3 + _normal(9, (16,), 0.1), _normal(10, (16,), 0.1)
+
+CASES = {
+  "dense": (
+    lambda x, w, b: jaxact.dense_bias_act(x, w, b, activation="gelu", implementation="pallas"),
+    (X2, W, B),
+  ),
+  "conv": (
+    lambda x, w, b: jaxact.conv_bias_act(x, w, b, activation="relu", implementation="pallas"),
+    (X4, WC, BC),
+  ),
+  "gated": (
+    lambda x, g, u, d: jaxact.gated_mlp(x, g, u, d, implementation="pallas"),
+    (X2, WG, WU, WD),
+  ),
+  "batch_norm_act": (
+    lambda x, s, b: jaxact.batch_norm_act(x, s, b, activation="relu", implementation="pallas")[0],
+    (X4, SCALE, BIAS),
+  ),
+  "group_norm_act": (
+    lambda x, s: jaxact.group_norm_act(
+      x, s, None, activation="silu", num_groups=4, implementation="pallas"
+    ),
+    (X4, SCALE),
+  ),
+}
+
+
+def _value_and_grads(fn, args):
+  y, pull = jax.vjp(fn, *args)
+  return y, pull(jnp.cos(y))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kernels_on_a_one_device_mesh_equal_the_untyped_call(name):
+  fn, args = CASES[name]
+  run = jax.jit(_value_and_grads, static_argnums=0)
+  want = run(fn, args)
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    # every array's first dimension typed over the axis: x's rows and the weights' contraction
+    typed = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in args)
+    y, grads = run(fn, typed)
+  for a, g in zip(typed, grads, strict=True):
+    assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec
+  for u, v in zip(jax.tree.leaves((y, grads)), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(v))))
+
+
+def _h100(size: int) -> AbstractMesh:
+  device = AbstractDevice(device_kind=H100, num_cores=None, platform="cuda")
+  return AbstractMesh((size,), ("data",), (AxisType.Explicit,), abstract_device=device)
+
+
+def _operand(shape, dtype=jnp.bfloat16, mesh=None):
+  """An operand, typed with its first dimension over `mesh`'s data axis (untyped without)."""
+  sharding = None if mesh is None else NamedSharding(mesh, P("data"))
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _dense_decision(size: int, typed: bool):
+  spec = activations.get_spec("gelu")
+  z = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+  rule, _ = activations._split_params(spec, z, {p.name: p.default for p in spec.params})
+  plan = Plan(Dense(None), Act(rule=rule), jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), True)
+  mesh = _h100(size)
+  # FSDP's typing: x's rows and w's contraction dimension over the data axis
+  x, w = (_operand(s, mesh=mesh if typed else None) for s in ((256, 128), (128, 512)))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return fused_rules.decide("dense_bias_act", None, plan, x, w)
+
+
+def test_none_decides_on_one_device_axes_as_without_a_mesh():
+  want, got = _dense_decision(1, typed=False), _dense_decision(1, typed=True)
+  assert (got.forward, got.backward) == (want.forward, want.backward) == ("mosaic", "xla")
+  # over two devices the same typing splits the contraction: the kernels decline
+  assert "contraction dimension is sharded" in _dense_decision(2, typed=True).declined
+
+
+def test_norm_kernels_decline_only_inputs_a_mesh_splits():
+  plan = types.SimpleNamespace(axis_name=None)
+  x = lambda size: _operand((4, 8, 8, 16), jnp.float32, _h100(size))
+  assert norm_act_rules._sharding(plan, (x(1), None, None)) is None
+  assert norm_act_rules._sharding(plan, (x(2), None, None)).startswith("inputs sharded")
