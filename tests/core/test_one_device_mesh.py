@@ -33,6 +33,11 @@ def _normal(i, shape, scale=1.0):
 X2, W, B = _normal(0, (16, 32)), _normal(1, (32, 64), 0.2), _normal(2, (64,))
 X4, WC, BC = _normal(3, (4, 8, 8, 16)), _normal(4, (3, 3, 16, 16), 0.2), _normal(5, (16,))
 WG, WU, WD = _normal(6, (32, 48), 0.2), _normal(7, (32, 48), 0.2), _normal(8, (48, 32), 0.2)
+XB, WB = (
+  _normal(11, (128, 128)).astype(jnp.bfloat16),
+  _normal(12, (128, 512), 0.1).astype(jnp.bfloat16),
+)
+LABELS = jax.random.randint(jax.random.key(13), (128,), 0, 512)
 SCALE, BIAS = 1.3 + _normal(9, (16,), 0.1), _normal(10, (16,), 0.1)
 
 CASES = {
@@ -47,6 +52,11 @@ CASES = {
   "gated": (
     lambda x, g, u, d: jaxact.gated_mlp(x, g, u, d, implementation="pallas"),
     (X2, WG, WU, WD),
+  ),
+  "linear_cross_entropy": (
+    lambda x, w: jaxact.linear_cross_entropy(x, w, LABELS, implementation="mosaic"),
+    (XB, WB),
+    (P("data"), P(None, "data")),  # w's vocabulary over the axis, as x's rows
   ),
   "batch_norm_act": (
     lambda x, s, b: jaxact.batch_norm_act(x, s, b, activation="relu", implementation="pallas")[0],
@@ -68,13 +78,16 @@ def _value_and_grads(fn, args):
 
 @pytest.mark.parametrize("name", CASES)
 def test_kernels_on_a_one_device_mesh_equal_the_untyped_call(name):
-  fn, args = CASES[name]
+  fn, args, *specs = CASES[name]
+  specs = specs[0] if specs else (P("data"),) * len(args)
   run = jax.jit(_value_and_grads, static_argnums=0)
   want = run(fn, args)
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):
-    # every array's first dimension typed over the axis: x's rows and the weights' contraction
-    typed = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in args)
+    # by default every array's first dimension over the axis: x's rows, a weight's contraction
+    typed = tuple(
+      jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)
+    )
     y, grads = run(fn, typed)
   for a, g in zip(typed, grads, strict=True):
     assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec
