@@ -130,3 +130,30 @@ def test_norm_kernels_decline_only_inputs_a_mesh_splits():
   x = lambda size: _operand((4, 8, 8, 16), jnp.float32, _h100(size))
   assert norm_act_rules._sharding(plan, (x(1), None, None)) is None
   assert norm_act_rules._sharding(plan, (x(2), None, None)).startswith("inputs sharded")
+
+
+def test_replicated_gated_operands_on_a_mesh_take_the_blocked_backward(monkeypatch):
+  """gated's XLA backward runs in blocks of rows on whole arrays (rules.backward_rows): replicated
+  operands on an Explicit mesh are whole arrays (read as sharded before: no blocks); operands
+  typed over an axis, even of one device, keep one pass (the blocks' products are not written
+  for operands typed over mesh axes)."""
+  from jaxact._src.gated import rules as gated_rules
+
+  monkeypatch.setattr(gated_rules, "BACKWARD_ROWS", 4)
+  args = (X2, WG, WU, WD)  # 16 tokens: four blocks
+
+  def loops(specs):
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+      typed = tuple(jax.device_put(a, NamedSharding(mesh, specs)) for a in args)
+      grad = jax.grad(lambda *a: jnp.sum(jaxact.gated_mlp(*a)), (0, 1, 2, 3))
+      text = str(jax.make_jaxpr(grad)(*typed))
+      np.testing.assert_allclose(
+        grad(*typed)[1],
+        jax.grad(lambda *a: jnp.sum(jaxact.gated_mlp(*a)), 1)(*args),
+        rtol=1e-5,
+        atol=1e-5,
+      )
+    return "while" in text or "scan" in text
+
+  assert loops(P()) and not loops(P("data"))

@@ -141,7 +141,7 @@ def backward_rows(plan: GatedPlan, tokens: int, weight_dtype) -> int | None:
   blocks' float32 sums of the three weight gradients cost more than the blocks save (compiled for
   an H100, bf16, 8 scanned blocks of 8192 x 4096 x 11008: 5362 -> 5730 MiB, under block remat
   1478 -> 2017)."""
-  split = lambda spec: spec is not None and any(axis is not None for axis in spec)
+  split = lambda spec: spec is not None and any(spec)  # spec_of's: () where a dim is whole
   sharded = any(map(split, plan.shardings)) or plan.x_gather is not None
   if plan.decision.backward != "xla" or plan.dropout is not None or sharded:
     return None
