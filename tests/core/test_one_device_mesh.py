@@ -2,8 +2,9 @@
 axes of one device (``jax.make_mesh((jax.device_count(),), ("data",), ...)`` on one GPU). Such
 axes split nothing, so the kernels run as on untyped arrays: ``implementation=None`` decides as it
 does without a mesh, ``"pallas"`` runs (interpret mode here) and equals the untyped call, and every
-cotangent is typed as its primal. Before, the rules read a one-device contraction, feature axis or
-norm input as sharded and declined the kernels."""
+cotangent is typed as its primal. Before, the rules read a one-device contraction, feature axis,
+vocabulary or norm input as sharded and declined the kernels, and attention raised for a sequence
+typed over such an axis under every implementation."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ XB, WB = (
   _normal(11, (128, 128)).astype(jnp.bfloat16),
   _normal(12, (128, 512), 0.1).astype(jnp.bfloat16),
 )
+Q, K, V = (_normal(i, (2, 32, 4, 16)) for i in (14, 15, 16))
 LABELS = jax.random.randint(jax.random.key(13), (128,), 0, 512)
 SCALE, BIAS = 1.3 + _normal(9, (16,), 0.1), _normal(10, (16,), 0.1)
 
@@ -57,6 +59,11 @@ CASES = {
     lambda x, w: jaxact.linear_cross_entropy(x, w, LABELS, implementation="mosaic"),
     (XB, WB),
     (P("data"), P(None, "data")),  # w's vocabulary over the axis, as x's rows
+  ),
+  "attention": (  # the sequence over the axis (raised for every implementation before)
+    lambda q, k, v: jaxact.dot_product_attention(q, k, v, is_causal=True, implementation="pallas"),
+    (Q, K, V),
+    (P(None, "data"),) * 3,
   ),
   "batch_norm_act": (
     lambda x, s, b: jaxact.batch_norm_act(x, s, b, activation="relu", implementation="pallas")[0],
@@ -91,6 +98,8 @@ def test_kernels_on_a_one_device_mesh_equal_the_untyped_call(name):
     y, grads = run(fn, typed)
   for a, g in zip(typed, grads, strict=True):
     assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec
+  if name != "linear_cross_entropy":  # a scalar loss; else rows (and a sequence) typed as x's
+    assert jax.typeof(y).sharding.spec[:2] == jax.typeof(typed[0]).sharding.spec[:2]
   for u, v in zip(jax.tree.leaves((y, grads)), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(v))))
 

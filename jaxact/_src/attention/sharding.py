@@ -38,13 +38,14 @@ def per_device(fn, plan, q, k, v, bias, aux):
     return functools.partial(fn, plan)
   if isinstance(mesh, str):
     _fail(mesh)
-  qs, ks = shardings.spec_of(q), shardings.spec_of(k)
-  if qs[1] or ks[1] or shardings.spec_of(v)[1]:
+  qs, ks, vs = shardings.spec_of(q), shardings.spec_of(k), shardings.spec_of(v)
+  split = lambda *axes: any(shardings.splits(mesh, a) for a in axes)  # one-device axes split none
+  if split(qs[1], ks[1], vs[1]):
     _fail(
       f"the sequence axis is sharded (query {shardings.pspec(qs)}, key {shardings.pspec(ks)}); "
       "each device attends whole sequences: shard batch and heads, or reshard the sequence first"
     )
-  if qs[3] or ks[3]:
+  if split(qs[3], ks[3], vs[3]):
     _fail(f"the head dim is sharded (query {shardings.pspec(qs)}, key {shardings.pspec(ks)})")
   batch, heads = qs[0], qs[2]
   if plan.dropout is not None and not plan.broadcast_dropout and (batch or heads):
@@ -54,8 +55,9 @@ def per_device(fn, plan, q, k, v, bias, aux):
   if n % parts:
     _fail(f"{n} query heads do not split over {parts} devices ({heads})")
   kv_split = kv_heads % parts == 0
-  kv_spec = (batch, (), heads if kv_split else (), ())
-  q_spec = (batch, (), heads, ())
+  # the sequence and head dims whole on each device, typed as given (over axes of one device)
+  kv_spec = (batch, ks[1], heads if kv_split else (), ks[3])
+  q_spec = (batch, qs[1], heads, qs[3])
 
   def map_spec(a):  # bias, mask: (B|1, N|1, T|1, S|1)
     if a is None:
