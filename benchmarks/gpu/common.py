@@ -116,6 +116,19 @@ def conv_paths(name, implementations=("xla", "pallas")):
 # ------------------------------------------------------------------------------------- env
 
 
+PACKAGES = ("jaxlib", "flax", "triton", "jax-cuda13-plugin", "jax-cuda12-plugin")
+
+
+def versions(*names: str) -> dict[str, str]:
+  """The installed version of each distribution in `names` (default :data:`PACKAGES`: what the
+  kernels and layers run on beside jax) that is installed."""
+  from importlib import metadata
+
+  names = names or PACKAGES
+  installed = {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
+  return {n: installed[n] for n in names if n in installed}
+
+
 def section_env(gpu, runs):
   """Device, jax version, and the two ceilings: device-to-device copy bandwidth (a jitted copy of
   1 GiB, bytes read + written) and the bfloat16 matmul rate of ``jnp.dot`` (8192^3)."""
@@ -140,6 +153,8 @@ def section_env(gpu, runs):
     "device": gpu.device_kind,
     "compute_capability": getattr(gpu, "compute_capability", "?"),
     "jax": jax.__version__,
+    # what else the image brings that the kernels and layers run on (KINDS.md names jax's only)
+    "packages": versions(),
     "date": datetime.date.today().isoformat(),
     "copy_GBps": gbps,
     "bf16_matmul_TFLOPs": tflops,
@@ -149,5 +164,6 @@ def section_env(gpu, runs):
     f"jax {info['jax']}, {info['date']}",
     f"device-to-device copy (1 GiB, read + write): {gbps:.0f} GB/s",
     f"bf16 jnp.dot 8192^3: {tflops:.0f} TFLOP/s",
+    "packages: " + ", ".join(f"{k} {v}" for k, v in info["packages"].items()),
   ]
   return info, lines

@@ -41,11 +41,14 @@ def judge(ctx: th.Context, kernel: str, check) -> None:
 
 def env(ctx: th.Context):
   """The device and its ceilings (copy bandwidth, bf16 matmul rate)."""
-  from benchmarks.gpu.common import gpu_device, section_env
+  from benchmarks.gpu.common import gpu_device, section_env, versions
 
   gpu = gpu_device()
   if gpu is None or ctx.small:
-    ctx.verdict("env", "ok", f"no GPU: {jax.devices()[0].device_kind}")
+    packages = ", ".join(f"{k} {v}" for k, v in versions().items())
+    ctx.verdict(
+      "env", "ok", f"no GPU: {jax.devices()[0].device_kind}; jax {jax.__version__}, {packages}"
+    )
     return [], {}
   info, lines = section_env(gpu, ctx.runs)
   ctx.results["copy_GBps"] = info["copy_GBps"]
