@@ -89,7 +89,7 @@ def _experts(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, si
   return _experts_fwd(plan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)[0]
 
 
-def transpose(plan: MoEPlan, f, primal: Array, ct: Array) -> Array:
+def transpose(f, primal: Array, ct: Array) -> Array:
   """The transpose of the linear `f` in `primal` (a ragged_dot's) applied to `ct`."""
   return jax.linear_transpose(f, primal)(ct)[0]
 
@@ -98,7 +98,7 @@ def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype) -> Array:
   """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`."""
 
   def xla(lhs, ct, sizes):
-    return transpose(plan, lambda w_: _ragged_dot(plan, lhs, w_, sizes, dtype), w, ct)
+    return transpose(lambda w_: _ragged_dot(plan, lhs, w_, sizes, dtype), w, ct)
 
   if plan.decision.backward != "xla":
     return kernels.tgmm(plan, lhs, ct, sizes, dtype, xla)
@@ -109,7 +109,7 @@ def input_grad(plan: MoEPlan, ct, w, lhs, sizes, dtype) -> Array:
   """The cotangent of `lhs` in ``ragged(lhs, w)`` from the output's `ct`."""
 
   def xla(ct, w, sizes):
-    return transpose(plan, lambda v: _ragged_dot(plan, v, w, sizes, dtype), lhs, ct)
+    return transpose(lambda v: _ragged_dot(plan, v, w, sizes, dtype), lhs, ct)
 
   if plan.decision.backward != "xla":
     return kernels.gmm_t(plan, ct, w, sizes, dtype, xla)
