@@ -443,6 +443,9 @@ def test_the_converted_checkpoint_is_the_ported_models_tree_and_runs_it(resnet, 
   init = functools.partial(ported.init, train=False)
   assert shapes(converted) == shapes(jax.eval_shape(init, jax.random.key(1), x))
   assert "Dense_0" in converted["params"]
+  # the units average their statistics over train.py's "batch" axis: outside it they cannot
+  with pytest.raises(NameError, match="unbound axis name: batch"):
+    jax.eval_shape(lambda v: ported.apply(v, x, mutable=["batch_stats"]), converted)
   train = lambda model: pmapped(lambda v, x: model.apply(v, x, mutable=["batch_stats"]))
   want, want_stats = train(original)(variables, x)
   got, got_stats = train(ported)(converted, x)
