@@ -127,7 +127,7 @@ def test_the_port_draws_the_examples_parameters(gemma):
     np.testing.assert_array_equal(g, w, err_msg=path)
 
 
-TOKENS = jax.random.randint(jax.random.key(1), (B, T), 1, 64)
+TOKENS = jax.random.randint(jax.random.key(1), (B, T), 1, 64, jnp.int32)
 INPUT_MASK = jnp.arange(T)[None, :] < jnp.array([[T], [T - 3]])  # the second row padded
 SEGMENTS = jnp.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 0, 0, 0]])  # packed; 0: padding
 
@@ -175,7 +175,7 @@ def test_the_ports_logits_are_the_examples(gemma, name):
 def test_with_a_cache_the_port_runs_the_examples_lines(gemma):
   """The sampler's call: a cache, and (for the ported class) a CausalMask made dense."""
   original, ported = models(gemma)
-  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   mask = make_causal_attn_mask(jnp.ones((B, T), bool))
   want, want_cache = jax.jit(original)(TOKENS, positions, original.init_cache(T, B), mask)
   causal = gemma.port.CausalMask(jnp.ones((B, T), bool))
