@@ -1,6 +1,10 @@
 """What Flax's ``examples/gemma`` computes where the porting guide (docs/porting-flax.md) swaps in
 jaxact, written after the example (``modules.py``'s ``Attention.__call__``, ``transformer.py``'s
 ``make_causal_attn_mask``) for the tests and ``benchmarks/gemma.py`` to compare against.
+
+The whole example (its modules and ``train.py``'s step, which need Flax: this package imports
+jax, numpy and the library alone) is ``tests/gemma_example.py``, which the guide's blocks are
+pasted into by tests/repo/test_porting_guide.py.
 """
 
 from __future__ import annotations

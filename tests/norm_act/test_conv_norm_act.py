@@ -228,3 +228,21 @@ def test_a_bad_norm_names_the_layer():
     jnn.ConvNormAct(8, (3, 3), norm="layer").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r"jaxact\.nnx\.ConvNormAct: `norm` 'layer' is not"):
     jnnx.ConvNormAct(3, 8, (3, 3), norm="layer", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("layer", ["ConvNormAct", "NormActConv"])
+def test_a_bare_use_bias_is_refused_and_the_norms_bias_is_norm_use_bias(layer):
+  """``nn.Conv(use_bias=False)`` ported as it stands would have turned off the norm's bias (a
+  checkpoint's BatchNorm bias then silently unused): refused, naming both attributes."""
+  x = inputs(jnp.float32)
+  match = (
+    rf"jaxact\.(linen|nnx)\.{layer}: `use_bias` \(got False\) .*`conv_use_bias`.*`norm_use_bias`"
+  )
+  with pytest.raises(TypeError, match=match):
+    getattr(jnn, layer)(8, (3, 3), use_bias=False)
+  with pytest.raises(TypeError, match=match):
+    getattr(jnnx, layer)(3, 8, (3, 3), use_bias=False, rngs=nnx.Rngs(0))
+  kw = dict(use_running_average=False, norm_use_bias=False)
+  variables = getattr(jnn, layer)(8, (3, 3), **kw).init(jax.random.key(0), x)
+  assert "bias" not in variables["params"]["BatchNorm_0"]
+  assert getattr(jnnx, layer)(3, 8, (3, 3), norm_use_bias=False, rngs=nnx.Rngs(0)).norm.bias is None

@@ -422,3 +422,14 @@ def activate(layer: str, x_hat, scale, bias, *, activation: Activation, feature_
   except (TypeError, ValueError) as e:
     raise type(e)(str(e).replace("jaxact.batch_norm_act", layer, 1)) from None
   return vjp.activate(plan, x_hat, scale, bias, *dynamic)
+
+
+def refuse_use_bias(layer: str, use_bias) -> None:
+  """A conv-and-norm layer takes no bare `use_bias`: ported from ``nn.Conv(use_bias=False)`` it
+  would read as the norm's and silently drop its bias (a checkpoint's ``bias`` then unused)."""
+  if use_bias is not None:
+    raise TypeError(
+      f"{layer}: `use_bias` (got {use_bias!r}) could be the convolution's or the norm's: pass "
+      "`conv_use_bias` for the convolution's bias (nn.Conv's use_bias) or `norm_use_bias` for "
+      "the norm's"
+    )

@@ -185,10 +185,14 @@ class ConvNormAct(nn.Module):
     use_running_average, momentum, axis_name, axis_index_groups: ``nn.BatchNorm``'s.
     num_groups, group_size: ``nn.GroupNorm``'s.
     epsilon: the norm's; None is its default (1e-5 for batch, 1e-6 for group norm).
-    use_scale, use_bias, scale_init, bias_init, use_fast_variance: the norm's.
+    use_scale, scale_init, bias_init, use_fast_variance: the norm's.
+    norm_use_bias: the norm's ``use_bias`` (default True).
     dtype, param_dtype: both layers'.
     conv_use_bias: the convolution's ``use_bias`` (default False: a batch norm's mean removes a
       bias; a group norm's does not, and diffusion U-Nets keep one before it).
+    use_bias: refused with a ``TypeError`` (either layer's? ``nn.Conv(use_bias=False)``
+      ported as it stands would drop the norm's bias): say ``conv_use_bias`` or
+      ``norm_use_bias``.
   """
 
   features: int
@@ -206,7 +210,7 @@ class ConvNormAct(nn.Module):
   num_groups: int | None = 32
   group_size: int | None = None
   use_scale: bool = True
-  use_bias: bool = True
+  norm_use_bias: bool = True
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   precision: PrecisionLike = None
@@ -217,6 +221,11 @@ class ConvNormAct(nn.Module):
   axis_index_groups: Any = None
   use_fast_variance: bool = True
   conv_use_bias: bool = False
+  use_bias: None = None  # refused: conv_use_bias or norm_use_bias
+
+  def __post_init__(self):
+    norm_act.refuse_use_bias(f"jaxact.linen.{type(self).__name__}", self.use_bias)
+    super().__post_init__()
 
   def _layers(self, layer: str, use_running_average):
     """``(conv, norm, the norm's call keywords, whether it takes batch statistics)``, named as
@@ -246,7 +255,7 @@ class ConvNormAct(nn.Module):
     )
     norm_kw = dict(
       use_scale=self.use_scale,
-      use_bias=self.use_bias,
+      use_bias=self.norm_use_bias,
       scale_init=self.scale_init,
       bias_init=self.bias_init,
       dtype=self.dtype,

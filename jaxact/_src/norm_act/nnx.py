@@ -263,9 +263,11 @@ class ConvNormAct(nnx.Module):
     use_running_average, momentum, axis_name, axis_index_groups: ``nnx.BatchNorm``'s.
     num_groups, group_size: ``nnx.GroupNorm``'s.
     epsilon: the norm's; None is its default (1e-5 for batch, 1e-6 for group norm).
-    use_scale, use_bias, scale_init, bias_init, use_fast_variance: the norm's.
+    use_scale, scale_init, bias_init, use_fast_variance: the norm's.
+    norm_use_bias: the norm's ``use_bias`` (default True).
     dtype, param_dtype, rngs: both layers'.
     conv_use_bias: the convolution's ``use_bias`` (default False).
+    use_bias: refused with a ``TypeError``: say ``conv_use_bias`` or ``norm_use_bias``.
   """
 
   _norm_first = False  # NormActConv: the norm on the input, made (from `rngs`) before the conv
@@ -289,7 +291,7 @@ class ConvNormAct(nnx.Module):
     num_groups: int | None = 32,
     group_size: int | None = None,
     use_scale: bool = True,
-    use_bias: bool = True,
+    norm_use_bias: bool = True,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     precision: PrecisionLike = None,
@@ -300,9 +302,11 @@ class ConvNormAct(nnx.Module):
     axis_index_groups: tp.Any = None,
     use_fast_variance: bool = True,
     conv_use_bias: bool = False,
+    use_bias: None = None,
     rngs: nnx.Rngs,
   ):
     layer = f"jaxact.nnx.{type(self).__name__}"
+    norm_act.refuse_use_bias(layer, use_bias)
     if norm not in ("batch", "group"):
       raise ValueError(f"{layer}: `norm` {norm!r} is not known; choose 'batch' or 'group'")
     make_conv = functools.partial(
@@ -326,7 +330,7 @@ class ConvNormAct(nnx.Module):
       self.conv = make_conv()
     kw = dict(
       use_scale=use_scale,
-      use_bias=use_bias,
+      use_bias=norm_use_bias,
       scale_init=scale_init,
       bias_init=bias_init,
       dtype=dtype,
