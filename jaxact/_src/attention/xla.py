@@ -18,7 +18,8 @@ blocks outside, query blocks inside) and forms
 
 then ``dq = scale dS k ds/dz``, ``dk = scale dSᵀ q ds/dz`` (summed over the query heads of a
 group), ``dv = Pᵀ dO``, ``dbias = dS`` summed over the bias's broadcast axes. Where ``scale q . k``
-lies beyond the float range its logit is clipped there, and ``ds/dz`` is 0.
+lies beyond the float range its logit is clipped there, and ``ds/dz`` is 0. Where P is exactly 1
+(a one-hot row) ``dS`` is 0.
 
 Blocks: the forward loops over query blocks and, inside, over the key blocks that hold an
 unmasked (t, u) for the causal mask and the window, with an online softmax (running max and sum);
@@ -174,7 +175,9 @@ def backward(plan: AttentionPlan, x: Inputs, o: Array, stats: Array, do: Array):
         preferred_element_type=acc,
         precision=plan.precision,
       )
-      ds = p * (dp - d_blk[..., None])  # d loss / d s
+      # d loss / d s. Where P is exactly 1 the row is one-hot and dS is 0: dP - D is then only
+      # rounding (D from the stored O), which q or k rows of 1e30 would make a gradient of 1e22.
+      ds = jnp.where(p == 1, 0, p * (dp - d_blk[..., None]))
       if dbias is not None:
         dbias = _add_block(dbias, ds, q0, k0, plan)
       ds = ds * blk.slope if plan.soft_cap is not None else jnp.where(blk.slope, ds, 0)
