@@ -117,13 +117,15 @@ def dot_product_attention(
     bias: added to the (capped) logits, broadcastable to ``(B, N, T, S)`` (rank <= 4, leading
       axes added); its gradient is computed. ``-inf`` entries mask.
     mask: bool, broadcastable to ``(B, N, T, S)``: True attends.
-    scale: multiplies ``Q Kᵀ``; None: ``1 / sqrt(H)``.
+    scale: multiplies ``Q Kᵀ``; None: ``1 / sqrt(H)``. At most the logits' dtype's largest float
+      in magnitude (float32's, float64's for float64 inputs).
     is_causal: mask keys after each query (``u > t``, jax.nn's top-left aligned ``tril``).
     query_seq_lengths: ``(B,)`` integers: rows at or beyond give 0.
     key_value_seq_lengths: ``(B,)`` integers: keys at or beyond are masked.
     local_window_size: ``(left, right)`` or an int for both: each query ``t`` sees keys ``t -
       left`` to ``t + right``.
-    logits_soft_cap: :math:`c > 0`, or None for no cap.
+    logits_soft_cap: :math:`c > 0`, a normal number of the logits' dtype (float32: 1.2e-38 to
+      3.4e38), or None for no cap.
     query_segment_ids: ``(B, T)`` integers for packed sequences: a query attends only to keys
       of its own segment id (alone it serves the keys too, when T == S).
     key_value_segment_ids: ``(B, S)`` integers, the keys' segment ids (alone it serves the

@@ -157,6 +157,21 @@ def _static_float(name: str, value, *, positive: bool) -> float:
   return v
 
 
+def _held(name: str, value: float, acc: np.dtype, *, cap: bool) -> float:
+  """`value` where the logits' dtype `acc` holds it: a soft cap as a normal number (``z / c`` and
+  ``c tanh`` of a subnormal or infinite cap make NaN), a scale within the float's range."""
+  tiny, high = float(np.finfo(acc).tiny), float(np.finfo(acc).max)
+  if tiny <= value <= high if cap else abs(value) <= high:
+    return value
+  accepted = f"from {tiny:.4g} to {high:.4g}" if cap else f"at most {high:.4g} in magnitude"
+  raise ValueError(
+    _err(
+      f"`{name}` is {value!r}, which {acc.name}, the logits' dtype, does not hold; accepted: "
+      f"{accepted}"
+    )
+  )
+
+
 def blocks(block_sizes, heads: int, t, s, head_dim: int) -> tuple:
   """The XLA path's blocks, at most T by S (symbolic where T or S is)."""
   if block_sizes is None:
@@ -232,14 +247,14 @@ def call(
   window = _window(local_window_size)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(_err(f"`is_causal` must be a bool; got {is_causal!r}"))
+  acc = np.dtype(validation.compute_dtype(q.dtype))
   cap = None
   if logits_soft_cap is not None:
     cap = _static_float("logits_soft_cap", logits_soft_cap, positive=True)
-  scale = (
-    1 / math.sqrt(h)
-    if scale is None and h
-    else _static_float("scale", 1.0 if scale is None else scale, positive=False)
-  )
+    cap = _held("logits_soft_cap", cap, acc, cap=True)
+  if scale is not None:
+    scale = _held("scale", _static_float("scale", scale, positive=False), acc, cap=False)
+  scale = 1 / math.sqrt(h) if scale is None and h else 1.0 if scale is None else scale
   drop, key_data = _dropout(dropout_rate, dropout_rng, broadcast_dropout, full)
   plan = AttentionPlan(
     scale=scale,
@@ -249,7 +264,7 @@ def call(
     dropout=drop,
     broadcast_dropout=bool(broadcast_dropout),
     precision=args.hashable_precision(precision),
-    acc_dtype=np.dtype(validation.compute_dtype(q.dtype)),
+    acc_dtype=acc,
   )
   aux = Aux(mask, q_len, kv_len, q_seg, kv_seg, key_data)
   return Call(plan, q, k, v, bias, aux), unbatched

@@ -18,8 +18,9 @@ blocks outside, query blocks inside) and forms
 
 then ``dq = scale dS k ds/dz``, ``dk = scale dSᵀ q ds/dz`` (summed over the query heads of a
 group), ``dv = Pᵀ dO``, ``dbias = dS`` summed over the bias's broadcast axes. Where ``scale q . k``
-lies beyond the float range its logit is clipped there, and ``ds/dz`` is 0. Where P is exactly 1
-(a one-hot row) ``dS`` is 0.
+lies beyond the float range its logit is clipped there, and ``ds/dz`` is 0; a query row whose
+products could overflow is scaled by a power of two first (:mod:`.xla_blocks`), so that a logit
+that fits is exact. Where P is exactly 1 (a one-hot row) ``dS`` is 0.
 
 Blocks: the forward loops over query blocks and, inside, over the key blocks that hold an
 unmasked (t, u) for the causal mask and the window, with an online softmax (running max and sum);

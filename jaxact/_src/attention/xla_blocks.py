@@ -5,6 +5,7 @@ mask."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -114,18 +115,31 @@ def logits(plan: AttentionPlan, sh: Shapes, x: Inputs, q_blk, k_blk, q0, k0, i, 
   """One :class:`Block`: ``c tanh(scale q.k / c) + bias``, ``scale q.k`` clipped to the float
   range first (a clipped logit's derivative is 0), masked by every mask of the call."""
   acc = plan.acc_dtype
+  shift = _shift(plan, q_blk, k_blk)
+  if shift is not None:  # the rows scaled down by 2**shift (B, bq, K, G): no product overflows
+    half = (shift // 2)[..., None]
+    q_blk = q_blk * _pow2(-half, q_blk.dtype) * _pow2(half - shift[..., None], q_blk.dtype)
+    shift = jnp.transpose(shift, (0, 2, 3, 1))[..., None]  # as z's rows, (B, K, G, bq, 1)
   z = jnp.einsum(
     "btkgh,bskh->bkgts", q_blk, k_blk, preferred_element_type=acc, precision=plan.precision
   )
-  fmax = jnp.finfo(acc).max
   z = z * jnp.asarray(plan.scale, acc)
+  high, low = np.finfo(acc).max, floor(acc)
+  if shift is not None:  # the float's range in the rows' units
+    high, low = (jnp.ldexp(jnp.asarray(a, acc), -shift) for a in (high, low))
   slope = None
   if backward:
-    slope = jnp.abs(z) <= fmax  # scale q.k overflowed: clipped below, derivative 0
-  z = jnp.clip(z, floor(acc), fmax)  # finite logits, whatever q . k is
+    slope = jnp.abs(z) <= high  # scale q.k beyond the float: clipped below, derivative 0
+  z = jnp.clip(z, low, high)  # finite logits, whatever q . k is
+  if shift is not None:  # in two halves: 2**shift alone may be past the float
+    half = shift // 2
+    z = z * _pow2(half, acc) * _pow2(shift - half, acc)
   if plan.soft_cap is not None:
     c = jnp.asarray(plan.soft_cap, acc)
-    z = c * jnp.tanh(z / c)
+    y = z / c
+    # Where |y| < sqrt(eps) / 2, c tanh(y) is z to the last bit, and y under a cap near the
+    # float's largest would fall below its least normal number (flushed to 0 on CPUs and GPUs).
+    z = jnp.where(jnp.abs(y) < np.sqrt(np.finfo(acc).eps) / 2, z, c * jnp.tanh(y))
     if backward:
       slope = jnp.where(slope, 1 - jnp.square(z / c), 0)
   bq, bk = plan.block_q, plan.block_k
@@ -152,8 +166,27 @@ def logits(plan: AttentionPlan, sh: Shapes, x: Inputs, q_blk, k_blk, q0, k0, i, 
   if x.bias is not None:
     z = z + sliced(x.bias, {3: q0, 4: k0}, {3: bq, 4: bk}).astype(acc)
     valid = valid & (z > -jnp.inf)  # a bias of -inf masks
-    z = jnp.clip(z, floor(acc), fmax)
+    z = jnp.clip(z, floor(acc), np.finfo(acc).max)
   return Block(jnp.where(valid, z, jnp.finfo(acc).min), slope)
+
+
+def _shift(plan: AttentionPlan, q_blk: Array, k_blk: Array) -> Array | None:
+  """The power of two (B, bq, K, G) each query row of the block is scaled down by so that no
+  product ``scale q_h k_h`` nor their sum overflows (``inf - inf`` is NaN): 0 unless the row's and
+  the block's largest ``|q|``, ``|k|`` could; None where the dtypes rule overflow out."""
+  acc, h = np.finfo(plan.acc_dtype), q_blk.shape[-1]
+  # |scale q.k| < 2**(e_q + e_k + bits), e_q and e_k the exponents of the largest |q| and |k|
+  bits = (h - 1).bit_length() + max(0, math.frexp(plan.scale)[1])
+  if 2 * jnp.finfo(q_blk.dtype).maxexp + bits < acc.maxexp:
+    return None
+  _, e_q = jnp.frexp(jnp.max(jnp.abs(q_blk), -1).astype(acc.dtype))  # |q| < 2**e_q
+  _, e_k = jnp.frexp(jnp.max(jnp.abs(k_blk), (1, 3)).astype(acc.dtype))  # (B, K)
+  return jnp.maximum(e_q + e_k[:, None, :, None] + (bits + 1 - acc.maxexp), 0)
+
+
+def _pow2(n: Array, dtype) -> Array:
+  """``2**n`` in `dtype`, exact (``n`` within its exponents)."""
+  return jnp.ldexp(jnp.ones((), dtype), n)
 
 
 def floor(dtype) -> np.ndarray:
