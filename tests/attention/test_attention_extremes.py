@@ -49,7 +49,7 @@ def _value_and_grads(f, q, k, v):
     o = f(q, k, v).astype(F64)
     return jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=F64)).reshape(o.shape))
 
-  return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
 def check(q, k, v, dtype, *, scale=None, cap=None, implementation=None, shift=0):
@@ -117,7 +117,7 @@ def test_terms_past_the_float_range_with_a_logit_that_fits(dtype):
   k[0, 7, 0, :2] = a, -a * (1 - 2.0**-8)  # half the logit: the row stays one-hot on key 5
   check(q, k, v, dtype, shift=20)
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-  o = jaxact.dot_product_attention(q, k, v)
+  o = jax.jit(jaxact.dot_product_attention)(q, k, v)
   np.testing.assert_array_equal(o[0, 3], jnp.repeat(v[0, 5], N, 0))  # P exactly one-hot
 
 
@@ -181,14 +181,14 @@ def test_a_row_that_sees_no_key_gives_0_where_jax_nn_gives_the_mean_or_nan():
   q, k, v = (jnp.asarray(a, jnp.float32) for a in _normal())
   mask = jnp.ones((B, N, T, S), bool).at[0, 0, 1].set(False)
   bias = jnp.zeros((B, N, T, S), jnp.float32).at[0, 1, 4].set(-jnp.inf)
-  ours = jaxact.dot_product_attention(q, k, v, bias, mask)
+  ours = jax.jit(jaxact.dot_product_attention)(q, k, v, bias, mask)
   theirs = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla")
   np.testing.assert_allclose(theirs[0, 1, 0], jnp.mean(v[0, :, 0], 0), rtol=1e-6)
   assert np.all(np.isnan(theirs[0, 4, 1]))
   assert np.all(ours[0, 1, 0] == 0) and np.all(ours[0, 4, 1] == 0)
   want = formula(*(a.astype(F64) for a in (q, k, v)), mask=mask & (bias > -jnp.inf))
   np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6)
-  grads = jax.grad(lambda q: jnp.sum(jaxact.dot_product_attention(q, k, v, bias, mask)), 0)(q)
+  grads = jax.jit(jax.grad(lambda q: jnp.sum(jaxact.dot_product_attention(q, k, v, bias, mask))))(q)
   assert np.all(grads[0, 1, 0] == 0) and np.all(grads[0, 4, 1] == 0)
 
 
@@ -234,6 +234,6 @@ def test_vmap_over_unbatched_calls_equals_the_batched_call():
   batched = lambda q, k, v, bias: one(q, k, v, bias[:, None], mask[:, None], seg_q, seg)
   per_row = lambda q, k, v, bias: mapped(q, k, v, bias, mask, seg_q, seg)
   args = (q, k, v, bias)
-  assert_trees_close(per_row(*args), batched(*args), 1e-13)
-  grads = [jax.grad(loss(f), (0, 1, 2, 3))(*args) for f in (per_row, batched)]
+  assert_trees_close(jax.jit(per_row)(*args), jax.jit(batched)(*args), 1e-13)
+  grads = [jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))(*args) for f in (per_row, batched)]
   assert_trees_close(grads[0], grads[1], 1e-13)
