@@ -80,7 +80,7 @@ def sliced(a: Array | None, axis_starts: dict[int, Any], sizes: dict[int, int]):
 @dataclasses.dataclass(frozen=True)
 class Inputs:
   """The operands in the blocks' layouts: q (B, T, K, G, H); k, v (B, S, K, H); bias and mask
-  (B|1, K|1, G|1, T|1, S|1); the rest as :class:`Aux` holds them."""
+  (B|1, K|1, G|1, T|1, S|1); the rest as :class:`.plan.Aux` holds them."""
 
   q: Array
   k: Array
