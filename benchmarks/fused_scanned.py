@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxact.linen
-from benchmarks.gated import stack
 from benchmarks.harness import rows
+from benchmarks.harness.blocks import stack
 from benchmarks.harness.memory import cpu_memory, gpu_memory
 
 LAYER_PEERS = ("flax", "remat", "jaxact")

@@ -47,7 +47,9 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import jaxact.linen
 import support
+from benchmarks import fused_scanned
 from benchmarks.harness import rows, timing
+from benchmarks.harness.blocks import stack
 from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of
 from benchmarks.tables import gated as page
 
@@ -167,23 +169,6 @@ def frontier_peers() -> dict[str, Callable]:
   }
   both = {**peers(), **extra}
   return {key: both[peer] for key, peer in FRONTIER.items()}
-
-
-def stack(block, scan: bool):
-  """``loss(params, x)`` of the blocks: params are (w_gate, w_up, w_down), each stacked (L, ...)."""
-
-  def forward(params, x):
-    if scan:
-      x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params)
-    else:
-      for i in range(params[0].shape[0]):
-        x = block(x, tuple(w[i] for w in params))
-    return x
-
-  def loss(params, x):
-    return jnp.mean(jnp.square(forward(params, x).astype(jnp.float32)))
-
-  return forward, loss
 
 
 def shapes(blocks, size, dtype):
@@ -371,8 +356,6 @@ def main(argv=None) -> int:
     f"{getattr(tokamax, '__version__', 'not installed')}",
     flush=True,
   )
-  from benchmarks import fused_scanned
-
   for name in names:
     start = time.perf_counter()
     if name == "cpu":

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import support
 from benchmarks import cnn, cnn_models, decoder, fused_models, fused_scanned, gated, moe
 from benchmarks.harness import roofline, rows
+from benchmarks.harness.blocks import stack
 from benchmarks.tables import h100 as page
 
 BF16 = jnp.bfloat16
@@ -47,7 +48,7 @@ def _mlp_cnn(model: str, activation: str):
 
 def _gated():
   for key, block in gated.frontier_peers().items():
-    _, loss = gated.stack(block, scan=True)
+    _, loss = stack(block, scan=True)
     yield key, _flat(jax.value_and_grad(loss), gated.shapes(gated.BLOCKS, gated.GPU_SIZE, BF16))
 
 

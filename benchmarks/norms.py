@@ -27,7 +27,7 @@ import numpy as np
 import jaxact
 import support
 from benchmarks import decoder, gated
-from benchmarks.harness import memory, rows, timing
+from benchmarks.harness import blocks, memory, rows, timing
 from benchmarks.tables import norms as page
 
 MiB = 2**20
@@ -63,7 +63,7 @@ def stack_rows(gpu: bool) -> list[str]:
   for scan in (True, False):
     for mlp_name, (mlp, policy) in MLPS.items():
       for norm_name, norm in NORMS.items():
-        _, loss = gated.stack(_block(mlp, norm, policy), scan)
+        _, loss = blocks.stack(_block(mlp, norm, policy), scan)
         for n in (1, 2, gated.BLOCKS):
           args = gated.shapes(n, size, dtype)
           m = memory.gpu_memory(loss, *args)[0] if gpu else memory.cpu_memory(loss, *args)
@@ -121,7 +121,7 @@ def time_rows(runs: int) -> list[str]:
   for mlp_name in ("Flax MLP", "jaxact.gated_mlp"):
     mlp, policy = MLPS[mlp_name]
     for norm in NORMS.values():
-      _, loss = gated.stack(_block(mlp, norm, policy), True)
+      _, loss = blocks.stack(_block(mlp, norm, policy), True)
       step = jax.jit(jax.value_and_grad(loss))
       calls.append(functools.partial(step, params, x))
   base, ratios = timing.alternated_ratios(calls, runs)

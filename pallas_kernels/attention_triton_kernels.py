@@ -180,6 +180,12 @@ def _probabilities(logits: Logits, z: Array, m: Array, l2: Array) -> Array:
   return jnp.exp2(jnp.minimum((z - m) * (logits.unit * _LOG2E), 0.0) - l2)
 
 
+def _softmax_grad(p: Array, dp: Array, delta: Array) -> Array:
+  """dS = P (dP - delta), 0 where P is exactly 1: the row is one-hot and dP - delta only rounding
+  (delta from the stored O), which rows of q or k of 1e30 would make a gradient of 1e22."""
+  return jnp.where(p == 1.0, 0.0, p * (dp - delta))
+
+
 class _QueryBlock(NamedTuple):
   b: Array
   n: Array
@@ -278,7 +284,7 @@ def dq_kernel(
       zm = jnp.where(mask.valid(t[:, None], (u0 + iota(bk))[None, :], kv_len), z, -jnp.inf)
     p = _probabilities(logits, zm, m[:, None], l2[:, None])
     dp = dot(do, v, trans_b=True, tf32=tf32)
-    ds = logits.grad(p * (dp - delta[:, None]), z)
+    ds = logits.grad(_softmax_grad(p, dp, delta[:, None]), z)
     return dq + dot(ds.astype(k.dtype), k, tf32=tf32)
 
   dq = _phases(bounds, body, jnp.zeros((bq, q_ref.shape[3]), jnp.float32))
@@ -334,7 +340,7 @@ def dkv_kernel(
       p = _probabilities(logits, zm, m[None, :], l2[None, :])
       dv = dv + dot(p.astype(do.dtype), do, tf32=tf32)
       dp = dot(v, do, trans_b=True, tf32=tf32)
-      ds = logits.grad(p * (dp - delta[None, :]), z)
+      ds = logits.grad(_softmax_grad(p, dp, delta[None, :]), z)
       return dk + dot(ds.astype(q.dtype), q, tf32=tf32), dv
 
     return _phases(bounds, body, carry)

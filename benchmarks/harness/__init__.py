@@ -1,1 +1,2 @@
-"""What every job shares: timing, rows of data, their rendering, the frontier, plots, progress."""
+"""What every job shares: timing, compiled memory, the block stack, rows of data, their rendering,
+the frontier, plots, progress."""

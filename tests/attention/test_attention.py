@@ -18,7 +18,7 @@ from jax import lax
 from jax.test_util import check_grads
 
 import jaxact
-from jaxact._src.attention import xla
+from jaxact._src.attention import xla, xla_blocks
 from jaxact._src.attention.plan import AttentionPlan
 from jaxact._src.attention.reference import attention_reference
 
@@ -268,7 +268,7 @@ def test_the_visited_blocks_are_exactly_those_with_an_unmasked_entry(causal, win
   every block with an unmasked entry (forward: key blocks a query block; backward: query blocks
   a key block)."""
   plan = AttentionPlan(scale=1.0, causal=causal, window=window, block_q=8, block_k=6)
-  sh = xla._Shapes(1, t, s, 1, 1)
+  sh = xla_blocks.Shapes(1, t, s, 1, 1)
   rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
   allowed = np.ones((t, s), bool)
   if causal:
@@ -278,13 +278,13 @@ def test_the_visited_blocks_are_exactly_those_with_an_unmasked_entry(causal, win
   n_q, n_k = -(-t // 8), -(-s // 6)
   for i in range(n_q):
     q0 = min(i * 8, t - 8)
-    lo, hi = (int(x) for x in xla._key_blocks(plan, sh, q0))
+    lo, hi = (int(x) for x in xla_blocks.key_blocks(plan, sh, q0))
     for j in range(n_k):
       k0 = min(j * 6, s - 6)
       needed = allowed[q0 : q0 + 8, max(k0, j * 6) : k0 + 6].any()
       assert (lo <= j < hi) == needed, (i, j, lo, hi)
   for j in range(n_k):
-    lo, hi = (int(x) for x in xla._query_blocks(plan, sh, j))
+    lo, hi = (int(x) for x in xla_blocks.query_blocks(plan, sh, j))
     k0 = min(j * 6, s - 6)
     for i in range(n_q):
       q0 = min(i * 8, t - 8)

@@ -16,9 +16,15 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from jax import lax
 
 from jaxact._src.core.dispatch import Decision
+
+_F32 = np.finfo(np.float32)
+# Where ``q.k scale / c`` falls below float32's least normal number it is flushed to 0: the logit
+# then errs by at most c times that number, 2**-40 for a cap of 2**86.
+_CAP_MAX = 2.0**86
 
 
 def _switch(args, kernel: Callable[..., Any], xla: Callable[..., Any], d: Decision):
@@ -75,6 +81,13 @@ def triton_unsupported(plan, q, k, v, bias, aux) -> str | None:
     return "dropout (the kernels draw no masks)"
   if plan.scale <= 0:
     return f"scale={plan.scale} (the kernels take a positive scale)"
+  if plan.soft_cap is not None and not (
+    _F32.tiny <= plan.scale / plan.soft_cap <= _F32.max and plan.soft_cap <= _CAP_MAX
+  ):
+    return (
+      f"logits_soft_cap={plan.soft_cap} with scale={plan.scale} (the kernels' logits are "
+      "c tanh(q.k scale / c): scale / c must be a normal float32 and c at most 2**86)"
+    )
   from pallas_kernels import attention_unsupported
 
   return attention_unsupported(q.shape, k.shape, q.dtype, v_shape=v.shape, precision=plan.precision)

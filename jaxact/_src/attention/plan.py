@@ -1,11 +1,11 @@
-"""The static plan of one attention call, its arrays without gradients, and the XLA path's
-default blocks: what every module of the family reads."""
+"""The static plan of one attention call, its arrays without gradients, the call they make with
+the operands, and the XLA path's default blocks: what every module of the family reads."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -102,3 +102,16 @@ class Aux:
   q_segments: Array | None = None
   kv_segments: Array | None = None
   key_data: Array | None = None
+
+
+class Call(NamedTuple):
+  """One call, checked: the plan and the arrays it runs on, q ``(B, T, N, H)``, k ``(B, S, K,
+  H)``, v ``(B, S, K, Hv)``, the bias ``(B|1, N|1, T|1, S|1)`` or None, and the :class:`Aux`
+  arrays."""
+
+  plan: AttentionPlan
+  q: Array
+  k: Array
+  v: Array
+  bias: Array | None
+  aux: Aux

@@ -10,12 +10,11 @@ first row of :data:`ATTENTION_AUTO_RULES` that holds.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import numpy as np
 from jax import Array
 
 from jaxact._src.attention import kernels
+from jaxact._src.attention.plan import Call
 from jaxact._src.core.dispatch import Backends, Decision, Family, Rule
 from jaxact._src.core.dispatch import check_implementation as dispatch_check
 from jaxact._src.core.dispatch import decide as dispatch_decide
@@ -51,15 +50,6 @@ def cudnn_unsupported(plan, q: Array, aux) -> str | None:
   return None
 
 
-class _Call(NamedTuple):
-  plan: Any
-  q: Array
-  k: Array
-  v: Array
-  bias: Array | None
-  aux: Any
-
-
 FAMILY = Family(
   implementations={
     "xla": Backends(),
@@ -80,7 +70,7 @@ def check_implementation(fn_name: str, implementation) -> None:
   dispatch_check(fn_name, implementation, IMPLEMENTATIONS)
 
 
-def decide(fn_name: str, implementation: str | None, plan, q, k, v, bias, aux) -> Decision:
+def decide(fn_name: str, implementation: str | None, call: Call) -> Decision:
   """The backends of one attention call (:func:`jaxact._src.core.dispatch.decide` of
   :data:`FAMILY`; see the module docstring)."""
-  return dispatch_decide(FAMILY, fn_name, implementation, _Call(plan, q, k, v, bias, aux))
+  return dispatch_decide(FAMILY, fn_name, implementation, call)
