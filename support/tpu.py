@@ -68,6 +68,9 @@ def use_tpu_compiler() -> bool:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  # Several processes compile at once (pytest -n, a benchmark beside the tests): libtpu would
+  # otherwise take a lockfile meant for one process a TPU host.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   if TPU_COMPILER.is_dir() and str(TPU_COMPILER) not in sys.path:
     sys.path.append(str(TPU_COMPILER))
   return TPU_COMPILER.is_dir()
