@@ -46,6 +46,9 @@ JOBS = {
   "h100": Job(
     "h100", "the main job's frontiers compiled for an H100, step time estimated", cpu=True
   ),
+  "tpu": Job(
+    "tpu", "the main job's frontiers compiled for a TPU chip, step time estimated", cpu=True
+  ),
   "aot": Job("aot", "compiled for an H100 and an A100 on this machine: memory, spills", cpu=True),
   "gpu": Job("gpu.check", "on a GPU: kernels against XLA, timings (--truth: the prepared run)"),
   "hlo": Job("gpu.hlo_dump", "one bf16 layer's optimized HLO per path, to a folder"),

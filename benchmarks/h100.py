@@ -112,14 +112,22 @@ def _models() -> dict[str, Model]:
 MODELS = tuple(_models())
 
 
-def measure(key: str, cpu) -> None:
-  """A model's ``model`` row and a ``point`` row a way to train it."""
+def measure(
+  key: str, cpu, compile_=None, target: str = "h100", rates=roofline.H100_SXM_RATES
+) -> None:
+  """A model's ``model`` row and a ``point`` row a way to train it, compiled for an H100
+  (:func:`support.compile_for` with the model's options) or, with `compile_` (``(step, shapes)``
+  to a compiled program), for `target` (a TPU chip: ``benchmarks.tpu``), its time estimated at
+  `rates`."""
   model = _models()[key]
   rows.add("model", key, name=model.name, title=f"{model.sizes}, bfloat16", unit="MiB")
   for point, (step, shapes) in model.points():
-    compiled = support.compile_for(step, shapes, **model.compile_kw)
+    if compile_ is None:
+      compiled = support.compile_for(step, shapes, **model.compile_kw)
+    else:
+      compiled = compile_(step, shapes)
     found = roofline.cost(compiled.as_text(), cpu)
-    flops, flops_from = found.flops, "h100"
+    flops, flops_from = found.flops, target
     if found.kernels:  # the kernels' arithmetic, counted by XLA in the CPU's program
       flops_from = "cpu"
       flops = roofline.cost(jax.jit(step).lower(*shapes).compile().as_text(), cpu).flops
@@ -134,7 +142,7 @@ def measure(key: str, cpu) -> None:
       bytes=found.bytes,
       kernels=list(found.kernels),
       flops_from=flops_from,
-      estimate_s=roofline.seconds(flops, found.bytes),
+      estimate_s=roofline.seconds(flops, found.bytes, rates),
     )
 
 

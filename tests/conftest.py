@@ -34,9 +34,11 @@ import jax  # noqa: E402 (after the environment above)
 import pytest  # noqa: E402
 
 import support  # noqa: E402
+import support.tpu  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 support.use_gpu_compiler()  # before the first computation starts jax's backends
+support.tpu.use_tpu_compiler()
 
 
 def pytest_make_parametrize_id(config, val, argname):

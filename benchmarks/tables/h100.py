@@ -1,5 +1,6 @@
 """The h100 job's tables from its rows (sections ``rates``, ``model``, ``point``): each
-model's front over the compiled temp for an H100 and the ESTIMATED step time."""
+model's front over the compiled temp for an H100 (or the tpu job's chip) and the ESTIMATED step
+time."""
 
 from __future__ import annotations
 
@@ -66,10 +67,14 @@ def _sizes(rows: list[dict]) -> list[str]:
   models = "; ".join(
     f"{r['figures']['name']}: {r['figures']['title']}" for r in rows if r["section"] == "model"
   )
+  device = str(rates.get("device"))
+  tpu = device.startswith("TPU")
+  target = f"a {device} chip" if tpu else f"an {device}"
+  peaks = "the chip's published peaks" if tpu else "the H100 SXM's peaks"
   return render.wrap(
-    f"Compiled for an {rates.get('device')} on this machine, bfloat16. Step times are an ESTIMATE, "
+    f"Compiled for {target} on this machine, bfloat16. Step times are an ESTIMATE, "
     f"not a measurement: max(flops / {rates.get('flops_per_s', 0) / 1e12:.0f} TFLOP/s, bytes / "
-    f"{rates.get('bytes_per_s', 0) / 1e12:.2f} TB/s), the H100 SXM's peaks, from XLA's cost "
+    f"{rates.get('bytes_per_s', 0) / 1e12:.2f} TB/s), {peaks}, from XLA's cost "
     "analysis of the compiled program (loops counted their trip count of times; a program with "
     "Pallas kernels takes its flops from the same step compiled for the CPU); estimates within "
     "1% of each other count as level. Models: "
