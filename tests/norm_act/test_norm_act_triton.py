@@ -272,7 +272,7 @@ def test_none_keeps_xla_on_every_target_until_a_gpu_measures_the_kernels():
 def _plan_of(x, scale, bias):
   """The plan batch_norm_act builds for x (channels last), before its decision."""
   last = x.ndim - 1
-  fields = {"epsilon": 1e-5, "fast_variance": True, "axis_name": None, "axis_index_groups": None}
+  fields = {"epsilon": 1e-5, "axis_name": None, "axis_index_groups": None}
   axes = {"groups": 0, "axes": tuple(range(last)), "feature_axes": (last,)}
   return api._plan("batch_norm_act", x, "silu", None, **axes, **fields)[0]
 
