@@ -64,6 +64,7 @@ def _check(kind, x, tol, slack, eps=None, **kw):
     assert_close(a, b, tol, slack)
 
 
+@pytest.mark.sample(2, "batch-pallas")
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("kind", ["batch", "group"])
 def test_statistics_of_any_magnitude_match_float64(kind, implementation):
