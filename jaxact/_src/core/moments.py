@@ -9,18 +9,21 @@ and sum of squares is in range, and an entry whose square flushes is below ``2^-
 The entries are normalized as ``(x * inv - mean) * r``, ``mean`` and ``r`` of the scaled entries.
 
 The centred variance is the corrected two-pass one, ``mean(c^2) - mean(c)^2`` with ``c = x - m``
-(Chan, Golub and LeVeque), whose mean ``m + mean(c)`` makes a constant row's entries exactly 0;
-``m`` is a first estimate taken beside the largest entry, in the same pass over ``x`` (the mean,
-or the midrange where the sum overflows), so the two-pass statistics still read ``x`` twice. The
-number kept for a backward pass is the standard deviation ``sigma = sqrt(var + eps)``, not its
-reciprocal (below the smallest normal float for sigma above ``2^126``): :func:`reciprocal` splits
-``1 / sigma`` into two factors that are normal. ``eps`` enters as ``(sqrt(eps) * inv)^2``, so an
-epsilon below float32's smallest normal (1e-40) is not flushed.
+(Chan, Golub and LeVeque), ``m`` a first mean taken beside the extremes in one pass over ``x`` (the
+sum, or the midrange where the sum overflows; a constant statistic's own value, so that its
+entries normalize to exactly 0): the two-pass statistics still read ``x`` twice. The number kept
+for a backward pass is the standard deviation ``sigma = sqrt(var + eps)``, not its reciprocal
+(below the smallest normal float for sigma above ``2^126``): :func:`reciprocal` splits ``1 /
+sigma`` into two factors that are normal. ``eps`` enters as ``(sqrt(eps) * inv)^2``, so an epsilon
+below float32's smallest normal (1e-40) is not flushed.
 
-(XLA:CPU fuses a reduction's operand only through simple arithmetic, and a value two sums read
-only into one variadic reduce: a ``where`` or a comparison before a sum, or ``c`` read by two
-sums, stores an array of x's size. Hence a largest entry first, not Blue's per-entry classes, and
-``mean(c)`` and ``mean(c^2)`` as one ``lax.reduce``.)
+The compilers shape the arithmetic. XLA:CPU fuses a reduction's operand only through arithmetic
+(a ``where`` or a comparison before a sum stores an array of x's size): hence the largest entry
+first, not Blue's per-entry classes. XLA's GPU compiler fuses the plain norm's reduction and
+normalization into one Triton kernel (a "normalization diamond"), which needs every number between
+two passes to come from one reduction and constants; the per-row scale and the epsilon it scales
+are two such numbers, so these statistics are passes of their own: the extremes and the sum, the
+deviations' sums, the normalization.
 """
 
 from __future__ import annotations
@@ -46,10 +49,15 @@ class Moments(NamedTuple):
   """A statistic's numbers, with its reduced axes kept (size 1)."""
 
   inv: Array  # the scale of x, a power of two
-  mean: Array  # the mean of x * inv (None for an RMS norm)
+  mean: Array | None  # the mean of x * inv (None for an RMS norm)
   var: Array  # the variance of x * inv (the mean square for an RMS norm)
   r: Array  # 1 / sqrt(var + eps inv^2): x_hat = (x * inv - mean) * r
   sigma: Array  # sqrt(var(x) + eps), within [sqrt_epsilon, the dtype's max]
+
+  def normalized(self, x: Array) -> Array:
+    """``x_hat = (x inv - mean) r`` of `x`."""
+    xs = x * self.inv
+    return (xs if self.mean is None else xs - self.mean) * self.r
 
   def unscaled(self) -> tuple[Array, Array]:
     """``(mean(x), var(x))``; the variance saturates at the dtype's max (float32: a standard
@@ -80,37 +88,45 @@ def moments(
   n = max(math.prod(x.shape[a] for a in axes), 1)  # empty: sums of 0, not 0 / 0
   se = sqrt_epsilon(epsilon, dt)
   mean_of = lambda v: jnp.sum(v, axes, keepdims=True) / n
-  hi = pmax(jnp.max(x, axes, keepdims=True, initial=-fi.max))
-  lo = -pmax(-jnp.min(x, axes, keepdims=True, initial=fi.max))
-  top = jnp.maximum(jnp.maximum(hi, -lo), se)
-  _, e = jnp.frexp(top)  # top = f 2^e with f in [0.5, 1)
-  inv = jnp.ldexp(jnp.ones_like(top), jnp.clip(1 - e, 2 - fi.maxexp, fi.maxexp - 2))
+  hi = jnp.max(x, axes, keepdims=True, initial=-fi.max)
+  lo = jnp.min(x, axes, keepdims=True, initial=fi.max)
+  if center:
+    total = mean_of(x)
+    hi, lo, total = pmax(hi), -pmax(-lo), pmean(total)
+  else:
+    hi, lo = pmax(hi), -pmax(-lo)
+  inv = _power_of_two_inverse(jnp.maximum(jnp.maximum(hi, -lo), se))
   mean = None
   if not center:
     var = pmean(mean_of(jnp.square(x * inv)))
   else:
-    # the first estimate, in x * inv's scale: the mean, or where its sum overflowed (entries near
-    # the dtype's max) the midrange
-    total = pmean(mean_of(x))
-    mean = jnp.where(jnp.isfinite(total), total, hi * 0.5 + lo * 0.5) * inv
+    # the first mean: a constant statistic's own value (its entries normalize to exactly 0); else
+    # the mean, or where its sum overflowed (entries near the dtype's max) the midrange
+    first = jnp.where(jnp.abs(total) <= fi.max, total, hi * 0.5 + lo * 0.5)
+    mean = jnp.where(hi == lo, hi, first) * inv
     c = x * inv - mean
-    m1, m2 = pmean(_sums((c, c * c), axes, n))
+    m1, m2 = pmean((mean_of(c), mean_of(jnp.square(c))))
     mean, var = mean + m1, jnp.maximum(0, m2 - m1 * m1)
-  e = se * inv
-  v = var + e * e
-  # v is below the smallest normal only where var is 0 and e^2 underflowed: r is then 1 / e
-  ok = v >= fi.tiny
-  r = jnp.where(ok, lax.rsqrt(jnp.where(ok, v, 1)), 1 / jnp.maximum(e, fi.tiny))
+  v = var + jnp.square(se * inv)  # eps inv^2 underflows only where negligible
+  # below the smallest normal only where x is constant (x_hat = 0 whatever r) and eps inv^2
+  # underflowed: sigma is then sqrt(eps)
+  r = lax.rsqrt(jnp.maximum(v, fi.tiny))
   sigma = jnp.clip(jnp.sqrt(v) * (1 / inv), se, fi.max)
   return Moments(inv, mean, var, r, sigma)
 
 
-def _sums(operands: tuple[Array, ...], axes: tuple[int, ...], n: int) -> tuple[Array, ...]:
-  """The means of `operands` over `axes` (kept, size 1) as one variadic reduce."""
-  zero = jnp.zeros((), operands[0].dtype)
-  add = lambda a, b: tuple(p + q for p, q in zip(a, b, strict=True))
-  sums = lax.reduce(operands, (zero,) * len(operands), add, axes)
-  return tuple(jnp.expand_dims(v, axes) / n for v in sums)
+def _power_of_two_inverse(top: Array) -> Array:
+  """``2^-floor(log2 top)`` for a positive normal `top`, at least the smallest normal (``2^-126``
+  in float32; the largest tops then scale into ``[1, 4)``), from the bits of `top` (jnp.frexp
+  would keep XLA's GPU compiler from fusing the statistics into one kernel)."""
+  fi = jnp.finfo(top.dtype)
+  ints = jnp.int32 if fi.bits == 32 else jnp.int64
+  bias = fi.maxexp - 1
+  exponent = lax.bitcast_convert_type(top, ints) & (
+    ((1 << (fi.bits - 1 - fi.nmant)) - 1) << fi.nmant
+  )
+  exponent = jnp.minimum(exponent, (2 * bias - 1) << fi.nmant)
+  return lax.bitcast_convert_type(jnp.asarray(2 * bias << fi.nmant, ints) - exponent, top.dtype)
 
 
 def sigma_of(var: Array, epsilon: float) -> Array:

@@ -60,10 +60,7 @@ def _normalized(plan: NormPlan, x: Array) -> tuple[Array, Array]:
   """``(x̂, sigma)`` in the accumulation dtype, sigma with the normalized axes kept (size 1)."""
   xf = x.astype(plan.acc)
   m = moments.moments(xf, plan.axes, plan.epsilon, center=plan.center)
-  xs = xf * m.inv
-  if plan.center:
-    xs = xs - m.mean
-  return xs * m.r, m.sigma
+  return m.normalized(xf), m.sigma
 
 
 def _forward(plan: NormPlan, x, scale, bias):
