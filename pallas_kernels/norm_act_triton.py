@@ -1,13 +1,14 @@
 """The normalize-and-activate epilogue of a batch or group norm and its backward, as Pallas kernels
 (Triton backend).
 
-The statistics are the caller's (a mean and ``r = 1 / sqrt(var + eps)`` per statistic, float32);
-these kernels replace the elementwise passes around them. ``x`` is channels-last, seen as
+The statistics are the caller's (a mean and ``r = 1 / sqrt(var + eps)`` per statistic, float32, of
+``x`` scaled by an optional power of two per statistic, so that no intermediate leaves float32's
+range); these kernels replace the elementwise passes around them. ``x`` is channels-last, seen as
 ``(samples, rows, C)``: a batch norm is one sample (a statistic per channel), a group norm one
 sample per example with its groups' statistics repeated over their channels, so that every
 statistic the kernels read is a ``(samples, C)`` float32 array and a tile reads one row of it.
 
-* forward, :func:`norm_act_fwd`: ``x_hat = (x - mean) r`` (rounded to x's dtype) and ``y =
+* forward, :func:`norm_act_fwd`: ``x_hat = (x s - mean) r`` (rounded to x's dtype) and ``y =
   act(scale x_hat + bias)``: reads x, writes y and, for the backward pass, x_hat.
 * backward, :func:`norm_act_bwd`: ``dz = g act'(z)`` with ``z = scale x_hat + bias`` recomputed
   from x_hat (rounded to `dz_dtype` where the caller's autodiff would store it so), and, from it,
@@ -15,8 +16,9 @@ statistic the kernels read is a ``(samples, C)`` float32 array and a tile reads 
   - the per-(sample, channel) sums ``sum dz`` and ``sum dz x_hat`` (float32; every statistic's and
     parameter's sum is a small XLA sum of these): each program walks ``tiles.steps`` row tiles of
     one sample and one column tile and writes one row of partial sums, which XLA finishes;
-  - ``dx = rs dz - a - b x_hat`` with per-(sample, channel) ``rs``, ``a``, ``b`` (``rs = r scale``,
-    ``a`` and ``b`` the centring terms; 0 for a norm by given statistics).
+  - ``dx = (rs dz - a - b x_hat) q`` with per-(sample, channel) ``rs``, ``a``, ``b`` (``rs = r
+    scale``, ``a`` and ``b`` the centring terms; 0 for a norm by given statistics) and an optional
+    power of two ``q`` (1 / sigma as ``r q`` where r alone would not be a normal float32).
 
   A training step runs it twice, reading x_hat and g each time: first the sums alone (no
   activation-sized write), then dx alone (dx's centring needs every sum); a norm by given
@@ -104,13 +106,15 @@ def _row(ref, s, c0, cols: int, default: float | None = None):
 
 
 def _fwd_kernel(
-  x_ref, mean_ref, r_ref, scale_ref, bias_ref, y_ref, xh_ref, *, epilogue, tiles, rows
+  x_ref, mean_ref, r_ref, scale_ref, bias_ref, xs_ref, y_ref, xh_ref, *, epilogue, tiles, rows
 ):
   s, i = pl.program_id(0), pl.program_id(1)
   c0 = pl.program_id(2) * tiles.cols
   block, mask = _tile(x_ref, s * rows, i, c0, tiles, rows)
   x = load(block, mask=mask, other=jnp.zeros((), x_ref.dtype)).astype(jnp.float32)
   mean, r = _row(mean_ref, s, c0, tiles.cols), _row(r_ref, s, c0, tiles.cols)
+  if xs_ref is not None:
+    x = x * _row(xs_ref, s, c0, tiles.cols)
   # rounded to x's dtype before the scale and bias, as the XLA path and its backward see it
   x_hat = ((x - mean) * r).astype(x_ref.dtype)
   z = x_hat.astype(jnp.float32) * _row(scale_ref, 0, c0, tiles.cols, 1.0)
@@ -130,6 +134,7 @@ def _bwd_kernel(
   rs_ref,
   a_ref,
   b_ref,
+  q_ref,
   dx_ref,
   sum_ref,
   sum_xh_ref,
@@ -147,6 +152,7 @@ def _bwd_kernel(
   scale, bias = _row(scale_ref, 0, c0, cols, 1.0), _row(bias_ref, 0, c0, cols, 0.0)
   if dx_ref is not None:
     rs, a, b = _row(rs_ref, s, c0, cols), _row(a_ref, s, c0, cols), _row(b_ref, s, c0, cols)
+    q = _row(q_ref, s, c0, cols)
 
   def step(k, acc):
     tile = i * tiles.steps + k
@@ -163,6 +169,8 @@ def _bwd_kernel(
       dx = rs * dz
       if a_ref is not None:
         dx = dx - a - b * x_hat
+      if q_ref is not None:
+        dx = dx * q
       out, _ = _tile(dx_ref, s * rows, tile, c0, tiles, rows)
       tr.store(out, dx.astype(dx_ref.dtype), mask=mask)
     sum_dz, sum_dz_xh = acc
@@ -187,7 +195,7 @@ def _check(arrays: dict, samples: int, c: int) -> None:
       raise TypeError(
         f"{_WHERE}: `{name}` has dtype {v.dtype}; accepted: float32, bfloat16, float16"
       )
-    want = {"scale": (c,), "bias": (c,)}.get(name, (samples, c))
+    want = {"scale": (c,), "bias": (c,)}.get(name, (samples, c))  # x_scale, dx_scale: per sample
     if name not in ("x", "x_hat", "g") and v.shape != want:
       raise ValueError(f"{_WHERE}: `{name}` must have shape {want}; got {v.shape}")
 
@@ -206,16 +214,19 @@ def norm_act_fwd(
   epilogue: Epilogue,
   out_dtype=None,
   keep_x_hat: bool = True,
+  x_scale: Array | None = None,
   block_config: NormActTiles | None = None,
   interpret: bool = False,
 ) -> tuple[Array, Array | None]:
   """``(y, x_hat)`` of a ``(samples, rows, C)`` `x` normalized by ``(samples, C)`` float32 `mean`
-  and `r` (``1 / sqrt(var + eps)``): ``x_hat = (x - mean) r`` in x's dtype (None without
-  `keep_x_hat`), ``y = act(scale x_hat + bias)`` in `out_dtype` (default x's)."""
+  and `r` (``1 / sqrt(var + eps)``) of ``x * x_scale``: ``x_hat = (x x_scale - mean) r`` in x's
+  dtype (None without `keep_x_hat`), ``y = act(scale x_hat + bias)`` in `out_dtype` (default
+  x's). `x_scale`: ``(samples, C)`` float32 powers of two, or None (1)."""
   if x.ndim != 3:
     raise ValueError(f"{_WHERE}: `x` must be (samples, rows, C); got shape {x.shape}")
   samples, rows, c = x.shape
-  _check({"x": x, "mean": mean, "r": r, "scale": scale, "bias": bias}, samples, c)
+  arrays = {"x": x, "mean": mean, "r": r, "scale": scale, "bias": bias, "x_scale": x_scale}
+  _check(arrays, samples, c)
   out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
   t = block_config or default_tiles(x.shape, x.dtype)
   shape = (samples * rows, c)
@@ -223,7 +234,9 @@ def norm_act_fwd(
   if keep_x_hat:
     out_shape.append(jax.ShapeDtypeStruct(shape, x.dtype))
   scale, bias = _as_params(scale, bias)
-  present = (True, True, True, scale is not None, bias is not None, True, keep_x_hat)
+  present = (True, True, True, scale is not None, bias is not None, x_scale is not None)
+  present += (True, keep_x_hat)
+  inputs = (x.reshape(shape), mean, r, scale, bias, x_scale)
   outs = pl.pallas_call(
     slots(_fwd_kernel, present, epilogue=epilogue, tiles=t, rows=rows),
     out_shape=tuple(out_shape),
@@ -231,7 +244,7 @@ def norm_act_fwd(
     compiler_params=CompilerParams(num_warps=t.num_warps, num_stages=1),
     interpret=interpret,
     name="jaxact_norm_act_fwd",
-  )(*(v for v in (x.reshape(shape), mean, r, scale, bias) if v is not None))
+  )(*(v for v in inputs if v is not None))
   return outs[0].reshape(x.shape), (outs[1].reshape(x.shape) if keep_x_hat else None)
 
 
@@ -244,6 +257,7 @@ def norm_act_bwd(
   epilogue: Epilogue,
   sums: bool = True,
   dx: tuple[Array, Array | None, Array | None] | None = None,
+  dx_scale: Array | None = None,
   dx_dtype=None,
   dz_dtype=None,
   block_config: NormActTiles | None = None,
@@ -256,6 +270,8 @@ def norm_act_bwd(
     sums: compute the float32 ``(samples, C)`` sums over each sample's rows (else None).
     dx: ``(rs, a, b)``, each ``(samples, C)`` float32 (`a` and `b` both None for 0): write
       ``dx = rs dz - a - b x_hat`` in `dx_dtype` (default x_hat's); None: no dx.
+    dx_scale: ``(samples, C)`` float32 powers of two ``q``: ``dx = (rs dz - a - b x_hat) q``;
+      None: 1.
     dz_dtype: round dz to this dtype before using it (the rounding autodiff of a half precision
       composition does); None: dz in float32.
   """
@@ -272,8 +288,10 @@ def norm_act_bwd(
   rs, a, b = dx if dx is not None else (None, None, None)
   if (a is None) != (b is None):
     raise ValueError(f"{_WHERE}: `dx`'s a and b are given together or not at all")
+  if dx_scale is not None and dx is None:
+    raise ValueError(f"{_WHERE}: `dx_scale` scales dx, but no `dx` is asked for")
   arrays = {"x_hat": x_hat, "g": g, "scale": scale, "bias": bias, "rs": rs, "a": a, "b": b}
-  _check(arrays, samples, c)
+  _check({**arrays, "dx_scale": dx_scale}, samples, c)
   t = block_config or default_tiles(x_hat.shape, x_hat.dtype)
   if not sums:
     t = dataclasses.replace(t, steps=1)
@@ -286,7 +304,7 @@ def norm_act_bwd(
     out_shape += [jax.ShapeDtypeStruct((samples * chunks, c), jnp.float32)] * 2
   scale, bias = _as_params(scale, bias)
   present = (True, True, scale is not None, bias is not None, rs is not None, a is not None)
-  present += (b is not None, dx is not None, sums, sums)
+  present += (b is not None, dx_scale is not None, dx is not None, sums, sums)
   dz_dtype = None if dz_dtype is None or np.dtype(dz_dtype) == np.float32 else np.dtype(dz_dtype)
   static = {"epilogue": epilogue, "tiles": t, "rows": rows, "dz_dtype": dz_dtype}
   outs = pl.pallas_call(
@@ -296,7 +314,13 @@ def norm_act_bwd(
     compiler_params=CompilerParams(num_warps=t.num_warps, num_stages=1),
     interpret=interpret,
     name="jaxact_norm_act_bwd" if dx is not None else "jaxact_norm_act_sums",
-  )(*(v for v in (x_hat.reshape(shape), g.reshape(shape), scale, bias, rs, a, b) if v is not None))
+  )(
+    *(
+      v
+      for v in (x_hat.reshape(shape), g.reshape(shape), scale, bias, rs, a, b, dx_scale)
+      if v is not None
+    )
+  )
   out_dx = outs[0].reshape(x_hat.shape) if dx is not None else None
   if not sums:
     return out_dx, None
@@ -307,9 +331,12 @@ def norm_act_bwd(
 # -------------------------------------------------------------------------------- references
 
 
-def norm_act_reference(x, mean, r, scale, bias, *, epilogue: Epilogue, out_dtype=None):
+def norm_act_reference(
+  x, mean, r, scale, bias, *, epilogue: Epilogue, out_dtype=None, x_scale=None
+):
   """Pure-jnp :func:`norm_act_fwd`: ``(y, x_hat)``."""
-  x_hat = ((x.astype(jnp.float32) - mean[:, None]) * r[:, None]).astype(x.dtype)
+  xs = x.astype(jnp.float32) * (1.0 if x_scale is None else x_scale[:, None])
+  x_hat = ((xs - mean[:, None]) * r[:, None]).astype(x.dtype)
   z = x_hat.astype(jnp.float32)
   if scale is not None:
     z = z * scale.astype(jnp.float32)
@@ -318,7 +345,9 @@ def norm_act_reference(x, mean, r, scale, bias, *, epilogue: Epilogue, out_dtype
   return epilogue.fn(z).astype(x.dtype if out_dtype is None else out_dtype), x_hat
 
 
-def norm_act_bwd_reference(x_hat, g, scale, bias, *, epilogue: Epilogue, dx=None, dz_dtype=None):
+def norm_act_bwd_reference(
+  x_hat, g, scale, bias, *, epilogue: Epilogue, dx=None, dx_scale=None, dz_dtype=None
+):
   """Pure-jnp :func:`norm_act_bwd` (every output): ``(dx or None, (sum dz, sum dz x_hat))``."""
   xh = x_hat.astype(jnp.float32)
   z = xh * (1.0 if scale is None else scale.astype(jnp.float32))
@@ -334,5 +363,7 @@ def norm_act_bwd_reference(x_hat, g, scale, bias, *, epilogue: Epilogue, dx=None
     out = rs[:, None] * dz
     if a is not None:
       out = out - a[:, None] - b[:, None] * xh
+    if dx_scale is not None:
+      out = out * dx_scale[:, None]
     out = out.astype(x_hat.dtype)
   return out, (jnp.sum(dz, axis=1), jnp.sum(dz * xh, axis=1))

@@ -173,7 +173,7 @@ def _epilogue(name):
 def test_kernels_against_their_references_over_several_tiles(name):
   """Tiles of 8 x 16 over 3 samples of 37 rows of 40 channels: ragged tiles in both directions,
   two row tiles a program in the sums pass (the last past the sample), float32 and a rounded
-  bfloat16 dz."""
+  bfloat16 dz, x's and dx's power-of-two scales."""
   ep = _epilogue(name)
   tiles = kernels.NormActTiles(rows=8, cols=16, num_warps=4, steps=2)
   rng = np.random.default_rng(2)
@@ -182,22 +182,24 @@ def test_kernels_against_their_references_over_several_tiles(name):
   mean, r = normal(3, 40), jnp.abs(normal(3, 40)) + 0.5
   scale, bias = normal(40).at[::4].set(0.0), normal(40)
   coefficients = (normal(3, 40), normal(3, 40), normal(3, 40))
+  powers = jnp.asarray(2.0 ** rng.integers(-20, 21, (3, 40)), jnp.float32)
 
   @jax.jit
   def run(x, g, mean, r, scale, bias, coefficients):
     fwd = kernels.norm_act_fwd(
-      x, mean, r, scale, bias, epilogue=ep, block_config=tiles, interpret=True
+      x, mean, r, scale, bias, epilogue=ep, x_scale=powers, block_config=tiles, interpret=True
     )
     x_hat = fwd[1]
     bwd = lambda **kw: kernels.norm_act_bwd(
       x_hat, g, scale, bias, epilogue=ep, block_config=tiles, interpret=True, **kw
     )
     ref = lambda **kw: kernels.norm_act_bwd_reference(x_hat, g, scale, bias, epilogue=ep, **kw)
-    got = (fwd, bwd(), bwd(sums=False, dx=coefficients), bwd(dz_dtype=jnp.bfloat16))
+    got = (fwd, bwd(), bwd(sums=False, dx=coefficients, dx_scale=powers))
+    got += (bwd(dz_dtype=jnp.bfloat16),)
     want = (
-      kernels.norm_act_reference(x, mean, r, scale, bias, epilogue=ep),
+      kernels.norm_act_reference(x, mean, r, scale, bias, epilogue=ep, x_scale=powers),
       ref(),
-      ref(dx=coefficients),
+      ref(dx=coefficients, dx_scale=powers),
       ref(dz_dtype=jnp.bfloat16),
     )
     return got, want
@@ -272,7 +274,7 @@ def test_none_keeps_xla_on_every_target_until_a_gpu_measures_the_kernels():
 def _plan_of(x, scale, bias):
   """The plan batch_norm_act builds for x (channels last), before its decision."""
   last = x.ndim - 1
-  fields = {"epsilon": 1e-5, "fast_variance": True, "axis_name": None, "axis_index_groups": None}
+  fields = {"epsilon": 1e-5, "axis_name": None, "axis_index_groups": None}
   axes = {"groups": 0, "axes": tuple(range(last)), "feature_axes": (last,)}
   return api._plan("batch_norm_act", x, "silu", None, **axes, **fields)[0]
 

@@ -183,7 +183,7 @@ def test_nnx_refuses_a_wrong_feature_count():
 
 
 def test_a_pre_norm_gated_block_keeps_nothing_of_its_input():
-  # x + gated_mlp(rms_norm(x)): the pullback holds y (gated_mlp's x), 1/rms, a and b; not x.
+  # x + gated_mlp(rms_norm(x)): the pullback holds y (gated_mlp's x), the rms, a and b; not x.
   t, d, f = 64, 32, 96
   k = jax.random.split(jax.random.key(0), 5)
   x = jax.random.normal(k[0], (t, d), jnp.float32)
@@ -199,4 +199,4 @@ def test_a_pre_norm_gated_block_keeps_nothing_of_its_input():
   big = sorted((a.shape for a in leaves if a.shape[:1] == (t,) and a.size >= t * d), key=str)
   assert big == sorted([(t, d), (t, f), (t, f)], key=str)  # y, a, b
   assert not any(a.shape == x.shape and np.array_equal(a, x) for a in leaves)
-  assert sum(a.shape == (t, 1) for a in leaves) == 1  # 1/rms
+  assert sum(a.shape == (t, 1) for a in leaves) == 1  # the rms

@@ -122,6 +122,11 @@ def batch(
       "running averages) or neither (batch statistics)"
     )
   mean, var = _check_params(fn_name, x, shape, what, mean=mean, var=var)
+  if mean is None and x.size == 0 and all(x.shape[a] for a in features):
+    raise ValueError(
+      f"jaxact.{fn_name}: `x` {x.shape} has no elements to take a feature's batch statistics "
+      "over; pass `mean` and `var` to normalize an empty batch"
+    )
   groups = _check_axis_name(fn_name, axis_name, axis_index_groups)
   plan, dynamic = _plan(
     fn_name,
@@ -132,7 +137,6 @@ def batch(
     axes=tuple(d for d in range(x.ndim) if d not in features),
     feature_axes=features,
     epsilon=validation.positive_epsilon(fn_name, epsilon),
-    fast_variance=bool(use_fast_variance),
     axis_name=axis_name,
     axis_index_groups=groups,
   )
@@ -166,13 +170,13 @@ def batch_norm_act(
     y = \mathrm{act}\left(\gamma \, \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta\right)
 
   with :math:`\mu, \sigma^2` the mean and variance of each feature over every other axis (the
-  batch statistics; averaged over the devices of `axis_name` with ``lax.pmean``), computed as
-  ``flax.linen.BatchNorm`` computes them: in float32 (float64 for float64 inputs), the variance as
-  ``max(0, E[x^2] - E[x]^2)`` with ``use_fast_variance`` (else ``E[(x - E[x])^2]``). Given `mean`
-  and `var` (running averages) it normalizes with those instead (inference).
+  batch statistics; averaged over the devices of `axis_name` with ``lax.pmean``), in float32
+  (float64 for float64 inputs), in two passes whatever ``use_fast_variance``, on entries scaled
+  into range: no overflow and no NaN for any finite input (the returned variance saturates at the
+  dtype's max). Given `mean` and `var` (running averages) it normalizes with those instead.
 
   Kept for the backward pass: the normalized input :math:`\hat x` in `x`'s dtype, one float32
-  number a feature (:math:`1/\sqrt{\sigma^2 + \epsilon}`) and the parameters; the pre-activation
+  number a feature (:math:`\sqrt{\sigma^2 + \epsilon}`) and the parameters; the pre-activation
   and the activation's derivative are recomputed from them. Every gradient is that of autodiff of
   the composition, for every `scale`: a zero scale needs nothing special, since :math:`\hat x` is
   kept, not recovered from ``y`` (In-Place ABN's ``|gamma| + eps`` is not needed), and a constant
@@ -191,7 +195,7 @@ def batch_norm_act(
     mean: the running mean to normalize with (inference), of the shape of `scale`; given with
       `var` or not at all.
     var: the running variance, likewise.
-    use_fast_variance: Flax's variance formula (default True); False: two passes.
+    use_fast_variance: accepted (Flax's); the variance is the two-pass one either way.
     axis_name: the named axis (``shard_map``, ``pmap``) whose devices share the batch statistics,
       as Flax's; under ``jit`` with a sharded batch the statistics are global without it.
     axis_index_groups: groups of device indices of `axis_name` that share statistics.
@@ -298,7 +302,6 @@ def group(
     axes=(*axes[:-1], x.ndim),  # in the view (..., groups, channels // groups)
     feature_axes=(x.ndim - 1,),
     epsilon=validation.positive_epsilon(fn_name, epsilon),
-    fast_variance=bool(use_fast_variance),
     axis_name=axis_name,
     axis_index_groups=_check_axis_name(fn_name, axis_name, axis_index_groups),
   )
@@ -344,7 +347,7 @@ def group_norm_act(
     epsilon: added to the variance, > 0 (Flax's default 1e-6).
     reduction_axes: the axes the statistics reduce, the last included (default: all but the
       first).
-    use_fast_variance: Flax's variance formula (default True).
+    use_fast_variance: accepted (Flax's), as :func:`batch_norm_act` takes it.
     axis_name: average the statistics over the devices of this named axis, as Flax's
       ``GroupNorm`` does.
     axis_index_groups: groups of device indices of `axis_name` that share statistics.
@@ -417,7 +420,6 @@ def activate(layer: str, x_hat, scale, bias, *, activation: Activation, feature_
       axes=(),
       feature_axes=tuple(feature_axes),
       epsilon=1.0,
-      fast_variance=True,
     )
   except (TypeError, ValueError) as e:
     raise type(e)(str(e).replace("jaxact.batch_norm_act", layer, 1)) from None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
-from jaxact._src.core import pallas_sharding, platform, shardings
+from jaxact._src.core import moments, pallas_sharding, platform, shardings
 from jaxact._src.norm_act import rules
 
 if TYPE_CHECKING:
@@ -67,14 +67,16 @@ def _on_mesh(kernel: Callable[..., Any], like: tuple[int, ...]) -> Callable[...,
   return run
 
 
-def forward(plan: NormActPlan, x, mean, r, scale, bias, xla: Callable[..., Any], *, keep: bool):
-  """``(y, x_hat)`` of x normalized by `mean` and `r` (the view's statistics, size-1 axes kept), as
-  `xla` returns them; x_hat None without `keep` (no gradient to come)."""
+def forward(
+  plan: NormActPlan, x, inv, mean, r, scale, bias, xla: Callable[..., Any], *, keep: bool
+):
+  """``(y, x_hat)`` of x normalized as ``(x * inv - mean) * r`` (the view's statistics, size-1
+  axes kept), as `xla` returns them; x_hat None without `keep` (no gradient to come)."""
   from pallas_kernels import norm_act_triton
 
   ep = rules.epilogue(plan)
 
-  def triton(x, mean, r, scale, bias, *, interpret):
+  def triton(x, inv, mean, r, scale, bias, *, interpret):
     samples, rows, c = _view(plan, x.shape)
     y, x_hat = norm_act_triton.norm_act_fwd(
       x.reshape(samples, rows, c),
@@ -85,6 +87,7 @@ def forward(plan: NormActPlan, x, mean, r, scale, bias, xla: Callable[..., Any],
       epilogue=ep,
       out_dtype=plan.out_dtype,
       keep_x_hat=keep,
+      x_scale=_per_sample(plan, jnp.broadcast_to(inv, mean.shape), samples, c),
       interpret=interpret,
     )
     return y.reshape(x.shape), None if x_hat is None else x_hat.reshape(x.shape)
@@ -93,18 +96,18 @@ def forward(plan: NormActPlan, x, mean, r, scale, bias, xla: Callable[..., Any],
     y, x_hat = xla(*args)
     return y, x_hat if keep else None
 
-  args = (x, mean, r, scale, bias)
+  args = (x, inv, mean, r, scale, bias)
   return platform.switch(args, _on_mesh(triton, (0, 0)), fallback, plan.decision, False)
 
 
-def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, xla):
+def train_backward(plan: NormActPlan, x_hat, sigma, scale, bias, g, g_mean, g_var, xla):
   """``(dx, d_scale, d_bias)`` of a norm by batch statistics, as `xla` returns them: the sums
   pass, the statistics' means (XLA, ``(samples, C)``), then the dx pass."""
   from pallas_kernels import norm_act_triton
 
   ep, dz_dtype = rules.epilogue(plan), plan.dz_dtype
 
-  def triton(x_hat, r, scale, bias, g, g_mean, g_var, *, interpret):
+  def triton(x_hat, sigma, scale, bias, g, g_mean, g_var, *, interpret):
     samples, rows, c = _view(plan, x_hat.shape)
     xh, g3 = x_hat.reshape(samples, rows, c), g.reshape(samples, rows, c)
     run = lambda **kw: norm_act_triton.norm_act_bwd(
@@ -114,29 +117,31 @@ def train_backward(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, x
     gamma = 1.0 if scale is None else scale.astype(jnp.float32)
     count = rows * (c // plan.groups if plan.groups else 1)  # elements a statistic
     m1, m2 = (_group_mean(plan, v * gamma, count) for v in (s_dz, s_dz_xh))
-    rr = _per_sample(plan, r, samples, c)
+    sd = _per_sample(plan, sigma, samples, c)
+    rr, q = moments.reciprocal(sd)
     gm, gv = _per_sample(plan, g_mean, samples, c), _per_sample(plan, g_var, samples, c)
-    # dx = r (dxh - m1 - x_hat m2) + (g_mean + 2 g_var x_hat / r) / count, with dxh = dz scale
-    a = rr * m1 - gm / count
-    b = rr * m2 - 2.0 * gv / (rr * count)
-    dx, _ = run(sums=False, dx=(rr * gamma, a, b), dx_dtype=plan.x_dtype)
+    # dx = (dxh - m1 - x_hat m2) / sigma + (g_mean + 2 g_var x_hat sigma) / count, with dxh = dz
+    # scale and 1 / sigma = rr q (q a power of two: the kernel's last product)
+    a = rr * m1 - gm / count / q
+    b = rr * m2 - gv * (sd * (2.0 / count)) / q
+    dx, _ = run(sums=False, dx=(rr * gamma, a, b), dx_scale=q, dx_dtype=plan.x_dtype)
     d_scale = _like(jnp.sum(s_dz_xh, axis=0), scale)
     return dx.reshape(x_hat.shape), d_scale, _like(jnp.sum(s_dz, axis=0), bias)
 
-  args = (x_hat, r, scale, bias, g, g_mean, g_var)
+  args = (x_hat, sigma, scale, bias, g, g_mean, g_var)
   return platform.switch(args, _on_mesh(triton, (0, 2, 3)), xla, plan.decision, False)
 
 
-def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
+def infer_backward(plan: NormActPlan, x_hat, sigma, scale, bias, mean, var, g, xla):
   """``(dx, d_scale, d_bias, d_mean, d_var)`` of a norm by given statistics, as `xla` returns
   them: one pass writes dx and the sums."""
   from pallas_kernels import norm_act_triton
 
   ep, dz_dtype = rules.epilogue(plan), plan.dz_dtype
 
-  def triton(x_hat, r, scale, bias, mean, var, g, *, interpret):
+  def triton(x_hat, sigma, scale, bias, mean, var, g, *, interpret):
     samples, rows, c = _view(plan, x_hat.shape)
-    rr = _per_sample(plan, r, samples, c)
+    rr = 1 / _per_sample(plan, sigma, samples, c)  # normal: the given statistics' sigma < 2^63
     gamma = 1.0 if scale is None else scale.astype(jnp.float32)
     dx, (s_dz, s_dz_xh) = norm_act_triton.norm_act_bwd(
       x_hat.reshape(samples, rows, c),
@@ -152,8 +157,8 @@ def infer_backward(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, xla):
     # x_hat = (x - mean) r with r = (var + eps)^-1/2: d x_hat / d mean = -r and
     # d x_hat / d var = -x_hat r^2 / 2
     d_mean = _like(-gamma * s_dz * rr, mean)
-    d_var = _like(-0.5 * rr * rr * gamma * s_dz_xh, var)
+    d_var = _like(-0.5 * rr * gamma * s_dz_xh * rr, var)
     return (dx.reshape(x_hat.shape), _like(s_dz_xh, scale), _like(s_dz, bias), d_mean, d_var)
 
-  args = (x_hat, r, scale, bias, mean, var, g)
+  args = (x_hat, sigma, scale, bias, mean, var, g)
   return platform.switch(args, _on_mesh(triton, (0, 2, 3, 4, 5)), xla, plan.decision, False)

@@ -24,7 +24,6 @@ class NormActPlan:
   axes: tuple[int, ...]  # the reduced axes of the view
   feature_axes: tuple[int, ...]  # x's axes that scale and bias run along
   epsilon: float
-  fast_variance: bool  # Flax's use_fast_variance: var = max(0, E[x^2] - E[x]^2)
   acc: np.dtype  # statistics and arithmetic: float32, or float64 for float64 inputs
   x_dtype: np.dtype  # also the kept x_hat's dtype
   out_dtype: np.dtype

@@ -1,17 +1,20 @@
 """Batch and group norms fused with their activation, keeping one array: the normalized input.
 
-``y = act(scale * x_hat + bias)`` with ``x_hat = (x - mean) r`` and ``r = 1 / sqrt(var + eps)``.
-Autodiff of that composition keeps ``x`` (or ``x - mean``) for the norm, and ``z`` or ``y`` for the
-activation: two or three activation-sized arrays. The backward pass needs only ``x_hat`` (and
-``r``, one float32 number a statistic): from it it recomputes ``z = scale * x_hat + bias`` and the
-activation's derivative at ``z``, then
+``y = act(scale * x_hat + bias)`` with ``x_hat = (x - mean) r``, ``r = 1 / sigma`` and ``sigma =
+sqrt(var + eps)``. Autodiff of that composition keeps ``x`` (or ``x - mean``) for the norm, and
+``z`` or ``y`` for the activation: two or three activation-sized arrays. The backward pass needs
+only ``x_hat`` (and ``sigma``, one float32 number a statistic): from it it recomputes ``z = scale *
+x_hat + bias`` and the activation's derivative at ``z``, then
 
 .. math::
   \\bar x = r \\left(\\bar{\\hat x} - \\overline{\\bar{\\hat x}} - \\hat x \\,
   \\overline{\\bar{\\hat x} \\hat x}\\right), \\quad \\bar{\\hat x} = \\bar z \\, \\gamma
 
 (overlines are means over the statistic's elements, averaged over ``axis_name`` as the statistics
-are). So each op is one ``custom_vjp`` keeping ``x_hat`` in ``x``'s dtype, ``r`` and the parameters.
+are). So each op is one ``custom_vjp`` keeping ``x_hat`` in ``x``'s dtype, ``sigma`` and the
+parameters. The statistics are from :mod:`jaxact._src.core.moments`: no intermediate out of range
+for any finite input (``x_hat = (x * inv - mean) * r`` with a power of two ``inv``), and
+``sigma`` kept rather than ``r``, which is not a normal float32 above ``sigma = 2^126``.
 
 Why ``x_hat`` and not ``y`` (In-Place ABN's choice): ``y`` determines ``x_hat`` only through
 ``(act^-1(y) - bias) / scale``, which is lost where ``scale`` is 0 (and the derivative at
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxact._src.activations import api as activations
-from jaxact._src.core import barriers
+from jaxact._src.core import barriers, moments
 from jaxact._src.core.spec import JAX_NN
 from jaxact._src.norm_act import kernels
 from jaxact._src.norm_act.plan import NormActPlan
@@ -66,15 +69,25 @@ def _param(plan: NormActPlan, p, ndim: int, shape):
   return p.astype(plan.acc).reshape(plan.feature_shape(ndim, shape))
 
 
-def statistics(plan: NormActPlan, xv):
-  """``(mean, var)`` of the view `xv` (in the accumulation dtype) over the plan's axes, kept as
-  size-1 axes; as Flax's ``_compute_stats`` computes them."""
-  mean = jnp.mean(xv, plan.axes, keepdims=True)
-  if plan.fast_variance:
-    mean, mean2 = _pmean(plan, (mean, jnp.mean(xv * xv, plan.axes, keepdims=True)))
-    return mean, jnp.maximum(0.0, mean2 - mean * mean)
-  mean = _pmean(plan, mean)
-  return mean, _pmean(plan, jnp.mean(jnp.square(xv - mean), plan.axes, keepdims=True))
+def _pmax(plan: NormActPlan, v):
+  if plan.axis_name is None:
+    return v
+  return lax.pmax(v, plan.axis_name, axis_index_groups=plan.axis_index_groups)
+
+
+def statistics(plan: NormActPlan, xv) -> moments.Moments:
+  """The statistics of the view `xv` (in the accumulation dtype) over the plan's axes, kept as
+  size-1 axes: the two-pass mean and variance of entries scaled into range
+  (:mod:`jaxact._src.core.moments`), for Flax's ``use_fast_variance`` too (its ``E[x^2] - E[x]^2``
+  would save no pass here, and is rounding noise for a channel whose spread is below ``1e-4`` of
+  its mean)."""
+  return moments.moments(
+    xv,
+    plan.axes,
+    plan.epsilon,
+    pmean=lambda v: _pmean(plan, v),
+    pmax=lambda v: _pmax(plan, v),
+  )
 
 
 def _activate(plan: NormActPlan, z, dynamic):
@@ -151,27 +164,27 @@ def _output(plan: NormActPlan, x_hat, scale, bias, dynamic):
   return _activate(plan, _preactivation(plan, x_hat, scale, bias), dynamic)
 
 
-def _normalized(plan: NormActPlan, x, mean, r, scale, bias, dynamic=()):
-  """``(y, x_hat)`` of x normalized by the view's `mean` and `r` (or ones broadcast to x)."""
+def _normalized(plan: NormActPlan, x, inv, mean, r, scale, bias, dynamic=()):
+  """``(y, x_hat)`` of x normalized as ``(x * inv - mean) * r`` by the view's statistics."""
   xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
-  x_hat = ((xv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
+  x_hat = ((xv * inv - mean) * r).reshape(x.shape).astype(plan.x_dtype)
   return _output(plan, x_hat, scale, bias, dynamic), x_hat
 
 
-def _normalize(plan: NormActPlan, x, mean, r, scale, bias, dynamic, keep: bool = True):
+def _normalize(plan: NormActPlan, x, inv, mean, r, scale, bias, dynamic, keep: bool = True):
   """:func:`_normalized` by the plan's backend (x_hat None from the kernels without `keep`)."""
   if plan.decision.forward == "xla":
-    return _normalized(plan, x, mean, r, scale, bias, dynamic)
+    return _normalized(plan, x, inv, mean, r, scale, bias, dynamic)
   xla = functools.partial(_normalized, plan)
-  return kernels.forward(plan, x, mean, r, scale, bias, xla, keep=keep)
+  return kernels.forward(plan, x, inv, mean, r, scale, bias, xla, keep=keep)
 
 
 def _train_forward(plan: NormActPlan, x, scale, bias, dynamic, keep: bool = True):
   xv = x.reshape(plan.view_shape(x.shape)).astype(plan.acc)
-  mean, var = statistics(plan, xv)
-  r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
-  y, x_hat = _normalize(plan, x, mean, r, scale, bias, dynamic, keep)
-  return y, x_hat, mean, var, r
+  m = statistics(plan, xv)
+  y, x_hat = _normalize(plan, x, m.inv, m.mean, m.r, scale, bias, dynamic, keep)
+  mean, var = m.unscaled()
+  return y, x_hat, mean, var, m.sigma
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -181,32 +194,32 @@ def _train(plan: NormActPlan, x, scale, bias, *dynamic):
 
 
 def _train_fwd(plan: NormActPlan, x, scale, bias, *dynamic):
-  y, x_hat, mean, var, r = _train_forward(plan, x, scale, bias, dynamic)
-  y, x_hat, r = _barrier(y, x_hat, r)
-  return (y, mean, var), (x_hat, r, scale, bias, dynamic)
+  y, x_hat, mean, var, sigma = _train_forward(plan, x, scale, bias, dynamic)
+  y, x_hat, sigma = _barrier(y, x_hat, sigma)
+  return (y, mean, var), (x_hat, sigma, scale, bias, dynamic)
 
 
-def _barrier(y, x_hat, r):
-  """`y`, `x_hat` and `r` past one barrier, which keeps XLA from recomputing x_hat from x in the
-  backward pass (which would keep x alive as well) and from fusing the forward's activation into
-  the backward's; a `y` that is `x_hat` stays its one buffer."""
+def _barrier(y, x_hat, sigma):
+  """`y`, `x_hat` and `sigma` past one barrier, which keeps XLA from recomputing x_hat from x in
+  the backward pass (which would keep x alive as well) and from fusing the forward's activation
+  into the backward's; a `y` that is `x_hat` stays its one buffer."""
   if y is x_hat:
-    x_hat, r = lax.optimization_barrier((x_hat, r))
-    return x_hat, x_hat, r
-  return lax.optimization_barrier((y, x_hat, r))
+    x_hat, sigma = lax.optimization_barrier((x_hat, sigma))
+    return x_hat, x_hat, sigma
+  return lax.optimization_barrier((y, x_hat, sigma))
 
 
 def _train_bwd(plan: NormActPlan, res, cts):
   g, g_mean, g_var = cts
-  x_hat, r, scale, bias, dynamic = res
-  (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  x_hat, sigma, scale, bias, dynamic = res
+  (x_hat, sigma), g = barriers.after_cotangent((x_hat, sigma), g)
   if plan.decision.backward == "xla":
-    return _train_grads(plan, x_hat, r, scale, bias, g, g_mean, g_var, dynamic)
+    return _train_grads(plan, x_hat, sigma, scale, bias, g, g_mean, g_var, dynamic)
   xla = lambda *a: _train_grads(plan, *a, ())
-  return kernels.train_backward(plan, x_hat, r, scale, bias, g, g_mean, g_var, xla)
+  return kernels.train_backward(plan, x_hat, sigma, scale, bias, g, g_mean, g_var, xla)
 
 
-def _train_grads(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, dynamic):
+def _train_grads(plan: NormActPlan, x_hat, sigma, scale, bias, g, g_mean, g_var, dynamic):
   xh = x_hat.astype(plan.acc)
   dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
   d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)
@@ -216,22 +229,28 @@ def _train_grads(plan: NormActPlan, x_hat, r, scale, bias, g, g_mean, g_var, dyn
     plan,
     (jnp.mean(dxh, plan.axes, keepdims=True), jnp.mean(dxh * xh, plan.axes, keepdims=True)),
   )
-  dx = r * (dxh - m1 - xh * m2)
+  r, q = moments.reciprocal(sigma)
+  dx = (dxh - m1 - xh * m2) * r * q
   # The statistics' own cotangents (zero unless the caller differentiates through them):
-  # d mean / dx = 1 / n and d var / dx = 2 (x - mean) / n, with x - mean = x_hat / r.
-  n = math.prod(view[a] for a in plan.axes)
+  # d mean / dx = 1 / n and d var / dx = 2 (x - mean) / n, with x - mean = x_hat sigma.
+  n = max(math.prod(view[a] for a in plan.axes), 1)
   if plan.axis_name is None:
-    dx = dx + (g_mean + 2 * g_var * (xh / r)) / n
+    dx = dx + _stat_cotangents(g_mean, g_var, xh, sigma, n)
   elif set(_names(plan.axis_name)) <= _varying(g):
     # typed shard_map: the statistics are invariant over the axis, their cotangents too, and the
     # transpose of the mean over it spreads them without a sum
     size = lax.psum(1, plan.axis_name, axis_index_groups=plan.axis_index_groups)
-    dx = dx + (g_mean + 2 * g_var * (xh / r)) / (n * size)
+    dx = dx + _stat_cotangents(g_mean, g_var, xh, sigma, n * size)
   else:  # pmap, or shard_map untyped: each device's own copy, summed as psum's transpose sums
     g_mean, g_var = _pmean(plan, (g_mean, g_var))
-    dx = dx + (g_mean + 2 * g_var * (xh / r)) / n
+    dx = dx + _stat_cotangents(g_mean, g_var, xh, sigma, n)
   dx = dx.reshape(x_hat.shape).astype(plan.x_dtype)
   return (dx, d_scale, d_bias, *d_dynamic)
+
+
+def _stat_cotangents(g_mean, g_var, xh, sigma, n):
+  """``(g_mean + 2 g_var (x - mean)) / n``, each product in range (``sigma 2 / n`` is finite)."""
+  return g_mean / n + g_var * (xh * (sigma * (2 / n)))
 
 
 def _names(axis_name) -> tuple:
@@ -253,9 +272,12 @@ def train(plan: NormActPlan, x, scale, bias, *dynamic):
 
 
 def _infer_forward(plan: NormActPlan, x, scale, bias, mean, var, dynamic, keep: bool = True):
-  r = lax.rsqrt(var + jnp.asarray(plan.epsilon, plan.acc))
-  y, x_hat = _normalize(plan, x, mean, r, scale, bias, dynamic, keep)
-  return y, x_hat, r
+  sigma = moments.sigma_of(var, plan.epsilon)
+  # (x / 2 - mean / 2) (2 / sigma): the halves' difference is finite for any finite x and mean,
+  # and 2 / sigma is (sigma_of holds sigma between the smallest normal and 2^63)
+  half = jnp.full_like(mean, 0.5)
+  y, x_hat = _normalize(plan, x, half, mean * 0.5, 2 / sigma, scale, bias, dynamic, keep)
+  return y, x_hat, sigma
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -264,20 +286,21 @@ def _infer(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
 
 
 def _infer_fwd(plan: NormActPlan, x, scale, bias, mean, var, *dynamic):
-  y, x_hat, r = _barrier(*_infer_forward(plan, x, scale, bias, mean, var, dynamic))
-  return y, (x_hat, r, scale, bias, mean, var, dynamic)
+  y, x_hat, sigma = _barrier(*_infer_forward(plan, x, scale, bias, mean, var, dynamic))
+  return y, (x_hat, sigma, scale, bias, mean, var, dynamic)
 
 
 def _infer_bwd(plan: NormActPlan, res, g):
-  x_hat, r, scale, bias, mean, var, dynamic = res
-  (x_hat, r), g = barriers.after_cotangent((x_hat, r), g)
+  x_hat, sigma, scale, bias, mean, var, dynamic = res
+  (x_hat, sigma), g = barriers.after_cotangent((x_hat, sigma), g)
   if plan.decision.backward == "xla":
-    return _infer_grads(plan, x_hat, r, scale, bias, mean, var, g, dynamic)
+    return _infer_grads(plan, x_hat, sigma, scale, bias, mean, var, g, dynamic)
   xla = lambda *a: _infer_grads(plan, *a, ())
-  return kernels.infer_backward(plan, x_hat, r, scale, bias, mean, var, g, xla)
+  return kernels.infer_backward(plan, x_hat, sigma, scale, bias, mean, var, g, xla)
 
 
-def _infer_grads(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, dynamic):
+def _infer_grads(plan: NormActPlan, x_hat, sigma, scale, bias, mean, var, g, dynamic):
+  r = 1 / sigma  # normal: sigma_of holds sigma below 2^63
   xh = x_hat.astype(plan.acc)
   dz, d_dynamic = _dz(plan, xh, scale, bias, g, dynamic)
   d_scale, d_bias, dxh = _param_grads(plan, dz, xh, scale, bias, g)
@@ -285,7 +308,7 @@ def _infer_grads(plan: NormActPlan, x_hat, r, scale, bias, mean, var, g, dynamic
   # x_hat = (x - mean) r with r = (var + eps)^-1/2: d x_hat / d mean = -r and
   # d x_hat / d var = -x_hat r^2 / 2
   d_mean = _like(-jnp.sum(dxh, others, keepdims=True) * r, mean, g)
-  d_var = _like(-0.5 * r * r * jnp.sum(dxh * xh, others, keepdims=True), var, g)
+  d_var = _like(-0.5 * r * jnp.sum(dxh * xh, others, keepdims=True) * r, var, g)
   dx = (dxh * r).astype(plan.x_dtype)
   return (dx, d_scale, d_bias, d_mean, d_var, *d_dynamic)
 

@@ -44,7 +44,7 @@ def _check(
   validation.positive_epsilon(fn_name, epsilon)
   if residual not in ("output", "input"):
     raise ValueError(
-      f"jaxact.{fn_name}: `residual` must be 'output' (keep y and 1/rms a row) or 'input' (keep "
+      f"jaxact.{fn_name}: `residual` must be 'output' (keep y and its rms a row) or 'input' (keep "
       f"x); got {residual!r}"
     )
   if isinstance(scale_offset, (bool, np.bool_)) or not isinstance(scale_offset, numbers.Real):
@@ -143,7 +143,8 @@ def rms_norm(
   ``x_hat * (1 + scale)`` with a scale initialised to zeros: pass ``scale_offset=1.0`` to load its
   checkpoints (without it a Gemma scale of zeros gives an output of zeros and, from ``y = 0``, a
   scale gradient of 0: it would never train). The statistics are float32 for half precision
-  inputs, the output in `x`'s dtype. The backward pass reads ``y``, one float32 ``1/rms`` a row
+  inputs, on entries scaled into range (no overflow or NaN for any finite input), the output in
+  `x`'s dtype. The backward pass reads ``y``, one float32 ``rms`` a row
   and ``scale``, not ``x``: ``x_hat = y / (o + scale)``, exact wherever :math:`o + \gamma \ne 0`
   (with Gemma's offset a zero scale is a factor of 1); where :math:`o + \gamma` is exactly 0 that
   channel's ``d scale`` and its own ``dx`` term are 0 (``x`` cannot be recovered from ``y``
@@ -154,7 +155,7 @@ def rms_norm(
     scale: ``gamma``, of the shape of `x` on the normalized axes, or None (1).
     epsilon: added to the mean square, > 0.
     axis: the normalized axis or axes.
-    residual: ``"output"`` (default: keep ``y`` and ``1/rms``) or ``"input"`` (keep ``x``).
+    residual: ``"output"`` (default: keep ``y`` and ``rms``) or ``"input"`` (keep ``x``).
     scale_offset: :math:`o`, a Python float added to ``scale`` (0.0; 1.0 for Gemma); needs a
       ``scale``.
     out_sharding: ``y``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for
@@ -211,10 +212,12 @@ def layer_norm(
   with the means over `axis` and :math:`o` the ``scale_offset``; with the default :math:`o = 0`,
   as ``flax.linen.LayerNorm`` computes it (the variance in two passes). ``scale_offset=1.0`` is
   the ``1 + scale`` parametrization (a scale initialised to zeros, as Gemma's RMS norm). Statistics
-  are float32 for half precision inputs, the output in `x`'s dtype. The backward pass reads ``y``,
-  one float32 ``1/sigma`` a row, ``scale`` and ``bias``, not ``x``: ``x_hat = (y - beta) / (o +
-  scale)``; where :math:`o + \gamma` is exactly 0 that channel's ``d scale`` and its own ``dx``
-  term ``-r x_hat mean(dx_hat x_hat)`` are 0; ``residual="input"`` keeps ``x``.
+  are float32 for half precision inputs, as :func:`rms_norm`'s, the output in `x`'s dtype. The
+  backward pass reads ``y``, one float32 ``sigma`` a row, ``scale`` and ``bias``, not ``x``:
+  ``x_hat = (y - beta) / (o + scale)``, which carries ``y``'s rounding: an error of ``u (|x_hat|
+  + |beta / (o + scale)|)`` (``u`` half an ulp of 1 in y's dtype), so prefer ``residual="input"``
+  (keep ``x``, exact) where ``|beta|`` dwarfs ``|o + scale|``; where :math:`o + \gamma` is exactly
+  0 that channel's ``d scale`` and its own ``dx`` term ``-r x_hat mean(dx_hat x_hat)`` are 0.
 
   Args:
     x: the input, floating point.
@@ -222,7 +225,7 @@ def layer_norm(
     bias: ``beta``, of the same shape, or None (0).
     epsilon: added to the variance, > 0.
     axis: the normalized axis or axes.
-    residual: ``"output"`` (default: keep ``y`` and ``1/sigma``) or ``"input"`` (keep ``x``).
+    residual: ``"output"`` (default: keep ``y`` and ``sigma``) or ``"input"`` (keep ``x``).
     scale_offset: :math:`o`, a Python float added to ``scale`` (default 0.0); needs a ``scale``.
     out_sharding: ``y``'s sharding, or None for ``x``'s; as :func:`rms_norm` takes it.
 

@@ -39,7 +39,7 @@ class RMSNorm(nn.RMSNorm):
     axis_name, axis_index_groups: must be None (statistics across devices are not supported).
     use_fast_variance, force_float32_reductions: accepted; the statistics are always computed in
       float32 (float64 for float64 inputs).
-    residual: ``"output"`` (default: keep the output and ``1/rms``) or ``"input"``.
+    residual: ``"output"`` (default: keep the output and its ``rms``) or ``"input"``.
     scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale)``. Gemma's
       norm is ``x_hat * (1 + scale)`` with a zero-initialised scale: ``scale_offset=1.0`` (and
       ``scale_init=nn.initializers.zeros`` for a fresh model) loads its checkpoints, where
@@ -99,7 +99,7 @@ class LayerNorm(nn.LayerNorm):
     axis_name, axis_index_groups: must be None.
     use_fast_variance, force_float32_reductions: accepted; the variance is always computed in two
       passes, in float32 (float64 for float64 inputs).
-    residual: ``"output"`` (default: keep the output and ``1/sigma``) or ``"input"``.
+    residual: ``"output"`` (default: keep the output and ``sigma``) or ``"input"``.
     scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale) + bias``.
   """
 

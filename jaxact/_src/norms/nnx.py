@@ -71,7 +71,7 @@ class RMSNorm(nnx.RMSNorm):
       ``flax.nnx.RMSNorm``'s (``feature_axes`` must equal ``reduction_axes``; the statistics are
       always computed in float32, or float64 for float64 inputs).
     axis_name, axis_index_groups: must be None (statistics across devices are not supported).
-    residual: ``"output"`` (default: keep the output and ``1/rms``) or ``"input"``.
+    residual: ``"output"`` (default: keep the output and its ``rms``) or ``"input"``.
     scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale)``. Gemma's
       norm is ``x_hat * (1 + scale)`` with a zero-initialised scale: ``scale_offset=1.0`` (and
       ``scale_init=nnx.initializers.zeros`` for a fresh model) loads its checkpoints, where
@@ -144,7 +144,7 @@ class LayerNorm(nnx.LayerNorm):
       scale_metadata: as ``flax.nnx.LayerNorm``'s (``feature_axes`` must equal
       ``reduction_axes``; the variance is always computed in two passes, in float32).
     axis_name, axis_index_groups: must be None.
-    residual: ``"output"`` (default: keep the output and ``1/sigma``) or ``"input"``.
+    residual: ``"output"`` (default: keep the output and ``sigma``) or ``"input"``.
     scale_offset: added to ``scale`` (default 0.0): ``y = x_hat * (scale_offset + scale) + bias``.
   """
 

@@ -4,7 +4,8 @@ In a pre-norm block ``y = norm(x)`` feeds a matmul, which keeps ``y`` for its we
 Autodiff of the norm keeps ``x`` as well (and, for half precision, a float32 copy of it), though
 the backward can be written from ``y``: the normalized input is ``x̂ = y / gamma`` (RMS norm) or
 ``(y - beta) / gamma`` (layer norm), where ``gamma = scale_offset + scale`` (``scale_offset`` is 0,
-or 1 for Gemma's ``x̂ (1 + scale)``), and with the per-row ``r = 1 / sqrt(var + ε)``
+or 1 for Gemma's ``x̂ (1 + scale)``), and with the per-row ``r = 1 / sigma``,
+``sigma = sqrt(var + ε)``
 
 .. math::
   \\bar x = r \\left(\\bar{\\hat x} - \\overline{\\bar{\\hat x}} - \\hat x \\,
@@ -12,12 +13,16 @@ or 1 for Gemma's ``x̂ (1 + scale)``), and with the per-row ``r = 1 / sqrt(var +
 
 (the mean of :math:`\\bar{\\hat x}` is absent for RMS norm; overlines are means over the normalized
 axes). So each op is one ``custom_vjp`` keeping ``y`` (the array the next matmul keeps anyway),
-``r`` in float32 and the parameters; the block input ``x`` need not be kept at all.
+``sigma`` in float32 and the parameters; the block input ``x`` need not be kept at all. The
+statistics are from :mod:`jaxact._src.core.moments`: every intermediate in range for any finite
+input, and ``sigma`` kept rather than ``r`` (a row of 1e38's ``r`` is not a normal float32).
 
 Where ``gamma`` is exactly 0 the input cannot be recovered from ``y``: there ``x̂`` is taken as 0, so
 that channel's ``dgamma`` and (RMS norm, layer norm) its own ``dx`` term ``-r x̂ mean(dx̂ x̂)`` are 0;
-every other channel's gradient is exact. ``residual="input"`` keeps ``x`` instead and is exact
-everywhere.
+every other channel's gradient is exact. Layer norm's ``x̂ = (y - beta) / gamma`` carries ``y``'s
+rounding, ``u |y|``: an error of ``u (|x̂| + |beta / gamma|)``, large where ``|beta|`` dwarfs
+``|gamma|``.
+``residual="input"`` keeps ``x`` instead and is exact everywhere.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxact._src.core import barriers, shardings
+from jaxact._src.core import barriers, moments, shardings
 from jaxact._src.norms.plan import NormPlan
 
-# The names of the kept output and per-row reciprocal scale (jax.ad_checkpoint.checkpoint_name):
+# The names of the kept output and per-row standard deviation (jax.ad_checkpoint.checkpoint_name):
 # under jax.checkpoint(policy=save_only_these_names(*CHECKPOINT_NAMES)) a block keeps them and does
 # not recompute the norm in its backward. The input-residual plan keeps x, the caller's array.
-CHECKPOINT_NAMES = ("jaxact.norms.y", "jaxact.norms.r")
+CHECKPOINT_NAMES = ("jaxact.norms.y", "jaxact.norms.sigma")
 
 
 def _param(plan: NormPlan, p: Array | None, like: Array) -> Array | None:
@@ -52,27 +57,25 @@ def _gamma(plan: NormPlan, scale: Array | None, like: Array) -> Array | None:
 
 
 def _normalized(plan: NormPlan, x: Array) -> tuple[Array, Array]:
-  """``(x̂, r)`` in the accumulation dtype, r with the normalized axes kept (size 1)."""
+  """``(x̂, sigma)`` in the accumulation dtype, sigma with the normalized axes kept (size 1)."""
   xf = x.astype(plan.acc)
-  if plan.center:
-    xf = xf - jnp.mean(xf, plan.axes, keepdims=True)
-  r = lax.rsqrt(jnp.mean(xf * xf, plan.axes, keepdims=True) + jnp.asarray(plan.epsilon, plan.acc))
-  return xf * r, r
+  m = moments.moments(xf, plan.axes, plan.epsilon, center=plan.center)
+  return m.normalized(xf), m.sigma
 
 
 def _forward(plan: NormPlan, x, scale, bias):
-  x_hat, r = _normalized(plan, x)
+  x_hat, sigma = _normalized(plan, x)
   y = x_hat
   if scale is not None:
     y = y * _gamma(plan, scale, x)
   if bias is not None:
     y = y + _param(plan, bias, x)
   y = y.astype(plan.out_dtype)
-  if plan.out_sharding is not None:  # y as asked, and r split as y's rows
+  if plan.out_sharding is not None:  # y as asked, and sigma split as y's rows
     y = shardings.reshard(y, plan.out_sharding)
     rows = shardings.spec_of_sharding(plan.out_sharding, y.ndim)
-    r = shardings.to_spec(r, tuple(() if d in plan.axes else a for d, a in enumerate(rows)))
-  return y, r
+    sigma = shardings.to_spec(sigma, tuple(() if d in plan.axes else a for d, a in enumerate(rows)))
+  return y, sigma
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -81,26 +84,26 @@ def _norm(plan: NormPlan, x, scale, bias):
 
 
 def _norm_fwd(plan: NormPlan, x, scale, bias):
-  y, r = _forward(plan, x, scale, bias)
+  y, sigma = _forward(plan, x, scale, bias)
   if plan.residual == "input":
     return y, (x, None, scale, bias)
   # The barrier makes the kept y the returned array (one buffer) and keeps XLA from recomputing it
   # from x in the backward pass, which would keep x alive as well.
-  y, r = lax.optimization_barrier((y, r))
-  y, r = (checkpoint_name(a, n) for a, n in zip((y, r), CHECKPOINT_NAMES, strict=True))
-  return y, (y, r, scale, bias)
+  y, sigma = lax.optimization_barrier((y, sigma))
+  y, sigma = (checkpoint_name(a, n) for a, n in zip((y, sigma), CHECKPOINT_NAMES, strict=True))
+  return y, (y, sigma, scale, bias)
 
 
 def _norm_bwd(plan: NormPlan, res, g):
-  kept, r, scale, bias = res
+  kept, sigma, scale, bias = res
   x_spec = plan.shardings[0]
   if plan.residual == "input" and x_spec is not None:
     g = shardings.to_spec(g, x_spec)  # the arithmetic below pairs g with x
-  (kept, r), g = barriers.after_cotangent((kept, r), g)
+  (kept, sigma), g = barriers.after_cotangent((kept, sigma), g)
   acc = plan.acc
   gamma, beta = _gamma(plan, scale, g), _param(plan, bias, g)
   if plan.residual == "input":
-    x_hat, r = _normalized(plan, kept)
+    x_hat, sigma = _normalized(plan, kept)
   else:
     x_hat = kept.astype(acc)
     if beta is not None:
@@ -122,7 +125,9 @@ def _norm_bwd(plan: NormPlan, res, g):
   inner = dx_hat - x_hat * jnp.mean(dx_hat * x_hat, plan.axes, keepdims=True)
   if plan.center:
     inner = inner - jnp.mean(dx_hat, plan.axes, keepdims=True)
-  return shardings.retype(((r * inner).astype(plan.x_dtype), d_scale, d_bias), plan.shardings)
+  r, q = moments.reciprocal(sigma)
+  dx = (inner * r * q).astype(plan.x_dtype)
+  return shardings.retype((dx, d_scale, d_bias), plan.shardings)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
