@@ -87,7 +87,7 @@ from benchmarks.gpu.truth_timings import (
   time_posttrain,
 )
 from benchmarks.gpu.truth_timings_cnn import time_cnn
-from benchmarks.gpu.truth_timings_ops import time_moe, time_norm_act
+from benchmarks.gpu.truth_timings_ops import time_moe, time_norm_act, time_norms
 from benchmarks.harness import rows
 from support import is_hopper
 from support import truth as th
@@ -191,6 +191,9 @@ STEPS: tuple[Step, ...] = (
   Step("time-norm-act",           4,  50, time_norm_act,
        "batch norm + relu, group norm + SiLU, fwd+bwd: the plain composition against jaxact's XLA "
        "path and its Triton kernels"),
+  Step("time-norms",              4,  30, time_norms,
+       "rms_norm and layer_norm 16384 x 4096, fwd and fwd+bwd: Flax's formula against jaxact's "
+       "(statistics scaled a row)"),
   Step("time-moe",                4,  40, time_moe,
        "MoE MLP 16384 x 2048, 64 experts top 8: the plain ragged composition against jaxact"),
   Step("time-cnn",                4, 120, time_cnn,

@@ -82,6 +82,59 @@ def median_seconds_of(step, args, runs: int) -> float:
   return median_seconds(step, [args], runs)
 
 
+def time_norms(ctx: th.Context):
+  """RMS norm and layer norm of a decoder's hidden states (bfloat16, 16384 x 4096), forward alone
+  and forward + backward: jaxact.rms_norm / layer_norm against Flax's formula JAX differentiates
+  (statistics in float32). jaxact's statistics are scaled by a power of two a row, which costs XLA's
+  one-read norm fusion (compiled for an H100: x read 3 times forward, against 1); this measures
+  what that costs a step."""
+  import jaxact
+
+  def plain_rms(x, s):
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+    return (xf * r * s.astype(jnp.float32)).astype(x.dtype)
+
+  def plain_layer(x, s):
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, -1, keepdims=True)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mu), -1, keepdims=True) + 1e-6)
+    return ((xf - mu) * r * s.astype(jnp.float32)).astype(x.dtype)
+
+  ops = {
+    "rms_norm": (plain_rms, lambda x, s: jaxact.rms_norm(x, s, epsilon=1e-6)),
+    "layer_norm": (plain_layer, lambda x, s: jaxact.layer_norm(x, s, epsilon=1e-6)),
+  }
+  runs = 1 if ctx.small else min(ctx.runs, 5)
+  shape = ctx.pick((16384, 4096), (8, 16))
+  x = jax.random.normal(jax.random.key(73), shape, jnp.float32).astype(jnp.bfloat16)
+  s = jnp.ones(shape[-1:], jnp.bfloat16)
+  lines = ["| op | pass | path | ms | / plain |", "|---|---|---|---|---|"]
+  data = {}
+  for op, (plain, mine) in ops.items():
+    for what in ("fwd", "fwd+bwd"):
+      base = math.nan
+      for label, fn in (("plain", plain), ("jaxact", mine)):
+        if what == "fwd":
+          step = jax.jit(fn)
+        else:
+          step = jax.jit(
+            jax.grad(lambda x, s, fn=fn: jnp.sum(fn(x, s).astype(jnp.float32)), (0, 1))
+          )
+        try:
+          seconds = median_seconds_of(step, (x, s), runs)
+        except Exception as e:
+          ctx.log(f"time-norms {op} {what} {label}\n{traceback.format_exc()}")
+          ctx.verdict(f"time-norms {op} {what} {label}", "ERROR", th.one_line(e))
+          continue
+        base = seconds if label == "plain" else base
+        data[f"{op} {what} {label}"] = seconds
+        lines.append(f"| {op} | {what} | {label} | {1e3 * seconds:.3f} | {seconds / base:.2f} |")
+        if label == "jaxact":
+          _ratio_verdict(ctx, f"time-norms {op} {what}", seconds, base, "plain")
+  return lines, data
+
+
 def time_moe(ctx: th.Context):
   """A mixture-of-experts MLP (64 experts, top 8, SiLU gates) in bfloat16, forward and backward:
   jaxact.moe_mlp (``None``: XLA's ragged_dot; ``"pallas"``: the grouped Triton kernels) against
