@@ -116,9 +116,8 @@ class ActivationSpec:
       activations and as the fallback when the parameters make ``d_output`` invalid (or are traced).
       When omitted it is ``d_output(fn(x))``, valid whenever ``d_output`` is.
     d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes.code``): within
-      2e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
-      on relative accuracy in the tails, which a code of 255 steps cannot see). None:
-      ``d_input``.
+      2e-6 of ``d_input`` in absolute terms, from fewer operations (``d_input`` spends some on
+      relative accuracy in the tails, which a code of 255 steps cannot see). None: ``d_input``.
     output_ok: for concrete parameters, whether ``d_output`` is valid (e.g. leaky_relu needs
       ``negative_slope > 0``). ``None`` means always.
     params: parameters after ``x``, in signature order.
@@ -383,7 +382,7 @@ def _mish_d_input(x):
 
 def _mish_d_code(x):
   # With w = e^x, tanh(softplus(x)) = n / (n + 2), n = w (w + 2), and its derivative is
-  # 4 w (w + 1) / (n + 2)^2: one exp where d_input takes six transcendentals.
+  # 4 w (w + 1) / (n + 2)^2, as in d_input, without its float64 cap.
   xc = _clamp(x)
   w = jnp.exp(jnp.minimum(xc, _MISH_CAP))
   n = w * (w + 2.0)
