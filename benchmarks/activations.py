@@ -8,8 +8,9 @@ Every figure is a ratio or a count measured in one run against jax.nn on the sam
   the same MLP, parameters and input excluded; counted at :data:`KEPT_BATCH` rows, where the eager
   forward is cheap (the count does not depend on the batch: the same at 8192 rows for every
   activation).
-* ``step_time``: ``jit(value_and_grad(sum(act(x))))`` on 2**22 float32 elements, the two libraries
-  run alternately, medians compared.
+* ``step_time``: ``jit(value_and_grad(sum(act(x) * c)))`` on a 2048 x 2048 float32 ``x``, ``c`` an
+  array of the output's shape (a layer's cotangent: a scalar, or none, XLA folds into the formula),
+  the two libraries run alternately, medians compared; gelu also with ``approximate=False``.
 * ``nan_counts``: NaN in values and NaN/inf in gradients over the extreme-input grid, finite inputs
   only (±inf and NaN inputs are excluded: their limits are tested in tests/).
 """
@@ -107,16 +108,31 @@ def mlp_memory(name: str, layers: int = 8, width: int = 512, batch: int = 8192) 
   )
 
 
-def step_time(name: str, size: int = 1 << 22, reps: int = 30) -> tuple[float, float] | None:
-  """Median seconds of jit(value_and_grad) for (jax.nn, jaxact), alternating runs."""
+STEP_SHAPE = (2048, 2048)
+# Timed after the activation of the same name, at its defaults: the other formula of gelu.
+STEP_VARIANTS = {"gelu approximate=False": ("gelu", {"approximate": False})}
+
+
+def step_cases(names) -> list[str]:
+  """The step-time cases of `names`: each name, followed by its :data:`STEP_VARIANTS`."""
+  return [c for n in names for c in (n, *(k for k, v in STEP_VARIANTS.items() if v[0] == n))]
+
+
+def step_time(case: str, shape=STEP_SHAPE, reps: int = 30) -> tuple[float, float] | None:
+  """Median seconds of ``jit(value_and_grad(sum(f(x) * c)))`` for (jax.nn, jaxact), alternating
+  runs; `case` is an activation's name or a key of :data:`STEP_VARIANTS`."""
+  name, params = STEP_VARIANTS.get(case, (case, {}))
   ref = reference(name)
   if ref is None:
     return None
-  x = jax.random.normal(jax.random.key(1), (size,), jnp.float32) * 3
+  x = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 3
+  out = jax.eval_shape(lambda v: ref(v, **params), x)
+  c = jax.random.normal(jax.random.key(2), out.shape, jnp.float32)
   fns = [
-    jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(f(x)))) for f in (ref, getattr(jaxact, name))
+    jax.jit(jax.value_and_grad(lambda x, c, f=f: jnp.sum(f(x, **params) * c)))
+    for f in (ref, getattr(jaxact, name))
   ]
-  t_ref, t_ours = timing.alternated_medians([lambda f=f: f(x) for f in fns], reps)
+  t_ref, t_ours = timing.alternated_medians([lambda f=f: f(x, c) for f in fns], reps)
   return t_ref, t_ours
 
 

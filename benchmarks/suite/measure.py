@@ -63,7 +63,7 @@ class Plan:
     models = not activations_only
     return cls(
       memory=[n for n in names if n != "glu"],
-      timed=[n for n in (QUICK_TIMED if quick else names) if bench.reference(n) is not None],
+      timed=bench.step_cases(n for n in (QUICK_TIMED if quick else names) if bench.reference(n)),
       fused=[(m, a) for m, _, _ in MODELS for a in fused_acts] if models else [],
       # --quick times the layers once, in the frontier (jaxact.linen's layers are these ops).
       fused_timed=set()
@@ -181,10 +181,10 @@ def measure(rec: Recorder, quick: bool, activations_only: bool = False) -> None:
     progress.step(name)
 
   progress.section("step time per activation")
-  for name in plan.timed:
-    t = bench.step_time(name, reps=reps)
-    rec.add("step", name, jaxnn_seconds=t[0], jaxact_seconds=t[1])
-    progress.step(name)
+  for case in plan.timed:
+    t = bench.step_time(case, reps=reps)
+    rec.add("step", case, jaxnn_seconds=t[0], jaxact_seconds=t[1])
+    progress.step(case)
 
   progress.section("fused layers")
   for label, model, layers in MODELS:

@@ -318,3 +318,46 @@ def test_celu_with_negative_alpha_stays_finite_up_to_float32s_largest_value():
   g = np.asarray(jax.vmap(jax.grad(lambda v: jaxact.celu(v, alpha=-0.7)))(x), np.float64)
   np.testing.assert_allclose(g[:2], np.exp(np.asarray(x[:2], np.float64) / -0.7), rtol=2e-5)
   assert g[2] == np.inf
+
+
+# ------------------------------------------------------------------------ regressions (issue 54)
+
+
+def _glu_f64(a, b, w):
+  """glu(a, b) = a sigmoid(b) and its gradients for the cotangent w, in long double where the
+  platform has one (float64's range ends before a sigmoid(b) of the float64 cases does)."""
+  a, b, w = (np.asarray(v, np.longdouble) for v in (a, b, w))
+  s, s_neg = 1 / (1 + np.exp(-b)), 1 / (1 + np.exp(b))
+  return [np.asarray(v, np.float64) for v in (a * s, w * s, w * a * s * s_neg)]
+
+
+@pytest.mark.parametrize(
+  "dtype, rows",
+  [
+    pytest.param(
+      jnp.float32,
+      [[3e38, -87.0], [3e38, -88.8], [-3.4e38, 88.8], [3e38, -100.0], [1e30, -70.0],
+       [3.4e38, -1e30], [-3.4e38, 3.4e38], [2.0, -3.0]],
+      id="float32",
+    ),
+    pytest.param(jnp.bfloat16, [[3.3e38, -87.0], [-3.3e38, 90.0], [3.3e38, -3.3e38]],
+                 id="bfloat16"),
+    pytest.param(jnp.float64, [[1.7e308, -708.0], [-1.7e308, 715.0], [1e300, -1e30]], id="float64"),
+  ],
+)  # fmt: skip
+def test_glu_with_a_near_the_largest_float(dtype, rows):
+  """glu(a, b) with |a| near the float's largest and sigmoid(b) near its smallest normal: the
+  product is a number (a = 3e38, b = -87: about 5), but XLA:CPU flushed sigmoid(b) to zero (value
+  0), and g * a overflowed before it met sigmoid(b) sigmoid(-b) (gradient NaN or inf)."""
+  if dtype == jnp.float64 and np.finfo(np.longdouble).eps >= np.finfo(np.float64).eps:
+    pytest.skip("no long double on this platform for the float64 reference")
+  x = as_dtype(rows, dtype)
+  w = as_dtype(np.full((len(rows), 1), 1.5), dtype)
+  y, g = jaxact.glu(x), loss_grad(jaxact.glu, x, w)
+  chex.assert_tree_all_finite((y, g))
+  x64 = np.asarray(x, np.float64)
+  want_y, want_da, want_db = _glu_f64(x64[:, :1], x64[:, 1:], np.asarray(w, np.float64))
+  bound = lambda want, ulps: ulps * eps(dtype) * np.maximum(1.0, np.abs(want)) + 1e-30
+  assert_within(y, want_y, bound(want_y, cases.VALUE_ULPS[dtype]), "glu")
+  assert_within(g[:, :1], want_da, bound(want_da, cases.GRAD_ULPS[dtype]), "d glu / d a")
+  assert_within(g[:, 1:], want_db, bound(want_db, cases.GRAD_ULPS[dtype]), "d glu / d b")

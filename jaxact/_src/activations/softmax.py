@@ -8,25 +8,59 @@ softmax keeps ``y`` (``x_bar = y * (y_bar - <y_bar, y>)``), log_softmax keeps ``
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
 from jaxact._src.core import validation
 from jaxact._src.core.barriers import after_cotangent
-from jaxact._src.core.spec import JAX_NN, _sigmoid, _sigmoid_pair
+from jaxact._src.core.spec import JAX_NN, _sigmoid
 
 # The custom_vjp functions below call plain `_impl` functions from their fwd rules, never
 # themselves: under forward-over-reverse (jax.hessian) the fwd rule is differentiated by jvp,
 # which a nested custom_vjp call would refuse.
 
 
+# Past |b| = 80 (float64: 700) the smaller of sigmoid(±b), about e^-|b|, nears the float's smallest
+# normal number (e^-87, e^-708), which XLA:CPU flushes to zero, while a times it is still large for
+# a large a (float32: a = 3e38, b = -87 gives about 5). There it is formed as e^(k - |b|), scaled up
+# by e^k (k - |b| is exact up to |b| = 2k, Sterbenz), and a scaled down by e^-k first. Per itemsize
+# of the compute dtype: (threshold, k, e^-k), k = 64 ln 2 (float32) or 512 ln 2.
+_K32 = float(np.float32(64 * math.log(2.0)))
+_GLU_SPLIT = {
+  4: (80.0, _K32, math.exp(-_K32)),
+  8: (700.0, 512 * math.log(2.0), math.exp(-512 * math.log(2.0))),
+}
+
+
+def _glu_sigmoids(b: Array) -> tuple[Array, Array, Array, Array]:
+  """``(rb, sb, r, cl)``: sigmoid(b) = rb * sb and sigmoid(b) sigmoid(-b) = r * cl, from one exp;
+  short of the split r = rb = 1 and sb is ``_sigmoid_pair``'s."""
+  threshold, k, inv_scale = _GLU_SPLIT[b.dtype.itemsize]
+  # Weights of 0 and 1 in exact arithmetic, not jnp.where on the exp (see _sigmoid_pair).
+  split = jnp.where(jnp.abs(b) > threshold, 1.0, 0.0)
+  e = jnp.exp(split * k - jnp.abs(b))  # e^-|b|, times e^k where split
+  r = split * inv_scale + (1.0 - split)
+  er = e * r  # e^-|b| (underflowing where split)
+  d = 1.0 + er
+  c = e / d  # the smaller sigmoid is r * c
+  p = jnp.where(b >= 0, 1.0, 0.0)
+  # sigmoid(b) sigmoid(-b) = r e / d^2, d's rounding taken out (exact: er <= 1, Fast2Sum) so that
+  # it does not count twice. Each expression reads c once: XLA:CPU would write it to memory and
+  # read it back for two.
+  cl = (e / (d * d)) * (1.0 - 2.0 * (((1.0 - d) + er) / d))
+  return p + (1.0 - p) * r, p + c * ((1.0 - p) - p * r), r, cl
+
+
 def _glu_impl(axis: int, x: Array) -> Array:
   cdt = validation.compute_dtype(x.dtype)
   a, b = jnp.split(x.astype(cdt), 2, axis)
-  return (a * _sigmoid(b)).astype(x.dtype)
+  rb, sb, _, _ = _glu_sigmoids(b)
+  return ((a * rb) * sb).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -44,9 +78,13 @@ def _glu_bwd(axis, x, g):
   cdt = validation.compute_dtype(x.dtype)
   a, b = jnp.split(x.astype(cdt), 2, axis)
   g32 = g.astype(cdt)
-  s, s_neg = _sigmoid_pair(b)
-  da = g32 * s
-  db = g32 * a * s * s_neg
+  # Each half from its own exp: one shared by the two would be written to memory and read twice.
+  # da's sigmoid may underflow where db's must not (a large a).
+  da = g32 * _sigmoid(b)
+  _, _, r, cl = _glu_sigmoids(b)
+  # a times sigmoid(b) sigmoid(-b) <= 1/4 first: g a alone overflows for |a| near the float's
+  # largest (then inf * 0 = NaN where a sigmoid is 0), though the product is finite.
+  db = g32 * ((a * r) * cl)
   return (jnp.concatenate([da, db], axis).astype(x.dtype),)
 
 

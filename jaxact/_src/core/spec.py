@@ -52,8 +52,20 @@ def _sigmoid(x: Array) -> Array:
 
 
 def _sigmoid_pair(x: Array) -> tuple[Array, Array]:
-  """(sigmoid(x), sigmoid(-x)), each accurate in relative terms (1 - sigmoid(x) would not be)."""
-  return lax.logistic(x), lax.logistic(-x)
+  """(sigmoid(x), sigmoid(-x)), each accurate in relative terms (1 - sigmoid(x) would not be).
+
+  One exp serves both: with e = exp(-|x|) (in [0, 1], never overflowing) the smaller is
+  e / (1 + e) and the larger 1 minus it (no cancellation: the smaller is at most 1/2), which also
+  keeps their errors independent (1 / (1 + e) would share the rounding of 1 + e, and products such
+  as silu's x s(x) s(-x) would add them up). NaN propagates."""
+  e = jnp.exp(-jnp.abs(x))
+  small = e / (1.0 + e)
+  # (1 - small, small) for x >= 0, (small, 1 - small) below, picked by exact arithmetic (weights
+  # 0 and ±1) rather than jnp.where: XLA:CPU does not fuse an exp into a consumer that selects
+  # from it, and would write `small` to memory and read it back.
+  p = jnp.where(x >= 0, 1.0, 0.0)
+  sign = 1.0 - 2.0 * p
+  return p + sign * small, (1.0 - p) - sign * small
 
 
 def _softplus(x: Array) -> Array:
@@ -104,9 +116,8 @@ class ActivationSpec:
       activations and as the fallback when the parameters make ``d_output`` invalid (or are traced).
       When omitted it is ``d_output(fn(x))``, valid whenever ``d_output`` is.
     d_code: ``f'(x)`` as the 8-bit derivative code quantizes it (``jaxact._src.codes.code``): within
-      2e-6 of ``d_input`` in absolute terms, from fewer transcendentals (``d_input`` spends some
-      on relative accuracy in the tails, which a code of 255 steps cannot see). None:
-      ``d_input``.
+      2e-6 of ``d_input`` in absolute terms, from fewer operations (``d_input`` spends some on
+      relative accuracy in the tails, which a code of 255 steps cannot see). None: ``d_input``.
     output_ok: for concrete parameters, whether ``d_output`` is valid (e.g. leaky_relu needs
       ``negative_slope > 0``). ``None`` means always.
     params: parameters after ``x``, in signature order.
@@ -357,18 +368,21 @@ def _mish(x):
 
 
 def _mish_d_input(x):
-  # The derivative uses each transcendental once, so XLA fuses it into one loop; an exp shared by
-  # several terms gets materialised as its own activation-sized buffer. sech^2 is written as
-  # 4 sigmoid(2s) sigmoid(-2s): 1 - tanh(s)^2 cancels (and doubles tanh's own error).
+  # With w = e^x, tanh(softplus(x)) = n / (n + 2), n = w (w + 2), and its derivative is
+  # 4 w (w + 1) / (n + 2)^2: one exp, relatively accurate for x << 0 (n ~ 2w) as for x >> 0 (no
+  # 1 - tanh^2). The cap keeps (n + 2)^2 finite (float32 overflows past x = 22); beyond it the
+  # second term is below half an ulp of 1 up to the clamp's |x| = 1e4, so the derivative is 1.
   xc = _clamp(x)
-  s = _softplus(xc)
-  p, q = _sigmoid_pair(2.0 * s)
-  return jnp.tanh(s) + xc * (4.0 * p * q) * _sigmoid(xc)
+  cap = _MISH_CAP if xc.dtype.itemsize <= 4 else 2 * _MISH_CAP
+  w = jnp.exp(jnp.minimum(xc, cap))
+  n = w * (w + 2.0)
+  d = n + 2.0
+  return (n * d + xc * (4.0 * w * (w + 1.0))) / (d * d)  # t + x t', over one denominator
 
 
 def _mish_d_code(x):
   # With w = e^x, tanh(softplus(x)) = n / (n + 2), n = w (w + 2), and its derivative is
-  # 4 w (w + 1) / (n + 2)^2: one exp where d_input takes six transcendentals.
+  # 4 w (w + 1) / (n + 2)^2, as in d_input, without its float64 cap.
   xc = _clamp(x)
   w = jnp.exp(jnp.minimum(xc, _MISH_CAP))
   n = w * (w + 2.0)
