@@ -147,10 +147,13 @@ def policy_gradient_loss(
 
   Returns:
     ``(loss, metrics)``: the scalar loss (float32; float64 for float64 inputs) and, detached, what
-    trainers log: ``"kl"`` (the KL term's weighted mean), ``"clip_fraction"`` (of the selected
-    tokens, or sequences for ``"gspo"``, whose clip binds), ``"entropy"`` and ``"ratio"`` (their
-    means over the selected tokens; sequences for ``"gspo"``'s ratio), and ``"log_probs"`` (the
-    per-token log-probabilities, 0 where not selected: the next step's ``old_log_probs``).
+    TRL's ``GRPOTrainer`` logs (formulas and sources in the post-training docs): ``"kl"`` and
+    ``"entropy"`` (their means over the selected tokens, whatever the loss's weights),
+    ``"clip_fraction"`` (TRL's ``clip_ratio/region_mean``: the fraction of the selected tokens
+    whose clip binds; for ``"gspo"`` of all the sequences, an empty one never clipped), and
+    jaxact's own ``"ratio"`` (the mean importance ratio over the selected tokens; over the
+    non-empty sequences for ``"gspo"``) and ``"log_probs"`` (the per-token log-probabilities, 0
+    where not selected: the next step's ``old_log_probs``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxact
@@ -215,11 +218,14 @@ def policy_gradient_loss(
       seq_adv = jnp.sum(adv * count, -1) / jnp.maximum(lengths, 1)  # the sequence's advantage
       seq_value, seq_clipped = _surrogate(seq_log_ratio, seq_adv, low, high)
       value = jnp.broadcast_to(seq_value[..., None], shape)
-      clipped, ratio_of = seq_clipped, jnp.exp(lax.stop_gradient(seq_log_ratio))
+      ratio_of = jnp.exp(lax.stop_gradient(seq_log_ratio))
+      # TRL's sequence-level mean: over every sequence, an empty one's ratio 1 (never clipped)
+      clip_fraction = jnp.sum(seq_clipped) / sequences
       units = (lengths > 0).astype(acc)
     else:
       value, clipped = _surrogate(log_ratio, adv, low, high)
       ratio_of, units = jnp.exp(lax.stop_gradient(log_ratio)), count
+      clip_fraction = None
     if loss_type in ("grpo", "gspo"):
       weight = count / (jnp.maximum(lengths, 1)[..., None] * sequences)
     elif loss_type == "dr_grpo":
@@ -235,9 +241,11 @@ def policy_gradient_loss(
     per_token = per_token + entropy_coef * entropy
     loss = -jnp.sum(jnp.where(live, weight * per_token, 0))
     n_units, n_tokens = jnp.maximum(jnp.sum(units), 1), jnp.maximum(jnp.sum(count), 1)
-    metrics = {
-      "kl": jnp.sum(jnp.where(live, weight * kl, 0)),
-      "clip_fraction": jnp.sum(jnp.where(units > 0, clipped, False)) / n_units,
+    if clip_fraction is None:  # the token mean over the selected tokens, as TRL and Liger log it
+      clip_fraction = jnp.sum(jnp.where(live, clipped, False)) / n_tokens
+    metrics = {  # their formulas and sources: docs/post-training.md
+      "kl": jnp.sum(jnp.where(live, kl, 0)) / n_tokens,
+      "clip_fraction": clip_fraction,
       "entropy": jnp.sum(jnp.where(live, entropy, 0)) / n_tokens,
       "ratio": jnp.sum(jnp.where(units > 0, ratio_of, 0)) / n_units,
       "log_probs": logp,
