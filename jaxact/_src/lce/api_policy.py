@@ -22,7 +22,7 @@ from jax.typing import ArrayLike
 from jaxact._src.core import validation
 from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce import api_checks as checks
-from jaxact._src.lce.api_log_probs import linear_log_probs
+from jaxact._src.lce.api_log_probs import log_probs
 
 _FN = "policy_gradient_loss"
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "ppo"]
@@ -188,12 +188,14 @@ def policy_gradient_loss(
     if beta and ref_log_probs is None:
       raise ValueError(checks.err(_FN, "`beta` is not 0 but `ref_log_probs` is None"))
     mask = checks.as_where(_FN, mask, tokens.shape, "tokens", name="mask")
-    logp, entropy = linear_log_probs(
+    logp, entropy = log_probs(
+      _FN,
       x,
       w,
       tokens,
       bias=bias,
       where=mask,
+      where_name="mask",
       temperature=temperature,
       logit_soft_cap=logit_soft_cap,
       return_entropy=True,
