@@ -10,6 +10,7 @@ numbers a token kept), and everything after them is a few (sequences, tokens) ar
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Literal
 
@@ -46,6 +47,13 @@ def _per_token(name: str, a, shape, dtype, *, sequence_ok: bool = False) -> Arra
   if sequence_ok:
     accepted += f" or {tuple(shape[:-1])} (one a sequence)"
   raise ValueError(checks.err(_FN, f"`{name}` has shape {a.shape}; accepted: {accepted}"))
+
+
+def _difference(a: Array, b: Array) -> Array:
+  """``a - b``, 0 where both are the same infinity (a log-probability past the float's range, as
+  the sampling policy's was: a ratio of 1, not NaN; no gradient flows there)."""
+  same = (a == b) & jnp.isinf(a)
+  return jnp.where(same, 0, a) - jnp.where(same, 0, b)
 
 
 def _surrogate(log_ratio: Array, adv: Array, low: float, high: float) -> tuple[Array, Array]:
@@ -182,7 +190,7 @@ def policy_gradient_loss(
       raise ValueError(
         checks.err(_FN, f"`tokens` has shape {tokens.shape}; accepted: (..., T), sequences first")
       )
-    length = tokens.shape[-1] if max_length is None else max_length
+    length = max(tokens.shape[-1], 1) if max_length is None else max_length  # no token: any L
     if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
       raise ValueError(checks.err(_FN, f"`max_length` must be an int >= 1; got {max_length!r}"))
     if beta and ref_log_probs is None:
@@ -212,9 +220,9 @@ def policy_gradient_loss(
     live = jnp.ones(shape, bool) if mask is None else mask
     count = live.astype(acc)
     lengths = jnp.sum(count, -1)  # tokens a sequence
-    sequences = float(np.prod(shape[:-1]))
+    sequences = float(max(math.prod(shape[:-1]), 1))  # of a batch with none, the weights are 0
     old = lax.stop_gradient(logp) if old is None else jnp.where(live, old, 0)
-    log_ratio = jnp.where(live, logp - old, 0)
+    log_ratio = jnp.where(live, _difference(logp, old), 0)
     if loss_type == "gspo":  # one ratio a sequence, from its mean log-ratio
       seq_log_ratio = jnp.sum(log_ratio, -1) / jnp.maximum(lengths, 1)
       seq_adv = jnp.sum(adv * count, -1) / jnp.maximum(lengths, 1)  # the sequence's advantage
@@ -237,7 +245,7 @@ def policy_gradient_loss(
     per_token = value
     kl = jnp.zeros(shape, acc)
     if ref is not None:
-      d = jnp.where(live, ref - logp, 0)
+      d = jnp.where(live, _difference(ref, logp), 0)
       kl = jnp.expm1(d) - d  # k3: e^d - d - 1, exact near d = 0
       per_token = per_token - beta * kl
     per_token = per_token + entropy_coef * entropy

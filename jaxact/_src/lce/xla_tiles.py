@@ -156,7 +156,9 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
     kept = jnp.where(fresh[None, :], s, lowest(s.dtype))
   m = jnp.maximum(jnp.max(kept, axis=-1), lowest(s.dtype))
   e = jnp.exp(shift(plan, kept, m[:, None]))
-  se = jnp.sum(e if fresh is None else jnp.where(fresh[None, :], e, 0), axis=-1)
+  if fresh is not None:  # the lowest float is not far below m under a temperature above 1
+    e = jnp.where(fresh[None, :], e, 0)
+  se = jnp.sum(e, axis=-1)
   sy = jnp.sum(jnp.where(hit, s, 0), axis=-1)
   gap = None
   if plan.label_smoothing:
@@ -172,7 +174,7 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
       count = jnp.broadcast_to(jnp.sum(counted, dtype=s.dtype), m.shape)
     gap = jnp.sum(below, axis=-1), count
   moment = None
-  if plan.entropy:  # e > 0 only where fresh or where m is the lowest float (then s - m = 0)
+  if plan.entropy:  # e > 0 only where fresh
     moment = jnp.sum(e * jnp.maximum(shift(plan, kept, m[:, None]), _FAR), axis=-1)
   return m, se, sy, gap, moment
 
