@@ -374,3 +374,47 @@ def test_log_probs_past_float32s_range_give_a_ratio_of_one_on_policy():
   want = -np.mean(ADV)  # each sequence's mean of A over its tokens, then over the sequences
   np.testing.assert_allclose(float(loss), want, rtol=1e-6)
   assert float(metrics["ratio"]) == 1.0
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(
+  "case",
+  {
+    "cap=1e-30": (1.0, 1.0, 1e-30),
+    "cap=1e30": (1.0, 1.0, 1e30),
+    "x=1e30,w=1e-30": (1e30, 1e-30, None),
+    "x=1e-30,w=1e30,cap": (1e-30, 1e30, 5.0),
+  }.items(),
+  ids=lambda c: c[0],
+)
+def test_the_hopper_kernels_at_the_edges(case):
+  """The same edges through ``implementation="mosaic"`` (Mosaic GPU's interpreter; temperature 1,
+  the kernels' only one): bfloat16 operands, 128 tokens, V = 256, against the float64 formula,
+  within bfloat16's rounding of G."""
+  _, (xs, ws, cap) = case
+  r = np.random.default_rng(2)
+  t, d, v = 128, 64, 256
+  x = jnp.asarray(r.normal(size=(t, d)) * xs, jnp.bfloat16)
+  w = jnp.asarray(r.normal(size=(d, v)) / 8 * ws, jnp.bfloat16)
+  labels = jnp.asarray(r.integers(0, v, t), jnp.int32)
+  c = jnp.cos(jnp.arange(t))
+
+  def ours(x, w):
+    loss = jaxact.linear_cross_entropy(
+      x, w, labels, reduction="none", implementation="mosaic", logit_soft_cap=cap
+    )
+    return jnp.sum(c * loss)
+
+  def plain(x, w):
+    z = x @ w
+    if cap is not None:
+      z = cap * jnp.tanh(z / cap)
+    return -jnp.sum(c * jnp.take_along_axis(jax.nn.log_softmax(z), labels[:, None], -1)[:, 0])
+
+  got = jax.value_and_grad(ours, (0, 1))(x, w)
+  want = jax.value_and_grad(plain, (0, 1))(x.astype(jnp.float64), w.astype(jnp.float64))
+  tols = (1e-5, 1e-2, 1e-2)
+  for g, r64, tol in zip(jax.tree.leaves(got), jax.tree.leaves(want), tols, strict=True):
+    g, r64 = np.asarray(g, np.float64), np.asarray(r64)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, r64, rtol=0, atol=tol * np.max(np.abs(r64)))
