@@ -81,7 +81,10 @@ def linear_log_probs(
   (:math:`\log p(y) = (s_y - m) - \log \sum e^{s - m}`,
   :math:`H = \log \sum e^{s - m} - \sum e^{s - m}(s - m) / \sum e^{s - m}`), exact for equal
   logits of -1e9 (:math:`H = \log V`) or 1e30; logits of any finite size never overflow, and the
-  entropy is at least 0.
+  entropy is at least 0. The temperature multiplies those differences (the max is kept before it),
+  never a logit, so the float32 gradients are as accurate at :math:`T = 10^{-3}` as at 1, and any
+  finite :math:`T > 0` is taken (float32's smallest normal, or one whose :math:`1 / T` float32
+  cannot hold): a value past float32's range is :math:`\pm\infty`.
 
   Masking: ``where`` False gives 0 in both outputs and zero gradients there (the token there is
   not read: any value, out-of-range too, is ignored). A vocabulary entry whose ``bias`` is

@@ -73,9 +73,10 @@ def _features(w: Array, layout: str, name: str) -> int:
 
 def _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options) -> tuple[Array, Array]:
   """Per-token log-probs of both completions (0 where masked), each of its tokens' shape: one
-  :func:`linear_log_probs` call over their tokens concatenated along the sequence axis where the
-  batch shapes agree (the batch axes, and their data-parallel sharding, kept: no device's rows
-  move), else (KTO's unpaired batches, or a sequence axis split over devices) one call each."""
+  :func:`jaxact.linear_log_probs` call over their tokens concatenated along the sequence axis
+  where the batch shapes agree (the batch axes, and their data-parallel sharding, kept: no
+  device's rows move), else (KTO's unpaired batches, or a sequence axis split over devices) one
+  call each."""
   spec = shardings.spec(x_c)
   if t_c.shape[:-1] == t_r.shape[:-1] and (spec is None or not spec[-2]):
     if spec is not None:  # the same sharding on both sides, as the concatenation needs
