@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 
 import jaxact
-from jaxact._src.lce.reference import log_probs_reference, policy_gradient_reference
+from jaxact._src.lce.reference import (
+  entropy_reference,
+  log_probs_reference,
+  policy_gradient_reference,
+)
 
 from cases import assert_trees_close
 
@@ -156,6 +160,78 @@ def test_empty_sequences_and_an_empty_batch_give_zero_without_nan():
           loss_type=loss_type,
         )
         np.testing.assert_allclose(float(loss), float(want), rtol=1e-12)
+
+
+def trl_metrics(logp, entropy, mask, old, ref, adv, loss_type, eps_low, eps_high):
+  """The metrics TRL's GRPOTrainer logs (``_compute_loss``: ``global_masked_mean`` of the per-token
+  k3 KL, of the entropies and of ``is_region_clipped``; sequence-level importance sampling, GSPO,
+  averages the clipped flags over every sequence, ``x.sum() / x.shape[0]``), in float64 numpy."""
+  logp, entropy, old, ref = (np.asarray(a, np.float64) for a in (logp, entropy, old, ref))
+  m = np.asarray(mask, np.float64)
+  a = np.asarray(adv, np.float64)[:, None]
+  mean = lambda v: float(np.sum(v * m) / max(np.sum(m), 1.0))
+  d = ref - logp
+  log_ratio = (logp - old) * m
+  if loss_type == "gspo":
+    coef = np.exp(log_ratio.sum(-1) / np.maximum(m.sum(-1), 1.0))[:, None]
+  else:
+    coef = np.exp(log_ratio)
+  clipped = ((coef < 1 - eps_low) & (a < 0)) | ((coef > 1 + eps_high) & (a > 0))
+  clip = float(clipped.mean()) if loss_type == "gspo" else mean(clipped)
+  return {"kl": mean(np.exp(d) - d - 1), "entropy": mean(entropy), "clip_fraction": clip}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_metrics_are_what_trl_logs(loss_type):
+  """``kl``, ``entropy`` and ``clip_fraction`` against TRL's formulas (above), with an empty
+  sequence. Before, ``kl`` was the loss-weighted sum (Dr. GRPO's 1 / (G L), GRPO's over G
+  sequences counting the empty one) and GSPO's ``clip_fraction`` divided by the non-empty
+  sequences only."""
+  x, w, b, tokens, _, old, ref, adv = _batch()
+  mask = jnp.arange(T)[None, :] < jnp.array([T, 0, 4])[:, None]  # the second sequence empty
+  eps = (0.03, 0.04) if loss_type == "gspo" else (0.2, 0.2)
+  _, metrics = jaxact.policy_gradient_loss(
+    x,
+    w,
+    tokens,
+    adv,
+    bias=b,
+    mask=mask,
+    old_log_probs=old,
+    ref_log_probs=ref,
+    beta=0.1,
+    loss_type=loss_type,
+    epsilon=eps[0],
+    epsilon_high=eps[1],
+  )
+  logp = log_probs_reference(x, w, tokens, bias=b)
+  entropy = entropy_reference(x, w, bias=b)
+  want = trl_metrics(logp, entropy, mask, old, ref, adv, loss_type, *eps)
+  for name, value in want.items():
+    np.testing.assert_allclose(float(metrics[name]), value, rtol=1e-12, err_msg=name)
+  assert 0 < want["clip_fraction"] < 1  # the case crosses the clip
+
+
+def test_dr_grpo_kl_is_the_token_mean_and_gspo_counts_the_empty_sequence():
+  """The issue's cases: every token's k3 equal gives that k3 as ``kl`` under Dr. GRPO (not the
+  sum weighted by 1 / (G L)); GSPO with three clipped sequences and an empty fourth logs 0.75."""
+  g, t = 4, 5
+  x = jnp.zeros((g, t, D))
+  w = jnp.zeros((D, V))
+  tokens = jnp.zeros((g, t), jnp.int32)
+  mask = jnp.arange(t)[None, :] < jnp.array([5, 3, 2, 0])[:, None]
+  logp = -np.log(V)
+  d = 0.6
+  ref = jnp.full((g, t), logp + d)
+  old = jnp.full((g, t), logp - 1.0)  # every ratio e: clipped for a positive advantage
+  _, metrics = jaxact.policy_gradient_loss(
+    x, w, tokens, jnp.ones(g), mask=mask, ref_log_probs=ref, beta=0.1, loss_type="dr_grpo"
+  )
+  np.testing.assert_allclose(float(metrics["kl"]), np.exp(d) - d - 1, rtol=1e-12)
+  _, metrics = jaxact.policy_gradient_loss(
+    x, w, tokens, jnp.ones(g), mask=mask, old_log_probs=old, loss_type="gspo"
+  )
+  assert float(metrics["clip_fraction"]) == 0.75
 
 
 @pytest.mark.parametrize(

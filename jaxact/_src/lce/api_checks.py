@@ -1,7 +1,8 @@
 """The argument checks the LM head's public functions share (:func:`jaxact.linear_cross_entropy`,
-:func:`jaxact.linear_log_probs`): every error names the function, the argument, the value and what
-is accepted. Each check takes the public function's name `fn` (and, for the class indices, the
-argument's name: ``labels`` or ``tokens``)."""
+:func:`jaxact.linear_log_probs` and the post-training losses on them): every error names the
+function called, the argument as it calls it, the value and what is accepted. Each check takes
+the public function's name `fn` (and, for the class indices, the argument's name: ``labels`` or
+``tokens``)."""
 
 from __future__ import annotations
 
@@ -176,10 +177,13 @@ def check_label_range(
   vocab,
   name: str = "labels",
   infinite: str = "+inf",
+  mask: str = "where",
 ) -> None:
   """ValueError for counted labels outside ``[0, V)``, when the labels (and `where`, `weights`)
   are concrete values; under ``jit`` they cannot be read and give the `infinite` value instead
-  (documented). A token counts where `where` is True and its weight is not 0."""
+  (documented). A token counts where `where` is True and its weight is not 0; `mask` is the name
+  the public function gives `where` (its remedy), whose shape is the labels' unless the labels
+  are `fn`'s ``teacher_indices`` (a mask of their tokens)."""
   if not (_concrete(labels) and _concrete(where) and _concrete(weights)) or labels.size == 0:
     return
   lab = np.asarray(labels)
@@ -194,10 +198,15 @@ def check_label_range(
       err(
         fn,
         f"`{name}` holds {int(bad.sum())} value(s) outside [0, {vocab}) where they count, e.g. "
-        f"{name}[{', '.join(map(str, first))}] = {int(lab[first])}; mask such tokens with "
-        f"`where` (e.g. where={name} >= 0 for a padding {name[:-1]} of -100)",
+        f"{name}[{', '.join(map(str, first))}] = {int(lab[first])}; {_remedy(name, mask)}",
       )
     )
+
+
+def _remedy(name: str, mask: str) -> str:
+  if name == "teacher_indices":  # K a token: `mask` drops whole positions
+    return f"drop such positions with `{mask}`"
+  return f"mask such tokens with `{mask}` (e.g. {mask}={name} >= 0 for padding of -100)"
 
 
 def block_size(fn: str, vocab_block_size, tokens: int, vocab: int, implementation) -> int:

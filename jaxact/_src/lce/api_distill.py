@@ -155,8 +155,7 @@ def distillation_loss(
     vocab = checks.check_shapes(_FN, xs, ws, jnp.zeros(shape, jnp.int32), bs, w_layout, "x")
     _teacher(xs, xt, wt, bt, teacher_w_layout, vocab)
     where = checks.as_where(_FN, mask, shape, "x", name="mask")
-    if hard and labels is None:
-      raise ValueError(checks.err(_FN, "`hard_label_weight` is not 0 but `labels` is None"))
+    labels = hard_labels(_FN, labels, hard, shape, where, vocab)
     acc = np.dtype(jnp.promote_types(acc_s, acc_t))
     count = math.prod(shape)
     block = checks.block_size(_FN, vocab_block_size, count, vocab, None)
@@ -192,6 +191,22 @@ def distillation_loss(
       linear_cross_entropy, x, w, precision=precision, vocab_block_size=vocab_block_size
     )
     return loss_and_metrics(d, cross_entropy, hard_label, where, reduction, soft, hard, acc)
+
+
+def hard_labels(fn: str, labels, hard: float, shape, where, vocab: int) -> Array | None:
+  """The hard labels of a distillation call (None: none), checked as `fn` takes them: integers of
+  x's tokens' `shape`, in ``[0, V)`` where ``mask`` counts them (when concrete)."""
+  if labels is None:
+    if hard:
+      raise ValueError(checks.err(fn, "`hard_label_weight` is not 0 but `labels` is None"))
+    return None
+  labels = checks.as_labels(fn, labels, "labels")
+  if labels.shape != tuple(shape):
+    raise ValueError(
+      checks.err(fn, f"`labels` has shape {labels.shape}; accepted: x's tokens, {tuple(shape)}")
+    )
+  checks.check_label_range(fn, labels, where, None, vocab, "labels", mask="mask")
+  return labels
 
 
 def check_options(fn: str, divergence, beta, reduction, temperature) -> tuple[float, float]:

@@ -81,7 +81,10 @@ def linear_log_probs(
   (:math:`\log p(y) = (s_y - m) - \log \sum e^{s - m}`,
   :math:`H = \log \sum e^{s - m} - \sum e^{s - m}(s - m) / \sum e^{s - m}`), exact for equal
   logits of -1e9 (:math:`H = \log V`) or 1e30; logits of any finite size never overflow, and the
-  entropy is at least 0.
+  entropy is at least 0. The temperature multiplies those differences (the max is kept before it),
+  never a logit, so the float32 gradients are as accurate at :math:`T = 10^{-3}` as at 1, and any
+  finite :math:`T > 0` is taken (float32's smallest normal, or one whose :math:`1 / T` float32
+  cannot hold): a value past float32's range is :math:`\pm\infty`.
 
   Masking: ``where`` False gives 0 in both outputs and zero gradients there (the token there is
   not read: any value, out-of-range too, is ignored). A vocabulary entry whose ``bias`` is
@@ -127,37 +130,73 @@ def linear_log_probs(
     [0.9753, 1.0684]
   """
   with jax.named_scope(f"jaxact.{_FN}"):
-    dispatch.check_implementation(_FN, implementation)
-    checks.w_layout(_FN, w_layout)
-    entropy = checks.flag(_FN, "return_entropy", return_entropy)
-    temperature = checks.number(_FN, "temperature", temperature, low=0.0, low_open=True)
-    cap = None
-    if logit_soft_cap is not None:
-      cap = checks.number(_FN, "logit_soft_cap", logit_soft_cap, low=0.0, low_open=True)
-    arrays, acc, _ = args.prepare_arrays(_FN, {"x": x, "w": w, "bias": bias}, None)
-    x, w, b = arrays["x"], arrays["w"], arrays["bias"]
-    tokens = checks.as_labels(_FN, tokens, "tokens")
-    vocab = checks.check_shapes(_FN, x, w, tokens, b, w_layout, "tokens")
-    out_dtype = np.dtype(acc)
-    where = checks.as_where(_FN, where, tokens.shape, "tokens")
-    checks.check_label_range(_FN, tokens, where, None, vocab, "tokens")
-    count = math.prod(tokens.shape)
-    block = checks.block_size(_FN, vocab_block_size, count, vocab, implementation)
-    if count == 0:  # nothing to compute: empty outputs (zero gradients)
-      empty = jnp.zeros(tokens.shape, out_dtype)
-      return (empty, empty) if entropy else empty
-    plan = LcePlan(
-      block=block,
-      soft_cap=cap,
+    return log_probs(
+      _FN,
+      x,
+      w,
+      tokens,
+      bias=bias,
+      where=where,
       temperature=temperature,
-      entropy=entropy,
+      logit_soft_cap=logit_soft_cap,
+      return_entropy=return_entropy,
       w_layout=w_layout,
-      precision=args.hashable_precision(precision),
-      acc_dtype=out_dtype,
-      shardings=shardings.specs(x, w, b),
+      precision=precision,
+      implementation=implementation,
+      vocab_block_size=vocab_block_size,
     )
-    plan = dataclasses.replace(plan, decision=rules.decide(_FN, implementation, plan, x, w))
-    out = per_token_loss(plan, x, w, b, checks.labels_int32(tokens, vocab), where)
-    loss, h = out if entropy else (out, None)
-    log_probs = 0 - loss  # minus the cross-entropy; +0 (not -0) where masked
-    return (log_probs, h) if entropy else log_probs
+
+
+def log_probs(
+  fn: str,
+  x,
+  w,
+  tokens,
+  *,
+  bias,
+  where,
+  temperature,
+  logit_soft_cap,
+  return_entropy,
+  w_layout,
+  precision,
+  implementation,
+  vocab_block_size,
+  where_name: str = "where",
+):
+  """:func:`linear_log_probs` for the public function `fn`, which calls `where` `where_name`:
+  every error names `fn` and the argument as `fn` calls it."""
+  dispatch.check_implementation(fn, implementation)
+  checks.w_layout(fn, w_layout)
+  entropy = checks.flag(fn, "return_entropy", return_entropy)
+  temperature = checks.number(fn, "temperature", temperature, low=0.0, low_open=True)
+  cap = None
+  if logit_soft_cap is not None:
+    cap = checks.number(fn, "logit_soft_cap", logit_soft_cap, low=0.0, low_open=True)
+  arrays, acc, _ = args.prepare_arrays(fn, {"x": x, "w": w, "bias": bias}, None)
+  x, w, b = arrays["x"], arrays["w"], arrays["bias"]
+  tokens = checks.as_labels(fn, tokens, "tokens")
+  vocab = checks.check_shapes(fn, x, w, tokens, b, w_layout, "tokens")
+  out_dtype = np.dtype(acc)
+  where = checks.as_where(fn, where, tokens.shape, "tokens", name=where_name)
+  checks.check_label_range(fn, tokens, where, None, vocab, "tokens", mask=where_name)
+  count = math.prod(tokens.shape)
+  block = checks.block_size(fn, vocab_block_size, count, vocab, implementation)
+  if count == 0:  # nothing to compute: empty outputs (zero gradients)
+    empty = jnp.zeros(tokens.shape, out_dtype)
+    return (empty, empty) if entropy else empty
+  plan = LcePlan(
+    block=block,
+    soft_cap=cap,
+    temperature=temperature,
+    entropy=entropy,
+    w_layout=w_layout,
+    precision=args.hashable_precision(precision),
+    acc_dtype=out_dtype,
+    shardings=shardings.specs(x, w, b),
+  )
+  plan = dataclasses.replace(plan, decision=rules.decide(fn, implementation, plan, x, w))
+  out = per_token_loss(plan, x, w, b, checks.labels_int32(tokens, vocab), where)
+  loss, h = out if entropy else (out, None)
+  logp = 0 - loss  # minus the cross-entropy; +0 (not -0) where masked
+  return (logp, h) if entropy else logp

@@ -10,6 +10,7 @@ numbers a token kept), and everything after them is a few (sequences, tokens) ar
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Literal
 
@@ -22,7 +23,7 @@ from jax.typing import ArrayLike
 from jaxact._src.core import validation
 from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce import api_checks as checks
-from jaxact._src.lce.api_log_probs import linear_log_probs
+from jaxact._src.lce.api_log_probs import log_probs
 
 _FN = "policy_gradient_loss"
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "ppo"]
@@ -46,6 +47,13 @@ def _per_token(name: str, a, shape, dtype, *, sequence_ok: bool = False) -> Arra
   if sequence_ok:
     accepted += f" or {tuple(shape[:-1])} (one a sequence)"
   raise ValueError(checks.err(_FN, f"`{name}` has shape {a.shape}; accepted: {accepted}"))
+
+
+def _difference(a: Array, b: Array) -> Array:
+  """``a - b``, 0 where both are the same infinity (a log-probability past the float's range, as
+  the sampling policy's was: a ratio of 1, not NaN; no gradient flows there)."""
+  same = (a == b) & jnp.isinf(a)
+  return jnp.where(same, 0, a) - jnp.where(same, 0, b)
 
 
 def _surrogate(log_ratio: Array, adv: Array, low: float, high: float) -> tuple[Array, Array]:
@@ -147,10 +155,13 @@ def policy_gradient_loss(
 
   Returns:
     ``(loss, metrics)``: the scalar loss (float32; float64 for float64 inputs) and, detached, what
-    trainers log: ``"kl"`` (the KL term's weighted mean), ``"clip_fraction"`` (of the selected
-    tokens, or sequences for ``"gspo"``, whose clip binds), ``"entropy"`` and ``"ratio"`` (their
-    means over the selected tokens; sequences for ``"gspo"``'s ratio), and ``"log_probs"`` (the
-    per-token log-probabilities, 0 where not selected: the next step's ``old_log_probs``).
+    TRL's ``GRPOTrainer`` logs (formulas and sources in the post-training docs): ``"kl"`` and
+    ``"entropy"`` (their means over the selected tokens, whatever the loss's weights),
+    ``"clip_fraction"`` (TRL's ``clip_ratio/region_mean``: the fraction of the selected tokens
+    whose clip binds; for ``"gspo"`` of all the sequences, an empty one never clipped), and
+    jaxact's own ``"ratio"`` (the mean importance ratio over the selected tokens; over the
+    non-empty sequences for ``"gspo"``) and ``"log_probs"`` (the per-token log-probabilities, 0
+    where not selected: the next step's ``old_log_probs``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxact
@@ -179,18 +190,20 @@ def policy_gradient_loss(
       raise ValueError(
         checks.err(_FN, f"`tokens` has shape {tokens.shape}; accepted: (..., T), sequences first")
       )
-    length = tokens.shape[-1] if max_length is None else max_length
+    length = max(tokens.shape[-1], 1) if max_length is None else max_length  # no token: any L
     if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
       raise ValueError(checks.err(_FN, f"`max_length` must be an int >= 1; got {max_length!r}"))
     if beta and ref_log_probs is None:
       raise ValueError(checks.err(_FN, "`beta` is not 0 but `ref_log_probs` is None"))
     mask = checks.as_where(_FN, mask, tokens.shape, "tokens", name="mask")
-    logp, entropy = linear_log_probs(
+    logp, entropy = log_probs(
+      _FN,
       x,
       w,
       tokens,
       bias=bias,
       where=mask,
+      where_name="mask",
       temperature=temperature,
       logit_soft_cap=logit_soft_cap,
       return_entropy=True,
@@ -207,19 +220,22 @@ def policy_gradient_loss(
     live = jnp.ones(shape, bool) if mask is None else mask
     count = live.astype(acc)
     lengths = jnp.sum(count, -1)  # tokens a sequence
-    sequences = float(np.prod(shape[:-1]))
+    sequences = float(max(math.prod(shape[:-1]), 1))  # of a batch with none, the weights are 0
     old = lax.stop_gradient(logp) if old is None else jnp.where(live, old, 0)
-    log_ratio = jnp.where(live, logp - old, 0)
+    log_ratio = jnp.where(live, _difference(logp, old), 0)
     if loss_type == "gspo":  # one ratio a sequence, from its mean log-ratio
       seq_log_ratio = jnp.sum(log_ratio, -1) / jnp.maximum(lengths, 1)
       seq_adv = jnp.sum(adv * count, -1) / jnp.maximum(lengths, 1)  # the sequence's advantage
       seq_value, seq_clipped = _surrogate(seq_log_ratio, seq_adv, low, high)
       value = jnp.broadcast_to(seq_value[..., None], shape)
-      clipped, ratio_of = seq_clipped, jnp.exp(lax.stop_gradient(seq_log_ratio))
+      ratio_of = jnp.exp(lax.stop_gradient(seq_log_ratio))
+      # TRL's sequence-level mean: over every sequence, an empty one's ratio 1 (never clipped)
+      clip_fraction = jnp.sum(seq_clipped) / sequences
       units = (lengths > 0).astype(acc)
     else:
       value, clipped = _surrogate(log_ratio, adv, low, high)
       ratio_of, units = jnp.exp(lax.stop_gradient(log_ratio)), count
+      clip_fraction = None
     if loss_type in ("grpo", "gspo"):
       weight = count / (jnp.maximum(lengths, 1)[..., None] * sequences)
     elif loss_type == "dr_grpo":
@@ -229,15 +245,17 @@ def policy_gradient_loss(
     per_token = value
     kl = jnp.zeros(shape, acc)
     if ref is not None:
-      d = jnp.where(live, ref - logp, 0)
+      d = jnp.where(live, _difference(ref, logp), 0)
       kl = jnp.expm1(d) - d  # k3: e^d - d - 1, exact near d = 0
       per_token = per_token - beta * kl
     per_token = per_token + entropy_coef * entropy
     loss = -jnp.sum(jnp.where(live, weight * per_token, 0))
     n_units, n_tokens = jnp.maximum(jnp.sum(units), 1), jnp.maximum(jnp.sum(count), 1)
-    metrics = {
-      "kl": jnp.sum(jnp.where(live, weight * kl, 0)),
-      "clip_fraction": jnp.sum(jnp.where(units > 0, clipped, False)) / n_units,
+    if clip_fraction is None:  # the token mean over the selected tokens, as TRL and Liger log it
+      clip_fraction = jnp.sum(jnp.where(live, clipped, False)) / n_tokens
+    metrics = {  # their formulas and sources: docs/post-training.md
+      "kl": jnp.sum(jnp.where(live, kl, 0)) / n_tokens,
+      "clip_fraction": clip_fraction,
       "entropy": jnp.sum(jnp.where(live, entropy, 0)) / n_tokens,
       "ratio": jnp.sum(jnp.where(units > 0, ratio_of, 0)) / n_units,
       "log_probs": logp,

@@ -25,7 +25,7 @@ from jaxact._src.core import args, dispatch, shardings, validation
 from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import api_preference_losses as losses
-from jaxact._src.lce.api_log_probs import linear_log_probs
+from jaxact._src.lce.api_log_probs import log_probs
 
 _FN = "preference_loss"
 Loss = Literal["dpo", "ipo", "hinge", "robust", "simpo", "orpo", "cpo", "kto"]
@@ -73,9 +73,10 @@ def _features(w: Array, layout: str, name: str) -> int:
 
 def _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options) -> tuple[Array, Array]:
   """Per-token log-probs of both completions (0 where masked), each of its tokens' shape: one
-  :func:`linear_log_probs` call over their tokens concatenated along the sequence axis where the
-  batch shapes agree (the batch axes, and their data-parallel sharding, kept: no device's rows
-  move), else (KTO's unpaired batches, or a sequence axis split over devices) one call each."""
+  :func:`jaxact.linear_log_probs` call over their tokens concatenated along the sequence axis
+  where the batch shapes agree (the batch axes, and their data-parallel sharding, kept: no
+  device's rows move), else (KTO's unpaired batches, or a sequence axis split over devices) one
+  call each."""
   spec = shardings.spec(x_c)
   if t_c.shape[:-1] == t_r.shape[:-1] and (spec is None or not spec[-2]):
     if spec is not None:  # the same sharding on both sides, as the concatenation needs
@@ -84,11 +85,11 @@ def _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options) -> tuple[Array, Arra
     x = jnp.concatenate([x_c, x_r], axis=-2)
     tokens = jnp.concatenate([t_c, t_r], axis=-1)
     where = jnp.concatenate([m_c, m_r], axis=-1)
-    logp = linear_log_probs(x, w, tokens, bias=b, where=where, **options)
+    logp = log_probs(_FN, x, w, tokens, bias=b, where=where, **options)
     n = t_c.shape[-1]
     return logp[..., :n], logp[..., n:]
   return tuple(
-    linear_log_probs(x, w, t, bias=b, where=m, **options)
+    log_probs(_FN, x, w, t, bias=b, where=m, **options)
     for x, t, m in ((x_c, t_c, m_c), (x_r, t_r, m_r))
   )
 
@@ -287,8 +288,8 @@ def preference_loss(
       raise ValueError(_err(f"`bias` has shape {b.shape}; accepted: ({vocab},) or None"))
     m_c = _mask(chosen_mask, t_c.shape, "chosen_mask", "chosen_tokens")
     m_r = _mask(rejected_mask, t_r.shape, "rejected_mask", "rejected_tokens")
-    checks.check_label_range(_FN, t_c, m_c, None, vocab, "chosen_tokens")
-    checks.check_label_range(_FN, t_r, m_r, None, vocab, "rejected_tokens")
+    checks.check_label_range(_FN, t_c, m_c, None, vocab, "chosen_tokens", mask="chosen_mask")
+    checks.check_label_range(_FN, t_r, m_r, None, vocab, "rejected_tokens", mask="rejected_mask")
     acc = np.dtype(acc)
     temperature = checks.number(_FN, "temperature", temperature, low=0.0, low_open=True)
     if logit_soft_cap is not None:
@@ -296,6 +297,7 @@ def preference_loss(
     options = dict(
       temperature=temperature,
       logit_soft_cap=logit_soft_cap,
+      return_entropy=False,
       w_layout=w_layout,
       precision=precision,
       implementation=implementation,

@@ -21,7 +21,7 @@ from jaxact._src.core.dispatch import Decision
 from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import rules
 from jaxact._src.lce.api import linear_cross_entropy
-from jaxact._src.lce.api_distill import check_options, loss_and_metrics
+from jaxact._src.lce.api_distill import check_options, hard_labels, loss_and_metrics
 from jaxact._src.lce.api_preference_losses import log1mexp
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.vjp_top_k import bucket_log_probs
@@ -73,7 +73,7 @@ def _check_values(indices: Array, log_probs: Array, where: Array | None, vocab: 
   if any(isinstance(a, jax.core.Tracer) for a in (indices, log_probs, where)) or not indices.size:
     return
   each = None if where is None else jnp.broadcast_to(where[..., None], indices.shape)
-  checks.check_label_range(_FN, indices, each, None, vocab, "teacher_indices")
+  checks.check_label_range(_FN, indices, each, None, vocab, "teacher_indices", mask="mask")
   idx, lp = np.asarray(indices), np.asarray(log_probs)
   counted = np.ones(idx.shape[:-1], bool) if where is None else np.asarray(where)
   ordered = np.sort(idx, axis=-1)
@@ -250,8 +250,7 @@ def top_k_distillation_loss(
     indices, log_probs = _teacher(teacher_indices, teacher_log_probs, shape, vocab)
     where = checks.as_where(_FN, mask, shape, "x", name="mask")
     _check_values(indices, log_probs, where, vocab)
-    if hard and labels is None:
-      raise ValueError(checks.err(_FN, "`hard_label_weight` is not 0 but `labels` is None"))
+    labels = hard_labels(_FN, labels, hard, shape, where, vocab)
     acc = np.dtype(acc)
     count, k = math.prod(shape), indices.shape[-1]
     idx = checks.labels_int32(indices, vocab).reshape(count, k)

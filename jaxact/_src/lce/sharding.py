@@ -20,11 +20,10 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jaxact._src.core import pallas_sharding, shardings
-from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.xla import grads_by_tokens, grads_by_vocab, stats_by_tokens, stats_by_vocab
-from jaxact._src.lce.xla_tiles import lift_gap, lift_moment, mean_gap
+from jaxact._src.lce.xla_tiles import lift_gap, lift_moment, mean_gap, rescale
 
 # ------------------------------------------------------------------------ per device (shards)
 
@@ -35,12 +34,12 @@ def _flat(x: Array, labels: Array) -> tuple[Array, Array]:
   return x.reshape(tokens, x.shape[-1]), labels.reshape(tokens)
 
 
-def global_sums(m, se, model: tuple[str, ...], m_all=None):
+def global_sums(plan: LcePlan, m, se, model: tuple[str, ...], m_all=None):
   """``(max, Σ exp(s - max))`` of each token over all the devices of the `model` axes, from each
   device's over its columns: the ``pmax`` of the maxima (`m_all`, when already taken) and the
   ``psum`` of the sums, each rescaled to it first."""
   m_all = lax.pmax(m, model) if m_all is None else m_all
-  return m_all, lax.psum(se * exp_diff(m, m_all), model)
+  return m_all, lax.psum(se * rescale(plan, m, m_all), model)
 
 
 def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str, ...] = ()):
@@ -72,10 +71,10 @@ def _local_stats(plan: LcePlan, x, w, b, labels, *, vocab: int, model: tuple[str
     if model:
       m_all = lax.pmax(m, model)
       if moment is not None:  # each device's moment measured from the max over all of them
-        moment = lax.psum(lift_moment(moment, se, m, m_all), model)
+        moment = lax.psum(lift_moment(plan, moment, se, m, m_all), model)
       if gap is not None:  # each device's gap measured from the max over all of them
         gap = lax.psum(lift_gap(gap, m, m_all, vocab), model)
-      m, se = global_sums(m, se, model, m_all)
+      m, se = global_sums(plan, m, se, model, m_all)
     gap = None if gap is None else mean_gap(m, gap, vocab)
     pred = None
     if best is not None:

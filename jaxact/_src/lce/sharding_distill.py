@@ -54,8 +54,8 @@ def _in_specs(ps: LcePlan, pt: LcePlan, pattern) -> tuple:
 def _local_norms(ps, pt, xs, ws, bs, xt, wt, bt, *, model):
   (ms, ses), (mt, set_) = xla_distill.row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
   if model:  # the vocabulary split over devices: each head's sums over all of it
-    (ms, ses), (mt, set_) = global_sums(ms, ses, model), global_sums(mt, set_, model)
-  return (*xla_distill.normalizer(ms, ses), *xla_distill.normalizer(mt, set_))
+    (ms, ses), (mt, set_) = global_sums(ps, ms, ses, model), global_sums(pt, mt, set_, model)
+  return ms, ses, mt, set_
 
 
 def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
@@ -64,18 +64,19 @@ def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
   if pattern is None:
     return xla_distill.statistics(ps, pt, xs, ws, bs, xt, wt, bt)
   rows = pattern.x[:-1]
-  ms, ls, mt, lt = pallas_sharding.per_shard(
+  ms, ses, mt, set_ = pallas_sharding.per_shard(
     functools.partial(_local_norms, ps, pt, model=split_axes(pattern, pattern.model)),
     (xs, ws, bs, xt, wt, bt),
     _in_specs(ps, pt, pattern),
     (rows,) * 4,
     mesh=pattern.mesh,
   )
-  return (ms, ls), (mt, lt)
+  return (ms, ses), (mt, set_)
 
 
-def _local_divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, ms, ls, mt, lt):
-  return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, (ms, ls), (mt, lt))
+def _local_divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, ms, ses, mt, set_):
+  norms = (ms, ses), (mt, set_)
+  return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, *norms)
 
 
 def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
@@ -95,8 +96,8 @@ def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
   )
 
 
-def _local_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, ms, ls, mt, lt, aux, g):
-  norms = (ms, ls), (mt, lt)
+def _local_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, ms, ses, mt, set_, aux, g):
+  norms = (ms, ses), (mt, set_)
   return xla_distill.student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, *norms, aux, g)
 
 

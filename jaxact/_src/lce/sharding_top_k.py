@@ -31,7 +31,7 @@ def _shifted(plan: LcePlan, w, idx, model):
 def _local_sums(plan: LcePlan, x, w, b, idx, *, model):
   m_tail, se_tail, picked = xla_top_k.sums(plan, x, w, b, _shifted(plan, w, idx, model))
   if model:
-    m_tail, se_tail = global_sums(m_tail, se_tail, model)
+    m_tail, se_tail = global_sums(plan, m_tail, se_tail, model)
     picked = lax.psum(picked, model)
   return m_tail, se_tail, picked
 

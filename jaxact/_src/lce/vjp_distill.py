@@ -1,7 +1,8 @@
 """The ``custom_vjp`` of :func:`jaxact.distillation_loss`'s divergence: it keeps both heads' inputs
-(which the caller holds anyway), each head's row max and log-sum and one number a token, and
-recomputes the logits block by block in the backward (:mod:`jaxact._src.lce.xla_distill`), each
-device on its shards under Explicit mesh axes (:mod:`jaxact._src.lce.sharding_distill`). The
+(which the caller holds anyway), each head's row max and sum of exponentials and one number a
+token, and recomputes the logits block by block in the backward
+(:mod:`jaxact._src.lce.xla_distill`), each device on its shards under Explicit mesh axes
+(:mod:`jaxact._src.lce.sharding_distill`). The
 teacher is frozen: its arguments get zero cotangents. Every cotangent is typed as its primal."""
 
 from __future__ import annotations

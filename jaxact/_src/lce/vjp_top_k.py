@@ -25,8 +25,8 @@ def _fwd(plan: LcePlan, x, w, b, idx):
   m_tail, se_tail, picked = sharding_top_k.sums(plan, x, w, b, idx)
   valid = (idx >= 0) & (idx < w.shape[plan.vocab_axis])  # under jit: an entry outside is impossible
   picked = jnp.where(valid, picked, -jnp.inf)
-  m, se = normalizer(m_tail, se_tail, picked)
-  return buckets(m_tail, se_tail, picked, m, se), (x, w, b, idx, m_tail, se_tail, m, se)
+  m, se = normalizer(plan, m_tail, se_tail, picked)
+  return buckets(plan, m_tail, se_tail, picked, m, se), (x, w, b, idx, m_tail, se_tail, m, se)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -24,6 +24,7 @@ from jaxact._src.lce import kernels
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.xla_tiles import (
   capped,
+  grad_scale,
   input_grad,
   logits,
   lowest,
@@ -77,7 +78,7 @@ def stats_by_vocab(plan: LcePlan, x, w, b, labels, vocab: int):
     _, wj, bj, cols, fresh = column_block(plan, w, b, j, vocab_here)
     s, _ = capped(plan, logits(plan, x, wj, bj))
     tm, tse, tsy, tgap, tmoment = tile_stats(plan, s, labels, cols, fresh, vocab, bj)
-    m, se, gap, moment = merge((m, se, gap, moment), (tm, tse, tgap, tmoment), vocab)
+    m, se, gap, moment = merge(plan, (m, se, gap, moment), (tm, tse, tgap, tmoment), vocab)
     if best is not None:
       best = merge_argmax(best, tile_argmax(s, cols))
     return m, se, sy + tsy, gap, best, moment
@@ -133,8 +134,14 @@ def grads_by_vocab(plan: LcePlan, x, w, b, labels, m, row_scales):
     g, g_dx, db_j = block_grads(x, wj, bj, labels, cols, fresh)
     return add_block_grads(plan, x, wj, start, g, g_dx, db_j, carry)
 
-  dx, dw, db = loop(n, body, zero_grads(plan, x, w, b))
-  return dx.astype(x.dtype), dw, db
+  return finish_grads(plan, x, loop(n, body, zero_grads(plan, x, w, b)))
+
+
+def finish_grads(plan: LcePlan, x, grads):
+  """``(dx, dw, db)`` after the last block: dx, summed unscaled in the accumulation dtype, times
+  the temperature's ``1 / T`` (:func:`~jaxact._src.lce.xla_tiles.grad_scale`), in x's dtype."""
+  dx, dw, db = grads
+  return grad_scale(plan, dx).astype(x.dtype), dw, db
 
 
 def zero_grads(plan: LcePlan, x, w, b):
@@ -150,13 +157,15 @@ def add_block_grads(plan: LcePlan, x, wj, start, g, g_dx, db_j, carry):
   """One column block's share of ``(dx, dw, db)`` from its logit gradient: ``g_dx @ wjᵀ`` added to
   dx, ``xᵀ g`` and the column sums `db_j` written into dw's and db's columns from `start` (an
   overlapped column is rewritten with the same value), G rounded to the operands' dtype for the
-  products, as autodiff would feed them."""
+  products, as autodiff would feed them. dw's and db's columns are times the temperature's
+  ``1 / T`` here; dx is, once, by :func:`finish_grads`."""
   dx, dw, db = carry
   ops = x.dtype
   dx = dx + input_grad(plan, g_dx.astype(ops), wj)
-  dwj = weight_grad(plan, x, g.astype(ops))
+  dwj = grad_scale(plan, weight_grad(plan, x, g.astype(ops)))
   dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis=plan.vocab_axis)
   if db is not None:
+    db_j = grad_scale(plan, db_j)
     db = lax.dynamic_update_slice_in_dim(db, db_j.astype(db.dtype), start, axis=0)
   return dx, dw, db
 
@@ -221,7 +230,7 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
     xi, li = rows(x), rows(labels)
     s, dcap = capped(plan, logits(plan, xi, w, b))
     g = tile_grad(plan, s, dcap, li, cols, rows(m), tuple(map(rows, row_scales)), acc)
-    dxi = input_grad(plan, g.astype(ops), w)
+    dxi = grad_scale(plan, input_grad(plan, g.astype(ops), w))
     dx = lax.dynamic_update_slice_in_dim(dx, dxi.astype(dx.dtype), start, axis=0)
     g_w = g if fresh is None else jnp.where(fresh[:, None], g, 0)  # each row once into dw, db
     dw = dw + weight_grad(plan, xi, g_w.astype(ops))
@@ -235,4 +244,5 @@ def grads_by_tokens(plan: LcePlan, x, w, b, labels, m, row_scales):
     None if b is None else jnp.zeros(b.shape, acc),
   )
   dx, dw, db = loop(n, body, init)
+  dw, db = grad_scale(plan, dw), None if db is None else grad_scale(plan, db)
   return dx, dw.astype(w.dtype), None if db is None else db.astype(b.dtype)

@@ -5,33 +5,30 @@ vocabulary so that neither model's (tokens, vocabulary) logits exist.
 Two loops of the forward pass, each over the same column blocks of both heads: the first takes
 each head's row max and sum of exponentials (:func:`~jaxact._src.lce.xla_tiles.tile_stats`,
 :func:`~jaxact._src.lce.xla_tiles.merge`, as the LM head's loss does), the second the divergence
-itself from the normalized log-probabilities ``log q = (s - m_s) - log Σ exp(s - m_s)`` (student)
-and ``log p`` likewise (teacher), the max and the log-sum kept apart as the LM head's loss keeps
-them. The backward recomputes both heads' blocks and forms the
-student's logit gradient: ``q - p`` (forward KL), ``q (log q - log p - KL)`` (reverse KL),
-``q (g - E_q[g])`` with ``g = (1 - beta) log(q / m)`` (the generalized JSD's), so it keeps the
-two heads' statistics and one number a token (the reverse KL, or ``KL(q || m)`` for the JSD).
+itself. The backward recomputes both heads' blocks and forms the student's logit gradient:
+``q - p`` (forward KL), ``q (log q - log p - KL)`` (reverse KL), ``(1 - beta) q (log(q / m) -
+KL(q || m))`` (the generalized JSD's), so it keeps the two heads' statistics and one number a
+token (the reverse KL, or ``KL(q || m)`` for the JSD).
 
-A term ``p (log p - log q)`` is taken as 0 where ``p`` is 0 (a masked vocabulary entry: no
-``0 * inf``); where the teacher gives an entry mass the student gives none, the forward KL is
-``+inf``, as it is.
+Every entry is formed from the probabilities ``q = exp(s - m_s) / se_s`` and ``p`` likewise (each
+to a few roundings, where ``exp(log q)`` would carry ``log se``'s rounding, ``log V`` ulps), and
+the log-ratio ``d = log p - log q`` taken as a difference of differences to each row's max, minus
+``log(se_t / se_s)``: exact where the two heads agree, where ``log p`` and ``log q`` would each be
+rounded to their own size. The mixture's ``log(m / q)`` and ``log(m / p)`` are ``log1p`` of
+``expm1(±d)`` (:func:`_mixture`), exact near ``d = 0``; ``q - p`` is ``-q expm1(d)`` or
+``p expm1(-d)``. A term of ``p`` is 0 where ``p`` is 0 (a masked vocabulary entry: no
+``0 * inf``), as one of ``q`` is; where the teacher gives an entry mass the student gives none, the
+forward KL is ``+inf``, as it is.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla import add_block_grads, column_block, loop, zero_grads
-from jaxact._src.lce.xla_tiles import (
-  capped,
-  logits,
-  lowest,
-  merge,
-  tile_stats,
-)
+from jaxact._src.lce.xla import add_block_grads, column_block, finish_grads, loop, zero_grads
+from jaxact._src.lce.xla_tiles import capped, logits, lowest, merge, shift, spread, tile_stats
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -48,16 +45,27 @@ def _head_block(plan: LcePlan, x, w, b, j, vocab):
   return s, dcap, start, wj, cols, fresh
 
 
-def normalizer(m: Array, se: Array) -> tuple[Array, Array]:
-  """``(m, log se)``: the log-sum-exp kept as the row max and the log of the sum (at most
-  ``log V``) apart, so that ``log q = (s - m) - log se`` is exact for logits of -1e9; ``log se`` is
-  0 for a row with no finite logit (every ``s - m`` is -inf there)."""
-  return m, jnp.where(se > 0, jnp.log(jnp.where(se > 0, se, 1)), 0)
+def _block_probs(ps: LcePlan, pt: LcePlan, s, tt, norm_s, norm_t):
+  """``(q, p, d)`` of a block: the student's and the teacher's probabilities and ``d = log p - log
+  q`` (unclipped: +inf where only the teacher gives mass, -inf where only the student does, 0
+  where neither does), from
+  :func:`~jaxact._src.lce.xla_tiles.capped`'s logits `s`, `tt` and each head's ``(max, sum)``."""
+  (ms, ses), (mt, set_) = norm_s, norm_t
+  q = jnp.exp(shift(ps, s, ms[:, None])) * _inverse(ses)[:, None]
+  p = jnp.exp(shift(pt, tt, mt[:, None])) * _inverse(set_)[:, None]
+  both = (ses > 0) & (set_ > 0)  # the ratio of two sums in [1, V]: rounded once, not log V ulps
+  ratio = jnp.log(jnp.where(both, set_, 1) / jnp.where(both, ses, 1))
+  if (ps.temperature, ps.soft_cap) == (pt.temperature, pt.soft_cap):  # one k: one rounding
+    d = spread(ps, jnp.where(tt == s, 0, tt - s) - (mt - ms)[:, None])
+  else:
+    d = spread(pt, tt - mt[:, None]) - spread(ps, s - ms[:, None])
+    d = jnp.where((tt == -jnp.inf) & (s == -jnp.inf), 0, d)
+  return q, p, d - ratio[:, None]
 
 
-def _log_probs(s: Array, norm: tuple[Array, Array]) -> Array:
-  m, log_se = norm
-  return (s - m[:, None]) - log_se[:, None]
+def _inverse(se: Array) -> Array:
+  """``1 / se``; 0 where no logit is finite (``se = 0``: every probability of the row is 0)."""
+  return jnp.where(se > 0, 1 / jnp.where(se > 0, se, 1), 0)
 
 
 def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
@@ -73,8 +81,8 @@ def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
     tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
     tms, tses, *_ = tile_stats(ps, s, labels, cols, fresh, vocab, None)
     tmt, tset, *_ = tile_stats(pt, tt, labels, cols, fresh, vocab, None)
-    ms, ses, _, _ = merge((ms, ses, None, None), (tms, tses, None, None), vocab)
-    mt, set_, _, _ = merge((mt, set_, None, None), (tmt, tset, None, None), vocab)
+    ms, ses, _, _ = merge(ps, (ms, ses, None, None), (tms, tses, None, None), vocab)
+    mt, set_, _, _ = merge(pt, (mt, set_, None, None), (tmt, tset, None, None), vocab)
     return (ms, ses), (mt, set_)
 
   start = (jnp.full((t,), lowest(acc), acc), jnp.zeros((t,), acc))
@@ -82,23 +90,32 @@ def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
 
 
 def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
-  """Each row's ``(max, log Σ exp(s - max))`` of the student's and of the teacher's logits,
-  ``(norm_s, norm_t)`` (:func:`row_sums`, then :func:`normalizer`)."""
-  (ms, ses), (mt, set_) = row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
-  return normalizer(ms, ses), normalizer(mt, set_)
+  """Each row's ``(max, Σ exp(s - max))`` of the student's and of the teacher's logits,
+  ``(norm_s, norm_t)`` (:func:`row_sums`)."""
+  return row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
 
 
-def _terms(kind: str, beta: float, lq: Array, lp: Array):
-  """The block's per-entry divergence terms and, for the JSD, ``log m`` and ``q log(q / m)``."""
-  q, p = jnp.exp(lq), jnp.exp(lp)
+def _mixture(beta: float, d: Array) -> tuple[Array, Array]:
+  """``(log(m / q), log(m / p))`` of the mixture ``m = beta p + (1 - beta) q`` from ``d = log p -
+  log q``: the one of the two whose ``expm1`` cannot overflow as ``log1p`` of it, the other by
+  ``± d`` (``log(m / q) = log(m / p) + d``); +inf where its denominator is 0."""
+  up = d >= 0
+  to_p = jnp.log1p((1 - beta) * jnp.expm1(-jnp.where(up, d, 0)))  # d >= 0: p's side is finite
+  to_q = jnp.log1p(beta * jnp.expm1(jnp.where(up, 0, d)))
+  return jnp.where(up, to_p + d, to_q), jnp.where(up, to_p, to_q - d)
+
+
+def _terms(kind: str, beta: float, q: Array, p: Array, d: Array):
+  """The block's per-entry divergence terms and, for the JSD, ``log(m / q)`` and ``q log(q / m)``
+  (each term 0 where its probability is 0, NaN kept)."""
   if kind == "forward_kl":
-    return jnp.where(p > 0, p * (lp - lq), 0), None, None
+    return jnp.where(p == 0, 0, p * d), None, None
   if kind == "reverse_kl":
-    return jnp.where(q > 0, q * (lq - lp), 0), None, None
-  lm = jnp.logaddexp(float(np.log(beta)) + lp, float(np.log1p(-beta)) + lq)  # weak: lq's dtype
-  kl_q = jnp.where(q > 0, q * (lq - lm), 0)
-  kl_p = jnp.where(p > 0, p * (lp - lm), 0)
-  return beta * kl_p + (1 - beta) * kl_q, lm, kl_q
+    return jnp.where(q == 0, 0, -q * d), None, None
+  to_q, to_p = _mixture(beta, d)
+  kl_q = jnp.where(q == 0, 0, -q * to_q)
+  kl_p = jnp.where(p == 0, 0, -p * to_p)
+  return beta * kl_p + (1 - beta) * kl_q, to_q, kl_q
 
 
 def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
@@ -111,7 +128,7 @@ def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
     d, aux = carry
     s, _, _, _, _, fresh = _head_block(ps, xs, ws, bs, j, vocab)
     tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
-    terms, _, kl_q = _terms(kind, beta, _log_probs(s, norm_s), _log_probs(tt, norm_t))
+    terms, _, kl_q = _terms(kind, beta, *_block_probs(ps, pt, s, tt, norm_s, norm_t))
     if fresh is not None:  # an overlapped column counts once
       terms = jnp.where(fresh[None, :], terms, 0)
       kl_q = None if kl_q is None else jnp.where(fresh[None, :], kl_q, 0)
@@ -132,15 +149,14 @@ def student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, au
   def body(j, carry):
     s, dcap, start, wj, _, fresh = _head_block(ps, xs, ws, bs, j, vocab)
     tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
-    lq, lp = _log_probs(s, norm_s), _log_probs(tt, norm_t)
-    q = jnp.exp(lq)
-    if kind == "forward_kl":
-      ds = q - jnp.exp(lp)
+    q, p, d = _block_probs(ps, pt, s, tt, norm_s, norm_t)
+    if kind == "forward_kl":  # q - p from the larger one, by an expm1 that cannot overflow
+      ds = jnp.where(d <= 0, q, -p) * -jnp.expm1(-jnp.abs(d))
     elif kind == "reverse_kl":
-      ds = jnp.where(q > 0, q * (lq - lp - aux[:, None]), 0)
+      ds = jnp.where(q == 0, 0, q * (-d - aux[:, None]))
     else:
-      _, lm, _ = _terms(kind, beta, lq, lp)
-      ds = jnp.where(q > 0, (1 - beta) * q * (lq - lm - aux[:, None]), 0)
+      _, to_q, _ = _terms(kind, beta, q, p, d)
+      ds = jnp.where(q == 0, 0, (1 - beta) * q * (-to_q - aux[:, None]))
     grad = g[:, None] * ds
     if dcap is not None:
       grad = grad * dcap
@@ -148,5 +164,4 @@ def student_grads(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, au
     db_j = None if bs is None else jnp.sum(grad, 0)
     return add_block_grads(ps, xs, wj, start, grad, g_dx, db_j, carry)
 
-  dx, dw, db = loop(n, body, zero_grads(ps, xs, ws, bs))
-  return dx.astype(xs.dtype), dw, db
+  return finish_grads(ps, xs, loop(n, body, zero_grads(ps, xs, ws, bs)))

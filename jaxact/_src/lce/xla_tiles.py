@@ -13,6 +13,8 @@ starts at the float's lowest finite value and never drops below it, so a row who
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
@@ -46,16 +48,84 @@ def weight_grad(plan: LcePlan, x: Array, g: Array) -> Array:
 
 
 def capped(plan: LcePlan, z: Array) -> tuple[Array, Array | None]:
-  """``(s, ds/dz)``: the logits the softmax reads, ``c tanh(z / c) / T`` (soft cap ``c``,
-  temperature ``T``; -inf stays -inf), and their derivative (None without a cap at ``T = 1``; 0 at
-  -inf). The forward and the backward both transform each block through this one function."""
-  t_inv = None if plan.temperature == 1 else 1 / plan.temperature
+  """``(r, dr)``: the logits in the units the statistics are kept in, and the factor of ``G`` the
+  cap contributes (None without a cap; 0 at -inf; -inf stays -inf). At ``T = 1`` ``r`` is what the
+  softmax reads, ``s = c tanh(z / c)`` (or ``z``), and ``dr = ds/dz``. Under a temperature
+  ``r = tanh(z / c)`` (or ``z``), the softmax reads ``s = k r`` with ``k = c / T`` (or ``1 / T``)
+  and ``ds/dz = dr / T``: ``k`` multiplies only differences to the row max (:func:`shift`), where
+  no multiply feeds a subtraction that XLA could fuse into one rounding in one pass and not in the
+  other (a logit recomputed an ulp apart is ``1 / T`` ulps apart in ``s``), and ``1 / T``
+  multiplies the products of ``G`` (:func:`grad_scale`), where no ``inf - inf`` can form. The
+  forward and the backward both transform each block through this one function."""
   if plan.soft_cap is None:
-    return (z, None) if t_inv is None else (z / plan.temperature, t_inv)
+    return z, None
   c = plan.soft_cap
   t = jnp.tanh(z / c)
-  s, ds = jnp.where(z == -jnp.inf, z, c * t), 1 - t * t
-  return (s, ds) if t_inv is None else (s / plan.temperature, ds * t_inv)
+  r = t if plan.temperature != 1 else c * t
+  return jnp.where(z == -jnp.inf, z, r), 1 - t * t
+
+
+def _factors(num: float, den: float, dtype) -> tuple[float, ...]:
+  """``num / den`` (positive, finite) as factors each a normal number of `dtype`: itself where it
+  is one, else its mantissa and powers of two (exact) that carry it past the dtype's range a
+  step at a time, all on one side of 1, so that a product that ends in range never leaves it."""
+  info = np.finfo(dtype)
+  with np.errstate(over="ignore", under="ignore"):
+    k = np.float64(num) / np.float64(den)
+  if info.tiny <= k <= info.max:
+    return (float(k),)
+  (mn, en), (md, ed) = math.frexp(num), math.frexp(den)
+  out, e = [mn / md], en - ed
+  while e:
+    step = max(-100, min(100, e))
+    out.append(2.0**step)
+    e -= step
+  return tuple(out)
+
+
+def _times(d: Array, factors: tuple[float, ...], clip: bool) -> Array:
+  """``d`` times the product of `factors`; with `clip` (``d <= 0``) at least ``_FAR``, clipped
+  before each factor above 1 too, so that no far difference overflows to -inf."""
+  for f in factors:
+    if clip and f > 1:
+      d = jnp.maximum(d, _FAR)
+    d = d * f
+  return jnp.maximum(d, _FAR) if clip else d
+
+
+def _spread(plan: LcePlan) -> tuple[float, ...]:
+  """The factors of ``k``, the softmax's logits per unit of :func:`capped`'s ``r``."""
+  return _factors(plan.soft_cap or 1.0, plan.temperature, plan.acc_dtype)
+
+
+def shift(plan: LcePlan, r: Array, m: Array) -> Array:
+  """``s - m`` from ``r`` and a max ``m`` in :func:`capped`'s units: ``r - m`` at ``T = 1``;
+  ``k (r - m)`` under a temperature, at least ``_FAR`` (where its exponential is 0)."""
+  if plan.temperature == 1:
+    return r - m
+  return _times(r - m, _spread(plan), clip=True)
+
+
+def spread(plan: LcePlan, d: Array) -> Array:
+  """A difference of :func:`capped`'s ``r`` in the softmax's units (``k d``), not clipped: a
+  log-probability, ``-inf`` only where it is beyond the float's range."""
+  return d if plan.temperature == 1 else _times(d, _spread(plan), clip=False)
+
+
+def rescale(plan: LcePlan, a: Array, b: Array) -> Array:
+  """``exp(s_a - s_b)`` of two finite maxima ``a <= b`` in :func:`capped`'s units, whose
+  difference may overflow (their halves' cannot): an online softmax's rescaling factor."""
+  if plan.temperature == 1:
+    return exp_diff(a, b)
+  return jnp.exp(_times(a / 2 - b / 2, (2.0, *_spread(plan)), clip=True))
+
+
+def grad_scale(plan: LcePlan, g: Array) -> Array:
+  """A product of ``G`` (``dx``, a block of ``dw``, ``db``) times ``1 / T``, the rest of
+  ``ds/dz`` (:func:`capped`); the products themselves are of numbers at most the cotangents."""
+  if plan.temperature == 1:
+    return g
+  return _times(g, _factors(1.0, plan.temperature, plan.acc_dtype), clip=False)
 
 
 # Below this, s - m is the same as -inf to exp (0 in float32 and float64): the entropy's terms
@@ -85,8 +155,10 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
     hit = hit & fresh[None, :]
     kept = jnp.where(fresh[None, :], s, lowest(s.dtype))
   m = jnp.maximum(jnp.max(kept, axis=-1), lowest(s.dtype))
-  e = jnp.exp(kept - m[:, None])
-  se = jnp.sum(e if fresh is None else jnp.where(fresh[None, :], e, 0), axis=-1)
+  e = jnp.exp(shift(plan, kept, m[:, None]))
+  if fresh is not None:  # the lowest float is not far below m under a temperature above 1
+    e = jnp.where(fresh[None, :], e, 0)
+  se = jnp.sum(e, axis=-1)
   sy = jnp.sum(jnp.where(hit, s, 0), axis=-1)
   gap = None
   if plan.label_smoothing:
@@ -102,8 +174,8 @@ def tile_stats(plan: LcePlan, s, labels, cols, fresh, vocab, bias=None):
       count = jnp.broadcast_to(jnp.sum(counted, dtype=s.dtype), m.shape)
     gap = jnp.sum(below, axis=-1), count
   moment = None
-  if plan.entropy:  # e > 0 only where fresh or where m is the lowest float (then s - m = 0)
-    moment = jnp.sum(e * jnp.maximum(kept - m[:, None], _FAR), axis=-1)
+  if plan.entropy:  # e > 0 only where fresh
+    moment = jnp.sum(e * jnp.maximum(shift(plan, kept, m[:, None]), _FAR), axis=-1)
   return m, se, sy, gap, moment
 
 
@@ -124,17 +196,18 @@ def mean_gap(m: Array, gap, vocab: int) -> Array:
   return g + (vocab - count) / vocab * m
 
 
-def lift_moment(moment: Array, se: Array, m_old: Array, m: Array) -> Array:
+def lift_moment(plan: LcePlan, moment: Array, se: Array, m_old: Array, m: Array) -> Array:
   """A ``Σ exp(s - m_old) (s - m_old)`` of :func:`tile_stats` (its row's ``se`` beside it) measured
-  from a max ``m >= m_old`` instead: ``exp(m_old - m) (moment + (m_old - m) se)``. The difference
-  is taken only where the factor is not 0, where it is at most a few hundred (by halves: that of
-  two finite floats may overflow); elsewhere the moment is 0 (no ``0 · inf``)."""
-  scale = exp_diff(m_old, m)
-  shift = jnp.where(scale > 0, m_old / 2 - m / 2, 0) * 2
-  return scale * (moment + shift * se)
+  from a max ``m >= m_old`` instead: ``exp(m_old - m) (moment + (m_old - m) se)``, the maxima in
+  :func:`capped`'s units, the difference in the softmax's. The difference is taken only where the
+  factor is not 0, where it is at most a few hundred (by halves: that of two finite floats may
+  overflow); elsewhere the moment is 0 (no ``0 · inf``)."""
+  scale = rescale(plan, m_old, m)
+  half = jnp.where(scale > 0, m_old / 2 - m / 2, 0)
+  return scale * (moment + spread(plan, half) * 2 * se)
 
 
-def merge(a, b, vocab: int):
+def merge(plan: LcePlan, a, b, vocab: int):
   """Two ``(m, Σ exp(s - m), gap, moment)`` of :func:`tile_stats` as one: the online log-sum-exp
   step, the entropy's moment rescaled with the sum."""
   (ma, sa, ga, da), (mb, sb, gb, db) = a, b
@@ -144,8 +217,8 @@ def merge(a, b, vocab: int):
     (g1, c1), (g2, c2) = lift_gap(ga, ma, m, vocab), lift_gap(gb, mb, m, vocab)
     gap = g1 + g2, c1 + c2
   if da is not None:
-    moment = lift_moment(da, sa, ma, m) + lift_moment(db, sb, mb, m)
-  return m, sa * exp_diff(ma, m) + sb * exp_diff(mb, m), gap, moment
+    moment = lift_moment(plan, da, sa, ma, m) + lift_moment(plan, db, sb, mb, m)
+  return m, sa * rescale(plan, ma, m) + sb * rescale(plan, mb, m), gap, moment
 
 
 def tile_argmax(s: Array, cols: Array) -> tuple[Array, Array]:
@@ -172,9 +245,9 @@ def tile_grad(plan: LcePlan, s, dcap, labels, cols, m, scales, vocab_dtype) -> A
   (a huge exponent next to huge logits), hence the ``minimum``."""
   p_scale, label_scale, uniform_scale, h_scale = scales
   if h_scale is None:
-    g = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
+    g = p_scale[:, None] * jnp.exp(jnp.minimum(shift(plan, s, m[:, None]), 0))
   else:
-    d = jnp.clip(s - m[:, None], _FAR, 0)
+    d = jnp.clip(shift(plan, s, m[:, None]), _FAR, 0)
     g = jnp.exp(d) * (p_scale[:, None] - h_scale[:, None] * d)
   if label_scale is not None:
     g = g - jnp.where(cols[None, :] == labels[:, None], label_scale[:, None], 0)
@@ -249,7 +322,7 @@ def loss_of(plan: LcePlan, m, se, sy, gap, labels, vocab, where=None) -> Array:
   # both are clipped to what they are mathematically (NaN stays NaN).
   loss = jnp.maximum(loss, 0)
   if a != 1:
-    loss = loss + (1 - a) * jnp.maximum(m - sy, 0)
+    loss = loss + (1 - a) * jnp.maximum(spread(plan, m - sy), 0)
   if gap is not None:
     loss = loss + a * gap
   if plan.z_loss:

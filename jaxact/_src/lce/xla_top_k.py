@@ -23,10 +23,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
-from jaxact._src.core.numerics import exp_diff
 from jaxact._src.lce.plan import LcePlan
-from jaxact._src.lce.xla import add_block_grads, column_block, loop, zero_grads
-from jaxact._src.lce.xla_tiles import capped, logits, lowest, merge
+from jaxact._src.lce.xla import add_block_grads, column_block, finish_grads, loop, zero_grads
+from jaxact._src.lce.xla_tiles import capped, logits, lowest, merge, rescale, shift, spread
 
 
 def _n_blocks(plan: LcePlan, w: Array) -> tuple[int, int]:
@@ -65,8 +64,8 @@ def sums(plan: LcePlan, x, w, b, idx):
     out = hit if fresh is None else hit | ~fresh[None, :]  # not the tail's, or counted before
     kept = jnp.where(out, low, s)
     tm = jnp.maximum(jnp.max(kept, axis=-1), low)
-    tse = jnp.sum(jnp.where(out, 0, jnp.exp(kept - tm[:, None])), axis=-1)
-    m, se, _, _ = merge((m, se, None, None), (tm, tse, None, None), vocab)
+    tse = jnp.sum(jnp.where(out, 0, jnp.exp(shift(plan, kept, tm[:, None]))), axis=-1)
+    m, se, _, _ = merge(plan, (m, se, None, None), (tm, tse, None, None), vocab)
     counted = here if fresh is None else here & (idx >= j * min(plan.block, vocab))
     at = jnp.take_along_axis(s, jnp.minimum(local, s.shape[1] - 1), axis=1)
     return m, se, picked + jnp.where(counted, at, 0)
@@ -75,12 +74,12 @@ def sums(plan: LcePlan, x, w, b, idx):
   return loop(n, body, init)
 
 
-def normalizer(m_tail: Array, se_tail: Array, picked: Array) -> tuple[Array, Array]:
+def normalizer(plan: LcePlan, m_tail: Array, se_tail: Array, picked: Array) -> tuple[Array, Array]:
   """The whole softmax's ``(max, Σ exp(s - max))`` a row: the tail's and the K entries' together
   (each entry counted once per listing: K distinct entries are the vocabulary's partition)."""
   m = jnp.maximum(m_tail, jnp.max(picked, axis=-1))
-  se = se_tail * exp_diff(m_tail, m) + jnp.sum(jnp.exp(picked - m[:, None]), axis=-1)
-  return m, se
+  picked_sum = jnp.sum(jnp.exp(shift(plan, picked, m[:, None])), axis=-1)
+  return m, se_tail * rescale(plan, m_tail, m) + picked_sum
 
 
 def _log(se: Array) -> Array:
@@ -88,14 +87,14 @@ def _log(se: Array) -> Array:
   return jnp.log(jnp.where(se > 0, se, 1))
 
 
-def buckets(m_tail, se_tail, picked, m, se) -> Array:
+def buckets(plan: LcePlan, m_tail, se_tail, picked, m, se) -> Array:
   """``(T, K + 1)``: the K entries' log-probabilities ``(s_k - m) - log se`` and the tail's
   ``(m_tail - m) + log se_tail - log se`` (-inf for an empty tail), each a difference to the
   row's max, as :mod:`jaxact._src.lce.xla_tiles` keeps them."""
   log_se = _log(se)[:, None]
-  lq = (picked - m[:, None]) - log_se
+  lq = spread(plan, picked - m[:, None]) - log_se
   full = se_tail > 0  # m_tail is then a logit, and m - m_tail a difference of two
-  tail = (jnp.where(full, m_tail, m) - m) + _log(se_tail) - log_se[:, 0]
+  tail = spread(plan, jnp.where(full, m_tail, m) - m) + _log(se_tail) - log_se[:, 0]
   return jnp.concatenate([lq, jnp.where(full, tail, -jnp.inf)[:, None]], axis=1)
 
 
@@ -112,8 +111,8 @@ def grads(plan: LcePlan, x, w, b, idx, m_tail, se_tail, m, se, g):
 
   def body(j, carry):
     s, dcap, start, wj, fresh, local, here, hit = _entries(plan, x, w, b, idx, j, vocab)
-    grad = p_scale[:, None] * jnp.exp(jnp.minimum(s - m[:, None], 0))
-    tail = t_scale[:, None] * jnp.exp(jnp.minimum(s - m_tail[:, None], 0))
+    grad = p_scale[:, None] * jnp.exp(jnp.minimum(shift(plan, s, m[:, None]), 0))
+    tail = t_scale[:, None] * jnp.exp(jnp.minimum(shift(plan, s, m_tail[:, None]), 0))
     grad = grad + jnp.where(hit, 0, tail)
     grad = grad.at[rows, local].add(jnp.where(here, g_k, 0), mode="drop")
     if dcap is not None:
@@ -122,5 +121,4 @@ def grads(plan: LcePlan, x, w, b, idx, m_tail, se_tail, m, se, g):
     db_j = None if b is None else jnp.sum(grad, 0)
     return add_block_grads(plan, x, wj, start, grad, g_dx, db_j, carry)
 
-  dx, dw, db = loop(n, body, zero_grads(plan, x, w, b))
-  return dx.astype(x.dtype), dw, db
+  return finish_grads(plan, x, loop(n, body, zero_grads(plan, x, w, b)))
