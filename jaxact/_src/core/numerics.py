@@ -23,3 +23,15 @@ def safe_mul(p: Array, q: Array) -> Array:
   # scalar broadcast by jnp.where) depends on nothing in a scanned block, so the scan hoists it
   # out of the loop as one whole (tokens, hidden) buffer.
   return jnp.where(zero_inf, jnp.minimum(jnp.abs(p), jnp.abs(q)), prod)
+
+
+def mul3(p: Array, q: Array, r: Array) -> Array:
+  """``p * q * r``, overflowing to infinity only where the product itself does.
+
+  Formed as ``(p * q) * r``, or as ``(p * r) * q`` where ``p * q`` overflowed from finite factors
+  (then either ``|r| <= 1`` and ``p * r`` is finite, or the product overflows anyway); each
+  product as :func:`safe_mul` forms it, so 0 times an infinite factor is 0.
+  """
+  pq = safe_mul(p, q)
+  over = jnp.isinf(pq) & jnp.isfinite(p) & jnp.isfinite(q)
+  return safe_mul(jnp.where(over, safe_mul(p, r), pq), jnp.where(over, q, r))
