@@ -1,5 +1,6 @@
-"""jaxact.moe_mlp on the inputs a program hands it besides one batch of tokens: no tokens at all,
-and ``jax.vmap`` over a batch axis (each mapped element its own call: its own routing, capacity and
+"""jaxact.moe_mlp on the inputs a program hands it besides one batch of unit-sized tokens: tokens
+of huge, tiny and zero values in every dtype (``tests/input_cases.py``), no tokens at all, and
+``jax.vmap`` over a batch axis (each mapped element its own call: its own routing, capacity and
 auxiliary losses, as a Python loop over the axis gives them).
 
 Against the op's formula written here in float64 (every expert on every token, masked by the
@@ -22,6 +23,10 @@ import pytest
 from jax import lax
 
 import jaxact
+from input_cases import DTYPE_IDS, DTYPES, assert_like_formula, rows
+from jaxact._src.moe.rules import FAMILY
+
+from cases import backends
 
 B, T, D, F, E = 3, 6, 5, 7, 4
 
@@ -39,13 +44,14 @@ def operands(dtype=jnp.float64, lead=(B, T), seed=0):
 def formula(
   x, router, w_gate, w_up, w_down, *, top_k, score="softmax", capacity_factor=None, act=jax.nn.silu
 ):
-  """``(y, aux)`` of one call on (T, D) tokens, as docs/moe.md defines them."""
+  """``(y, aux)`` of one call on (T, D) tokens, as docs/moe.md defines them: the experts chosen
+  in the order of the scores (by the log-scores, which do not tie where the scores underflow), the
+  normalized weights a softmax of the chosen log-scores."""
   t, e = x.shape[0], router.shape[1]
   z = x @ router
-  s = jax.nn.softmax(z, -1) if score == "softmax" else jax.nn.sigmoid(z)
-  _, idx = lax.top_k(lax.stop_gradient(s), top_k)
-  w = jnp.take_along_axis(s, idx, -1)
-  w = w / jnp.sum(w, -1, keepdims=True)
+  log_s = z if score == "softmax" else jax.nn.log_sigmoid(z)
+  _, idx = lax.top_k(lax.stop_gradient(log_s), top_k)
+  w = jax.nn.softmax(jnp.take_along_axis(log_s, idx, -1), -1)
   chosen = jax.nn.one_hot(idx, e, dtype=x.dtype)  # (T, k, E)
   gates = jnp.einsum("tk,tke->te", w, chosen)
   routed = jnp.sum(chosen, 1)
@@ -54,7 +60,7 @@ def formula(
     gates = jnp.where(jnp.cumsum(routed, 0) <= capacity, gates, 0)
   h = act(jnp.einsum("td,edf->tef", x, w_gate)) * jnp.einsum("td,edf->tef", x, w_up)
   y = jnp.einsum("te,tef,efo->to", gates, h, w_down)
-  p = s if score == "softmax" else s / jnp.sum(s, -1, keepdims=True)
+  p = jax.nn.softmax(log_s, -1)  # for sigmoid scores, the scores normalized per token
   balance = e * jnp.sum(jnp.mean(routed, 0) * jnp.mean(p, 0))
   z_loss = jnp.mean(jax.nn.logsumexp(z, -1) ** 2)
   return y, {"load_balancing_loss": balance, "router_z_loss": z_loss}
@@ -113,6 +119,37 @@ def assert_close(got, want, atol, what):
       rtol=atol,
       err_msg=f"{what} [{i}]",
     )
+
+
+# -------------------------------------------------------------------------- huge and tiny tokens
+
+ROUTINGS = {
+  "softmax_top2": dict(top_k=2),
+  "sigmoid_top2": dict(top_k=2, score="sigmoid"),
+  "capacity_top1": dict(top_k=1, capacity_factor=1.0),
+}
+EXTREME = list(itertools.product(ROUTINGS, DTYPES))
+EXTREME_IDS = [f"{r}-{DTYPE_IDS[DTYPES.index(dt)]}" for r, dt in EXTREME]
+
+
+@pytest.mark.sample(1, "pallas-sigmoid_top2-float16")
+@pytest.mark.parametrize("routing,dtype", EXTREME, ids=EXTREME_IDS)
+@pytest.mark.parametrize("implementation", backends(FAMILY))
+def test_huge_tiny_and_zero_tokens(implementation, routing, dtype):
+  """y, both auxiliary losses and every gradient."""
+  kw = ROUTINGS[routing]
+  x = rows(jax.random.key(3), (12, D), dtype, squared=True)
+  args = [x, *operands(lead=(T,))[1:]]
+
+  def ours_all(*a):
+    y, aux = ours(*a, implementation=implementation, **kw)
+    return y, aux["load_balancing_loss"], aux["router_z_loss"]
+
+  def formula_all(*a):
+    y, aux = formula(*a, **kw)
+    return y, aux["load_balancing_loss"], aux["router_z_loss"]
+
+  assert_like_formula(ours_all, formula_all, args, dtype)
 
 
 # ------------------------------------------------------------------------------------ no tokens
