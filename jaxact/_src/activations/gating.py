@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jaxact._src.activations.resolve import Act
-from jaxact._src.core.numerics import mul3, safe_mul
+from jaxact._src.core.numerics import mul3, overflows, safe_mul
 
 
 def activate(act: Act, a: Array, dynamic, acc) -> Array:
@@ -19,6 +19,15 @@ def activate(act: Act, a: Array, dynamic, acc) -> Array:
   if act.fn is not None:  # a plain callable sees what `act(x @ w + b)` would give it
     return act.fn(a, *dynamic).astype(acc)
   return act.rule.spec.fn(a.astype(acc), **act.rule.params(dynamic))
+
+
+def _may_overflow(act: Act, dynamic, acc) -> bool:
+  """Whether the rule's ``act(a)`` overflows `acc` for some finite ``a`` (traced parameters:
+  assumed). Static: the others' products take no derivative (XLA would keep a buffer for it)."""
+  if dynamic:
+    return True
+  spec, params = act.rule.spec, act.rule.params(())
+  return overflows(lambda v: spec.fn(v, **params), acc)
 
 
 def _times_act(act_a: Array, a: Array, slope: Array, q: Array) -> Array:
@@ -40,8 +49,11 @@ def hidden(act: Act, a: Array, b: Array, dynamic, acc, out) -> Array:
     return safe_mul(activate(act, a, dynamic, acc), b32).astype(out)
   spec, params = act.rule.spec, act.rule.params(dynamic)
   a32 = a.astype(acc)
+  act_a = spec.fn(a32, **params)
+  if not _may_overflow(act, dynamic, acc):
+    return safe_mul(act_a, b32).astype(out)
   slope = spec.derivative_from_input(a32, **params)
-  return _times_act(spec.fn(a32, **params), a32, slope, b32).astype(out)
+  return _times_act(act_a, a32, slope, b32).astype(out)
 
 
 def gate_cotangents(act: Act, a: Array, b: Array, gh: Array, dynamic, acc):
@@ -51,7 +63,7 @@ def gate_cotangents(act: Act, a: Array, b: Array, gh: Array, dynamic, acc):
   if act.fn is not None:
     act_a, pull = jax.vjp(act.fn, a, *dynamic)
     da, *d_dynamic = pull((gh32 * b32).astype(act_a.dtype))
-    return da.astype(acc), safe_mul(gh32, act_a.astype(acc)), d_dynamic
+    return da.astype(acc), gh32 * act_a.astype(acc), d_dynamic
   spec, params = act.rule.spec, act.rule.params(dynamic)
   a32 = a.astype(acc)
   act_a = spec.fn(a32, **params)
@@ -64,4 +76,5 @@ def gate_cotangents(act: Act, a: Array, b: Array, gh: Array, dynamic, acc):
       return spec.fn(a32, **act.rule.params(p))
 
     d_dynamic = list(jax.vjp(fn_of_params, *dynamic)[1](gh32 * b32))
-  return da, _times_act(act_a, a32, slope, gh32), d_dynamic
+  db = _times_act(act_a, a32, slope, gh32) if _may_overflow(act, dynamic, acc) else gh32 * act_a
+  return da, db, d_dynamic
