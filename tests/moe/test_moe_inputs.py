@@ -228,8 +228,8 @@ def test_vmap_is_a_loop_of_independent_calls(kw_name, axes_name):
 
 
 def test_nested_vmap_and_the_cotangents_mapped_alone():
-  """vmap of vmap (the outer over x, the inner over x and the experts' weights), and a jacobian's
-  rows (``vmap`` of the pullback: only the cotangent mapped)."""
+  """vmap of vmap (the outer over x, the inner over x and the experts' weights, or x alone), and a
+  jacobian's rows (``vmap`` of the pullback: only the cotangent mapped)."""
   x = operands(lead=(2, B, T))[0]
   _, router, w_gate, w_up, w_down = operands()
   w_gates = jnp.stack([w_gate * (1 + 0.5 * j) for j in range(B)])
@@ -242,13 +242,15 @@ def test_nested_vmap_and_the_cotangents_mapped_alone():
     return jax.vjp(lambda x, g: f(x, router, g, w_up, w_down, top_k=2)[0], x[0, 0], w_gate)[1]
 
   def run(x, w_gates, cts):
-    return jax.vmap(jax.vmap(grads(ours), (0, 0)), (0, None))(x, w_gates), jax.vmap(pullback(ours))(
-      cts
-    )
+    nested = jax.vmap(jax.vmap(grads(ours), (0, 0)), (0, None))(x, w_gates)
+    shared = jax.vmap(jax.vmap(grads(ours), (0, None)), (0, None))(x, w_gate)
+    return nested, shared, jax.vmap(pullback(ours))(cts)
 
-  nested, rows = jax.jit(run)(x, w_gates, cts)
+  nested, shared, rows = jax.jit(run)(x, w_gates, cts)
   want = looped(lambda x: looped(grads(formula), (0, 0), (x, w_gates)), (0,), (x,))
   assert_close(nested, want, 1e-12, "vmap(vmap(grad))")
+  want = looped(lambda x: looped(grads(formula), (0, None), (x, w_gate)), (0,), (x,))
+  assert_close(shared, want, 1e-12, "vmap(vmap(grad)), shared experts")
   assert_close(rows, looped(pullback(formula), (0,), (cts,)), 1e-12, "vmap(vjp)")
 
 

@@ -105,11 +105,19 @@ def transpose(f, primal: Array, ct: Array) -> Array:
   return jax.linear_transpose(f, primal)(ct)[0]
 
 
-def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype) -> Array:
-  """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`: one (in, out) block a
-  group of `sizes`, which may split `w`'s experts finer (a vmapped call's elements, each its own
-  gradient)."""
-  w = jax.ShapeDtypeStruct((sizes.shape[0], *w.shape[1:]), w.dtype)
+def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype, per_element=None) -> Array:
+  """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`; with `per_element`
+  (``(rows, sizes)``, (B, R) and (B, E): a vmapped call's elements' rows, each in its own expert
+  order, and group sizes) each element's own, (B, *w.shape), one element at a time (each costs
+  what its own call's does: XLA's ragged_dot is a dense product over its groups)."""
+  if per_element is not None:
+    rows, each = per_element
+
+    def one(element):
+      r, s = element
+      return weight_grad(plan, lhs[r], ct[r], w, s, dtype)
+
+    return lax.map(one, (rows, each))
 
   def xla(lhs, ct, sizes):
     return transpose(lambda w_: _ragged_dot(plan, lhs, w_, sizes, dtype), w, ct)
@@ -131,12 +139,12 @@ def input_grad(plan: MoEPlan, ct, w, lhs, sizes, dtype) -> Array:
 
 
 def grouped_grads(
-  plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, weight_sizes=None
+  plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, per_element=None
 ):
   """The experts' backward over their sorted rows: ``(d_ws, dxs, dw_gate, dw_up, dw_down,
   d_dynamic)`` from the rows' inputs `xs`, cotangents `gys` (before their weights), weights `ws`
   (rows, 1) and kept `a`, `b`; ``d_ws`` the gradient of each row's weight, ``dxs`` of its input.
-  The weights' gradients are one block a group of `weight_sizes` (default `sizes`).
+  With `per_element`, the weights' gradients are each vmapped element's (:func:`weight_grad`).
 
   One grouped product at a time: XLA's ragged_dot (jax 0.12, CPU and GPU) is a dense product over
   a masked (experts x rows) operand, and the barriers chain the six so that one such operand is
@@ -144,19 +152,18 @@ def grouped_grads(
   1024 tokens, D 256, F 512; 2176 -> 1472 MiB compiled for an H100 at 2048 tokens, D 2048, F 5632).
   """
   acc, mm = plan.acc_dtype, matmul_dtype(plan, xs.dtype)
-  weight_sizes = sizes if weight_sizes is None else weight_sizes
   h = hidden(plan, a, b, dynamic)
   gyw = safe_mul(gys.astype(acc), ws).astype(mm)
-  dw_down = weight_grad(plan, h, gyw, w_down, weight_sizes, mm)
+  dw_down = weight_grad(plan, h, gyw, w_down, sizes, mm, per_element)
   (gys, h), dw_down = lax.optimization_barrier(((gys, h), dw_down))
   # g_o = gy W_d[e]^T: both the weights' gradient <g_o, h> and gh = w g_o come from it.
   g_o = input_grad(plan, gys, w_down, h, sizes, mm).astype(acc)
   d_ws = jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1)
   da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
   da, db = da.astype(mm), db.astype(mm)
-  dw_gate = weight_grad(plan, xs, da, w_gate, weight_sizes, mm)
+  dw_gate = weight_grad(plan, xs, da, w_gate, sizes, mm, per_element)
   (xs, db), dw_gate = lax.optimization_barrier(((xs, db), dw_gate))
-  dw_up = weight_grad(plan, xs, db, w_up, weight_sizes, mm)
+  dw_up = weight_grad(plan, xs, db, w_up, sizes, mm, per_element)
   (xs, da), dw_up = lax.optimization_barrier(((xs, da), dw_up))
   dxs = input_grad(plan, da, w_gate, xs, sizes, mm).astype(acc)
   (xs, db), dxs = lax.optimization_barrier(((xs, db), dxs))
@@ -174,21 +181,21 @@ def _backward(
   order,
   inverse,
   sizes,
-  weight_sizes,
+  per_element,
   a,
   b,
   gy,
   *dynamic,
 ):
-  """``(dx, d_weights, dw_gate, dw_up, dw_down, *d_dynamic)``; the weights' gradients one block a
-  group of `weight_sizes`."""
+  """``(dx, d_weights, dw_gate, dw_up, dw_down, *d_dynamic)``; with `per_element` (None, or a
+  vmapped call's, :func:`weight_grad`) the weights' gradients each element's."""
   mm = matmul_dtype(plan, x.dtype)
   # Nothing of the backward (xs, h) may run before the cotangent exists (barriers.after_cotangent).
   (a, b), gy = barriers.after_cotangent((a, b), gy)
   tokens = order // plan.top_k
   ws = weights.reshape(-1)[order][:, None]  # each sorted row's weight
   gys = gy[tokens].astype(mm)  # (T*k, out): each sorted row's cotangent, before its weight
-  rows = (x[tokens], gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, weight_sizes)
+  rows = (x[tokens], gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, per_element)
   d_ws, dxs, dw_gate, dw_up, dw_down, d_dynamic = grouped_grads(plan, *rows)
   d_weights = d_ws[inverse].reshape(weights.shape).astype(weights.dtype)
   dx = _combine(plan, dxs, inverse, None).astype(x.dtype)
@@ -198,7 +205,7 @@ def _backward(
 
 def _experts_bwd(plan: MoEPlan, res, gy: Array):
   x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic = res
-  args = (x, weights, w_gate, w_up, w_down, order, inverse, sizes, sizes, a, b, gy, *dynamic)
+  args = (x, weights, w_gate, w_up, w_down, order, inverse, sizes, None, a, b, gy, *dynamic)
   dx, d_weights, *grads = vjp_batching.batchable(plan, _backward, "backward")(*args)
   return (dx, d_weights, *grads[:3], None, None, None, *grads[3:])
 

@@ -12,9 +12,11 @@ call would. The rows' order (the fold's ``layout``) is computed from the integer
 same in the forward and the backward: a batched ``a``, ``b`` kept between them is in that order.
 
 The backward gives each element its own gradient of shared expert weights (what ``vmap`` of a
-gradient asks for; JAX sums them where the gradient is of the vmapped function): one weight block
-a (expert, element) group. Calls with traced activation parameters run the elements one after
-another (``lax.map``): their parameters' gradients are sums over each element's rows.
+gradient asks for; JAX sums them where the gradient is of the vmapped function), one element at a
+time from its own rows (as many grouped rows in all as one call over every token: XLA's
+ragged_dot is a dense product over its groups, so groups of (expert, element) would cost the
+mapped size times more). Calls with traced activation parameters run the elements one after
+another (``lax.map``), and so does a map of a mapped backward.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from jax import Array, lax
 from jaxact._src.moe.plan import MoEPlan
 
 # The leading arguments of the three functions: x, weights, w_gate, w_up, w_down, order, inverse,
-# sizes. The backward's go on with weight_sizes, a, b, gy; every function ends with the dynamic
-# (traced activation) parameters.
+# sizes. The backward's go on with per_element (None, or a map's elements' rows and group sizes:
+# vjp.weight_grad), a, b, gy; every function ends with the dynamic (traced activation) parameters.
 ROUTED = 8
 _BACKWARD_EXTRA = 4
 
@@ -45,24 +47,38 @@ def batchable(plan: MoEPlan, impl: Callable, kind: str) -> Callable:
 
 def _rule(plan: MoEPlan, impl, kind: str, size: int, batched, args):
   if size == 0:  # an empty mapped axis: the outputs' shapes, with no element
-    one = [jax.ShapeDtypeStruct(a.shape[b:], a.dtype) for a, b in zip(args, batched, strict=True)]
-    out = jax.eval_shape(lambda *a: impl(plan, *a), *one)
+    leaves, tree = jax.tree.flatten(args)
+    flags = jax.tree.leaves(batched)
+    one = [jax.ShapeDtypeStruct(a.shape[b:], a.dtype) for a, b in zip(leaves, flags, strict=True)]
+    out = jax.eval_shape(lambda *a: impl(plan, *a), *jax.tree.unflatten(tree, one))
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), out), jax.tree.map(
       lambda _: True, out
     )
   fixed = ROUTED + (_BACKWARD_EXTRA if kind == "backward" else 0)
   if len(args) > fixed:  # traced activation parameters: one element at a time
-    return _sequential(plan, impl, kind, size, batched, args)
+    return _sequential(plan, impl, kind, batched, args)
+  if kind == "backward" and args[ROUTED] is not None:
+    # A map of a map's per-element weight gradients (their rows index the inner map's fold): one
+    # element at a time, its a and b taken back from where the folded forward put them.
+    args = list(args)
+    layout = _fold(size, batched, args)[3]
+    for i in (ROUTED + 1, ROUTED + 2):
+      if batched[i]:
+        v = args[i].reshape(-1, args[i].shape[-1])
+        args[i] = v[_inverse(layout)].reshape(args[i].shape)
+    return _sequential(plan, impl, kind, batched, tuple(args))
   return _folded(plan, impl, kind, size, batched, args)
 
 
-def _sequential(plan: MoEPlan, impl, kind: str, size: int, batched, args):
-  mapped = [a for a, b in zip(args, batched, strict=True) if b]
+def _sequential(plan: MoEPlan, impl, kind: str, batched, args):
+  leaves, tree = jax.tree.flatten(args)
+  flags = jax.tree.leaves(batched)
+  mapped = [a for a, b in zip(leaves, flags, strict=True) if b]
 
   def one(mapped_one):
     it = iter(mapped_one)
-    full = [next(it) if b else a for a, b in zip(args, batched, strict=True)]
-    return batchable(plan, impl, kind)(*full)
+    full = [next(it) if b else a for a, b in zip(leaves, flags, strict=True)]
+    return batchable(plan, impl, kind)(*jax.tree.unflatten(tree, full))
 
   out = lax.map(one, mapped)
   return out, jax.tree.map(lambda _: True, out)
@@ -96,19 +112,30 @@ def _fold_routing(order, sizes, per_element_experts):
     key = expert  # by expert, then element (stable): the dropped rows last
   layout = jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
   folded = (order + element * rows).reshape(-1)[layout]
-  inverse = jnp.zeros_like(folded).at[folded].set(jnp.arange(n * rows, dtype=jnp.int32))
+  inverse = _inverse(folded)
   sizes = sizes.reshape(-1) if per_element_experts else jnp.sum(sizes, axis=0)
   return folded, inverse, sizes, layout
 
 
+def _inverse(permutation: Array) -> Array:
+  n = permutation.shape[0]
+  return jnp.zeros_like(permutation).at[permutation].set(jnp.arange(n, dtype=permutation.dtype))
+
+
+def _fold(size: int, batched, args):
+  """``(order, inverse, sizes, layout, sizes_b)`` of the one call, as :func:`_fold_routing`
+  makes them from the call's routing (every element's group sizes, (B, E), last)."""
+  order = _broadcast(args[5], batched[5], size)
+  sizes_b = _broadcast(args[7], batched[7], size)
+  return (*_fold_routing(order, sizes_b, any(batched[2:5])), sizes_b)
+
+
 def _folded(plan: MoEPlan, impl, kind: str, size: int, batched, args):
-  x, weights, w_gate, w_up, w_down, order, _, sizes = args[:ROUTED]
+  x, weights, w_gate, w_up, w_down = args[:5]
   bx, bweights, *bws = batched[:5]
   per_element = any(bws)
-  order = _broadcast(order, batched[5], size)
-  sizes_b = _broadcast(sizes, batched[7], size)
   t = x.shape[-2]
-  folded, inverse, g_sizes, layout = _fold_routing(order, sizes_b, per_element)
+  folded, inverse, g_sizes, layout, sizes_b = _fold(size, batched, args)
   ws = [w_gate, w_up, w_down]
   if per_element:  # each element's experts: (B*E, in, out), groups (element, expert)
     ws = [_broadcast(w, b, size).reshape(-1, *w.shape[-2:]) for w, b in zip(ws, bws, strict=True)]
@@ -125,32 +152,15 @@ def _folded(plan: MoEPlan, impl, kind: str, size: int, batched, args):
     # a and b as each element's (T*k, F) rows, kept in the fold's order (see _rows).
     a, b = (v.reshape(size, -1, v.shape[-1]) for v in (a, b))
     return (y.reshape(size, t, -1), a, b), (True, True, True)
-  weight_sizes, a, b, gy = args[ROUTED:]
+  _, a, b, gy = args[ROUTED:]
   ba, bb, bgy = batched[ROUTED + 1 :]
-  w_sizes = _weight_groups(_broadcast(weight_sizes, batched[ROUTED], size), per_element, sizes_b)
   gy_g = _broadcast(gy, bgy, size).reshape(size * t, gy.shape[-1])
   kept = [_rows(v, is_batched, layout) for v, is_batched in ((a, ba), (b, bb))]
-  dx, d_weights, *dws = call(*routed, w_sizes, *kept, gy_g)
-  dws = [_unfold_weight_grad(g, size, sizes_b.shape[1], per_element) for g in dws]
+  # Each element's own gradient of the experts' weights: from its rows (where the fold put them,
+  # in the element's own order) when the weights are shared; groups (element, expert) else.
+  each = None if per_element else (_inverse(layout).reshape(size, -1), sizes_b)
+  dx, d_weights, *dws = call(*routed, each, *kept, gy_g)
+  if per_element:
+    dws = [g.reshape(size, -1, *g.shape[1:]) for g in dws]
   grads = (dx.reshape(size, t, -1), d_weights.reshape(size, t, -1), *dws)
   return grads, (True,) * len(grads)
-
-
-def _weight_groups(weight_sizes: Array, per_element: bool, sizes: Array) -> Array:
-  """The one call's weight-gradient groups from each element's (B, E*G) `weight_sizes` (G groups
-  an expert, in the rows' order): (element, expert, g) where the experts are batched, (expert,
-  element, g) where they are shared (the rows' order within an expert)."""
-  n, experts = sizes.shape
-  if per_element:
-    return weight_sizes.reshape(-1)
-  w = weight_sizes.reshape(n, experts, -1)
-  return jnp.swapaxes(w, 0, 1).reshape(-1)
-
-
-def _unfold_weight_grad(g: Array, size: int, experts: int, per_element: bool) -> Array:
-  """Each element's (E*G, in, out) weight gradient from the one call's blocks, (element, expert,
-  g) or (expert, element, g) as :func:`_weight_groups` orders them."""
-  if per_element:
-    return g.reshape(size, -1, *g.shape[1:])
-  g = g.reshape(experts, size, -1, *g.shape[1:])
-  return jnp.swapaxes(g, 0, 1).reshape(size, -1, *g.shape[3:])
