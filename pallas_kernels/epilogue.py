@@ -1,4 +1,5 @@
-"""The activation as every kernel takes it: forward and derivative functions, and the residual."""
+"""The activation as every kernel takes it: forward and derivative functions, and the residual;
+and a gated unit's products of it, as the gated kernels form them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 
 Residual = Literal["output", "input", "none", "code"]
@@ -137,3 +140,51 @@ class Epilogue:
 
   def kept_dtype(self, dtype):
     return jnp.uint8 if self.residual == "code" else dtype
+
+
+# ------------------------------------------------------------ a gated unit's products, in-kernel
+# As jaxact's numerics and gating: written with the operations every backend lowers (compares,
+# selects, products), on float32 tiles.
+
+
+def safe_mul(p: Array, q: Array) -> Array:
+  """``p * q``, but 0 where one factor is 0 and the other infinite (NaN factors give NaN)."""
+  zero_inf = ((p == 0) & (jnp.abs(q) == jnp.inf)) | ((jnp.abs(p) == jnp.inf) & (q == 0))
+  return jnp.where(zero_inf, 0.0, p * q)
+
+
+def may_overflow(epilogue: Epilogue) -> bool:
+  """Whether ``act(z)`` overflows float32 for some finite ``z``, probed at ``±finfo.max`` (the
+  table's activations grow monotonically in ``|z|`` away from 0): selu, leaky_relu with a slope
+  beyond 1, celu with a negative alpha. Static: the kernels of the others form no derivative for
+  :func:`times_act` (silu's, gelu's, mish's gated kernels have no registers to spare for it)."""
+  if epilogue.fn is None or epilogue.derivative is None or epilogue.residual == "none":
+    return False
+  big = np.finfo(np.float32).max
+  try:  # two numbers, now, on the CPU, outside the mesh the call is traced under
+    with (
+      jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+      jax.default_device(jax.devices("cpu")[0]),
+      jax.ensure_compile_time_eval(),
+    ):
+      y = np.asarray(epilogue.fn(jnp.array([-big, big], jnp.float32)))
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu): assume it may
+    return True
+  return bool(np.isinf(y).any())
+
+
+def times_act(
+  epilogue: Epilogue, y: Array, z: Array, q: Array, slope: Array | None = None, plain=False
+) -> Array:
+  """``act(z) * q`` from ``y = act(z)``: :func:`safe_mul`, and where ``y`` overflowed for a finite
+  ``z`` and ``q != 0``, ``(q z) act'(z)``, finite where the product is, as jaxact's gated path
+  forms it. (The table's activations overflow only on a piece linear through 0, where
+  ``act(z) = act'(z) z`` and ``|act'(z)| > 1``, so ``q z`` overflows only where the product does;
+  or grow as fast as their derivative, which overflows too.) `slope`: ``act'(z)``, where the
+  caller has it. `plain`: ``y * q`` alone for an activation that cannot overflow."""
+  if not may_overflow(epilogue):
+    return y * q if plain else safe_mul(y, q)
+  if slope is None:
+    slope = epilogue.derivative(y if epilogue.residual == "output" else z)
+  over = (jnp.abs(y) == jnp.inf) & (jnp.abs(z) < jnp.inf) & (q != 0)
+  return jnp.where(over, (q * z) * slope, safe_mul(y, q))

@@ -12,8 +12,9 @@ from the same tiles of ``x``:
   sub-tile, each written through shared memory by TMA (:func:`pallas_kernels._mosaic.write_tile`):
   ``a``, ``b`` and ``h``, or ``h`` alone. ``h`` is formed from ``a`` and ``b`` as they are written
   (rounded to the output dtype), so that it is the function of the kept ``a`` and ``b`` that a
-  backward pass recomputing it gets, and a zero times an infinite intermediate gives 0 (jaxact's
-  gated path does both the same way).
+  backward pass recomputing it gets, a zero times an infinite intermediate gives 0, and an
+  ``act(a)`` that overflows where ``act(a) * b`` does not gives the product
+  (:func:`pallas_kernels.epilogue.times_act`; jaxact's gated path does all three the same way).
 * **Persistent**: one CTA per SM (``num_sms``, the caller's) walks the output tiles in a planar
   snake (L2 reuse of the ``x`` rows and weight columns in flight together).
 
@@ -40,9 +41,10 @@ from pallas_kernels._mosaic import (
   pl,
   plgpu,
   transforms,
+  unlowerable,
   write_tile,
 )
-from pallas_kernels.epilogue import Epilogue
+from pallas_kernels.epilogue import Epilogue, may_overflow, safe_mul, times_act
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +122,11 @@ def gated_unsupported(
       return f"{name}={d} is not a multiple of {step} (the gated Hopper kernel's tile)"
   if epilogue.fn is None:
     return None
+  if may_overflow(epilogue):  # times_act reads act' where act(a) overflows
+    why = unlowerable(epilogue.derivative, "activation's derivative")
+    if why is not None:
+      return why
   return epilogue_unsupported(epilogue)
-
-
-def _safe_mul(p, q):
-  """``p * q``, 0 where one factor is 0 and the other infinite (as jaxact's ``safe_mul``)."""
-  zero_inf = ((p == 0) & (jnp.abs(q) == jnp.inf)) | ((jnp.abs(p) == jnp.inf) & (q == 0))
-  return jnp.where(zero_inf, 0.0, p * q)
 
 
 def _gated_kernel(
@@ -222,10 +222,9 @@ def _gated_kernel(
             projections.append(z.astype(out_dtype))
 
           def values(a, b):
-            act_a = a.astype(jnp.float32)
-            if epilogue.fn is not None:
-              act_a = epilogue.fn(act_a)
-            h = _safe_mul(act_a, b.astype(jnp.float32))
+            a32 = a.astype(jnp.float32)
+            act_a = a32 if epilogue.fn is None else epilogue.fn(a32)
+            h = times_act(epilogue, act_a, a32, b.astype(jnp.float32))
             return (h,) if len(outs) == 1 else (a, b, h)
 
           out_tiles = [o.at[m_slice, n_slice] for o in outs]
@@ -275,7 +274,8 @@ def gated_forward(
     w_gate, w_up: ``(K, N)``, x's dtype.
     b_gate, b_up: ``(N,)`` (any float dtype: added in float32) or None.
     epilogue: the activation: ``epilogue.fn`` applied to float32 tiles, or None for identity (the
-      bilinear GLU); its ``derivative`` and ``residual`` are not used. Its operations must be ones
+      bilinear GLU); its ``derivative`` (of its ``residual``) only where ``fn`` can overflow
+      (:func:`pallas_kernels.epilogue.may_overflow`). Its operations must be ones
       Mosaic GPU lowers (``expm1`` and ``log1p`` are rewritten: :mod:`pallas_kernels._mosaic`),
       and its parameters Python numbers (as ``kernel_calls.epilogue`` builds it from a spec).
     num_sms: the GPU's streaming multiprocessors, one persistent CTA each (132 on an H100 SXM).
@@ -362,5 +362,5 @@ def gated_forward_reference(
 
   a, b = project(w_gate, b_gate), project(w_up, b_up)
   act_a = a.astype(jnp.float32) if fn is None else fn(a.astype(jnp.float32))
-  h = _safe_mul(act_a, b.astype(jnp.float32)).astype(dtype)
+  h = safe_mul(act_a, b.astype(jnp.float32)).astype(dtype)
   return (a, b, h) if keep_ab else (None, None, h)

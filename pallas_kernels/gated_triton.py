@@ -16,9 +16,11 @@ the caller's.
 
 The activation is an :class:`~pallas_kernels.Epilogue`, applied in float32 whatever the storage
 dtype; ``act'(a)`` comes from the epilogue's derivative, given ``act(a)`` (output residuals) or
-``a`` (input residuals). Products of three factors are formed so that an intermediate that overflows
-to infinity times an exact zero gives 0, not NaN (NaN factors still give NaN). Ragged shapes are
-masked, as in :mod:`pallas_kernels.dense_triton`.
+``a`` (input residuals). Products are formed so that an intermediate that overflows to infinity
+times an exact zero gives 0, not NaN (NaN factors still give NaN), and ``act(a)`` times ``b`` or
+``gh`` so that it overflows only where the product does, for the activations whose ``act(a)`` can
+overflow (:func:`pallas_kernels.epilogue.times_act`). Ragged shapes are masked, as in
+:mod:`pallas_kernels.dense_triton`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from pallas_kernels._triton import (
 )
 from pallas_kernels.bias_act_triton import EltwiseTiles, default_tiles
 from pallas_kernels.dense_triton_tiles import Tiles, tile_side
-from pallas_kernels.epilogue import Epilogue
+from pallas_kernels.epilogue import Epilogue, safe_mul, times_act
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +82,6 @@ def default_block_config(shape: tuple[int, int, int], dtype) -> GatedBlockConfig
 
 
 # --------------------------------------------------------------------------------- kernels
-
-
-def _safe_mul(p: Array, q: Array) -> Array:
-  """``p * q``, but 0 where one factor is 0 and the other infinite."""
-  zero_inf = ((p == 0) & (jnp.abs(q) == jnp.inf)) | ((jnp.abs(p) == jnp.inf) & (q == 0))
-  return jnp.where(zero_inf, 0.0, p * q)
 
 
 def _value_and_derivative(epilogue: Epilogue, z: Array) -> tuple[Array, Array]:
@@ -129,7 +125,8 @@ def _gated_fwd_kernel(
   # h from a and b as they are kept, so that the backward's recomputed h is the forward's.
   a = acc_a.astype(h_ref.dtype)
   b = acc_b.astype(h_ref.dtype)
-  store_tile(h_ref, r0, c0, _safe_mul(epilogue.fn(a.astype(jnp.float32)), b.astype(jnp.float32)))
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  store_tile(h_ref, r0, c0, times_act(epilogue, epilogue.fn(a32), a32, b32))
   if a_ref is not None:
     store_tile(a_ref, r0, c0, a)
     store_tile(b_ref, r0, c0, b)
@@ -145,10 +142,10 @@ def _gated_bwd_kernel(gh_ref, a_ref, b_ref, da_ref, db_ref, h_ref, *, epilogue, 
 
   gh, a, b = tile(gh_ref), tile(a_ref), tile(b_ref)
   act_a, d_act = _value_and_derivative(epilogue, a)
-  store_tile(da_ref, r0, c0, _safe_mul(gh * d_act, b))
-  store_tile(db_ref, r0, c0, gh * act_a)
+  store_tile(da_ref, r0, c0, safe_mul(gh * d_act, b))
+  store_tile(db_ref, r0, c0, times_act(epilogue, act_a, a, gh, d_act, plain=True))
   if h_ref is not None:
-    store_tile(h_ref, r0, c0, _safe_mul(act_a, b))
+    store_tile(h_ref, r0, c0, times_act(epilogue, act_a, a, b, d_act))
 
 
 # --------------------------------------------------------------------------- pallas_calls

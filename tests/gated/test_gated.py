@@ -279,6 +279,14 @@ def test_an_overflowing_factor_times_zero_gives_zero_not_nan():
   np.testing.assert_array_equal(dx, 0.0)
   np.testing.assert_array_equal(dw_gate, 0.0)
   np.testing.assert_allclose(dw_up, big * jax.nn.selu(0.5), rtol=1e-6)
+  # b = 1e-3: gh * selu'(a) overflows, gh * selu'(a) * b = 3.5e35 does not (XLA's path: was inf).
+  w_up = jnp.array([[1e-3], [0.0]], jnp.float32)
+  h, pull = jax.vjp(lambda *a: jaxact.gated_dense(*a, activation="selu"), x, w_gate, w_up)
+  dx, dw_gate, dw_up = pull(jnp.full_like(h, big))
+  da = float(big) * 1.0507009873554805 * 1e-3  # selu'(0.5) = scale
+  db = float(big) * float(jax.nn.selu(jnp.float64(0.5)))
+  np.testing.assert_allclose(dw_gate, [[da], [da]], rtol=1e-6)
+  np.testing.assert_allclose(dx, [[da * 0.5 + db * 1e-3, 0.0]], rtol=1e-6)
 
 
 def test_biases_over_batch_axes_promote_no_rank():

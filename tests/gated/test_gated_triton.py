@@ -348,7 +348,7 @@ def _kernel_shapes(m, k, f, dtype):
 _COMPILED = [
   (gpu, name, dt)
   for gpu in ("A100", "H100")
-  for name in ("gelu", "silu", "relu", "squareplus", "mish")
+  for name in ("gelu", "silu", "relu", "squareplus", "mish", "selu")
   for dt in (jnp.bfloat16, jnp.float16, jnp.float32)
 ]
 

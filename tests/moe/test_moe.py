@@ -229,6 +229,48 @@ def test_sigmoid_scores_that_underflow_weigh_as_their_ratio_without_nan():
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_an_expert_whose_activation_overflows_gives_the_finite_product(implementation):
+  """selu(a) = inf for a = 3.3e38 where selu(a) * b (b = 1e-3, and 0) and its gradients are
+  finite: h was inf (and its weight gradient), dx NaN. One expert, so the token's weight is 1;
+  against the formula in float64."""
+  x = np.zeros((4, 2), np.float32)
+  x[:, 1], x[0] = 0.5, (1.0, 0.0)  # token 0 reads the experts' first input row alone
+  w_gate = np.array([[[3.3e38, 3.3e38], [0.3, -0.2]]], np.float32)  # a[0] = 3.3e38
+  w_up = np.array([[[1e-3, 0.0], [0.4, 0.1]]], np.float32)  # b[0] = (1e-3, 0)
+  w_down = np.array([[[0.01, -0.02], [0.03, 0.01]]], np.float32)
+  args = [jnp.asarray(v) for v in (x, np.ones((2, 1), np.float32), w_gate, w_up, w_down)]
+  gy = np.full((4, 2), 0.5, np.float32)
+
+  def y_of(x, router, w_gate, w_up, w_down):
+    return jaxact.moe_mlp(
+      x, router, w_gate, w_up, w_down, top_k=1, activation="selu", implementation=implementation
+    )[0]
+
+  y, pull = jax.vjp(y_of, *args)
+  got = [y, *pull(jnp.asarray(gy))]
+  x, _, wg, wu, wd = (
+    np.asarray(a, np.float64)[0] if a.ndim == 3 else np.asarray(a, np.float64) for a in args
+  )
+  a, b = x @ wg, x @ wu
+  scale, alpha = 1.0507009873554805, 1.6732632423543772
+  act = scale * np.where(a > 0, a, alpha * np.expm1(np.minimum(a, 0)))
+  slope = scale * np.where(a > 0, 1.0, alpha * np.exp(np.minimum(a, 0)))
+  gh = gy @ wd.T
+
+  def products(h, da, db, x, wg, wu, wd, gy):
+    return [h @ wd, da @ wg.T + db @ wu.T, (x.T @ da)[None], (x.T @ db)[None], (h.T @ gy)[None]]
+
+  operands = (act * b, gh * slope * b, gh * act, x, wg, wu, wd, gy)
+  want = products(*operands)
+  sizes = products(*map(np.abs, operands))  # what each sum's rounding is relative to
+  assert not np.asarray(got.pop(2)).any()  # the router's: its one expert weighs 1
+  for i, (g, w, size) in enumerate(zip(got, want, sizes, strict=True)):
+    g = np.asarray(g, np.float64)
+    assert np.isfinite(g).all(), i
+    assert (np.abs(g - w) <= 1e-5 * size + 1e-30).all(), (i, g, w)
+
+
 # ------------------------------------------------------------------------------ what is kept
 
 

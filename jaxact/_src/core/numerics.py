@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 
@@ -23,3 +25,33 @@ def safe_mul(p: Array, q: Array) -> Array:
   # scalar broadcast by jnp.where) depends on nothing in a scanned block, so the scan hoists it
   # out of the loop as one whole (tokens, hidden) buffer.
   return jnp.where(zero_inf, jnp.minimum(jnp.abs(p), jnp.abs(q)), prod)
+
+
+def mul3(p: Array, q: Array, r: Array) -> Array:
+  """``p * q * r``, overflowing to infinity only where the product itself does.
+
+  Formed as ``(p * q) * r``, or as ``(p * r) * q`` where ``p * q`` overflowed from finite factors
+  (then either ``|r| <= 1`` and ``p * r`` is finite, or the product overflows anyway); each
+  product as :func:`safe_mul` forms it, so 0 times an infinite factor is 0.
+  """
+  pq = safe_mul(p, q)
+  over = jnp.isinf(pq) & jnp.isfinite(p) & jnp.isfinite(q)
+  return safe_mul(jnp.where(over, safe_mul(p, r), pq), jnp.where(over, q, r))
+
+
+def overflows(fn, dtype) -> bool:
+  """Whether the elementwise `fn` overflows `dtype` for some finite input, probed at its largest
+  values of either sign (for functions growing monotonically in ``|x|`` away from 0, as the spec
+  table's activations do). Evaluated now, on the CPU, outside whatever mesh the caller is traced
+  under; True where no CPU backend is there to ask."""
+  big = np.finfo(dtype).max
+  try:
+    with (
+      jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+      jax.default_device(jax.devices("cpu")[0]),
+      jax.ensure_compile_time_eval(),
+    ):
+      y = np.asarray(fn(jnp.array([-big, big], dtype)))
+  except RuntimeError:  # JAX_PLATFORMS without cpu
+    return True
+  return bool(np.isinf(y).any())

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
@@ -152,6 +153,10 @@ def moe_mlp(
   tokens a device * min(top_k, experts a device)``); a capacity shrinks that to what it admits.
   See ``docs/moe.md``.
 
+  No tokens give the empty output, losses 0 and zero gradients. Under :func:`jax.vmap` each mapped
+  element is its own call (its routing, capacity and losses), its routed rows joining one grouped
+  call over all of them (:mod:`jaxact._src.moe.vjp_batching`); expert-parallel calls refuse it.
+
   Also returns, unweighted, the load-balancing loss (Switch Transformer eq. 4, as Mixtral's and
   Qwen3-MoE's ``load_balancing_loss_func``) and the router z-loss (ST-MoE eq. 5):
 
@@ -228,6 +233,10 @@ def moe_mlp(
         f"jaxact.{fn_name}: `activation` asks for residual_bits={act.rule.code.bits}, but the "
         "experts keep the gate's pre-activation a anyway; drop residual_bits"
       )
+    if tokens == 0:  # nothing routed: the empty output, losses 0, every gradient 0
+      zero = jnp.zeros((), acc)
+      y = jnp.zeros((*lead, w_down.shape[2]), out)
+      return y, {"load_balancing_loss": zero, "router_z_loss": zero}
     plan = MoEPlan(
       act=act,
       precision=args.hashable_precision(precision),

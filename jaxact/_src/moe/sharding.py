@@ -168,11 +168,28 @@ def top_k(pat: Pattern, plan: MoEPlan, select: Array) -> Array:
   return run(shardings.to_spec(select, rows))[0]
 
 
+def _refusing_vmap(fn):
+  """`fn`, raising under ``jax.vmap``: the exchange between devices has no batching rule, and its
+  ragged products none for a batched operand (the one-device path folds the batch instead)."""
+  f = jax.custom_batching.custom_vmap(fn)
+
+  @f.def_vmap
+  def _(size, batched, *args):
+    raise NotImplementedError(
+      "jaxact.moe_mlp: jax.vmap of an expert-parallel call (the experts split over mesh axes) is "
+      "not supported; give the mapped axis to one call as a leading dimension of `x` (one routing "
+      "and one pair of auxiliary losses over all its tokens), or map over experts that are not "
+      "split"
+    )
+
+  return f
+
+
 def _forward(plan: MoEPlan, pat: Pattern, x, weights, w_gate, w_up, w_down, experts, *dynamic):
   rows, wg, wd, ab = _specs(pat)
   body = functools.partial(local.forward, plan, pat)
   in_specs = (rows, rows, wg, wg, wd, rows, *[()] * len(dynamic))
-  y, a, b = _shard_map(pat, body, in_specs, (rows, ab, ab))(
+  y, a, b = _refusing_vmap(_shard_map(pat, body, in_specs, (rows, ab, ab)))(
     x, weights, w_gate, w_up, w_down, experts, *dynamic
   )
   return y, (x, weights, w_gate, w_up, w_down, experts, a, b, dynamic)

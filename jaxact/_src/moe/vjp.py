@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxact._src.activations import gating
 from jaxact._src.core import barriers
 from jaxact._src.core.numerics import safe_mul
-from jaxact._src.moe import kernels
+from jaxact._src.moe import kernels, vjp_batching
 from jaxact._src.moe.plan import MoEPlan
 
 # The names of the residuals a and b (jax.ad_checkpoint.checkpoint_name), for remat policies.
@@ -70,23 +70,34 @@ def _combine(plan: MoEPlan, rows: Array, inverse: Array, weights: Array | None) 
   return jnp.sum(rows, axis=1)
 
 
-def _experts_fwd(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+def _forward(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+  """``(y, a, b)``: the experts' outputs combined in token order, and the kept projections."""
   mm = matmul_dtype(plan, x.dtype)
   xs = x[order // plan.top_k]
   a = ragged(plan, xs, w_gate, sizes, mm).astype(plan.out_dtype)
   b = ragged(plan, xs, w_up, sizes, mm).astype(plan.out_dtype)
   o = ragged(plan, hidden(plan, a, b, dynamic), w_down, sizes, mm)
-  y = _combine(plan, o, inverse, weights).astype(plan.out_dtype)
+  return _combine(plan, o, inverse, weights).astype(plan.out_dtype), a, b
+
+
+def _value(plan: MoEPlan, *args):
+  return _forward(plan, *args)[0]
+
+
+def _experts_fwd(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
+  args = (x, weights, w_gate, w_up, w_down, order, inverse, sizes)
+  y, a, b = vjp_batching.batchable(plan, _forward, "forward")(*args, *dynamic)
   # As the gated family: hide a and b's origin, so that XLA neither recomputes them in the backward
   # nor keeps the forward's act(a), h or o alive to share with the backward's.
   y, a, b = lax.optimization_barrier((y, a, b))
   a, b = (checkpoint_name(v, n) for v, n in zip((a, b), CHECKPOINT_NAMES, strict=True))
-  return y, (x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic)
+  return y, (*args, a, b, dynamic)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _experts(plan: MoEPlan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic):
-  return _experts_fwd(plan, x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)[0]
+  args = (x, weights, w_gate, w_up, w_down, order, inverse, sizes, *dynamic)
+  return vjp_batching.batchable(plan, _value, "value")(*args)
 
 
 def transpose(f, primal: Array, ct: Array) -> Array:
@@ -94,8 +105,19 @@ def transpose(f, primal: Array, ct: Array) -> Array:
   return jax.linear_transpose(f, primal)(ct)[0]
 
 
-def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype) -> Array:
-  """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`."""
+def weight_grad(plan: MoEPlan, lhs, ct, w, sizes, dtype, per_element=None) -> Array:
+  """The cotangent of `w` in ``ragged(lhs, w)`` from the output's `ct`; with `per_element`
+  (``(rows, sizes)``, (B, R) and (B, E): a vmapped call's elements' rows, each in its own expert
+  order, and group sizes) each element's own, (B, *w.shape), one element at a time (each costs
+  what its own call's does: XLA's ragged_dot is a dense product over its groups)."""
+  if per_element is not None:
+    rows, each = per_element
+
+    def one(element):
+      r, s = element
+      return weight_grad(plan, lhs[r], ct[r], w, s, dtype)
+
+    return lax.map(one, (rows, each))
 
   def xla(lhs, ct, sizes):
     return transpose(lambda w_: _ragged_dot(plan, lhs, w_, sizes, dtype), w, ct)
@@ -116,10 +138,13 @@ def input_grad(plan: MoEPlan, ct, w, lhs, sizes, dtype) -> Array:
   return xla(ct, w, sizes)
 
 
-def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic):
+def grouped_grads(
+  plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, per_element=None
+):
   """The experts' backward over their sorted rows: ``(d_ws, dxs, dw_gate, dw_up, dw_down,
   d_dynamic)`` from the rows' inputs `xs`, cotangents `gys` (before their weights), weights `ws`
   (rows, 1) and kept `a`, `b`; ``d_ws`` the gradient of each row's weight, ``dxs`` of its input.
+  With `per_element`, the weights' gradients are each vmapped element's (:func:`weight_grad`).
 
   One grouped product at a time: XLA's ragged_dot (jax 0.12, CPU and GPU) is a dense product over
   a masked (experts x rows) operand, and the barriers chain the six so that one such operand is
@@ -129,16 +154,16 @@ def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes,
   acc, mm = plan.acc_dtype, matmul_dtype(plan, xs.dtype)
   h = hidden(plan, a, b, dynamic)
   gyw = safe_mul(gys.astype(acc), ws).astype(mm)
-  dw_down = weight_grad(plan, h, gyw, w_down, sizes, mm)
+  dw_down = weight_grad(plan, h, gyw, w_down, sizes, mm, per_element)
   (gys, h), dw_down = lax.optimization_barrier(((gys, h), dw_down))
   # g_o = gy W_d[e]^T: both the weights' gradient <g_o, h> and gh = w g_o come from it.
   g_o = input_grad(plan, gys, w_down, h, sizes, mm).astype(acc)
   d_ws = jnp.sum(safe_mul(g_o, h.astype(acc)), axis=-1)
   da, db, d_dynamic = gating.gate_cotangents(plan.act, a, b, safe_mul(g_o, ws), dynamic, acc)
   da, db = da.astype(mm), db.astype(mm)
-  dw_gate = weight_grad(plan, xs, da, w_gate, sizes, mm)
+  dw_gate = weight_grad(plan, xs, da, w_gate, sizes, mm, per_element)
   (xs, db), dw_gate = lax.optimization_barrier(((xs, db), dw_gate))
-  dw_up = weight_grad(plan, xs, db, w_up, sizes, mm)
+  dw_up = weight_grad(plan, xs, db, w_up, sizes, mm, per_element)
   (xs, da), dw_up = lax.optimization_barrier(((xs, da), dw_up))
   dxs = input_grad(plan, da, w_gate, xs, sizes, mm).astype(acc)
   (xs, db), dxs = lax.optimization_barrier(((xs, db), dxs))
@@ -146,20 +171,43 @@ def grouped_grads(plan: MoEPlan, xs, gys, ws, a, b, w_gate, w_up, w_down, sizes,
   return d_ws, dxs, dw_gate, dw_up, dw_down, d_dynamic
 
 
-def _experts_bwd(plan: MoEPlan, res, gy: Array):
-  x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic = res
+def _backward(
+  plan: MoEPlan,
+  x,
+  weights,
+  w_gate,
+  w_up,
+  w_down,
+  order,
+  inverse,
+  sizes,
+  per_element,
+  a,
+  b,
+  gy,
+  *dynamic,
+):
+  """``(dx, d_weights, dw_gate, dw_up, dw_down, *d_dynamic)``; with `per_element` (None, or a
+  vmapped call's, :func:`weight_grad`) the weights' gradients each element's."""
   mm = matmul_dtype(plan, x.dtype)
   # Nothing of the backward (xs, h) may run before the cotangent exists (barriers.after_cotangent).
   (a, b), gy = barriers.after_cotangent((a, b), gy)
   tokens = order // plan.top_k
   ws = weights.reshape(-1)[order][:, None]  # each sorted row's weight
   gys = gy[tokens].astype(mm)  # (T*k, out): each sorted row's cotangent, before its weight
-  rows = (x[tokens], gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic)
+  rows = (x[tokens], gys, ws, a, b, w_gate, w_up, w_down, sizes, dynamic, per_element)
   d_ws, dxs, dw_gate, dw_up, dw_down, d_dynamic = grouped_grads(plan, *rows)
   d_weights = d_ws[inverse].reshape(weights.shape).astype(weights.dtype)
   dx = _combine(plan, dxs, inverse, None).astype(x.dtype)
-  grads = (dx, d_weights, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype))
-  return (*grads, dw_down.astype(w_down.dtype), None, None, None, *d_dynamic)
+  dws = (dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), dw_down.astype(w_down.dtype))
+  return (dx, d_weights, *dws, *d_dynamic)
+
+
+def _experts_bwd(plan: MoEPlan, res, gy: Array):
+  x, weights, w_gate, w_up, w_down, order, inverse, sizes, a, b, dynamic = res
+  args = (x, weights, w_gate, w_up, w_down, order, inverse, sizes, None, a, b, gy, *dynamic)
+  dx, d_weights, *grads = vjp_batching.batchable(plan, _backward, "backward")(*args)
+  return (dx, d_weights, *grads[:3], None, None, None, *grads[3:])
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
