@@ -29,7 +29,10 @@ class _File:
   """``layers.X`` / ``modules.X`` / ...: this module's ``X``, looked up when read."""
 
   def __getattr__(self, name: str) -> Any:
-    return globals()[name]
+    try:
+      return globals()[name]
+    except KeyError:  # an AttributeError, as for any module (doctest collection probes __wrapped__)
+      raise AttributeError(name) from None
 
 
 layers = positional_embeddings = modules = transformer_lib = sow_lib = _File()

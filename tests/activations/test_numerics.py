@@ -361,3 +361,27 @@ def test_glu_with_a_near_the_largest_float(dtype, rows):
   assert_within(y, want_y, bound(want_y, cases.VALUE_ULPS[dtype]), "glu")
   assert_within(g[:, :1], want_da, bound(want_da, cases.GRAD_ULPS[dtype]), "d glu / d a")
   assert_within(g[:, 1:], want_db, bound(want_db, cases.GRAD_ULPS[dtype]), "d glu / d b")
+
+
+# Parameters spanning each `unbounded` rule's two sides (defaults for the rest).
+_UNBOUNDED_PARAMS = {
+  "leaky_relu": [{"negative_slope": s} for s in (0.01, -0.5, 1.0, 1.5, -2.0)],
+  "celu": [{"alpha": a} for a in (1.0, 0.5, -1.0, -3.0)],
+  "elu": [{"alpha": a} for a in (1.0, 3.0, -2.0)],
+  "squareplus": [{"b": b} for b in (4.0, 1e30)],
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=dtype_id)
+def test_unbounded_is_what_the_formula_does_at_the_extremes(dtype):
+  # The gated units and their kernels form act(a) * b from the derivative exactly where the table
+  # says act can overflow: a wrong False returns inf or NaN for a finite product, so every spec is
+  # checked against its own formula at the dtype's largest values.
+  big = np.finfo(dtype).max
+  for spec in ELEMENTWISE:
+    defaults = {p.name: p.default for p in spec.params}
+    for params in _UNBOUNDED_PARAMS.get(spec.name, [{}]):
+      params = {**defaults, **params}
+      y = np.asarray(spec.fn(jnp.array([-big, -1e3, 1e3, big], dtype), **params))
+      declared = spec.unbounded is not None and spec.unbounded(**params)
+      assert declared == bool(np.isinf(y).any()), (spec.name, params)

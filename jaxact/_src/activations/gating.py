@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jaxact._src.activations.resolve import Act
-from jaxact._src.core.numerics import mul3, overflows, safe_mul
+from jaxact._src.core.numerics import mul3, safe_mul
 
 
 def activate(act: Act, a: Array, dynamic, acc) -> Array:
@@ -21,13 +21,14 @@ def activate(act: Act, a: Array, dynamic, acc) -> Array:
   return act.rule.spec.fn(a.astype(acc), **act.rule.params(dynamic))
 
 
-def _may_overflow(act: Act, dynamic, acc) -> bool:
-  """Whether the rule's ``act(a)`` overflows `acc` for some finite ``a`` (traced parameters:
-  assumed). Static: the others' products take no derivative (XLA would keep a buffer for it)."""
+def _may_overflow(act: Act, dynamic) -> bool:
+  """Whether the rule's ``act(a)`` overflows for some finite ``a`` (the spec table's `unbounded`;
+  traced parameters: assumed). Static: the others' products take no derivative (XLA would keep a
+  buffer for it)."""
   if dynamic:
     return True
-  spec, params = act.rule.spec, act.rule.params(())
-  return overflows(lambda v: spec.fn(v, **params), acc)
+  spec = act.rule.spec
+  return spec.unbounded is not None and spec.unbounded(**act.rule.params(()))
 
 
 def _times_act(act_a: Array, a: Array, slope: Array, q: Array) -> Array:
@@ -50,7 +51,7 @@ def hidden(act: Act, a: Array, b: Array, dynamic, acc, out) -> Array:
   spec, params = act.rule.spec, act.rule.params(dynamic)
   a32 = a.astype(acc)
   act_a = spec.fn(a32, **params)
-  if not _may_overflow(act, dynamic, acc):
+  if not _may_overflow(act, dynamic):
     return safe_mul(act_a, b32).astype(out)
   slope = spec.derivative_from_input(a32, **params)
   return _times_act(act_a, a32, slope, b32).astype(out)
@@ -76,5 +77,5 @@ def gate_cotangents(act: Act, a: Array, b: Array, gh: Array, dynamic, acc):
       return spec.fn(a32, **act.rule.params(p))
 
     d_dynamic = list(jax.vjp(fn_of_params, *dynamic)[1](gh32 * b32))
-  db = _times_act(act_a, a32, slope, gh32) if _may_overflow(act, dynamic, acc) else gh32 * act_a
+  db = _times_act(act_a, a32, slope, gh32) if _may_overflow(act, dynamic) else gh32 * act_a
   return da, db, d_dynamic

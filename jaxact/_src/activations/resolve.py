@@ -210,4 +210,7 @@ def epilogue(rule: activations._Rule):
   code = None
   if rule.code is not None:  # the same tables, so kernels and XLA keep the same bytes
     code = DerivativeCode(rule.code.bits, rule.code.boundaries, rule.code.levels)
-  return Epilogue(fn=fn, derivative=derivative, residual=rule.residual, code=code)
+  unbounded = spec.unbounded is not None and spec.unbounded(**params)
+  return Epilogue(
+    fn=fn, derivative=derivative, residual=rule.residual, code=code, unbounded=unbounded
+  )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
 
@@ -37,21 +35,3 @@ def mul3(p: Array, q: Array, r: Array) -> Array:
   pq = safe_mul(p, q)
   over = jnp.isinf(pq) & jnp.isfinite(p) & jnp.isfinite(q)
   return safe_mul(jnp.where(over, safe_mul(p, r), pq), jnp.where(over, q, r))
-
-
-def overflows(fn, dtype) -> bool:
-  """Whether the elementwise `fn` overflows `dtype` for some finite input, probed at its largest
-  values of either sign (for functions growing monotonically in ``|x|`` away from 0, as the spec
-  table's activations do). Evaluated now, on the CPU, outside whatever mesh the caller is traced
-  under; True where no CPU backend is there to ask."""
-  big = np.finfo(dtype).max
-  try:
-    with (
-      jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
-      jax.default_device(jax.devices("cpu")[0]),
-      jax.ensure_compile_time_eval(),
-    ):
-      y = np.asarray(fn(jnp.array([-big, big], dtype)))
-  except RuntimeError:  # JAX_PLATFORMS without cpu
-    return True
-  return bool(np.isinf(y).any())

@@ -120,6 +120,10 @@ class ActivationSpec:
       relative accuracy in the tails, which a code of 255 steps cannot see). None: ``d_input``.
     output_ok: for concrete parameters, whether ``d_output`` is valid (e.g. leaky_relu needs
       ``negative_slope > 0``). ``None`` means always.
+    unbounded: for concrete parameters, whether ``fn`` overflows its (float32 or wider) dtype for
+      some finite input (selu; leaky_relu with a slope beyond 1; celu with a negative alpha), so
+      that a product ``fn(a) * b`` must be formed as ``(a b) f'(a)`` where ``fn(a)`` is infinite.
+      ``None`` means never. Tested against ``fn`` at the dtype's extremes.
     params: parameters after ``x``, in signature order.
     kinks: ``{x0: f'(x0)}`` for the points where the derivative is a convention, as jaxact
       computes it; ``jax_nn_kinks`` lists the points where jax.nn's autodiff gives another value.
@@ -146,6 +150,7 @@ class ActivationSpec:
   d_input: Callable[..., Array] | None = None
   d_code: Callable[..., Array] | None = None
   output_ok: Callable[..., bool] | None = None
+  unbounded: Callable[..., bool] | None = None
   params: tuple[Param, ...] = ()
   kinks: Mapping[float, float] = dataclasses.field(default_factory=dict)
   jax_nn_kinks: Mapping[float, float] = dataclasses.field(default_factory=dict)
@@ -478,6 +483,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     d_output=lambda y, negative_slope: jnp.where(_sign_bit(y), negative_slope, 1.0),
     d_input=lambda x, negative_slope: jnp.where(x >= 0, 1.0, negative_slope),
     output_ok=lambda negative_slope: _all_positive(negative_slope),
+    unbounded=lambda negative_slope: bool((np.abs(np.asarray(negative_slope)) > 1).any()),
     fallback="`negative_slope <= 0` or traced",
     params=(Param("negative_slope", 0.01, "scalar or array of slopes for x < 0 (default 0.01)"),),
     kinks={0.0: 1.0},
@@ -510,6 +516,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="output",
     fn=lambda x: _SELU_SCALE * _elu(x, _SELU_ALPHA),
     d_output=lambda y: jnp.where(y > 0, _SELU_SCALE, y + _SELU_SCALE * _SELU_ALPHA),
+    unbounded=lambda: True,  # lambda x for x > 0, lambda > 1
     kinks={0.0: _SELU_SCALE * _SELU_ALPHA},
     notes=r"with :math:`\lambda = 1.0507009873554804934193349852946` and "
     r":math:`\alpha = 1.6732632423543772848170429916717`.",
@@ -523,6 +530,7 @@ SPECS: tuple[ActivationSpec, ...] = (
     residual="output",
     fn=_celu,
     d_output=lambda y, alpha: jnp.where(y > 0, 1.0, y / alpha + 1.0),
+    unbounded=lambda alpha: bool((np.asarray(alpha) < 0).any()),  # alpha e^{x / alpha}, x < 0
     fallback="`alpha` traced",
     params=(Param("alpha", 1.0, "array or scalar, nonzero (default 1.0)", check=_nonzero),),
     kinks={0.0: 1.0},
