@@ -180,17 +180,22 @@ FRONTIER = {
 HEADS = page.HEADS
 
 
-def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm) -> Callable:
+def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm, activations=None) -> Callable:
   """``loss(params, tokens, labels)`` of the decoder with one of :data:`BODIES` and
-  :data:`HEADS`."""
+  :data:`HEADS`; `activations` (a ``PartitionSpec`` of the (batch, T, D) residual stream, under a
+  mesh): the stream constrained to it after the embedding and each block, as MaxText's activation
+  rules place it (else XLA may shard it as the weights are, FSDP's axis over D)."""
   mlp, policy, attention = BODIES[body]
   block = make_block(mlp, c.heads, norm, attention)
   if policy is not None:
     block = jax.checkpoint(block, policy=policy)
 
+  def place(x):
+    return x if activations is None else jax.lax.with_sharding_constraint(x, activations)
+
   def loss(params, tokens, labels):
-    x = params["embed"][tokens]
-    x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+    x = place(params["embed"][tokens])
+    x, _ = lax.scan(lambda x, p: (place(block(x, p)), None), x, params["blocks"])
     h = norm(x, params["norm"])
     if head == "plain":
       logits = jnp.dot(h, params["head"])
