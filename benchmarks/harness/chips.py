@@ -93,6 +93,7 @@ def figures(
       "bytes": cost.bytes,
       "estimate_s": roofline.seconds(cost.flops, cost.bytes, tpu.chip(target).rates),
       "kernels": list(cost.kernels),  # custom calls whose flops the count leaves out
+      "unknown_loops": cost.unknown_loops,  # loops counted once: the estimate a lower bound
     }
   if cache is not None:  # reread: another section of the same run may have added to it
     known = json.loads(cache.read_text()) if cache.exists() else {}
