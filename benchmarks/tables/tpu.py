@@ -21,7 +21,7 @@ def _temp(f: dict) -> str:
 
 
 def _ms(f: dict) -> str:
-  return "—" if f["over_hbm"] else f"{f['estimate_s'] * 1e3:.0f}"
+  return estimate_ms(f).removesuffix(".0")  # a whole ms at this size
 
 
 SLICE = render.Table(
@@ -36,7 +36,7 @@ SLICE = render.Table(
   "lrrrr",
 )
 FIT = render.Table(
-  ("point", "largest global batch", "sequences a data shard", "GiB a chip at it", "batches compiled"),
+  ("point", "largest global batch", "a data shard", "GiB a chip at it", "batches compiled"),
   lambda f: [
     frontier.LABELS[f["point"]],
     str(f["batch"]),
@@ -46,6 +46,30 @@ FIT = render.Table(
   ],
   "lrrrl",
 )
+
+
+def estimate_ms(f: dict) -> str:
+  """A TPU row's ESTIMATED step ms ("≥" where a loop was counted once), "over HBM" where the
+  chip's compiler refused the program."""
+  if f.get("over_hbm"):
+    return "over HBM"
+  if f.get("estimate_s") is None:
+    return "—"
+  return f"{'≥ ' if f.get('unknown_loops') else ''}{f['estimate_s'] * 1e3:.1f}"
+
+
+def per_chip(these: list[dict], draw) -> list[str]:
+  """A TPU section's rows as a table a chip (their ``chip`` figure), each drawn by `draw`."""
+  lines: list[str] = []
+  for chip in dict.fromkeys(r["figures"]["chip"] for r in these):
+    lines += [
+      "",
+      f"TPU {chip}, one chip, compiled here; memory exact, step ms an ESTIMATE (the roofline at "
+      "the chip's published peaks):",
+      "",
+      *draw([r for r in these if r["figures"]["chip"] == chip]),
+    ]
+  return lines[1:]
 
 
 def _where(f: dict) -> list[str]:
