@@ -16,6 +16,9 @@ Flax's ImageNet ResNet-50 and a stack of diffusion U-Net residual blocks
 * ``fit-h100``: the largest batch of each model and way whose step, compiled for an H100 in
   bfloat16, fits its memory less :data:`FIT_RESERVE` (temp, arguments and outputs:
   ``harness.memory.largest_fit_of``);
+* ``resnet-tpu`` / ``unet-tpu``: the H100 sections compiled for TPU chips (``--chip``, v5p and v6e
+  unless told): compiled temp a chip, and the step's time ESTIMATED from XLA's cost analysis
+  against the chip's published peaks;
 * ``time``: CPU step time of both models, median over alternated rounds of each way's time over
   Flax's in the same round.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +36,7 @@ import numpy as np
 
 import support
 from benchmarks import cnn_models as models
-from benchmarks.harness import memory, rows, timing
+from benchmarks.harness import chips, memory, rows, timing
 from benchmarks.tables import cnn as page
 
 SECTIONS = (
@@ -45,6 +50,7 @@ SECTIONS = (
   "unet-scan-h100",
   "fit-h100",
 )
+TPU_SECTIONS = ("resnet-tpu", "unet-tpu")  # on request: they need libtpu
 # (batch, height, width, channels); the U-Net's stack depth
 RESNET_CPU, RESNET_GPU = (8, 64, 64, 3), (32, 224, 224, 3)
 UNET_CPU, UNET_GPU, UNET_BLOCKS = (8, 32, 32, 128), (32, 64, 64, 256), 4
@@ -57,6 +63,8 @@ FIT_STEP, FIT_START = 8, (512, 2048)  # batches between compiled candidates; the
 # assumes, so each way's fit would partly be XLA's remat (at a cost in time no one measures
 # here), and memory stops growing with the batch. Off, the fit is the program each way writes.
 FIT_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# What a TPU row keeps of its step's figures (harness.chips.figures)
+TPU_FIGURES = ("temp_bytes", "total_bytes", "estimate_s", "unknown_loops", "over_hbm")
 
 
 def _step(model: str, variant: str, gpu: bool, batch: int | None = None):
@@ -74,11 +82,15 @@ def _step(model: str, variant: str, gpu: bool, batch: int | None = None):
   )
 
 
+def _flat(step, args):
+  leaves, tree = jax.tree.flatten(args)
+  return (lambda *leaves: step(*jax.tree.unflatten(tree, leaves))), leaves
+
+
 def _compiled(step, args, gpu: bool, options: dict | None = None):
   """The step's ``memory_analysis()``, compiled for an H100 (`gpu`, with XLA `options`) or this
   CPU."""
-  leaves, tree = jax.tree.flatten(args)
-  flat = lambda *leaves: step(*jax.tree.unflatten(tree, leaves))
+  flat, leaves = _flat(step, args)
   if gpu:
     return support.compile_for(flat, leaves, options=options).memory_analysis()
   return jax.jit(flat).lower(*leaves).compile().memory_analysis()
@@ -88,13 +100,21 @@ def _temp(step, args, gpu: bool) -> int:
   return _compiled(step, args, gpu).temp_size_in_bytes
 
 
-def memory_rows(model: str, gpu: bool) -> list[str]:
-  section = f"{model}-h100" if gpu else model
+def memory_rows(model: str, gpu: bool, chip: str | None = None, cache=None) -> list[str]:
+  """Each way's step on CPU or compiled for an H100 (`gpu`), or with `chip` for that TPU chip at
+  the H100's sizes (section ``<model>-tpu``: its figures, the step's time ESTIMATED)."""
+  section = f"{model}-tpu" if chip else f"{model}-h100" if gpu else model
+  gpu = gpu or chip is not None
   variants = models.RESNETS if model == "resnet" else models.UNETS
-  temps = {}
+  temps, found = {}, {}
   for variant in variants:
     step, args = _step(model, variant, gpu)
-    temps[variant] = _temp(step, args, gpu)
+    if chip is not None:
+      found[variant] = chips.figures(*_flat(step, args), chip, cache=cache)
+      found[variant] = {k: found[variant].get(k) for k in TPU_FIGURES} | {"chip": chip}
+      temps[variant] = found[variant].pop("temp_bytes")
+    else:
+      temps[variant] = _temp(step, args, gpu)
     print(f"  {section} {variant}: compiled", flush=True)
   shape = (
     (RESNET_GPU if gpu else RESNET_CPU) if model == "resnet" else (UNET_GPU if gpu else UNET_CPU)
@@ -102,7 +122,8 @@ def memory_rows(model: str, gpu: bool) -> list[str]:
   for variant, temp in temps.items():
     rows.add(
       section,
-      variant,
+      f"{chip}, {variant}" if chip else variant,
+      **found.get(variant, {}),
       model=model,
       way=page.WAYS[variant],
       shape=list(shape),
@@ -216,15 +237,31 @@ def main(argv=None) -> int:
   parser.add_argument("--sections", default=",".join(SECTIONS))
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--out", default="bench-out", help="the folder of cnn.rows.jsonl")
+  parser.add_argument("--chip", default=",".join(chips.TPU_CHIPS), help="TPU chips (-tpu sections)")
+  parser.add_argument("--cache", type=pathlib.Path, help="compiled TPU figures' JSON (-tpu)")
   a = parser.parse_args(argv)
   wanted = a.sections.split(",")
-  unknown = [s for s in wanted if s not in SECTIONS]
+  unknown = [s for s in wanted if s not in SECTIONS + TPU_SECTIONS]
   if unknown:
-    parser.error(f"sections {unknown} are not known; choose from {', '.join(SECTIONS)}")
+    parser.error(
+      f"sections {unknown} are not known; choose from {', '.join(SECTIONS + TPU_SECTIONS)}"
+    )
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
   if any(s.endswith("-h100") for s in wanted) and not gpu_compiler:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
+  if any(s.endswith("-tpu") for s in wanted) and (why := chips.available()):
+    print(f"benchmarks.cnn: {why}", file=sys.stderr)
+    return 1
+
+  def on_tpus(model: str):
+    def run() -> list[str]:
+      for chip in chips.chips(a.chip):
+        memory_rows(model, False, chip, a.cache)
+      return page.tables(rows.current().rows, f"{model}-tpu")
+
+    return run
+
   out = {
     "resnet": lambda: memory_rows("resnet", False),
     "resnet-h100": lambda: memory_rows("resnet", True),
@@ -235,6 +272,8 @@ def main(argv=None) -> int:
     "unet-scan-h100": lambda: memory_rows("unet-scan", True),
     "time": lambda: time_rows(a.runs),
     "fit-h100": fit_rows,
+    "resnet-tpu": on_tpus("resnet"),
+    "unet-tpu": on_tpus("unet"),
   }
   print(f"jax {jax.__version__}")
   for name in wanted:

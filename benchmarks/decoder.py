@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxact
 import support
 from benchmarks import gated
-from benchmarks.harness import rows, timing
+from benchmarks.harness import chips, rows, timing
 from benchmarks.tables import lce as page
 
 MiB, GiB = 2**20, 2**30
@@ -180,17 +180,22 @@ FRONTIER = {
 HEADS = page.HEADS
 
 
-def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm) -> Callable:
+def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm, activations=None) -> Callable:
   """``loss(params, tokens, labels)`` of the decoder with one of :data:`BODIES` and
-  :data:`HEADS`."""
+  :data:`HEADS`; `activations` (a ``PartitionSpec`` of the (batch, T, D) residual stream, under a
+  mesh): the stream constrained to it after the embedding and each block, as MaxText's activation
+  rules place it (else XLA may shard it as the weights are, FSDP's axis over D)."""
   mlp, policy, attention = BODIES[body]
   block = make_block(mlp, c.heads, norm, attention)
   if policy is not None:
     block = jax.checkpoint(block, policy=policy)
 
+  def place(x):
+    return x if activations is None else jax.lax.with_sharding_constraint(x, activations)
+
   def loss(params, tokens, labels):
-    x = params["embed"][tokens]
-    x, _ = lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
+    x = place(params["embed"][tokens])
+    x, _ = lax.scan(lambda x, p: (place(block(x, p)), None), x, params["blocks"])
     h = norm(x, params["norm"])
     if head == "plain":
       logits = jnp.dot(h, params["head"])
@@ -202,17 +207,27 @@ def decoder_loss(c: Decoder, body: str, head: str, norm=rms_norm) -> Callable:
   return loss
 
 
-def decoder_temp(c: Decoder, body: str, head: str, gpu: bool, norm=rms_norm) -> int:
+def decoder_step(c: Decoder, body: str, head: str, norm=rms_norm):
+  """``(the training step of flat leaves, the leaves' shapes)``."""
   step = jax.value_and_grad(decoder_loss(c, body, head, norm))
-  args = decoder_shapes(c, head=head != "none")
-  if gpu:
-    leaves, tree = jax.tree.flatten(args)
+  leaves, tree = jax.tree.flatten(decoder_shapes(c, head=head != "none"))
 
-    def flat(*leaves):
-      return step(*jax.tree.unflatten(tree, leaves))
+  def flat(*leaves):
+    return step(*jax.tree.unflatten(tree, leaves))
 
-    return support.compile_for(flat, leaves).memory_analysis().temp_size_in_bytes
-  return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  return flat, leaves
+
+
+def decoder_temp(c: Decoder, body: str, head: str, gpu: bool, norm=rms_norm) -> int:
+  step, leaves = decoder_step(c, body, head, norm)
+  compiled = support.compile_for(step, leaves) if gpu else jax.jit(step).lower(*leaves).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def decoder_figures(c: Decoder, body: str, head: str, chip: str, norm=rms_norm, cache=None) -> dict:
+  """:func:`decoder_temp`'s step compiled for TPU `chip` instead: its ``harness.chips.figures``
+  (temp, footprint, the ESTIMATED step time)."""
+  return chips.figures(*decoder_step(c, body, head, norm), chip, cache=cache)
 
 
 def decoder_norm(body: str):
@@ -253,14 +268,27 @@ def decoder_frontier(c: Decoder, runs: int, warmup: bool = True) -> tuple[float,
   return timing.frontier_points(temps, calls, runs, warmup)
 
 
-def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5]) -> dict[tuple[str, str], int]:
+def section_decoder(gpu: bool = False, bodies=tuple(BODIES)[:5], chip=None, cache=None) -> dict:
+  """``{(body, head): its step's temp}`` on CPU or compiled for an H100 (`gpu`); with `chip`,
+  compiled for that TPU chip at the H100's sizes: ``{(body, head): its figures}``."""
+  if chip is not None:
+    c = DECODER_GPU
+    return {(b, h): decoder_figures(c, b, h, chip, cache=cache) for b in bodies for h in HEADS}
   c = DECODER_GPU if gpu else DECODER_CPU
   return {(b, h): decoder_temp(c, b, h, gpu) for b in bodies for h in HEADS}
 
 
-def record_decoder(section: str, temps: dict[tuple[str, str], int], c: Decoder) -> list[dict]:
-  """The decoder's rows, a row a (body, head): its compiled temp (`c`: its sizes)."""
+def record_decoder(section: str, temps: dict, c: Decoder, chip: str | None = None) -> list[dict]:
+  """The decoder's rows, a row a (body, head): its compiled temp (`c`: its sizes), or with `chip`
+  its figures compiled for that TPU chip."""
   return [
-    rows.add(section, f"{body}, {head}", config=str(c), body=body, head=head, temp_bytes=t)
+    rows.add(
+      section,
+      f"{chip}, {body}, {head}" if chip else f"{body}, {head}",
+      config=str(c),
+      body=body,
+      head=head,
+      **({"chip": chip, **t} if chip else {"temp_bytes": t}),
+    )
     for (body, head), t in temps.items()
   ]

@@ -22,6 +22,9 @@ Sections (loss: mean square of the output; gradients with respect to the paramet
 * ``h100``: the same compiled for an H100 on this machine (``support.compile_for``),
   bfloat16, 8192 tokens, D = 4096, F = 11008, and the largest token count that fits the H100
   (found by compiling: :func:`largest_fit`);
+* ``tpu``: the ``h100`` section's scanned stacks compiled for TPU chips on this machine
+  (``support.tpu``; ``--chip``, v5p and v6e unless told): the compiled temp a chip (exact), and the
+  8-block step's time ESTIMATED from XLA's cost analysis against the chip's published peaks;
 * ``time``: CPU step time of ``jit(value_and_grad)``, wall and process CPU time, minimum over
   interleaved repeats;
 * ``layers``: the 8-layer MLP and 6-layer CNN of :mod:`benchmarks.fused` (``dense_bias_act``
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -48,9 +52,9 @@ import jaxact
 import jaxact.linen
 import support
 from benchmarks import fused_scanned
-from benchmarks.harness import rows, timing
+from benchmarks.harness import chips, rows, timing
 from benchmarks.harness.blocks import stack
-from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of
+from benchmarks.harness.memory import capacity, cpu_memory, gpu_memory, largest_fit_of, tpu_memory
 from benchmarks.tables import gated as page
 
 try:
@@ -256,16 +260,44 @@ def largest_fit(loss, capacity: int, size=GPU_SIZE, step=1024) -> tuple[int, int
   return largest_fit_of(lambda t: _gpu_total(loss, t, size), capacity, step)
 
 
-def section_h100(fits: bool = True, tokamax_implementation=None) -> list[MemoryRow]:
+@dataclasses.dataclass
+class TpuRow(MemoryRow):
+  """A row compiled for a TPU chip: the L=BLOCKS step's figures (``harness.chips.figures``)."""
+
+  chip: str = ""
+  estimate_s: float | None = None  # an ESTIMATE (roofline at the chip's peaks)
+  unknown_loops: int = 0  # loops counted once: the estimate a lower bound
+  over_hbm: bool = False
+
+
+def _stack_memory(loss, blocks: int, chip: str | None, cache=None) -> dict:
+  """The stack's step at `blocks` blocks compiled for an H100 or a TPU `chip`: its figures."""
+  params, x = shapes(blocks, GPU_SIZE, jnp.bfloat16)
+  if chip is not None:
+    return tpu_memory(loss, params, x, chip, cache)
+  temp, total = gpu_memory(loss, params, x)
+  return {"temp_bytes": temp, "total_bytes": total}
+
+
+def section_h100(
+  fits: bool = True, tokamax_implementation=None, chip: str | None = None, cache=None
+) -> list[MemoryRow]:
+  """The stacks compiled for an H100, or with `chip` for that TPU chip (scanned, as a TPU
+  user's stack is; no fit; each row's L=BLOCKS step time ESTIMATED)."""
   rows = []
-  for scan in (True, False):
+  for scan in (True,) if chip else (True, False):
     for label, block in peers(tokamax_implementation).items():
       _, loss = stack(block, scan)
-      out = [gpu_memory(loss, *shapes(n, GPU_SIZE, jnp.bfloat16)) for n in (1, 2, BLOCKS)]
-      row = MemoryRow(
-        label, "scan" if scan else "unrolled", *(o[0] / MiB for o in out), total8=out[-1][1]
-      )
-      if fits and scan:
+      out = [_stack_memory(loss, n, chip, cache) for n in (1, 2, BLOCKS)]
+      temps = (o["temp_bytes"] / MiB for o in out)
+      row = MemoryRow(label, "scan" if scan else "unrolled", *temps, total8=out[-1]["total_bytes"])
+      if chip is not None:
+        last = out[-1]
+        estimate = None if last["over_hbm"] else last["estimate_s"]
+        unknown = last.get("unknown_loops", 0)
+        row = TpuRow(**dataclasses.asdict(row), chip=chip, estimate_s=estimate)
+        row.unknown_loops, row.over_hbm = unknown, any(o["over_hbm"] for o in out)
+      if fits and scan and chip is None:
         tokens, total = largest_fit(loss, capacity())
         row.fit = f"{tokens} ({total / 2**30:.1f} GiB)"
       rows.append(row)
@@ -331,18 +363,26 @@ def frontier(
 
 def _memory_rows(section: str, found: list[MemoryRow]) -> list[MemoryRow]:
   """`found` added as rows (:class:`MemoryRow`'s fields, temps in MiB); read back from them."""
-  added = [rows.add(section, f"{r.layout}, {r.peer}", **dataclasses.asdict(r)) for r in found]
-  return [MemoryRow(**r["figures"]) for r in added]
+  added = [rows.add(section, _case(r), **dataclasses.asdict(r)) for r in found]
+  return [type(r)(**a["figures"]) for r, a in zip(found, added, strict=True)]
 
 
-SECTIONS = ("cpu", "h100", "time", "layers", "layers-h100")
+def _case(r: MemoryRow) -> str:
+  return f"{r.chip}, {r.layout}, {r.peer}" if isinstance(r, TpuRow) else f"{r.layout}, {r.peer}"
+
+
+SECTIONS = ("cpu", "h100", "time", "layers", "layers-h100")  # "tpu" on request: it needs libtpu
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {','.join(SECTIONS)}")
+  parser.add_argument(
+    "--sections", default=",".join(SECTIONS), help=f"any of {','.join(SECTIONS)},tpu"
+  )
   parser.add_argument("--repeats", type=int, default=5, help="timed rounds (section time)")
   parser.add_argument("--tokamax-implementation", default=None, help="e.g. xla (H100 section)")
+  parser.add_argument("--chip", default=",".join(chips.TPU_CHIPS), help="TPU chips (section tpu)")
+  parser.add_argument("--cache", type=pathlib.Path, help="compiled TPU figures' JSON (tpu)")
   args = parser.parse_args(argv)
   names = args.sections.split(",")
   if any(n.endswith("h100") for n in names):
@@ -351,6 +391,9 @@ def main(argv=None) -> int:
     except support.Unavailable as e:
       print(f"benchmarks.gated: {e}", file=sys.stderr)
       return 2
+  if "tpu" in names and (why := chips.available()):
+    print(f"benchmarks.gated: {why}", file=sys.stderr)
+    return 2
   print(
     f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
     f"{getattr(tokamax, '__version__', 'not installed')}",
@@ -362,6 +405,9 @@ def main(argv=None) -> int:
       _memory_rows(name, section_cpu())
     elif name == "h100":
       _memory_rows(name, section_h100(tokamax_implementation=args.tokamax_implementation))
+    elif name == "tpu":
+      for chip in chips.chips(args.chip):
+        _memory_rows(name, section_h100(False, args.tokamax_implementation, chip, args.cache))
     elif name == "time":
       times = step_times(repeats=args.repeats)
       for (peer, program), (wall, cpu) in times.items():  # the rows; the table drawn from them
@@ -369,7 +415,7 @@ def main(argv=None) -> int:
     elif name in ("layers", "layers-h100"):
       fused_scanned.record_layers(name, fused_scanned.section_layers(name != "layers"))
     else:
-      parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}")
+      parser.error(f"section {name!r} is not known; choose from {', '.join(SECTIONS)}, tpu")
     lines = page.tables(rows.current().rows, name)
     print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n", flush=True)
     print("\n".join(lines), flush=True)

@@ -19,6 +19,10 @@ Sections:
   much of each step the head takes;
 * ``decoder-h100``: the decoder compiled for an H100, bfloat16, 16 x 1024 tokens, D = 4096,
   F = 14336, V = 128256 (Llama 3's);
+* ``head-tpu`` / ``decoder-tpu``: the H100 sections compiled for TPU chips (``--chip``, v5p and
+  v6e unless told), tokamax's Pallas TPU kernel beside its chunked XLA path where tokamax imports:
+  compiled temp a chip, and each step's time ESTIMATED from XLA's cost analysis against the chip's
+  published peaks (no fit);
 * ``tied``: a head tied to the embedding table (V, D), CPU float32 (2048 tokens, D = 512,
   V = 32000) and compiled for an H100 (bfloat16, V = 32768): compiled temp of the step in x and the
   table for the untied head (D, V), the table passed as ``emb.T``, the table read by rows
@@ -31,9 +35,12 @@ benchmarks/results/lce.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import pathlib
 import re
+import sys
 from collections.abc import Callable
 
 import jax
@@ -44,7 +51,7 @@ import optax
 import jaxact
 import support
 from benchmarks import decoder
-from benchmarks.harness import memory, timing
+from benchmarks.harness import chips, memory, timing
 from benchmarks.harness.rows import add as add_row
 from benchmarks.harness.rows import current
 from benchmarks.tables import lce as page
@@ -59,6 +66,7 @@ except ImportError:  # not in jaxact's venv (benchmarks/results/lce.md says how 
 MiB, GiB = 2**20, 2**30
 HEAD_CPU, HEAD_GPU, TIED = page.HEAD_CPU, page.HEAD_GPU, page.TIED  # tokens, D
 CPU_VOCABS = (32768, 131072)
+SECTIONS = ("head", "head-h100", "head-tpu", "decoder", "decoder-h100", "decoder-tpu", "tied")
 GPU_VOCABS = (131072, 262144)
 
 # ----------------------------------------------------------------------------- the heads
@@ -84,7 +92,20 @@ def _tokamax_head(x, w, labels):
   )
 
 
-def heads() -> dict[str, Callable]:
+def _tokamax_tpu_head(x, w, labels):
+  """tokamax's Pallas TPU kernel (its default on a TPU; traced under :func:`_cross_compile`)."""
+  return tokamax.linear_softmax_cross_entropy_loss(
+    x, labels, w, reduction="mean", implementation="mosaic_tpu"
+  )
+
+
+def _cross_compile():
+  """tokamax's checks of the default device (this CPU) off, while a step is traced for a TPU."""
+  return contextlib.nullcontext() if tokamax is None else tokamax.config.cross_compile(True)
+
+
+def heads(tpu: bool = False) -> dict[str, Callable]:
+  """label: ``head(x, w, labels) -> loss``; `tpu`: with tokamax's TPU kernel too."""
   out = {
     "plain": plain_head,
     "checkpoint": jax.checkpoint(plain_head),
@@ -93,6 +114,8 @@ def heads() -> dict[str, Callable]:
   }
   if tokamax is not None:
     out["tokamax"] = _tokamax_head
+    if tpu:
+      out["tokamax_tpu"] = _tokamax_tpu_head
   return out
 
 
@@ -167,12 +190,32 @@ def _gpu_head_total(head, tokens, dim, vocab) -> tuple[int, int]:
   return m.temp_size_in_bytes, memory.footprint(m)
 
 
-def section_head_h100(fits: bool = True) -> list[HeadRow]:
+@dataclasses.dataclass
+class TpuHeadRow(HeadRow):
+  """A head compiled for a TPU chip (its ``harness.chips.figures``)."""
+
+  chip: str = ""
+  total_bytes: int | None = None
+  estimate_s: float | None = None  # an ESTIMATE (roofline at the chip's peaks)
+  unknown_loops: int = 0
+  over_hbm: bool = False
+
+
+def section_head_h100(fits: bool = True, chip: str | None = None, cache=None) -> list[HeadRow]:
+  """The heads compiled for an H100, or with `chip` for that TPU chip (no fit; each step's time
+  ESTIMATED)."""
   tokens, dim = HEAD_GPU
   rows = []
-  cap = memory.capacity()
+  cap = memory.capacity() if chip is None else 0
   for vocab in GPU_VOCABS:
-    for label, head in heads().items():
+    for label, head in heads(tpu=chip is not None).items():
+      if chip is not None:
+        args = _head_args(tokens, dim, vocab, jnp.bfloat16)
+        with _cross_compile():
+          found = chips.figures(_step(head), args, chip, cache=cache)
+        kept = {k: found.get(k) for k in ("total_bytes", "estimate_s", "unknown_loops", "over_hbm")}
+        rows.append(TpuHeadRow(vocab, label, found["temp_bytes"], 0.0, chip=chip, **kept))
+        continue
       temp, _ = _gpu_head_total(head, tokens, dim, vocab)
       row = HeadRow(vocab, label, temp, 0.0)
       if fits and label in ("plain", "checkpoint", "jaxact", "tokamax"):
@@ -214,7 +257,13 @@ def section_tied(gpu: bool) -> list[str]:
 
 def record_head(section: str, found: list[HeadRow]) -> list[dict]:
   """The head's rows, a row a (vocabulary, head): :class:`HeadRow`'s fields as figures."""
-  return [add_row(section, f"V={r.vocab}, {r.peer}", **dataclasses.asdict(r)) for r in found]
+  return [add_row(section, _head_case(r), **dataclasses.asdict(r)) for r in found]
+
+
+def _head_case(r: HeadRow) -> str:
+  return (
+    f"{r.chip}, V={r.vocab}, {r.peer}" if isinstance(r, TpuHeadRow) else f"V={r.vocab}, {r.peer}"
+  )
 
 
 def main(argv=None) -> int:
@@ -222,15 +271,22 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sections",
     default="head,head-h100,decoder,decoder-h100",
-    help="comma-separated: head, head-h100, decoder, decoder-h100, tied",
+    help=f"comma-separated, any of: {', '.join(SECTIONS)}",
   )
   parser.add_argument("--runs", type=int, default=5, help="timing rounds (head)")
+  parser.add_argument("--chip", default=",".join(chips.TPU_CHIPS), help="TPU chips (-tpu sections)")
+  parser.add_argument("--cache", type=pathlib.Path, help="compiled TPU figures' JSON (-tpu)")
   parser.add_argument(
     "--vocabs", default=",".join(map(str, CPU_VOCABS)), help="comma-separated V (head)"
   )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
+  if unknown := [s for s in sections if s not in SECTIONS]:
+    parser.error(f"sections {unknown} are not known; choose from {', '.join(SECTIONS)}")
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
+  if any(s.endswith("-tpu") for s in sections) and (why := chips.available()):
+    print(f"benchmarks.lce: {why}", file=sys.stderr)
+    return 2
   print(
     f"jax {jax.__version__}, backend {jax.default_backend()}, tokamax "
     f"{getattr(tokamax, '__version__', 'not installed')}"
@@ -256,6 +312,15 @@ def main(argv=None) -> int:
     found = decoder.section_decoder(gpu=True)
     decoder.record_decoder("decoder-h100", found, decoder.DECODER_GPU)
     show("decoder-h100")
+  for chip in chips.chips(args.chip) if "head-tpu" in sections else ():
+    record_head("head-tpu", section_head_h100(False, chip, args.cache))
+  if "head-tpu" in sections:
+    show("head-tpu")
+  for chip in chips.chips(args.chip) if "decoder-tpu" in sections else ():
+    found = decoder.section_decoder(chip=chip, cache=args.cache)
+    decoder.record_decoder("decoder-tpu", found, decoder.DECODER_GPU, chip)
+  if "decoder-tpu" in sections:
+    show("decoder-tpu")
   if "tied" in sections:
     section_tied(gpu=False)
     show("tied")

@@ -1,4 +1,4 @@
-"""`python -m benchmarks norms [--sections stack,stack-h100,decoder,decoder-h100,time,precision]`.
+"""`python -m benchmarks norms [--sections stack,stack-h100,stack-tpu,decoder,...]`.
 
 jaxact's output-keeping RMS norm against the plain one (Flax's formula, differentiated by JAX):
 
@@ -10,6 +10,9 @@ jaxact's output-keeping RMS norm against the plain one (Flax's formula, differen
 * ``decoder`` / ``decoder-h100``: the Llama-style decoder step of :mod:`benchmarks.lce` (RMS norms
   before attention, before the MLP and before the head), without remat: jaxact's norms against
   the plain ones, with ``jaxact.gated_mlp`` and the fused head, and with Flax's MLP and head;
+* ``stack-tpu`` / ``decoder-tpu``: the H100 sections compiled for TPU chips (``--chip``, v5p and
+  v6e unless told; the stacks scanned): compiled temp a chip, and each step's time (the 8-block
+  stack's) ESTIMATED from XLA's cost analysis against the chip's published peaks;
 * ``time``: CPU step time of the scanned gated stack, jaxact's norm against the plain one;
 * ``precision``: bfloat16, how far the normalized input recovered from ``y`` (``y / gamma``) and
   the input gradient are from float64, against the input-keeping formula.
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +32,13 @@ import numpy as np
 import jaxact
 import support
 from benchmarks import decoder, gated
-from benchmarks.harness import blocks, memory, rows, timing
+from benchmarks.harness import blocks, chips, memory, rows, timing
 from benchmarks.tables import norms as page
 
 MiB = 2**20
-SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
+SECTIONS = page.SECTIONS
+# What a TPU row adds of its largest step's figures (harness.chips.figures)
+TPU_FIGURES = ("total_bytes", "estimate_s", "unknown_loops", "over_hbm")
 
 
 def _plain(x):
@@ -57,19 +64,27 @@ def _block(mlp, norm, policy):
   return block if policy is None else jax.checkpoint(block, policy=policy)
 
 
-def stack_rows(gpu: bool) -> list[str]:
+def stack_rows(gpu: bool, chip: str | None = None, cache=None) -> list[str]:
+  """The stacks on CPU or compiled for an H100 (`gpu`), or with `chip` for that TPU chip at the
+  H100's sizes (scanned, as a TPU user's stack is; each 8-block step's time ESTIMATED)."""
+  gpu = gpu or chip is not None
   size, dtype = (gated.GPU_SIZE, jnp.bfloat16) if gpu else (gated.CPU_SIZE, jnp.float32)
-  temps = {}
-  for scan in (True, False):
+  layouts = (True,) if chip else (True, False)
+  temps, tpu = {}, {}
+  for scan in layouts:
     for mlp_name, (mlp, policy) in MLPS.items():
       for norm_name, norm in NORMS.items():
         _, loss = blocks.stack(_block(mlp, norm, policy), scan)
         for n in (1, 2, gated.BLOCKS):
           args = gated.shapes(n, size, dtype)
-          m = memory.gpu_memory(loss, *args)[0] if gpu else memory.cpu_memory(loss, *args)
+          if chip is not None:
+            tpu[scan, mlp_name, norm_name, n] = memory.tpu_memory(loss, *args, chip, cache)
+            m = tpu[scan, mlp_name, norm_name, n]["temp_bytes"]
+          else:
+            m = memory.gpu_memory(loss, *args)[0] if gpu else memory.cpu_memory(loss, *args)
           temps[scan, mlp_name, norm_name, n] = m
-  section = "stack-h100" if gpu else "stack"
-  for scan in (True, False):
+  section = "stack-tpu" if chip else "stack-h100" if gpu else "stack"
+  for scan in layouts:
 
     def growth(mlp_name, norm_name, scan=scan):
       return (
@@ -81,9 +96,14 @@ def stack_rows(gpu: bool) -> list[str]:
       for norm_name in NORMS:
         t = [temps[scan, mlp_name, norm_name, n] for n in (1, 2, gated.BLOCKS)]
         g, stack = growth(mlp_name, norm_name), "scan" if scan else "unrolled"
+        case = f"{stack}, {mlp_name}, {norm_name}"
+        if chip is not None:
+          case = f"{chip}, {case}"
+          last = tpu[scan, mlp_name, norm_name, gated.BLOCKS]
+          extra = {"chip": chip, **{k: last.get(k) for k in TPU_FIGURES}}
         rows.add(
           section,
-          f"{stack}, {mlp_name}, {norm_name}",
+          case,
           size=list(size),
           stack=stack,
           mlp=mlp_name,
@@ -92,25 +112,40 @@ def stack_rows(gpu: bool) -> list[str]:
           temp_bytes=t,
           growth_bytes=g,
           growth_vs_flax=g / flax,
+          **(extra if chip else {}),
         )
   return page.tables(rows.current().rows, section)
 
 
-def decoder_rows(gpu: bool) -> list[str]:
-  c = decoder.DECODER_GPU if gpu else decoder.DECODER_CPU
-  section = "decoder-h100" if gpu else "decoder"
+def decoder_rows(gpu: bool, chip: str | None = None, cache=None) -> list[str]:
+  """The decoder on CPU or compiled for an H100 (`gpu`), or with `chip` for that TPU chip at
+  the H100's sizes (each step's time ESTIMATED)."""
+  c = decoder.DECODER_GPU if gpu or chip else decoder.DECODER_CPU
+  section = "decoder-tpu" if chip else "decoder-h100" if gpu else "decoder"
   for body, head in (("jaxact", "fused"), ("flax", "plain"), ("flax_remat", "fused")):
-    plain = decoder.decoder_temp(c, body, head, gpu)
-    ours = decoder.decoder_temp(c, body, head, gpu, norm=decoder.jaxact_rms_norm)
+    extra, case = {}, f"{decoder.BODY_LABELS[body]}, {head}"
+    if chip is not None:
+      found = [
+        decoder.decoder_figures(c, body, head, chip, norm, cache)
+        for norm in (decoder.rms_norm, decoder.jaxact_rms_norm)
+      ]
+      plain, ours = (f["temp_bytes"] for f in found)
+      case, extra["chip"] = f"{chip}, {case}", chip
+      for name, f in zip(("plain", "jaxact"), found, strict=True):
+        extra |= {f"{name}_{k}": f.get(k) for k in TPU_FIGURES}
+    else:
+      plain = decoder.decoder_temp(c, body, head, gpu)
+      ours = decoder.decoder_temp(c, body, head, gpu, norm=decoder.jaxact_rms_norm)
     rows.add(
       section,
-      f"{decoder.BODY_LABELS[body]}, {head}",
+      case,
       config=str(c),
       body=decoder.BODY_LABELS[body],
       head=head,
       plain_bytes=plain,
       jaxact_bytes=ours,
       ratio=ours / plain,
+      **extra,
     )
   return page.tables(rows.current().rows, section)
 
@@ -173,17 +208,36 @@ def precision_rows() -> list[str]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sections", default=",".join(SECTIONS))
+  parser.add_argument("--sections", default=",".join(s for s in SECTIONS if not s.endswith("-tpu")))
   parser.add_argument("--runs", type=int, default=7)
+  parser.add_argument("--chip", default=",".join(chips.TPU_CHIPS), help="TPU chips (-tpu sections)")
+  parser.add_argument("--cache", type=pathlib.Path, help="compiled TPU figures' JSON (-tpu)")
   a = parser.parse_args(argv)
   wanted = a.sections.split(",")
+  if unknown := [s for s in wanted if s not in SECTIONS]:
+    parser.error(f"sections {unknown} are not known; choose from {', '.join(SECTIONS)}")
   if any(name.endswith("-h100") for name in wanted):
     support.use_gpu_compiler()  # before the first computation starts jax's backends
+  if any(name.endswith("-tpu") for name in wanted) and (why := chips.available()):
+    print(f"benchmarks.norms: {why}", file=sys.stderr)
+    return 2
+  tpus = chips.chips(a.chip)
+
+  def on_tpus(section_rows, name: str):
+    def run() -> list[str]:
+      for chip in tpus:
+        section_rows(False, chip, a.cache)
+      return page.tables(rows.current().rows, name)
+
+    return run
+
   out = {
     "stack": lambda: stack_rows(False),
     "stack-h100": lambda: stack_rows(True),
+    "stack-tpu": on_tpus(stack_rows, "stack-tpu"),
     "decoder": lambda: decoder_rows(False),
     "decoder-h100": lambda: decoder_rows(True),
+    "decoder-tpu": on_tpus(decoder_rows, "decoder-tpu"),
     "time": lambda: time_rows(a.runs),
     "precision": precision_rows,
   }

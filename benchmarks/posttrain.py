@@ -23,6 +23,9 @@ Sections:
   4096 / 8192, V 32768 / 128256 / 151936 / 262144;
 * ``memory-h100``: the same compiled for an H100 on this machine (``support.compile_for``),
   bfloat16 hidden states and heads, T 8192 (``--gpu-lengths``);
+* ``memory-tpu``: the same compiled for TPU chips (``--chip``, v5p and v6e unless told), T as
+  ``memory-h100``'s: compiled temp a chip, and each step's time ESTIMATED from XLA's cost analysis
+  against the chip's published peaks;
 * ``fit-h100``: for each method at V 128256 (``--fit-vocabs``), the longest completion (T, the
   group of 8) whose compiled temp plus arguments and outputs fits the H100's 80 GB
   (``harness.memory.largest_fit_of``);
@@ -43,7 +46,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -52,7 +57,7 @@ import numpy as np
 
 import jaxact
 import support
-from benchmarks.harness import memory, timing
+from benchmarks.harness import chips, memory, timing
 from benchmarks.harness.rows import add as add_row
 from benchmarks.tables import posttrain as page
 from jaxact._src.lce import reference
@@ -237,10 +242,12 @@ class TimeRow:
 
 def record(section: str, found: list) -> list[dict]:
   """Each measured row as a row of the job (`harness.rows.add`), its fields as figures."""
-  return [
-    add_row(section, f"{r.task}, {getattr(r, 'length', '')}, V={r.vocab}, {r.method}", **vars(r))
-    for r in found
-  ]
+  return [add_row(section, _case(r), **vars(r)) for r in found]
+
+
+def _case(r) -> str:
+  case = f"{r.task}, {getattr(r, 'length', '')}, V={r.vocab}, {r.method}"
+  return f"{r.chip}, {case}" if getattr(r, "chip", "") else case
 
 
 @dataclasses.dataclass
@@ -259,8 +266,23 @@ class PrecisionRow:
 # ----------------------------------------------------------------------------- sections
 
 
-def section_memory(lengths, vocabs, gpu: bool, tasks=TASKS) -> list[MemRow]:
-  dtype = jnp.bfloat16 if gpu else jnp.float32
+@dataclasses.dataclass
+class TpuMemRow(MemRow):
+  """A step compiled for a TPU chip (its ``harness.chips.figures``)."""
+
+  chip: str = ""
+  total_bytes: int | None = None
+  estimate_s: float | None = None  # an ESTIMATE (roofline at the chip's peaks)
+  unknown_loops: int = 0
+  over_hbm: bool = False
+
+
+def section_memory(
+  lengths, vocabs, gpu: bool, tasks=TASKS, chip: str | None = None, cache=None
+) -> list[MemRow]:
+  """Each step's temp on CPU or compiled for an H100 (`gpu`), or with `chip` for that TPU chip
+  (bfloat16; each step's time ESTIMATED)."""
+  dtype = jnp.bfloat16 if gpu or chip else jnp.float32
   compile_ = support.compile_for if gpu else lambda f, a: jax.jit(f).lower(*a).compile()
   found = []
   for task, methods in tasks.items():
@@ -269,10 +291,15 @@ def section_memory(lengths, vocabs, gpu: bool, tasks=TASKS) -> list[MemRow]:
         args = shapes(task, SEQUENCES, length, DIM, vocab, dtype)
         rows = {}
         for name, loss in methods.items():
+          mem = (task, name, SEQUENCES, length, DIM, vocab, jnp.dtype(dtype).name)
+          if chip is not None:
+            got = chips.figures(step(loss), args, chip, cache=cache)
+            kept = {k: got.get(k) for k in ("total_bytes", "estimate_s", "unknown_loops")}
+            rows[name] = TpuMemRow(*mem, got["temp_bytes"], chip=chip, **kept)
+            rows[name].over_hbm = got["over_hbm"]
+            continue
           temp = compile_(step(loss), args).memory_analysis().temp_size_in_bytes
-          rows[name] = MemRow(
-            task, name, SEQUENCES, length, DIM, vocab, jnp.dtype(dtype).name, temp
-          )
+          rows[name] = MemRow(*mem, temp)
         for r in rows.values():
           r.vs_plain = r.temp_bytes / rows["plain"].temp_bytes
         found += rows.values()
@@ -364,14 +391,16 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sections",
     default="memory,memory-h100,fit-h100,time,precision",
-    help="comma-separated: memory, memory-h100, fit-h100, time, precision",
+    help="comma-separated: memory, memory-h100, memory-tpu, fit-h100, time, precision",
   )
   parser.add_argument("--quick", action="store_true", help="T 1024, V 128256, 3 rounds")
   parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="T (memory)")
-  parser.add_argument("--gpu-lengths", default="8192", help="T (memory-h100)")
+  parser.add_argument("--gpu-lengths", default="8192", help="T (memory-h100, memory-tpu)")
   parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="V (memory sections)")
   parser.add_argument("--fit-vocabs", default="128256", help="V (fit-h100)")
   parser.add_argument("--runs", type=int, default=5, help="timing rounds")
+  parser.add_argument("--chip", default=",".join(chips.TPU_CHIPS), help="TPU chips (memory-tpu)")
+  parser.add_argument("--cache", type=pathlib.Path, help="compiled TPU figures' JSON (memory-tpu)")
   parser.add_argument("--out", default="bench-out", help="the folder of posttrain.rows.jsonl")
   args = parser.parse_args(argv)
   ints = lambda s: tuple(int(v) for v in s.split(","))
@@ -384,6 +413,9 @@ def main(argv=None) -> int:
     vocabs, fit_vocabs, runs = (128256,), (128256,), 3
   sections = args.sections.split(",")
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
+  if "memory-tpu" in sections and (why := chips.available()):
+    print(f"benchmarks.posttrain: {why}", file=sys.stderr)
+    return 1
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
   if {"memory-h100", "fit-h100"} & set(sections) and not gpu_compiler:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
@@ -397,6 +429,12 @@ def main(argv=None) -> int:
       )
       found += got
       print("\n".join(page.tables(got, name)))
+  if "memory-tpu" in sections:
+    for chip in chips.chips(args.chip):
+      found += record(
+        "memory-tpu", section_memory(gpu_lengths, vocabs, False, chip=chip, cache=args.cache)
+      )
+    print("\n".join(page.tables(found, "memory-tpu")))
   if "fit-h100" in sections:
     got = record("fit-h100", section_fit(fit_vocabs))
     found += got

@@ -128,6 +128,29 @@ def mesh(target: str, axes: dict[str, int] | None = None, explicit: bool = False
   )
 
 
+def lower_for_tpu(
+  fn: Callable[..., Any],
+  shapes: Sequence[jax.ShapeDtypeStruct],
+  target: str = "v5p",
+  *,
+  in_specs: Sequence[jax.sharding.PartitionSpec | None] | None = None,
+  mesh_axes: dict[str, int] | None = None,
+  explicit: bool = False,
+):
+  """``jax.jit(fn)`` lowered for `target` (:func:`compile_for_tpu`'s arguments)."""
+  m = mesh(target, mesh_axes, explicit)
+  specs = list(in_specs) if in_specs is not None else [None] * len(shapes)
+  if len(specs) != len(shapes):
+    raise ValueError(f"{len(specs)} in_specs for {len(shapes)} shapes")
+  P, Named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+  args = [
+    jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=Named(m, spec or P()))
+    for s, spec in zip(shapes, specs, strict=True)
+  ]
+  with jax.set_mesh(m):
+    return jax.jit(fn).lower(*args)
+
+
 def compile_for_tpu(
   fn: Callable[..., Any],
   shapes: Sequence[jax.ShapeDtypeStruct],
@@ -145,15 +168,7 @@ def compile_for_tpu(
   None replicated), the program run under that mesh (``jax.set_mesh``) as the user's program
   would be. ``memory_analysis()`` of the result is per chip.
   """
-  m = mesh(target, mesh_axes, explicit)
-  specs = list(in_specs) if in_specs is not None else [None] * len(shapes)
-  if len(specs) != len(shapes):
-    raise ValueError(f"{len(specs)} in_specs for {len(shapes)} shapes")
-  P, Named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
-  args = [
-    jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=Named(m, spec or P()))
-    for s, spec in zip(shapes, specs, strict=True)
-  ]
-  with jax.set_mesh(m):
-    lowered = jax.jit(fn).lower(*args)
+  lowered = lower_for_tpu(
+    fn, shapes, target, in_specs=in_specs, mesh_axes=mesh_axes, explicit=explicit
+  )
   return lowered.compile(compiler_options=dict(options or {}))

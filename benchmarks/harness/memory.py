@@ -1,5 +1,6 @@
 """Compiled memory: XLA's buffer assignment of a training step on this machine or compiled for a
-GPU on it (``support.compile_for``), and the largest size whose step fits a GPU."""
+GPU (``support.compile_for``) or a TPU chip (:mod:`benchmarks.harness.chips`) on it, and the
+largest size whose step fits a GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 import jax
 
 import support
+from benchmarks.harness import chips
 
 
 def cpu_memory(loss, params, x) -> int:
@@ -16,15 +18,24 @@ def cpu_memory(loss, params, x) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def gpu_memory(loss, params, x, device_kind=support.H100, **compile_kw) -> tuple[int, int]:
-  """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU
-  (`compile_kw`: :func:`support.compile_for`'s options)."""
-
+def _step(loss):
   def step(x, *params):
     return jax.value_and_grad(loss)(params, x)
 
-  m = support.compile_for(step, [x, *params], device_kind, **compile_kw).memory_analysis()
+  return step
+
+
+def gpu_memory(loss, params, x, device_kind=support.H100, **compile_kw) -> tuple[int, int]:
+  """(temp, temp + arguments + outputs) of ``jit(value_and_grad(loss))`` compiled for the GPU
+  (`compile_kw`: :func:`support.compile_for`'s options)."""
+  m = support.compile_for(_step(loss), [x, *params], device_kind, **compile_kw).memory_analysis()
   return m.temp_size_in_bytes, footprint(m)
+
+
+def tpu_memory(loss, params, x, chip: str, cache=None) -> dict:
+  """:func:`benchmarks.harness.chips.figures` of :func:`gpu_memory`'s step compiled for TPU
+  `chip` instead: temp, footprint, the ESTIMATED step time."""
+  return chips.figures(_step(loss), [x, *params], chip, cache=cache)
 
 
 def footprint(m) -> int:

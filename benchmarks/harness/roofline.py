@@ -4,8 +4,11 @@ rates, the larger of the two times (a roofline), until a GPU measures it.
 The counts are XLA's own cost analysis (``HloCostAnalysis``, run here on the optimized HLO text of
 a program compiled for the GPU) with what it leaves out put back:
 
-* a ``while`` loop's body counts once there; here it counts its known trip count of times (the
-  scanned blocks and the attention's chunks);
+* a ``while`` loop's body counts once there; here it counts its trip count of times (the
+  scanned blocks and the attention's chunks): XLA:GPU's ``known_trip_count``, or on XLA:TPU,
+  which writes none, the scan's counter and bound read from the loop's condition; a loop whose
+  bound is computed at run time (a causal attention's loop up to the diagonal) still counts once,
+  and :func:`cost` reports how many did (the counts then a lower bound);
 * a custom call counts -1 there; here a cuDNN convolution counts its multiply-adds (from its
   shapes) and every custom call its operands and results once (a Pallas kernel's flops are not
   in its HLO: :func:`cost` reports the calls so that the caller can count them another way);
@@ -40,6 +43,9 @@ class Cost:
   flops: float
   bytes: float
   kernels: tuple[str, ...]  # custom calls whose flops the count leaves out (Pallas kernels)
+  # loops whose trip count is computed at run time (a causal attention's inner loop), counted
+  # once: the counts are then a lower bound
+  unknown_loops: int = 0
 
 
 def seconds(flops: float, bytes_: float, rates: dict = H100_SXM_RATES) -> float:
@@ -188,6 +194,40 @@ def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, floa
   return flops, bytes_, kernels
 
 
+def _constant(rhs: str | None, defs: dict[str, str]) -> int | None:
+  """The value of an ``s32[]`` constant, `rhs` its definition (or a copy's of it)."""
+  copy = re.match(r"s32\[\](?:\{[^}]*\})? copy\(%?([\w.\-]+)\)", rhs or "")
+  if copy:
+    return _constant(defs.get(copy.group(1)), defs)
+  found = re.fullmatch(
+    r"s32\[\](?:\{[^}]*\})? constant\((-?\d+)\)", (rhs or "").split(", metadata")[0]
+  )
+  return int(found.group(1)) if found else None
+
+
+def trip_count(line: str, comps: dict[str, list[str]], defs: dict[str, str]) -> int | None:
+  """A ``while`` instruction's trip count: XLA:GPU's ``known_trip_count``; else (XLA:TPU writes
+  none) a counter from a constant compared ``LT`` with a constant in the condition, stepping by 1
+  (a ``scan``'s loop); else None (a bound computed at run time)."""
+  trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+  if trips:
+    return int(trips.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", line)
+  init = re.search(r" while\(%?([\w.\-]+)\)", line)
+  root = next((x for x in comps.get(cond.group(1), []) if "ROOT" in x), "") if cond else ""
+  compare = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT", root)
+  if compare is None or init is None:
+    return None
+  counter, limit = defs.get(compare.group(1), ""), _constant(defs.get(compare.group(2)), defs)
+  index = re.search(r"get-tuple-element\(.*\), index=(\d+)", counter)
+  rest = _type_and_rest(defs[init.group(1)])[1] if init.group(1) in defs else ""
+  if limit is None or index is None or not rest.startswith("tuple("):
+    return None
+  operands = _split(re.sub(r"/\*index=\d+\*/", "", rest[len("tuple(") : rest.index(")")]))
+  first = _constant(defs.get(operands[int(index.group(1))].lstrip("%")), defs)
+  return max(limit - first, 1) if first is not None else None
+
+
 def cost(text: str, client) -> Cost:
   """Flops and bytes of a compiled program's optimized HLO `text`, by XLA's cost analysis on
   `client` (any backend's: the analysis reads the HLO alone), loops counted their trip count of
@@ -207,7 +247,13 @@ def cost(text: str, client) -> Cost:
     got = xla_client._xla.hlo_module_cost_analysis(client, module)
     return got.get("flops", 0.0), got.get("bytes accessed", 0.0)
 
+  defs = {}  # each instruction's right-hand side by name
+  for lines in comps.values():
+    for line in lines:
+      if found := _DEF.match(line):
+        defs[found.group(1)] = found.group(2)
   kernels: list[str] = []
+  unknown: list[str] = []
 
   def total(name: str) -> tuple[float, float]:
     flops, bytes_ = analysis(name)
@@ -218,12 +264,14 @@ def cost(text: str, client) -> Cost:
       loop = re.search(r" while\(.*body=%?([\w.\-]+)", line)
       if loop is None:
         continue
-      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-      n = int(trips.group(1)) if trips else 1
+      n = trip_count(line, comps, defs)
+      if n is None:
+        unknown.append(loop.group(1))
+        n = 1
       once, all_ = analysis(loop.group(1)), total(loop.group(1))
       flops += n * all_[0] - once[0]
       bytes_ += n * all_[1] - once[1]
     return flops, bytes_
 
   flops, bytes_ = total(entry)
-  return Cost(flops, bytes_, tuple(sorted(set(kernels))))
+  return Cost(flops, bytes_, tuple(sorted(set(kernels))), len(unknown))

@@ -1,9 +1,10 @@
 """The cnn job's tables from its rows (sections ``resnet``, ``resnet-h100``, ``unet``,
-``unet-h100``, ``unet-stem-h100``, ``fit-h100``, ``time``)."""
+``unet-h100``, ``unet-stem-h100``, ``fit-h100``, ``time``, ``resnet-tpu``, ``unet-tpu``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
+from benchmarks.tables import tpu
 
 MiB, GiB = 2**20, 2**30
 SECTIONS = (
@@ -16,6 +17,8 @@ SECTIONS = (
   "unet-scan-h100",
   "fit-h100",
   "time",
+  "resnet-tpu",
+  "unet-tpu",
 )
 WAYS = {
   "flax": "Flax (conv, norm, activation)",
@@ -100,8 +103,22 @@ def time(these: list[dict], section: str) -> list[str]:
   ]
 
 
+MEMORY_TPU = render.Table(
+  (*MEMORY.header, "step ms, ESTIMATE"), lambda f: [*MEMORY.cells(f), tpu.estimate_ms(f)]
+)
+
+
+def memory_tpu(these: list[dict], section: str) -> list[str]:
+  f = these[0]["figures"]
+  return [
+    f"{_what(f)}, {f['dtype']}: compiled temp of one training step's `jit(value_and_grad)`.",
+    "",
+    *tpu.per_chip(these, MEMORY_TPU.lines),
+  ]
+
+
 DRAW = {s: memory for s in SECTIONS if s not in ("time", "fit-h100")}
-DRAW |= {"time": time, "fit-h100": fit}
+DRAW |= {"time": time, "fit-h100": fit, "resnet-tpu": memory_tpu, "unet-tpu": memory_tpu}
 
 
 heading = render.section_heading

@@ -1,9 +1,10 @@
-"""The codes job's tables from its rows (sections ``memory``, ``h100``, ``activation time``,
-``model time``)."""
+"""The codes job's tables from its rows (sections ``memory``, ``h100``, ``tpu``, ``activation
+time``, ``model time``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
+from benchmarks.tables import tpu
 
 BITS = (None, 8, 4, 2)
 KEYS = tuple("exact" if b is None else f"{b} bits" for b in BITS)  # the ratios' keys
@@ -55,6 +56,23 @@ def h100(these: list[dict]) -> list[str]:
   ]
 
 
+TPU_TABLE = render.Table(
+  ("path", "temp MiB", "step ms, ESTIMATE"),
+  lambda f: [f["case"].split(", ", 1)[1], f"{f['temp_mib']:.0f}", tpu.estimate_ms(f)],
+)
+
+
+def tpu_section(these: list[dict]) -> list[str]:
+  f = these[0]["figures"]
+  name, layers, m, d = f["activation"], f["layers"], f["m"], f["d"]
+  return [
+    f"{name}, {layers}-layer MLP ({m}, {d}) x ({d}, {d}) bfloat16, jit(value_and_grad), compiled "
+    "for TPU chips on the CPU machine: XLA's temp in MiB.",
+    "",
+    *tpu.per_chip(these, TPU_TABLE.lines),
+  ]
+
+
 def activation_time(these: list[dict]) -> list[str]:
   return [
     "Activation alone, jit(value_and_grad(sum(act(x)))), 2**22 float32: time against jax.nn's, "
@@ -75,6 +93,7 @@ def model_time(these: list[dict]) -> list[str]:
 SECTIONS = {
   "memory": memory,
   "h100": h100,
+  "tpu": tpu_section,
   "activation time": activation_time,
   "model time": model_time,
 }

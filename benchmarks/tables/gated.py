@@ -1,7 +1,9 @@
-"""The gated job's tables from its rows (sections ``cpu``, ``h100``, ``time``, ``layers``,
-``layers-h100``)."""
+"""The gated job's tables from its rows (sections ``cpu``, ``h100``, ``tpu``, ``time``,
+``layers``, ``layers-h100``)."""
 
 from __future__ import annotations
+
+from benchmarks.tables import tpu
 
 BLOCKS = 8  # the stack's blocks
 LABELS = {
@@ -37,6 +39,7 @@ def memory(figures: list[dict], extra: str | None = None) -> list[str]:
   `extra`: "kept" or "fit", the last column."""
   ref = {f["layout"]: f for f in figures if f["peer"] == "flax"}
   header = {"kept": "kept by jax.vjp per block", "fit": "largest tokens that fit"}
+  header["estimate"] = f"L={BLOCKS} step ms, ESTIMATE"
   lines = [
     f"| layout | peer | temp L=1 | L=2 | L={BLOCKS} | growth/block (L{BLOCKS}-L1)/{BLOCKS - 1} "
     f"| ratio | growth/block (L{BLOCKS}-L2)/{BLOCKS - 2} | ratio | L={BLOCKS} ratio "
@@ -99,9 +102,20 @@ def _h100(these: list[dict]) -> list[str]:
   return [*memory(figures, "fit"), "", *totals]
 
 
+def _tpu(these: list[dict]) -> list[str]:
+  """A table a chip: the scanned stacks' temp and their L=BLOCKS step's estimated time."""
+
+  def draw(chip_rows: list[dict]) -> list[str]:
+    figures = [r["figures"] | {"estimate": tpu.estimate_ms(r["figures"])} for r in chip_rows]
+    return memory(figures, "estimate")
+
+  return tpu.per_chip(these, draw)
+
+
 DRAW = {
   "cpu": lambda these: memory([r["figures"] for r in these], "kept"),
   "h100": _h100,
+  "tpu": _tpu,
   "time": times,
   "layers": lambda these: layers([r["figures"] for r in these]),
   "layers-h100": lambda these: layers([r["figures"] for r in these]),

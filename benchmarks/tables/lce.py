@@ -1,9 +1,10 @@
-"""The lce job's tables from its rows (sections ``head``, ``head-h100``, ``decoder``,
-``decoder-h100``, ``tied``, ``tied-h100``)."""
+"""The lce job's tables from its rows (sections ``head``, ``head-h100``, ``head-tpu``,
+``decoder``, ``decoder-h100``, ``decoder-tpu``, ``tied``, ``tied-h100``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
+from benchmarks.tables import tpu
 
 MiB, GiB = 2**20, 2**30
 HEAD_CPU = (4096, 512)  # tokens, D
@@ -15,6 +16,7 @@ HEAD_LABELS = {
   "jaxact": "jaxact.linear_cross_entropy (blocked over V)",
   "jaxact_tokens": "jaxact's rule blocked over tokens",
   "tokamax": "tokamax.linear_softmax_cross_entropy_loss (chunked_xla)",
+  "tokamax_tpu": "tokamax.linear_softmax_cross_entropy_loss (mosaic_tpu)",
 }
 BODY_LABELS = {  # benchmarks.decoder's bodies
   "flax": "Flax",
@@ -84,6 +86,40 @@ def decoder(decoder_rows: list[dict], unit=MiB) -> list[str]:
   return lines
 
 
+def head_tpu(these: list[dict]) -> list[str]:
+  """The heads compiled for each TPU chip: temp, against the plain head's, the estimate."""
+
+  def draw(chip_rows: list[dict]) -> list[str]:
+    plain = {r["figures"]["vocab"]: r["figures"] for r in chip_rows if r["case"].endswith("plain")}
+    body = []
+    for r in chip_rows:
+      f, ref = r["figures"], plain[r["figures"]["vocab"]]
+      temp = f"{f['temp'] / GiB:.2f}" + (" (over HBM)" if f["over_hbm"] else "")
+      body.append(
+        [str(f["vocab"]), HEAD_LABELS[f["peer"]], temp, f"{f['temp'] / ref['temp']:.3f}",
+         tpu.estimate_ms(f)]
+      )  # fmt: skip
+    header = ["V", "head", "compiled temp (GiB)", "vs plain", "step ms, ESTIMATE"]
+    return render.table(header, "lllrr", body)
+
+  return tpu.per_chip(these, draw)
+
+
+def decoder_tpu(these: list[dict]) -> list[str]:
+  """The decoder's table a TPU chip, with each (body, head)'s estimated step time."""
+
+  def draw(chip_rows: list[dict]) -> list[str]:
+    ms = {(r["figures"]["body"], r["figures"]["head"]): r["figures"] for r in chip_rows}
+    lines = decoder(chip_rows, GiB)
+    lines[0] += " " + " | ".join(f"{h} head: step ms, ESTIMATE" for h in HEADS) + " |"
+    lines[1] += "---:|" * len(HEADS)
+    for i, body in enumerate(dict.fromkeys(b for b, _ in ms)):
+      lines[2 + i] += " " + " | ".join(tpu.estimate_ms(ms[body, h]) for h in HEADS) + " |"
+    return lines
+
+  return tpu.per_chip(these, draw)
+
+
 TIED_TABLE = render.Table(
   ("head", "compiled temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"]
 )  # sections tied, tied-h100
@@ -100,6 +136,10 @@ HEADINGS = {
   ),
   "decoder": lambda rows: f"### Decoder step, CPU float32, {_config(rows)}",
   "decoder-h100": lambda rows: f"### Decoder step, compiled for an H100, {_config(rows)}",
+  "head-tpu": lambda rows: (
+    f"### Head alone, compiled for TPU chips, bfloat16, {HEAD_GPU[0]} tokens, D = {HEAD_GPU[1]}"
+  ),
+  "decoder-tpu": lambda rows: f"### Decoder step, compiled for TPU chips, {_config(rows)}",
   "tied": lambda rows: f"### Tied head, {TIED[0]} tokens, D = {TIED[1]}: CPU float32, V = 32000",
   "tied-h100": lambda rows: "### Tied head, compiled for an H100, bfloat16, V = 32768",
 }
@@ -108,6 +148,8 @@ DRAW = {
   "head-h100": lambda rows: head(rows, GiB, gpu=True),
   "decoder": decoder,
   "decoder-h100": lambda rows: decoder(rows, GiB),
+  "head-tpu": head_tpu,
+  "decoder-tpu": decoder_tpu,
   "tied": TIED_TABLE.lines,
   "tied-h100": TIED_TABLE.lines,
 }

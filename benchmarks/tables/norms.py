@@ -1,12 +1,15 @@
-"""The norms job's tables from its rows (sections ``stack``, ``stack-h100``, ``decoder``,
-``decoder-h100``, ``time``, ``precision``)."""
+"""The norms job's tables from its rows (sections ``stack``, ``stack-h100``, ``stack-tpu``,
+``decoder``, ``decoder-h100``, ``decoder-tpu``, ``time``, ``precision``)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
+from benchmarks.tables import tpu
 
 MiB = 2**20
-SECTIONS = ("stack", "stack-h100", "decoder", "decoder-h100", "time", "precision")
+SECTIONS = (
+  "stack", "stack-h100", "stack-tpu", "decoder", "decoder-h100", "decoder-tpu", "time", "precision"
+)  # fmt: skip
 
 
 def _stack_cells(f: dict) -> list[str]:
@@ -76,7 +79,34 @@ def precision(these: list[dict], section: str) -> list[str]:
   ]
 
 
+STACK_TPU = render.Table(
+  (*HEADER, "8 blocks: step ms, ESTIMATE"), lambda f: [*_stack_cells(f), tpu.estimate_ms(f)]
+)
+
+
+def _estimate_of(f: dict, norm: str) -> str:
+  """The estimate of a decoder-tpu row's `norm` ("plain", "jaxact") step."""
+  return tpu.estimate_ms({k.removeprefix(f"{norm}_"): v for k, v in f.items()})
+
+
+DECODER_TPU = render.Table(
+  (*DECODER.header, "plain: step ms, ESTIMATE", "jaxact: step ms, ESTIMATE"),
+  lambda f: [*DECODER.cells(f), _estimate_of(f, "plain"), _estimate_of(f, "jaxact")],
+)
+
+
+def stack_tpu(these: list[dict], section: str) -> list[str]:
+  size = tuple(these[0]["figures"]["size"])
+  return [f"(tokens, D, F) = {size}, bfloat16.", "", *tpu.per_chip(these, STACK_TPU.lines)]
+
+
+def decoder_tpu(these: list[dict], section: str) -> list[str]:
+  config = these[0]["figures"]["config"]
+  return [f"Decoder step: {config}.", "", *tpu.per_chip(these, DECODER_TPU.lines)]
+
+
 DRAW = {"stack": stack, "stack-h100": stack, "decoder": decoder, "decoder-h100": decoder}
+DRAW |= {"stack-tpu": stack_tpu, "decoder-tpu": decoder_tpu}
 DRAW |= {"time": time, "precision": precision}
 
 

@@ -1,9 +1,10 @@
-"""The posttrain job's tables from its rows (sections ``memory``, ``memory-h100``, ``fit-h100``,
-``time``, ``precision``; the headline drawn from them all)."""
+"""The posttrain job's tables from its rows (sections ``memory``, ``memory-h100``, ``memory-tpu``,
+``fit-h100``, ``time``, ``precision``; the headline drawn from them all)."""
 
 from __future__ import annotations
 
 from benchmarks.harness import render
+from benchmarks.tables import tpu
 
 GiB = 2**30
 SEQUENCES, DIM = 8, 4096  # a GRPO group; Llama 3 8B's width
@@ -19,16 +20,27 @@ def _gib(b: float) -> str:
   return f"{b / GiB:.2f}" if b < 10 * GiB else f"{b / GiB:.1f}"
 
 
-def memory_table(rows: list[dict], task: str) -> list[str]:
-  """GiB of compiled temp, a line a (T, V), a column a method, each with its share of plain's."""
+def _temp(f: dict) -> str:
+  ratio = "" if f["method"] == "plain" else f" ({f['vs_plain']:.3f}x)"
+  return _gib(f["temp_bytes"]) + ratio
+
+
+def memory_table(rows: list[dict], task: str, cell=_temp) -> list[str]:
+  """GiB of compiled temp, a line a (T, V), a column a method, each with its share of plain's
+  (`cell`: what else a cell shows of a row's figures)."""
   found = [r["figures"] for r in rows if r["figures"]["task"] == task]
   methods = list(dict.fromkeys(f["method"] for f in found))
   cells: dict[tuple, list[str]] = {}
   for f in found:
-    ratio = "" if f["method"] == "plain" else f" ({f['vs_plain']:.3f}x)"
-    cells.setdefault((f["length"], f["vocab"]), []).append(_gib(f["temp_bytes"]) + ratio)
+    cells.setdefault((f["length"], f["vocab"]), []).append(cell(f))
   body = ([str(t), str(v), *c] for (t, v), c in cells.items())
   return render.table(("T", "V", *methods), "rr" + "r" * len(methods), body)
+
+
+def _tpu_cell(f: dict) -> str:
+  """A TPU row's temp (its share of plain's) and estimated ms; "over HBM": the chip's compiler
+  refused it, the temp its count of what it asked."""
+  return f"{_temp(f)}, {tpu.estimate_ms(f)}" + (" ms" if not f["over_hbm"] else "")
 
 
 def fit_table(rows: list[dict]) -> list[str]:
@@ -118,6 +130,21 @@ def _draw(name: str, these: list[dict]) -> list[str]:
     for task in dict.fromkeys(r["figures"]["task"] for r in these):
       title = f"### {task}: {TITLES[name]}, {SEQUENCES} sequences of T tokens, D = {DIM}"
       lines += ["", title, "", *memory_table(these, task)]
+    return lines
+  if name == "memory-tpu":
+    lines = []
+    for task in dict.fromkeys(r["figures"]["task"] for r in these):
+      title = (
+        f"### {task}: compiled temp (GiB) of jit(grad) in (x, w) for TPU chips, bfloat16, "
+        f"{SEQUENCES} sequences of T tokens, D = {DIM}; step ms an ESTIMATE"
+      )
+      draw = lambda chip_rows, task=task: memory_table(chip_rows, task, _tpu_cell)
+      lines += [
+        "",
+        title,
+        "",
+        *tpu.per_chip([r for r in these if r["figures"]["task"] == task], draw),
+      ]
     return lines
   if name == "fit-h100":
     title = (
