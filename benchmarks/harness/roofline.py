@@ -4,8 +4,11 @@ rates, the larger of the two times (a roofline), until a GPU measures it.
 The counts are XLA's own cost analysis (``HloCostAnalysis``, run here on the optimized HLO text of
 a program compiled for the GPU) with what it leaves out put back:
 
-* a ``while`` loop's body counts once there; here it counts its known trip count of times (the
-  scanned blocks and the attention's chunks);
+* a ``while`` loop's body counts once there; here it counts its trip count of times (the scanned
+  blocks and the attention's chunks): the ``known_trip_count`` XLA's GPU compiler writes, else
+  (XLA's TPU compiler writes none) the constant bound its condition compares the induction
+  variable with, else the caller's ``unknown_trips`` (a loop whose bound is computed, as the
+  causal attention's inner loops are: the caller knows their mean);
 * a custom call counts -1 there; here a cuDNN convolution counts its multiply-adds (from its
   shapes) and every custom call its operands and results once (a Pallas kernel's flops are not
   in its HLO: :func:`cost` reports the calls so that the caller can count them another way);
@@ -40,6 +43,7 @@ class Cost:
   flops: float
   bytes: float
   kernels: tuple[str, ...]  # custom calls whose flops the count leaves out (Pallas kernels)
+  unknown_loops: int = 0  # loops counted `unknown_trips` times (their bound is computed)
 
 
 def seconds(flops: float, bytes_: float, rates: dict = H100_SXM_RATES) -> float:
@@ -188,10 +192,30 @@ def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, floa
   return flops, bytes_, kernels
 
 
-def cost(text: str, client) -> Cost:
+def _condition_bound(lines: list[str]) -> int | None:
+  """The trip count of a loop whose condition (`lines`) is ``i < constant`` for the tuple's first
+  element ``i`` (jax's loops count from 0 in it), None for any other condition."""
+  constants = {}
+  for line in lines:
+    if (found := _DEF.match(line)) and (c := re.search(r"\bconstant\((-?\d+)\)", found.group(2))):
+      constants[found.group(1)] = int(c.group(1))
+  root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
+  compare = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT", root)
+  if compare is None or compare.group(2) not in constants:
+    return None
+  index = next(
+    (line for line in lines if re.match(rf"\s*%?{re.escape(compare.group(1))} = ", line)), ""
+  )
+  if not re.search(r"get-tuple-element\(.*\), index=0\b", index):
+    return None
+  return constants[compare.group(2)]
+
+
+def cost(text: str, client, unknown_trips: float = 1) -> Cost:
   """Flops and bytes of a compiled program's optimized HLO `text`, by XLA's cost analysis on
   `client` (any backend's: the analysis reads the HLO alone), loops counted their trip count of
-  times and custom calls as the module docstring says."""
+  times (`unknown_trips` where neither XLA nor the condition says it) and custom calls as the
+  module docstring says."""
   from jax._src.lib import xla_client
 
   text = synchronous(text)
@@ -208,22 +232,26 @@ def cost(text: str, client) -> Cost:
     return got.get("flops", 0.0), got.get("bytes accessed", 0.0)
 
   kernels: list[str] = []
+  unknown = 0
 
   def total(name: str) -> tuple[float, float]:
+    nonlocal unknown
     flops, bytes_ = analysis(name)
     f, b, k = _custom_calls(comps[name], shapes)
     flops, bytes_ = flops + f, bytes_ + b
     kernels.extend(k)
     for line in comps[name]:
-      loop = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+      loop = re.search(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
       if loop is None:
         continue
       trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-      n = int(trips.group(1)) if trips else 1
-      once, all_ = analysis(loop.group(1)), total(loop.group(1))
+      bound = _condition_bound(comps[loop.group(1)])
+      n = int(trips.group(1)) if trips else unknown_trips if bound is None else bound
+      unknown += trips is None and bound is None
+      once, all_ = analysis(loop.group(2)), total(loop.group(2))
       flops += n * all_[0] - once[0]
       bytes_ += n * all_[1] - once[1]
     return flops, bytes_
 
   flops, bytes_ = total(entry)
-  return Cost(flops, bytes_, tuple(sorted(set(kernels))))
+  return Cost(flops, bytes_, tuple(sorted(set(kernels))), unknown)
