@@ -10,8 +10,10 @@ a program compiled for the GPU) with what it leaves out put back:
   variable with, else the caller's ``unknown_trips`` (a loop whose bound is computed, as the
   causal attention's inner loops are: the caller knows their mean);
 * a custom call counts -1 there; here a cuDNN convolution counts its multiply-adds (from its
-  shapes) and every custom call its operands and results once (a Pallas kernel's flops are not
-  in its HLO: :func:`cost` reports the calls so that the caller can count them another way);
+  shapes), a Mosaic TPU kernel that carries a cost estimate (XLA's TPU ``ragged_dot``, megablox's
+  grouped matmuls: ``pl.CostEstimate``) its estimate's flops and bytes, and every other custom
+  call its operands and results once (a Pallas kernel's flops are not in its HLO: :func:`cost`
+  reports those calls so that the caller can count them another way);
 * an asynchronous fusion (``fusion-start`` / ``fusion-done``) is counted as the fusion it wraps.
 
 A fusion's bytes are its operands and results, as XLA counts them: what it reads and writes in the
@@ -183,8 +185,13 @@ def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, floa
     names = [a.lstrip("%") for a in _split(args[: args.index(")")]) if a]
     operands = [shapes.get(n, "") for n in names]
     cudnn = target.startswith("__cudnn$conv")
-    bytes_ += 1 + sum(_size(_arrays(s)) for s in operands) + _size(_arrays(shape, skip_u8=cudnn))
     flops += 1
+    estimate = re.search(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"', line)
+    if estimate:
+      flops += float(estimate.group(1))
+      bytes_ += 1 + float(estimate.group(2))
+      continue
+    bytes_ += 1 + sum(_size(_arrays(s)) for s in operands) + _size(_arrays(shape, skip_u8=cudnn))
     if cudnn:
       flops += _conv_flops(target, line, operands, _split(shape[1:-1])[0])
     else:
