@@ -27,6 +27,7 @@ Pallas kernel is a custom call whose flops it cannot see, so the splash kernels'
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 
@@ -164,11 +165,29 @@ def splash_cost(seq: int, fused: bool, block: int = BLOCK, itemsize: int = 2):
 
 
 def measure(case: Case, step: str, cpu) -> dict:
-  """One step's row: compiled temp, XLA's counts and the kernels', the estimate."""
+  """One step's row: compiled temp, XLA's counts and the kernels', the estimate; or, for a step
+  whose temporaries exceed the chip's HBM (XLA's TPU compiler refuses it), what it needs."""
   chip = tpu.CHIPS[case.chip]
   start = time.perf_counter()
   grad = jax.value_and_grad(loss_of(attend_of(step, case.seq, case.cap)))
-  compiled = tpu.compile_for_tpu(lambda *a: grad(a[:4], a[4]), shapes(case.seq), case.chip)
+  try:
+    compiled = tpu.compile_for_tpu(lambda *a: grad(a[:4], a[4]), shapes(case.seq), case.chip)
+  except jax.errors.JaxRuntimeError as e:
+    needed = re.search(r"HLO temporaries \(([\d.]+)G\)", str(e))
+    if needed is None:
+      raise
+    return rows.add(
+      "tpu",
+      f"{case}, {step}",
+      chip=case.chip,
+      seq=case.seq,
+      cap=case.cap,
+      step=step,
+      temp_bytes=None,
+      needs_bytes=float(needed.group(1)) * 2**30,
+      estimate_s=None,
+      compile_s=round(time.perf_counter() - start),
+    )
   seconds = time.perf_counter() - start
   block = default_blocks(BATCH * HEADS, case.seq, case.seq, head_dim=HEAD_DIM, gpu=True)[0]
   n = case.seq // block
@@ -208,10 +227,10 @@ def section(chips=CHIPS, seqs=SEQS, caps=CAPS, steps=STEPS) -> list[dict]:
         for step in steps:
           found.append(measure(case, step, cpu))
           f = found[-1]["figures"]
-          print(
-            f"  [{case}, {step}: {f['temp_bytes'] / 2**20:.0f} MiB, "
-            f"{f['estimate_s'] * 1e3:.2f} ms, {f['compile_s']} s]",
-            file=sys.stderr,
-            flush=True,
+          shown = (
+            f"needs {f['needs_bytes'] / 2**30:.0f} GiB"
+            if f["temp_bytes"] is None
+            else f"{f['temp_bytes'] / 2**20:.0f} MiB, {f['estimate_s'] * 1e3:.2f} ms"
           )
+          print(f"  [{case}, {step}: {shown}, {f['compile_s']} s]", file=sys.stderr, flush=True)
   return found

@@ -11,12 +11,14 @@ three ways to compute the experts' grouped products:
   ``tgmm`` for the weights'), MaxText's tiling ``(512, 1024, 1024)`` clipped to each product.
 
 XLA's TPU compiler runs ``ragged_dot`` as a Mosaic kernel of its own, as megablox's are: custom
-calls whose flops XLA's cost analysis cannot see, but both carry a cost estimate (the useful
-``2 m k n`` flops; the bytes their grids read), which :func:`roofline.cost` counts. Each row: the
+calls whose flops XLA's cost analysis cannot see, but both carry a cost estimate, which
+:func:`roofline.cost` counts: the useful ``2 m k n`` flops, and bytes by two different models
+(megablox's counts its weights read again a row tile, XLA's each operand once). Each row: the
 compiled temp (exact) and the step's time ESTIMATED as a roofline against the chip's published
-peaks (:mod:`benchmarks.harness.roofline`), once with those flops, once with the grouped products
-counted as the kernels run them (:func:`products_flops`: every row tile a group visits, XLA's of
-128 rows, megablox's of 512). Nothing runs on a TPU.
+peaks (:mod:`benchmarks.harness.roofline`), with the kernels' own estimates, and with every
+kernel's bytes its operands and results once (one model for both); and the grouped products'
+flops as the kernels run them (:func:`products_flops`: every row tile a group visits, XLA's of 128
+rows, megablox's of 512). Nothing runs on a TPU.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def measure(c: moe.Config, step: str, cpu, blocks: int) -> dict:
   params, x = moe.shapes(c, blocks, jnp.bfloat16)
   compiled = tpu.compile_for_tpu(lambda *a: grad(a[:4], a[4]), [*params, x], CHIP)
   seconds = time.perf_counter() - start
-  found = roofline.cost(compiled.as_text(), cpu)  # the kernels' flops: their cost estimates
+  text = compiled.as_text()
+  found = roofline.cost(text, cpu)  # the kernels' flops and bytes: their cost estimates
+  once = roofline.cost(text, cpu, estimated_bytes=False).bytes
   tiles = found.flops - products_flops(c, blocks) + products_flops(c, blocks, ROW_TILE[step])
   return rows.add(
     "tpu",
@@ -116,11 +120,12 @@ def measure(c: moe.Config, step: str, cpu, blocks: int) -> dict:
     temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
     flops=found.flops,
     bytes=found.bytes,
+    bytes_once=once,
     row_tile=ROW_TILE[step],
     tile_flops=tiles,
     unknown_loops=found.unknown_loops,
     estimate_s=roofline.seconds(found.flops, found.bytes, chip.rates),
-    tile_estimate_s=roofline.seconds(tiles, found.bytes, chip.rates),
+    once_estimate_s=roofline.seconds(found.flops, once, chip.rates),
     compile_s=round(seconds),
   )
 

@@ -171,8 +171,12 @@ def _conv_flops(target: str, line: str, operands: list[str], result: str) -> flo
   return 2.0 * y[out.index("b")] * kernel[rhs.index("o")] * kernel[rhs.index("i")] * taps
 
 
-def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, float, list[str]]:
-  """(flops, bytes, kernels) of the custom calls in a computation's `lines` (XLA's -1 undone)."""
+def _custom_calls(
+  lines: list[str], shapes: dict[str, str], estimated_bytes: bool = True
+) -> tuple[float, float, list[str]]:
+  """(flops, bytes, kernels) of the custom calls in a computation's `lines` (XLA's -1 undone);
+  without `estimated_bytes` a kernel's cost estimate gives its flops alone, its bytes its operands
+  and results once."""
   flops = bytes_ = 0.0
   kernels = []
   for line in lines:
@@ -189,12 +193,13 @@ def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, floa
     estimate = re.search(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"', line)
     if estimate:
       flops += float(estimate.group(1))
-      bytes_ += 1 + float(estimate.group(2))
-      continue
+      if estimated_bytes:
+        bytes_ += 1 + float(estimate.group(2))
+        continue
     bytes_ += 1 + sum(_size(_arrays(s)) for s in operands) + _size(_arrays(shape, skip_u8=cudnn))
     if cudnn:
       flops += _conv_flops(target, line, operands, _split(shape[1:-1])[0])
-    else:
+    elif not estimate:
       kernels.append(target)
   return flops, bytes_, kernels
 
@@ -218,11 +223,12 @@ def _condition_bound(lines: list[str]) -> int | None:
   return constants[compare.group(2)]
 
 
-def cost(text: str, client, unknown_trips: float = 1) -> Cost:
+def cost(text: str, client, unknown_trips: float = 1, estimated_bytes: bool = True) -> Cost:
   """Flops and bytes of a compiled program's optimized HLO `text`, by XLA's cost analysis on
   `client` (any backend's: the analysis reads the HLO alone), loops counted their trip count of
   times (`unknown_trips` where neither XLA nor the condition says it) and custom calls as the
-  module docstring says."""
+  module docstring says (without `estimated_bytes`, a kernel's cost estimate gives its flops and
+  not its bytes: its operands and results once, as for any custom call)."""
   from jax._src.lib import xla_client
 
   text = synchronous(text)
@@ -244,7 +250,7 @@ def cost(text: str, client, unknown_trips: float = 1) -> Cost:
   def total(name: str) -> tuple[float, float]:
     nonlocal unknown
     flops, bytes_ = analysis(name)
-    f, b, k = _custom_calls(comps[name], shapes)
+    f, b, k = _custom_calls(comps[name], shapes, estimated_bytes)
     flops, bytes_ = flops + f, bytes_ + b
     kernels.extend(k)
     for line in comps[name]:
