@@ -20,7 +20,10 @@ Sections:
   and 2 key/value heads) for square blocks of 64 to 512 and the default, over head dims 64, 128,
   256, bfloat16 and float32, T = 512, 2048, 8192; and of ``benchmarks.gemma``'s training step of
   the port (bfloat16, 4 x 512) for the same blocks, against the port with the example's
-  attention.
+  attention;
+* ``tpu``: the attention step compiled for TPU v5p and v6e chips here: jax.nn, jaxact's XLA path,
+  jaxact as ``implementation=None`` takes it, splash attention; temp exact, step time ESTIMATED
+  (:mod:`benchmarks.attention_tpu`; needs libtpu: ``python tests/install_tpu_compiler.py``).
 
 Results: benchmarks/results/attention.md.
 """
@@ -242,12 +245,24 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sections",
     default="decoder,time,decoder-h100,fits-h100",
-    help="comma-separated: decoder, time, decoder-h100, fits-h100, blocks-h100",
+    help="comma-separated: decoder, time, decoder-h100, fits-h100, blocks-h100, tpu",
   )
+  parser.add_argument("--chips", default="v5p,v6e", help="the tpu section's chips")
+  parser.add_argument("--seqs", default="2048,4096,8192", help="the tpu section's lengths")
   parser.add_argument("--runs", type=int, default=5, help="timing rounds")
+  parser.add_argument("--out", default="bench-out", help="the folder of attention.rows.jsonl")
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
   gpu_compiler = support.use_gpu_compiler()  # before the first computation starts jax
+  if "tpu" in sections:
+    from benchmarks import attention_tpu
+    from support import tpu
+
+    try:  # libtpu, before the first computation starts jax's backends
+      tpu.topology("v5p")
+    except tpu.TpuUnavailable as e:
+      print(f"the tpu section needs libtpu: {e}", file=sys.stderr)
+      return 1
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
 
   def show(section: str) -> None:
@@ -279,4 +294,8 @@ def main(argv=None) -> int:
     show("gemma-blocks-h100")
     section_blocks()
     show("blocks-h100")
+  if "tpu" in sections:
+    chips, seqs = args.chips.split(","), [int(s) for s in args.seqs.split(",")]
+    attention_tpu.section(chips, seqs)
+    show("tpu")
   return 0

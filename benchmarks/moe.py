@@ -11,7 +11,10 @@ tokamax users write), in residual blocks ``x + moe(rms_norm(x))`` stacked with `
   pullback keeps (the arrays beyond its weights), jaxact's against the plain one's;
 * ``time``: the CPU step time of each (8 blocks, median of rounds alternated), with its temp: the
   MoE stack's memory-time points. On CPU ``ragged_dot`` is a dense product over every expert, so
-  the times say little about a GPU's.
+  the times say little about a GPU's;
+* ``tpu``: the H100 stacks compiled for a TPU v5p chip: the plain composition, jaxact, and the
+  plain composition on megablox's grouped matmul kernels; temp exact, step time ESTIMATED
+  (:mod:`benchmarks.moe_tpu`; needs libtpu: ``python tests/install_tpu_compiler.py``).
 
 Two configurations: 8 experts top-2 (Mixtral's routing) and 64 experts top-8 (fine-grained, as
 Qwen3-MoE and DeepSeek-V3 route).
@@ -34,7 +37,7 @@ from benchmarks.harness import memory, rows, timing
 from benchmarks.tables import moe as page
 from jaxact._src.moe.reference import ragged_composition
 
-SECTIONS = ("memory", "memory-h100", "time")
+SECTIONS = ("memory", "memory-h100", "time", "tpu")
 BLOCKS = (2, 8)
 # MaxText's names of the experts' gate and up projections (its `mlpwi_0`, `mlpwi_1`).
 PLAIN_NAMES = ("mlpwi_0", "mlpwi_1")
@@ -218,10 +221,19 @@ def main(argv=None) -> int:
     parser.error(f"sections {unknown} are not known; choose from {', '.join(SECTIONS)}")
   if "memory-h100" in wanted:
     support.use_gpu_compiler()  # before the first computation starts jax's backends
+  if "tpu" in wanted:
+    from benchmarks import moe_tpu
+    from support import tpu
+
+    try:  # libtpu, before the first computation starts jax's backends
+      tpu.topology(moe_tpu.CHIP)
+    except tpu.TpuUnavailable as e:
+      parser.error(f"the tpu section needs libtpu: {e}")
   out = {
     "memory": lambda: memory_rows(False),
     "memory-h100": lambda: memory_rows(True),
     "time": lambda: time_rows(a.runs),
+    "tpu": lambda: (moe_tpu.section(), page.tables(rows.current().rows, "tpu"))[1],
   }
   print(f"jax {jax.__version__}")
   for name in wanted:

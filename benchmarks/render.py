@@ -166,13 +166,23 @@ PAGES = {  # page: {block: its lines from the rows}
 
 
 def provenance(job: str, job_rows: list[dict]) -> list[str]:
-  """Where a block's figures come from: the run's command, date, machine, versions."""
-  m = job_rows[0]["meta"]
-  took = f", {m['seconds']} s" if "seconds" in m else ""
+  """Where a block's figures come from: each run's command, date, machine, versions (a rows file
+  may hold several runs, each of some sections: then each run names its sections)."""
+  runs: dict[tuple[str, str], list[dict]] = {}
+  for r in job_rows:
+    runs.setdefault((r["meta"]["date"], r["meta"]["command"]), []).append(r)
+  sentences = []
+  for these in runs.values():
+    m = these[0]["meta"]
+    took = f", {m['seconds']} s" if "seconds" in m else ""
+    sections = list(dict.fromkeys(r["section"] for r in these))
+    which = f" (section{'s' if len(sections) > 1 else ''} {', '.join(sections)})" * (len(runs) > 1)
+    sentences.append(
+      f"Measured {m['date'][:10]} by `{m['command']}`{took}{which}; {rows.describe(m)}; load "
+      f"average {m.get('load')} at its first figure."
+    )
   return render.wrap(
-    f"Measured {m['date'][:10]} by `{m['command']}`{took}; {rows.describe(m)}; load average "
-    f"{m.get('load')} at its first figure. Rendered from `data/{job}.rows.jsonl` by "
-    "`python -m benchmarks render`.",
+    " ".join(sentences) + f" Rendered from `data/{job}.rows.jsonl` by `python -m benchmarks render`."
   )
 
 

@@ -1,4 +1,4 @@
-"""Pallas GPU kernels for jaxact's fused layers.
+"""Pallas kernels for jaxact: its GPU kernels, and jax's TPU attention kernels adapted to it.
 
 Importable on its own: it depends only on jax. The activation epilogue is passed in as functions
 (:class:`Epilogue`), so any elementwise activation works in every kernel, and the tiles come from
@@ -25,6 +25,10 @@ they should run. jaxact builds the epilogues from its spec table and decides whe
   :mod:`pallas_kernels.lce_mosaic` (the linear cross-entropy's forward: per-token statistics of
   the logits), :mod:`pallas_kernels.lce_mosaic_bwd` (its backward's softmax-minus-one-hot
   blocks).
+
+* TPU: :mod:`pallas_kernels.attention_splash` adapts jax's own splash attention kernels (Mosaic
+  TPU, ``jax.experimental.pallas.ops.tpu``) to jaxact's attention layouts and residuals (O and
+  each row's log-sum-exp out of the forward, back into the backward); its one import of them.
 
 On CPU the kernels run in Pallas interpret mode (``interpret=True``), which is how they are tested.
 The package is installed as ``pallas_kernels`` beside ``jaxact`` rather than inside it so that it

@@ -7,11 +7,14 @@ a program compiled for the GPU) with what it leaves out put back:
 * a ``while`` loop's body counts once there; here it counts its trip count of times (the
   scanned blocks and the attention's chunks): XLA:GPU's ``known_trip_count``, or on XLA:TPU,
   which writes none, the scan's counter and bound read from the loop's condition; a loop whose
-  bound is computed at run time (a causal attention's loop up to the diagonal) still counts once,
-  and :func:`cost` reports how many did (the counts then a lower bound);
+  bound is computed at run time (a causal attention's loop up to the diagonal) counts the
+  caller's ``unknown_trips`` (its mean, where the caller knows it; else once), and
+  :func:`cost` reports how many there were;
 * a custom call counts -1 there; here a cuDNN convolution counts its multiply-adds (from its
-  shapes) and every custom call its operands and results once (a Pallas kernel's flops are not
-  in its HLO: :func:`cost` reports the calls so that the caller can count them another way);
+  shapes), a Mosaic TPU kernel that carries a cost estimate (XLA's TPU ``ragged_dot``, megablox's
+  grouped matmuls: ``pl.CostEstimate``) its estimate's flops and bytes, and every other custom
+  call its operands and results once (a Pallas kernel's flops are not in its HLO: :func:`cost`
+  reports those calls so that the caller can count them another way);
 * an asynchronous fusion (``fusion-start`` / ``fusion-done``) is counted as the fusion it wraps.
 
 A fusion's bytes are its operands and results, as XLA counts them: what it reads and writes in the
@@ -44,7 +47,7 @@ class Cost:
   bytes: float
   kernels: tuple[str, ...]  # custom calls whose flops the count leaves out (Pallas kernels)
   # loops whose trip count is computed at run time (a causal attention's inner loop), counted
-  # once: the counts are then a lower bound
+  # `unknown_trips` times
   unknown_loops: int = 0
 
 
@@ -171,8 +174,12 @@ def _conv_flops(target: str, line: str, operands: list[str], result: str) -> flo
   return 2.0 * y[out.index("b")] * kernel[rhs.index("o")] * kernel[rhs.index("i")] * taps
 
 
-def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, float, list[str]]:
-  """(flops, bytes, kernels) of the custom calls in a computation's `lines` (XLA's -1 undone)."""
+def _custom_calls(
+  lines: list[str], shapes: dict[str, str], estimated_bytes: bool = True
+) -> tuple[float, float, list[str]]:
+  """(flops, bytes, kernels) of the custom calls in a computation's `lines` (XLA's -1 undone);
+  without `estimated_bytes` a kernel's cost estimate gives its flops alone, its bytes its operands
+  and results once."""
   flops = bytes_ = 0.0
   kernels = []
   for line in lines:
@@ -185,11 +192,17 @@ def _custom_calls(lines: list[str], shapes: dict[str, str]) -> tuple[float, floa
     names = [a.lstrip("%") for a in _split(args[: args.index(")")]) if a]
     operands = [shapes.get(n, "") for n in names]
     cudnn = target.startswith("__cudnn$conv")
-    bytes_ += 1 + sum(_size(_arrays(s)) for s in operands) + _size(_arrays(shape, skip_u8=cudnn))
     flops += 1
+    estimate = re.search(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"', line)
+    if estimate:
+      flops += float(estimate.group(1))
+      if estimated_bytes:
+        bytes_ += 1 + float(estimate.group(2))
+        continue
+    bytes_ += 1 + sum(_size(_arrays(s)) for s in operands) + _size(_arrays(shape, skip_u8=cudnn))
     if cudnn:
       flops += _conv_flops(target, line, operands, _split(shape[1:-1])[0])
-    else:
+    elif not estimate:
       kernels.append(target)
   return flops, bytes_, kernels
 
@@ -228,10 +241,12 @@ def trip_count(line: str, comps: dict[str, list[str]], defs: dict[str, str]) -> 
   return max(limit - first, 1) if first is not None else None
 
 
-def cost(text: str, client) -> Cost:
+def cost(text: str, client, unknown_trips: float = 1, estimated_bytes: bool = True) -> Cost:
   """Flops and bytes of a compiled program's optimized HLO `text`, by XLA's cost analysis on
   `client` (any backend's: the analysis reads the HLO alone), loops counted their trip count of
-  times and custom calls as the module docstring says."""
+  times (`unknown_trips` where neither XLA nor the condition says it) and custom calls as the
+  module docstring says (without `estimated_bytes`, a kernel's cost estimate gives its flops and
+  not its bytes: its operands and results once, as for any custom call)."""
   from jax._src.lib import xla_client
 
   text = synchronous(text)
@@ -257,18 +272,18 @@ def cost(text: str, client) -> Cost:
 
   def total(name: str) -> tuple[float, float]:
     flops, bytes_ = analysis(name)
-    f, b, k = _custom_calls(comps[name], shapes)
+    f, b, k = _custom_calls(comps[name], shapes, estimated_bytes)
     flops, bytes_ = flops + f, bytes_ + b
     kernels.extend(k)
     for line in comps[name]:
-      loop = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+      loop = re.search(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
       if loop is None:
         continue
       n = trip_count(line, comps, defs)
       if n is None:
-        unknown.append(loop.group(1))
-        n = 1
-      once, all_ = analysis(loop.group(1)), total(loop.group(1))
+        unknown.append(loop.group(2))
+        n = unknown_trips
+      once, all_ = analysis(loop.group(2)), total(loop.group(2))
       flops += n * all_[0] - once[0]
       bytes_ += n * all_[1] - once[1]
     return flops, bytes_

@@ -1,5 +1,5 @@
 """The attention job's tables from its rows (sections ``decoder``, ``time``, ``decoder-h100``,
-``fits-h100``, ``gemma-blocks-h100``, ``blocks-h100``)."""
+``fits-h100``, ``gemma-blocks-h100``, ``blocks-h100``, ``tpu``)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,33 @@ def blocks(block_rows: list[dict]) -> list[str]:
   return lines
 
 
+def tpu(tpu_rows: list[dict]) -> list[str]:
+  """The TPU steps' table: each (chip, T, cap) case's steps, temp and ESTIMATED time, each against
+  splash attention's step (as a TPU user calls it) of the same case."""
+  cases: dict[tuple, dict[str, dict]] = {}
+  for f in (r["figures"] for r in tpu_rows):
+    cases.setdefault((f["chip"], f["seq"], f["cap"]), {})[f["step"]] = f
+  lines = [
+    "| chip | T | soft cap | step | temp MiB | / splash's | step ms, estimate | / splash's "
+    "| TFLOP | GB |",
+    "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for (chip, seq, cap), steps in cases.items():
+    base = steps.get("splash")
+    for step, f in steps.items():
+      head = f"| {chip} | {seq} | {cap or 'none'} | {step} |"
+      if f["temp_bytes"] is None:  # XLA's TPU compiler refused it
+        lines.append(f"{head} over HBM: needs {f['needs_bytes'] / GiB:.0f} GiB | | | | | |")
+        continue
+      temp = "" if base is None else f"{f['temp_bytes'] / base['temp_bytes']:.3f}"
+      time = "" if base is None else f"{f['estimate_s'] / base['estimate_s']:.2f}"
+      lines.append(
+        f"{head} {f['temp_bytes'] / MiB:.0f} | {temp} | {f['estimate_s'] * 1e3:.2f} | {time} "
+        f"| {f['flops'] / 1e12:.2f} | {f['bytes'] / 1e9:.1f} |"
+      )
+  return lines
+
+
 GEMMA_BLOCKS = render.Table(
   ("attention", "temp (MiB)"), lambda f: [f["case"], f"{f['temp_bytes'] / MiB:.1f}"], "lr"
 )
@@ -87,6 +114,10 @@ HEADINGS = {
   "blocks-h100": lambda rows: (
     "### Attention fwd+bwd compiled for an H100 (causal, B 4, 8 / 2 heads): temp, MiB"
   ),
+  "tpu": lambda rows: (
+    "### Attention step compiled for TPUs, bf16, 2 layers, B 4, 16 / 4 heads of 128 (time: "
+    "ESTIMATE)"
+  ),
 }
 DRAW = {
   "decoder": decoder,
@@ -95,6 +126,7 @@ DRAW = {
   "fits-h100": FITS.lines,
   "gemma-blocks-h100": GEMMA_BLOCKS.lines,
   "blocks-h100": blocks,
+  "tpu": tpu,
 }
 
 

@@ -1,4 +1,4 @@
-"""The moe job's tables from its rows (sections ``memory``, ``memory-h100``, ``time``)."""
+"""The moe job's tables from its rows (sections ``memory``, ``memory-h100``, ``time``, ``tpu``)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,37 @@ def time(these: list[dict], section: str) -> list[str]:
   ]
 
 
-DRAW = {"memory": memory, "memory-h100": memory, "time": time}
+def tpu(these: list[dict], section: str) -> list[str]:
+  """Each configuration's steps compiled for a TPU chip: temp and ESTIMATED time, each against
+  megablox's (the plain composition on megablox's kernels) of the same configuration."""
+  f0 = these[0]["figures"]
+  lines = [
+    f"Compiled for a TPU {f0['chip']} chip, bfloat16, `jit(value_and_grad)` of {f0['blocks']} "
+    "scanned blocks `x + moe(rms_norm(x))`; step time a roofline ESTIMATE, the grouped "
+    "products' flops as the kernels' cost estimates give them (useful flops) and as their row "
+    "tiles run them (tiles: XLA's `ragged_dot` 128 rows, megablox 512).",
+    "",
+    "| configuration | way | temp MiB | / megablox's | ms, estimate | / megablox's "
+    "| ms, at row tiles | / megablox's | TFLOP | GB |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  by: dict[str, dict[str, dict]] = {}
+  for f in (r["figures"] for r in these):
+    by.setdefault(f["config"], {})[f["step"]] = f
+  for config, steps in by.items():
+    base = steps.get("megablox")
+    for step, f in steps.items():
+      ratio = lambda key: "" if base is None else f"{f[key] / base[key]:.2f}"  # noqa: B023
+      lines.append(
+        f"| {config} | {step} | {f['temp_bytes'] / MiB:.0f} | {ratio('temp_bytes')} | "
+        f"{f['estimate_s'] * 1e3:.2f} | {ratio('estimate_s')} | "
+        f"{f['tile_estimate_s'] * 1e3:.2f} | {ratio('tile_estimate_s')} | "
+        f"{f['flops'] / 1e12:.2f} | {f['bytes'] / 1e9:.1f} |"
+      )
+  return lines
+
+
+DRAW = {"memory": memory, "memory-h100": memory, "time": time, "tpu": tpu}
 heading = render.section_heading
 
 

@@ -323,7 +323,7 @@ def test_jaxact_src_shows_its_families_at_its_top():
 
 
 PALLAS = ROOT / "pallas_kernels"
-_BACKENDS = ("triton", "mosaic")
+_BACKENDS = ("triton", "mosaic", "splash")  # splash: jax's Mosaic TPU attention, adapted
 
 
 def test_pallas_kernels_are_named_op_first_then_backend_and_stay_short():

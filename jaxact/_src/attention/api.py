@@ -136,14 +136,19 @@ def dot_product_attention(
     dropout_rng: a threefry PRNG key, required when ``dropout_rate > 0``.
     broadcast_dropout: one ``(T, S)`` mask for every batch row and head (Flax's default).
     precision: of the products, as :func:`jax.lax.dot_general` takes it.
-    implementation: ``None`` (the best measured: XLA, see the dispatch docs), ``"xla"``, or
+    implementation: ``None`` (the best measured, see the dispatch docs: splash attention where the
+      program is lowered for a TPU and splash takes the call, XLA elsewhere), ``"xla"``,
+      ``"splash"`` (jax's splash attention kernels for TPUs, wrapped in this op's ``custom_vjp``,
+      interpret mode off a TPU; ``NotImplementedError`` for masks but the causal one, lengths,
+      segment ids, windows, dropout, ``precision``, float16/64, and T or S not a multiple of
+      128), or
       ``"pallas"`` (the Triton kernels of :mod:`pallas_kernels.attention_triton`, interpret mode off
       CUDA; ``NotImplementedError`` for a bias, a mask array, dropout, float64 and head dims they
       cannot tile), ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, with
       jax.nn's semantics; ``NotImplementedError`` for soft cap, dropout, float32/64 and windows
       cuDNN lacks). ``"mosaic"`` raises: there is no Hopper attention kernel yet.
     block_sizes: ``(block_q, block_k)`` of the XLA path; None chooses square blocks from the
-      sizes (about 512 KiB of float32 logits a block on CPU; for a GPU at most 64 MiB and
+      sizes (about 512 KiB of float32 logits a block on CPU; for a GPU or a TPU at most 64 MiB and
       ``block_q * block_k <= T * H / 8``).
     out_sharding: ``O``'s sharding (a ``PartitionSpec`` or ``NamedSharding``), or None for the
       query's batch and heads. Under Explicit mesh axes each device attends its own batch rows

@@ -175,7 +175,7 @@ def _held(name: str, value: float, acc: np.dtype, *, cap: bool) -> float:
 def blocks(block_sizes, heads: int, t, s, head_dim: int) -> tuple:
   """The XLA path's blocks, at most T by S (symbolic where T or S is)."""
   if block_sizes is None:
-    return default_blocks(heads, t, s, head_dim=head_dim, gpu=dispatch.target().cuda)
+    return default_blocks(heads, t, s, head_dim=head_dim, gpu=dispatch.target().accelerator)
   ok = (
     isinstance(block_sizes, (tuple, list))
     and len(block_sizes) == 2

@@ -65,7 +65,8 @@ class AttentionPlan:
 # GPU at most 16 Mi (64 MiB), and a block's logits a map at most T x H / 8: a block adds about
 # 2 bq bk / (T H) to attention's compiled temp (14 bytes a logit, "Default GPU blocks" there), so
 # /8 keeps it within about a third, while blocks still grow with T (the loop's launches grow as
-# T^2). GPU time is not measured yet.
+# T^2). GPU time is not measured yet. A TPU takes the GPU's blocks: the CPU's small blocks made
+# its estimated step several times slower at the same temp (benchmarks/results/tpu.md).
 _CPU_BLOCK_ELEMENTS = 1 << 17
 _GPU_BLOCK_ELEMENTS = 1 << 24
 _GPU_BLOCK_FRACTION = 8

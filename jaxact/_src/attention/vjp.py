@@ -2,8 +2,9 @@
 
 It keeps the arrays the caller passed (q, k, v, bias and the :class:`.plan.Aux` arrays), the output
 O and its row statistics ``stats`` (B, N, 2, T): each row's largest logit and the log of its
-softmax's sum, kept apart (see :mod:`.xla`), and runs each pass on the backend the decision names:
-the blocked XLA path (:mod:`.xla`) or the Triton kernels (:mod:`.kernels`).
+softmax's sum, kept apart (see :mod:`.xla`; splash attention's forward writes the log-sum-exp and
+0), and runs each pass on the backend the decision names: the blocked XLA path (:mod:`.xla`), the
+Triton kernels or splash attention (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def _forward(plan: AttentionPlan, q, k, v, bias, aux: Aux):
       return xla_forward(plan, q, k, v, None, Aux(q_lengths=q_lengths, kv_lengths=kv_lengths))
 
     return kernels.forward(plan, q, k, v, aux.q_lengths, aux.kv_lengths, xla)
+  if plan.decision.forward == "splash":  # no masks but the causal one (kernels.splash_unsupported)
+    return kernels.splash_forward(
+      plan, q, k, v, lambda q, k, v: xla_forward(plan, q, k, v, None, Aux())
+    )
   return xla_forward(plan, q, k, v, bias, aux)
 
 
@@ -61,6 +66,12 @@ def _attention_bwd(plan: AttentionPlan, res, do):
 
     dq, dk, dv = kernels.backward(plan, q, k, v, o, stats, do, aux.q_lengths, aux.kv_lengths, xla)
     return dq, dk, dv, None, None
+  if plan.decision.backward == "splash":
+
+    def xla(q, k, v, o, stats, do):
+      return xla_backward(plan, q, k, v, None, Aux(), o, stats, do)[:3]
+
+    return (*kernels.splash_backward(plan, q, k, v, o, stats, do, xla), None, None)
   return (*xla_backward(plan, q, k, v, bias, aux, o, stats, do), None)
 
 

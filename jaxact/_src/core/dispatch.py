@@ -1,4 +1,5 @@
-"""The decision machinery every op family shares: the target GPU, a call's :class:`Decision`, the
+"""The decision machinery every op family shares: the target (a GPU or a TPU), a call's
+:class:`Decision`, the
 :class:`Rule` rows of ``implementation=None``, and the docs' table of them.
 
 One procedure decides every call (:func:`decide`); each family's ``rules.py``
@@ -8,8 +9,8 @@ read and how its sharding plan is derived. Every family's table is generated int
 table of the docs (:func:`rules_table`, :mod:`jaxact._src.docs`).
 
 The kernels (``pallas_kernels``) take tiles and an epilogue and know nothing of devices: the target
-GPU is looked up here, once (:func:`target`). Rules that rest on a measurement cite the page of
-``benchmarks/results/`` and the section that decided them.
+(a GPU or a TPU) is looked up here, once (:func:`target`). Rules that rest on a measurement cite the
+page of ``benchmarks/results/`` and the section that decided them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 from jax import Array
 
-Backend = Literal["xla", "triton", "mosaic", "cudnn"]
+Backend = Literal["xla", "triton", "mosaic", "cudnn", "splash"]
 Implementation = Literal["xla", "pallas", "mosaic"]  # the public ops' `implementation=`
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 _KERNEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -35,20 +36,29 @@ _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """The GPU a program is being built for, as far as the trace can tell.
+  """The GPU or TPU a program is being built for, as far as the trace can tell.
 
   Attributes:
     cuda: the trace is known to be for CUDA (an abstract mesh of CUDA devices, or a GPU default
       backend).
-    device_kind: the abstract mesh's device kind, else the first CUDA device's, else None.
+    device_kind: the abstract mesh's device kind, else the first CUDA (TPU) device's, else None.
     num_sms: streaming multiprocessors of that device, when known.
     compute_capability: the lowest of this process's CUDA devices, None without one.
+    tpu: the trace is known to be for a TPU (an abstract mesh of TPU devices, or a TPU default
+      backend).
   """
 
   cuda: bool = False
   device_kind: str | None = None
   num_sms: int | None = None
   compute_capability: float | None = None
+  tpu: bool = False
+
+  @property
+  def accelerator(self) -> bool:
+    """A GPU or a TPU: memory far from its cores, where the XLA paths take larger blocks than on
+    a CPU."""
+    return self.cuda or self.tpu
 
   @property
   def hopper(self) -> bool:
@@ -74,11 +84,15 @@ def context_mesh():
 
 
 def target() -> Target:
-  """The lowering target: the abstract mesh's device when it is a CUDA one, else the CUDA devices
-  this process sees."""
+  """The lowering target: the abstract mesh's device when it is a CUDA or TPU one, else the
+  devices of this process's default backend when it is a TPU, else the CUDA devices it sees."""
   device = getattr(context_mesh(), "abstract_device", None)
   if device is not None and device.platform in ("cuda", "gpu"):
     return Target(True, device.device_kind, getattr(device, "num_cores", None) or None)
+  if device is not None and device.platform == "tpu":
+    return Target(device_kind=device.device_kind, tpu=True)
+  if device is None and jax.default_backend() == "tpu":
+    return Target(device_kind=jax.devices()[0].device_kind, tpu=True)
   try:
     devices = jax.devices("cuda")
   except RuntimeError:
@@ -140,9 +154,10 @@ class Decision:
   """The backends of one call, and the sharding plan they run in.
 
   Attributes:
-    forward, backward: what runs when the program is lowered for CUDA.
+    forward, backward: what runs when the program is lowered for the kernels' platform (CUDA;
+      a TPU for ``"splash"``).
     forced: the kernels were asked for by name: they run on every platform (interpret mode off
-      CUDA). Otherwise kernels run only when lowered for CUDA and XLA runs elsewhere.
+      theirs). Otherwise kernels run only when lowered for their platform and XLA runs elsewhere.
     declined: why ``implementation=None`` took XLA where it could have taken a kernel, or None.
     target: the lowering target the kernels are tiled for.
     sharding: the call's sharding plan, derived once from the operands' types where the backend
@@ -234,11 +249,12 @@ def decide(family: Family, fn_name: str, implementation: str | None, call: Any) 
   """The backends of one call of `family`'s op `fn_name`, for every family alike.
 
   1. ``implementation`` is checked against the family's names (``ValueError``).
-  2. A name runs its backends on every platform (interpret mode off CUDA), or raises
+  2. A name runs its backends on every platform (interpret mode off theirs), or raises
      ``NotImplementedError`` with the reason where they cannot run the call (or do not exist).
   3. ``None``: XLA with the reason where :attr:`Family.declined` says no kernel can run the call,
      else the first of the family's rules that holds. Kernels chosen there run only where the
-     program is lowered for CUDA; lowered for anything else the call is XLA's.
+     program is lowered for their platform (CUDA; TPU for splash attention); lowered for anything
+     else the call is XLA's (:mod:`jaxact._src.core.platform`).
 
   The sharding plan is derived once, here, and travels with the decision (:class:`Family`)."""
   names = tuple(family.implementations)
@@ -289,7 +305,7 @@ def rules_table(*tables: tuple[Rule, ...]) -> str:
   docs' dispatch page), each rule's evidence a link to its section (the heading's anchor, as
   mkdocs and GitHub spell it)."""
   rows = [
-    "| where (`implementation=None`, lowered for CUDA) | forward | backward | why | measured in |",
+    "| where (`implementation=None`) | forward | backward | why | measured in |",
     "|---|---|---|---|---|",
   ]
   for r in (r for t in tables for r in t):

@@ -3,11 +3,12 @@ share.
 
 A family's kernel calls (``<family>/kernels.py``) wrap its Pallas kernels to run per shard
 (:mod:`jaxact._src.core.pallas_sharding`) and hand them, with the XLA path that computes the same,
-to :func:`switch`, which runs them behind ``jax.lax.platform_dependent``, so that the choice
-follows the platform a program is lowered for:
+to :func:`switch` (or :func:`by_platform`), which runs them behind ``jax.lax.platform_dependent``,
+so that the choice follows the platform a program is lowered for, the kernels' own
+(:data:`KERNEL_PLATFORMS`: CUDA for the GPU kernels, a TPU for splash attention):
 
 ========================  ==========================  ==========================================
-decision                  lowered for CUDA            lowered for any other platform (CPU, ...)
+decision                  lowered for the kernels'    lowered for any other platform (CPU, ...)
 ========================  ==========================  ==========================================
 kernels, not forced       the kernels                 XLA
 kernels, forced           the kernels                 the kernels in interpret mode
@@ -16,6 +17,7 @@ kernels, forced           the kernels                 the kernels in interpret m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,9 @@ from jax import lax
 
 if TYPE_CHECKING:
   from jaxact._src.core.dispatch import Decision
+
+# The platform each kernel backend compiles for (``lax.platform_dependent``'s keyword).
+KERNEL_PLATFORMS = {"triton": "cuda", "mosaic": "cuda", "cudnn": "cuda", "splash": "tpu"}
 
 
 def with_xla_derivatives(kernels: Callable[..., Any], xla: Callable[..., Any], interpret: bool):
@@ -59,3 +64,12 @@ def switch(args, kernels: Callable[..., Any], xla: Callable[..., Any], d: Decisi
     cpu = with_xla_derivatives(kernels, xla, interpret=True)
     return lax.platform_dependent(*args, cuda=gpu, default=cpu)
   return lax.platform_dependent(*args, cuda=gpu, default=xla)
+
+
+def by_platform(args, kernel: Callable[..., Any], xla: Callable[..., Any], d: Decision, backend):
+  """``kernel(*args, interpret=False)`` where the program is lowered for `backend`'s platform
+  (:data:`KERNEL_PLATFORMS`); elsewhere ``kernel(*args, interpret=True)`` when the decision was
+  forced, else ``xla(*args)``. For kernels that run inside a ``custom_vjp``'s rules (no JVP)."""
+  native = functools.partial(kernel, interpret=False)
+  other = functools.partial(kernel, interpret=True) if d.forced else xla
+  return lax.platform_dependent(*args, default=other, **{KERNEL_PLATFORMS[backend]: native})
