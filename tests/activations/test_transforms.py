@@ -44,7 +44,7 @@ def _loss(f, w=_W):
   return loss
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("spec", ALL)
 def test_jit_and_vmap(spec):
   f, x = public(spec), _x()

@@ -100,6 +100,9 @@ def test_backward_kernels_decode_the_bytes(bits, tiling):
 # ---------------------------------------------------------------------- interpret: through jaxact
 
 
+# By default the kernels' own tests above run the same forward (4-bit bytes against XLA's, byte
+# for byte) and backward (decoding 2-bit bytes over two CTAs) in the interpreter.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("bits", representatives(BITS, {"4-bit"}, _IDS))
 def test_mosaic_matches_xla(bits):
   """``implementation="mosaic"`` (Hopper forward and backward kernels, interpreted) against

@@ -120,7 +120,9 @@ _DTYPE_OF = {
 _IDS = [f"{'bf16' if _DTYPE_OF[n] == jnp.bfloat16 else 'f16'}-{n}" for n in ACTIVATIONS]
 
 
-@pytest.mark.sample(1)
+# By default test_fused_backends.py::test_dense_bias_act_equals_autodiff_of_the_formula
+# [mosaic-bfloat16] runs this path (gelu, bfloat16, forward and backward kernels through jaxact).
+@pytest.mark.exhaustive
 @pytest.mark.parametrize(
   "name,dtype",
   representatives(
@@ -185,8 +187,9 @@ def reference(x, w, b, fn):
   ids=["default", "small_epilogue", "k32_snake2"],
 )
 def test_kernel_over_many_tiles_matches_float32_reference(tiles):
-  """Several tiles along M, N and K (so the pipeline ring wraps and the snake walk turns)."""
-  x, w, b = args((384, 512, 1024), jnp.bfloat16, seed=5)
+  """Several tiles along M, N and K (so the pipeline ring wraps and the snake walk turns): 2 x 4
+  output tiles of 128 x 128, 5 steps of 64 along K through a ring of 3 stages."""
+  x, w, b = args((256, 320, 512), jnp.bfloat16, seed=5)
   epilogue = Epilogue(fn=jnp.tanh, derivative=None, residual="input")
   y, z = dense_mosaic.hopper_dense_bias_act_fwd(
     x, w, b, epilogue=epilogue, num_sms=1, tiles=tiles, interpret=True
@@ -352,7 +355,9 @@ def lower_backward(shape, residual: bool, tiles=None) -> str:
   return lowered_text(bwd, [x, w, rg, rg], "cuda")
 
 
-@pytest.mark.sample(1)
+# By default test_every_tile_configuration_lowers_for_h100 lowers the backward kernels at K = 4096
+# with a residual (and checks their shared memory).
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("k", [4096, 384, 192])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "identity"])
 def test_every_backward_tile_configuration_lowers_for_h100(k, residual):
@@ -511,9 +516,11 @@ def test_a_configuration_over_the_shared_memory_budget_fails_to_lower():
     lowered_text(fwd, shapes(1024, 1024, 1024, jnp.bfloat16), "cuda")
 
 
-# One activation of each kind by default (residual family; expm1 and log1p, which the kernel
-# rewrites; the longest derivative); every one under `pytest -m exhaustive`.
-@pytest.mark.sample(1)
+# One activation of each kind (residual family; expm1 and log1p, which the kernel rewrites; the
+# longest derivative), every one under `pytest -m exhaustive`. By default the same lowerings run in
+# test_every_tile_configuration_lowers_for_h100 ("mosaic") and test_none_picks_the_hopper_kernel_on_
+# h100_only (None, elu's expm1 included).
+@pytest.mark.exhaustive
 @pytest.mark.parametrize(
   "name",
   representatives(

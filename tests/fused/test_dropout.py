@@ -56,7 +56,7 @@ ACTIVATIONS = {
 }
 
 
-@pytest.mark.sample(2, "callable-whole")
+@pytest.mark.sample(1, "callable-whole")
 @pytest.mark.parametrize("rows", [300, 4], ids=["blocks", "whole"])
 @pytest.mark.parametrize("name", ACTIVATIONS)
 def test_equals_flax_dropout_of_the_plain_layer(name, rows):

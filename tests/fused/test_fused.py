@@ -81,7 +81,7 @@ def assert_vjp_matches(fused, reference, args, dtype=jnp.float32, out_dtype=None
 # ------------------------------------------------------------------------------ dense: values
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ELEMENTWISE + NOT_ELEMENTWISE)
 def test_dense_every_activation_by_name(name):
   x, w, b = dense_args()
@@ -147,7 +147,7 @@ def test_dense_activation_forms(activation, reference):
   assert_vjp_matches(fused, dense_reference(reference), (x, w, b))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("x_shape", [(5,), (4, 5), (2, 3, 5), (2, 1, 3, 5)])
 def test_dense_batch_dims(x_shape):
   x, w, b = dense_args(seed=2, x_shape=x_shape)
@@ -163,7 +163,7 @@ def test_dense_without_bias(name):
   assert_vjp_matches(fused, dense_reference(reference_activation(name)), (x, w))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["relu", "tanh", "elu", "gelu"])
 def test_dense_half_precision(dtype, name):
@@ -216,7 +216,7 @@ def all_eqns(jaxpr):
       yield from all_eqns(sub)
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize(
   "x_dtype, w_dtype, preferred, out",
   [
@@ -406,7 +406,7 @@ def test_conv_matches_composition(case, name):
   assert_vjp_matches(fused, conv_reference(reference_activation(name), **case), (x, w, b))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ["tanh", "softplus", "identity", "leaky_relu"])
 def test_conv_without_bias(name):
   case = CONV_CASES["2d-same"]
@@ -415,6 +415,7 @@ def test_conv_without_bias(name):
   assert_vjp_matches(fused, conv_reference(reference_activation(name), **case), (x, w))
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 def test_conv_half_precision(dtype):
   case = CONV_CASES["2d-same"]
@@ -448,7 +449,7 @@ def test_conv_1x1_takes_the_dense_path(kwargs):
   assert_vjp_matches(fused, conv_reference(jax.nn.relu, **case), (x, w, b))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize(
   "kwargs",
   [
@@ -480,7 +481,7 @@ def test_jit():
   assert_vjp_matches(fused, conv_reference(jax.nn.gelu, **case), (x, w, b))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ["tanh", "gelu"])
 @pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, 0), (0, 0, 0), (2, None, None)])
 def test_vmap_dense(in_axes, name):
@@ -504,7 +505,7 @@ def test_vmap_conv():
   assert_vjp_matches(fused, reference, (xs,))
 
 
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 @pytest.mark.parametrize(
   "activation",
   ["tanh", "softplus", "gelu", "identity", functools.partial(jaxact.elu, alpha=0.5), jnp.sin],
@@ -543,6 +544,7 @@ def mlp_params(seed, layers=3, width=5):
   return ws, bs
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("name", ["relu", "gelu"])
 def test_checkpoint(name):
   ws, bs = mlp_params(36)

@@ -248,7 +248,7 @@ def test_conv_dtypes(dtype, param_dtype, precision, act):
   check_layer(nn.Conv(4, **kw), ConvAct(4, activation=activation, **kw), reference, x)
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize(
   ("kw", "shape"),
   [

@@ -181,7 +181,7 @@ LINEAR_OPTIONS = list(
 )
 
 
-@pytest.mark.sample(6)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize(("use_bias", "dtype", "param_dtype"), LINEAR_OPTIONS, ids=str)
 def test_linear_options(use_bias, dtype, param_dtype):
   # The activation and the precision cycle, so that each meets several option combinations.
@@ -268,7 +268,7 @@ def test_conv_options(padding, strides, kernel_dilation, groups):
   )
 
 
-@pytest.mark.sample(3)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize(
   ("kw", "shape"),
   [

@@ -423,6 +423,7 @@ def test_a_scanned_stack_hoists_no_hidden_sized_array_out_of_its_loop():
   assert hoisted == []
 
 
+@pytest.mark.sample(1, "float32-dense")
 @pytest.mark.parametrize("mlp", [True, False], ids=["mlp", "dense"])
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 def test_the_backward_in_blocks_of_tokens_equals_autodiff(monkeypatch, mlp, dtype):
@@ -480,6 +481,7 @@ def call(mlp, activation="silu", **kw):
   return ours(activation, mlp, **kw)
 
 
+@pytest.mark.sample(1, "dense-float64-blocks", "mlp-bfloat16-whole")
 @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.bfloat16], ids=["float64", "bfloat16"])
 @pytest.mark.parametrize("mlp", [True, False], ids=["mlp", "dense"])
