@@ -195,7 +195,8 @@ AXES = {
   "experts": (None, None, 0, 0, 0),
   "all": (0, 0, 0, 0, 0),
 }
-DEFAULT = {("softmax_top2", "x"), ("capacity_top1", "x_and_w_gate")}
+# The default suite: each element's own capacity, with a mapped expert weight beside x.
+DEFAULT = {("capacity_top1", "x_and_w_gate")}
 VMAP_CASES = [
   pytest.param(k, a, marks=[] if (k, a) in DEFAULT else [pytest.mark.exhaustive])
   for k, a in itertools.product(KWS, AXES)

@@ -29,7 +29,8 @@ def _op(x, p, **kw):
 def test_linen_layer_is_the_op_of_its_parameters(kw):
   layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, **kw)
   x = _inputs()
-  params = layer.init(jax.random.key(0), x)["params"]
+  # Jitted, here and below: one compile each, not the eager ops' hundreds.
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
   out = kw.get("features", D)
   shapes = jax.tree.map(jnp.shape, params)
   assert shapes == {"gate": {"kernel": (D, E)}, "w1": (E, D, F), "w3": (E, D, F), "w2": (E, F, out)}
@@ -43,19 +44,19 @@ def test_linen_layer_is_the_op_of_its_parameters(kw):
     y, aux = _op(x, p, **op_kw)
     return jnp.sum(jnp.sin(y)) + aux["load_balancing_loss"] + aux["router_z_loss"]
 
-  y, aux = layer.apply({"params": params}, x)
-  y_op, aux_op = _op(x, params, **op_kw)
+  y, aux = jax.jit(layer.apply)({"params": params}, x)
+  y_op, aux_op = jax.jit(lambda x, p: _op(x, p, **op_kw))(x, params)
   np.testing.assert_array_equal(y, y_op)
   np.testing.assert_array_equal(aux["router_z_loss"], aux_op["router_z_loss"])
-  got = jax.grad(layer_loss, argnums=(0, 1))(params, x)
-  want = jax.grad(op_loss, argnums=(0, 1))(params, x)
+  got = jax.jit(jax.grad(layer_loss, argnums=(0, 1)))(params, x)
+  want = jax.jit(jax.grad(op_loss, argnums=(0, 1)))(params, x)
   jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 def test_initializers_are_dense_kernels_per_expert():
   """lecun normal: each expert's (in, out) kernel has variance 1 / in, not 1 / (experts * in)."""
   layer = jaxact.linen.MoEMLP(num_experts=8, top_k=2, hidden_features=128)
-  params = layer.init(jax.random.key(0), jnp.ones((1, 64), jnp.float32))["params"]
+  params = jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 64), jnp.float32))["params"]
   for name, fan_in in (("w1", 64), ("w3", 64), ("w2", 128)):
     np.testing.assert_allclose(np.std(params[name]), fan_in**-0.5, rtol=0.05)
   np.testing.assert_allclose(np.std(params["gate"]["kernel"]), 64**-0.5, rtol=0.1)

@@ -311,7 +311,11 @@ def compiled_flops(text: str) -> int:
   return total
 
 
+# Under `pytest -m exhaustive` (two H100 compiles of the whole step): the default suite checks the
+# kernels' spills at this size (test_the_kernels_compile_without_spills_at_the_real_size) and the
+# step's nine kernels (test_the_lowered_step_runs_nine_grouped_kernels_only_when_asked).
 @needs_gpu_compiler
+@pytest.mark.exhaustive
 def test_the_real_size_step_compiles_without_spills_at_a_47th_of_ragged_dots_flops():
   """The training step (value and every gradient) at 16384 routed rows, D 2048, hidden 1408, 64
   experts, bf16, compiled for an H100: the kernels' with XLA's register-spill check; its matmul

@@ -15,6 +15,8 @@ import jaxact.linen as jnn
 import jaxact.nnx as jnnx
 from conv_cases import close, grads, inputs, nnx_grads, perturbed, scanned, stack
 
+from cases import representatives
+
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
 
@@ -54,9 +56,17 @@ LINEN_CASES = {
 }
 
 
+_LINEN = [(c, True) for c in LINEN_CASES] + [
+  (c, False) for c in LINEN_CASES if c.startswith("batch")
+]
+# The default suite: a batch norm training (float64, strided) and at inference, a group norm after a
+# conv with its bias; the rest under `pytest -m exhaustive`.
+_LINEN_DEFAULT = {"batch-silu-stride2-f64-True", "batch-relu-f32-False", "group-conv-bias-f32-True"}
+
+
 @pytest.mark.parametrize(
   ("case", "train"),
-  [(c, True) for c in LINEN_CASES] + [(c, False) for c in LINEN_CASES if c.startswith("batch")],
+  representatives(_LINEN, _LINEN_DEFAULT, ids=[f"{c}-{t}" for c, t in _LINEN]),
 )
 def test_linen_equals_flax_conv_norm_activation(case, train):
   """train=False with a batch norm: normalized by the (perturbed) running averages."""
@@ -127,7 +137,8 @@ class FlaxNNX(nnx.Module):
     return jax.nn.silu(self.norm(self.conv(x)))
 
 
-@pytest.mark.parametrize("norm", ["batch", "group"])
+# The group norm: test_norm_act_conv.py's nnx test runs it by default (NormActConv).
+@pytest.mark.parametrize("norm", representatives(["batch", "group"], {"batch"}))
 def test_nnx_equals_flax_conv_norm_activation(norm):
   x = inputs(jnp.float32)
   ct = jax.random.normal(jax.random.key(1), (4, 6, 6, 8), jnp.float32)
@@ -174,7 +185,8 @@ def _temp(module, x):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("how", ["unrolled", "scan"])
+# Unrolled: test_norm_act_conv.py's U-Net stack runs it by default (NormActConv and ConvNormAct).
+@pytest.mark.parametrize("how", representatives(["unrolled", "scan"], {"scan"}))
 def test_compiled_temp_of_a_stack_is_below_flax(how):
   x = inputs(jnp.float32, (8, 16, 16, 16))
   kw = dict(activation="relu", use_running_average=False)

@@ -37,6 +37,8 @@ import eight_devices
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
 
+from cases import representatives
+
 SCRIPT = Path(__file__)
 CASES = (
   "conv-norm-act-pmap",
@@ -44,6 +46,9 @@ CASES = (
   "conv-norm-act-nnx-shard_map",
   "norm-act-conv-nnx-shard_map",
 )
+# The default suite: both layers and both APIs (linen under pmap, nnx under shard_map); the other
+# two pairings under `pytest -m exhaustive`.
+DEFAULT = {"conv-norm-act-pmap", "norm-act-conv-nnx-shard_map"}
 BN = dict(momentum=0.9, epsilon=1e-5)  # the ImageNet example's
 
 
@@ -178,11 +183,12 @@ def case(name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
+def results(request, tmp_path_factory):
+  names = eight_devices.selected_cases(request, __name__, {})
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory, names)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", representatives(list(CASES), DEFAULT))
 def test_axis_name_averages_the_statistics_over_the_devices(results, name):
   errors = dict(eight_devices.get(results, name, SCRIPT)["errors"])
   dropped = errors.pop("without_axis_name")

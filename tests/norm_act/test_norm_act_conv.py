@@ -19,6 +19,8 @@ import jaxact.linen as jnn
 import jaxact.nnx as jnnx
 from conv_cases import close, grads, inputs, nnx_grads, perturbed, scanned, stack
 
+from cases import representatives
+
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
 
@@ -57,9 +59,14 @@ CASES = {
 }
 
 
+_LINEN = [(c, True) for c in CASES] + [(c, False) for c in CASES if "batch" in c]
+# The default suite: a group norm and a strided batch norm training (float64), a batch norm at
+# inference (float32); the rest under `pytest -m exhaustive`.
+_LINEN_DEFAULT = {"group-silu-f64-True", "batch-relu-stride2-f64-True", "batch-gelu-f32-False"}
+
+
 @pytest.mark.parametrize(
-  ("case", "train"),
-  [(c, True) for c in CASES] + [(c, False) for c in CASES if "batch" in c],
+  ("case", "train"), representatives(_LINEN, _LINEN_DEFAULT, ids=[f"{c}-{t}" for c, t in _LINEN])
 )
 def test_linen_equals_flax_norm_activation_conv(case, train):
   """train=False with a batch norm: normalized by the (perturbed) running averages."""
@@ -175,7 +182,8 @@ def _temp(module, x):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("how", ["unrolled", "scan"])
+# Scanned: test_conv_norm_act.py's stack under nn.scan runs it by default.
+@pytest.mark.parametrize("how", representatives(["unrolled", "scan"], {"unrolled"}))
 def test_a_unet_stack_keeps_less_than_flax_and_conv_norm_act(how):
   x = inputs(jnp.float32, (8, 16, 16, 16))
   build = stack if how == "unrolled" else scanned
@@ -202,7 +210,8 @@ class FlaxNNX(nnx.Module):
     return self.conv(jax.nn.silu(self.norm(x, **call)))
 
 
-@pytest.mark.parametrize("norm", ["batch", "group"])
+# The batch norm: test_conv_norm_act.py's nnx test runs it by default (ConvNormAct).
+@pytest.mark.parametrize("norm", representatives(["batch", "group"], {"group"}))
 def test_nnx_equals_flax_norm_activation_conv(norm):
   x = inputs(jnp.float32, (4, 6, 6, 4))
   ct = jax.random.normal(jax.random.key(1), (4, 6, 6, 8), jnp.float32)
@@ -226,7 +235,13 @@ def test_errors_name_the_layer():
     jnnx.NormActConv(4, 8, (3, 3), norm="layer", rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("activation", ["sparse_sigmoid", "gelu_quick", "leaky_relu-traced"])
+# gelu_quick: a table activation by name, as sparse_sigmoid is; under `pytest -m exhaustive`.
+@pytest.mark.parametrize(
+  "activation",
+  representatives(
+    ["sparse_sigmoid", "gelu_quick", "leaky_relu-traced"], {"sparse_sigmoid", "leaky_relu-traced"}
+  ),
+)
 def test_activations_beyond_jax_nn_follow_the_drop_in(activation):
   """The table's derivative where jax.nn's autodiff differs at a kink (sparse_sigmoid at +-1),
   where jax.nn has no such function (gelu_quick), and a traced parameter's gradient: equal to the

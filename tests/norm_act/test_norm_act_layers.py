@@ -18,6 +18,8 @@ import pytest
 import jaxact.linen as jnn
 import jaxact.nnx as jnnx
 
+from cases import representatives
+
 ACTS = {"identity": lambda z: z, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
 
@@ -78,7 +80,12 @@ LINEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", LINEN_CASES)
+# bn-relu and gn-silu, the plain layers that bn-axis-1 and gn-group-size-bf16 run with an option
+# more, under `pytest -m exhaustive`.
+_LINEN_DEFAULT = {"bn-bf16-silu", "bn-two-pass-no-scale", "bn-axis-1", "gn-group-size-bf16"}
+
+
+@pytest.mark.parametrize("case", representatives(list(LINEN_CASES), _LINEN_DEFAULT))
 def test_linen_equals_flax_then_the_activation(case):
   ours_cls, flax_cls, kw, act, dtype = LINEN_CASES[case]
   x = _x(dtype)

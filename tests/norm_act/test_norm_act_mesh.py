@@ -34,8 +34,13 @@ import eight_devices
 import jaxact
 from jaxact._src.norm_act import reference as R
 
+from cases import representatives
+
 SCRIPT = Path(__file__)
 CASES = ("shard_map", "shard_map-untyped", "groups", "jit-auto", "jit-explicit")
+# The default suite: axis_name in a typed shard_map, axis_index_groups, a batch sharded under jit
+# (Explicit axes); the untyped shard_map and Auto axes under `pytest -m exhaustive`.
+DEFAULT = {"shard_map", "groups", "jit-explicit"}
 
 
 def _inputs():
@@ -121,11 +126,12 @@ def case(name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-  return eight_devices.run_script_once(SCRIPT, tmp_path_factory)
+def results(request, tmp_path_factory):
+  names = eight_devices.selected_cases(request, __name__, {})
+  return eight_devices.run_script_once(SCRIPT, tmp_path_factory, names)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", representatives(list(CASES), DEFAULT))
 def test_sharded_statistics_equal_one_device(results, name):
   errors = eight_devices.get(results, name, SCRIPT)["errors"]
   assert errors and all(e < 1e-5 for e in errors.values()), errors
