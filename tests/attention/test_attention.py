@@ -382,6 +382,9 @@ def test_dropout_keeps_the_key_not_the_mask():
 # --------------------------------------------------------------------------------- backends
 
 
+# By default: test_attention_backends.py's pallas case (the kernels through jaxact, causal grouped
+# heads with a soft cap) and test_attention_triton.py's rows that see no key.
+@pytest.mark.exhaustive
 def test_the_triton_kernels_through_jaxact_equal_the_xla_path():
   """implementation='pallas' runs pallas_kernels.attention_triton (interpret mode on CPU) inside
   the same custom_vjp: values and gradients equal the XLA path's (grouped heads, causal, soft cap,

@@ -26,10 +26,12 @@ def _close(a, b, tol=2e-5):
     np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
-@pytest.mark.sample(1, "batch_axes")
+# By default: several batch axes under a causal mask (the mask alone, dropout: -m exhaustive;
+# dropout with the same key is test_nnx_attention_fn_equals_flax's default case).
 @pytest.mark.parametrize(
   "case",
-  ["causal_mask", "dropout", "batch_axes", pytest.param("plain", marks=pytest.mark.exhaustive)],
+  ["batch_axes"]
+  + [pytest.param(c, marks=pytest.mark.exhaustive) for c in ("causal_mask", "dropout", "plain")],
 )
 def test_linen_attention_fn_equals_flax(case):
   x = _x((2, 3, 12, D) if case == "batch_axes" else (2, 12, D))
@@ -41,7 +43,8 @@ def test_linen_attention_fn_equals_flax(case):
   params = theirs.init(jax.random.key(1), x, deterministic=True)
   mine = ours.init(jax.random.key(1), x, deterministic=True)
   assert jax.tree.structure(mine) == jax.tree.structure(params)
-  mask = nn.make_causal_mask(jnp.ones(x.shape[:-1])) if case == "causal_mask" else None
+  causal = case in ("causal_mask", "batch_axes")
+  mask = nn.make_causal_mask(jnp.ones(x.shape[:-1])) if causal else None
   rngs = {"dropout": jax.random.key(2)}
 
   def loss(layer, p, x):

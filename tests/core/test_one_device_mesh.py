@@ -34,12 +34,13 @@ def _normal(i, shape, scale=1.0):
 X2, W, B = _normal(0, (16, 32)), _normal(1, (32, 64), 0.2), _normal(2, (64,))
 X4, WC, BC = _normal(3, (4, 8, 8, 16)), _normal(4, (3, 3, 16, 16), 0.2), _normal(5, (16,))
 WG, WU, WD = _normal(6, (32, 48), 0.2), _normal(7, (32, 48), 0.2), _normal(8, (48, 32), 0.2)
+# x and w: a token tile and a vocabulary tile of the Hopper kernel (128, 256), the least it runs
 XB, WB = (
   _normal(11, (128, 128)).astype(jnp.bfloat16),
-  _normal(12, (128, 512), 0.1).astype(jnp.bfloat16),
+  _normal(12, (128, 256), 0.1).astype(jnp.bfloat16),
 )
 Q, K, V = (_normal(i, (2, 32, 4, 16)) for i in (14, 15, 16))
-LABELS = jax.random.randint(jax.random.key(13), (128,), 0, 512)
+LABELS = jax.random.randint(jax.random.key(13), (128,), 0, 256)
 SCALE, BIAS = 1.3 + _normal(9, (16,), 0.1), _normal(10, (16,), 0.1)
 
 CASES = {
@@ -83,7 +84,12 @@ def _value_and_grads(fn, args):
   return y, pull(jnp.cos(y))
 
 
-@pytest.mark.parametrize("name", CASES)
+# group_norm_act's kernels decline sharded inputs by batch_norm_act's rule (norm_act.rules:
+# _sharding): by default batch_norm_act's case stands for both.
+@pytest.mark.parametrize(
+  "name",
+  [n if n != "group_norm_act" else pytest.param(n, marks=pytest.mark.exhaustive) for n in CASES],
+)
 def test_kernels_on_a_one_device_mesh_equal_the_untyped_call(name):
   fn, args, *specs = CASES[name]
   specs = specs[0] if specs else (P("data"),) * len(args)

@@ -145,10 +145,11 @@ def masks(port):
   }
 
 
-# By default: eval_step's causal and padded array, train.py's packed batch as the port hands it
-# over, Flax's one-row all-ones mask; the other forms of each with -m exhaustive.
+# By default: train.py's packed batch as the port hands it over, Flax's one-row all-ones mask (an
+# array, as eval_step's causal and padded one, whose attention test_the_guides_attend_is_the_
+# examples_attention[causal-local] checks by default); the other forms of each with -m exhaustive.
 MASKS = [
-  "causal-padded",
+  pytest.param("causal-padded", marks=pytest.mark.exhaustive),
   pytest.param("causal-padded-CausalMask", marks=pytest.mark.exhaustive),
   pytest.param("packed", marks=pytest.mark.exhaustive),
   "packed-CausalMask",
@@ -304,6 +305,7 @@ CASES = [
   ("padding_only", True),  # the symmetric window, both halves
   ("causal", True),
 ]
+LOCAL_ROW, EXH = ("load_from_params", True), pytest.mark.exhaustive
 
 
 def values_and_grads(f, q, k, v):
@@ -329,8 +331,15 @@ def close(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+# The band of a one-row mask by default: test_attend_reads_the_layers_kind_by_name (the same call).
 @pytest.mark.parametrize(
-  "name, local", CASES, ids=[f"{m}-{'local' if w else 'global'}" for m, w in CASES]
+  "name, local",
+  [
+    pytest.param(
+      m, w, id=f"{m}-{'local' if w else 'global'}", marks=EXH if (m, w) == LOCAL_ROW else ()
+    )
+    for m, w in CASES
+  ],
 )
 def test_the_guides_attend_is_the_examples_attention(gemma, name, local):
   attn, mask = attention_module(gemma.port_kinds, local), ATTENTION_MASKS[name]
