@@ -51,7 +51,10 @@ def test_equals_autodiff_of_the_formula(implementation, dtype):
   assert_trees_close(got, want, TOL[dtype])
 
 
-@pytest.mark.sample(1, "xla-bfloat16")
+# Off a GPU every default case here is the XLA path, which test_log_probs.py checks by default
+# with the same options (test_float32_within_1e5_of_the_float64_reference, in float32;
+# test_half_precision_is_computed_in_float32[bfloat16]); the kernels' cases run under -m exhaustive.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("implementation", backends(FAMILY))
 def test_log_probs_and_entropy_equal_autodiff_of_the_formula(implementation, dtype):
