@@ -82,6 +82,10 @@ def _both(opts, dtype=jnp.float64, scale=3.0, block=BLOCK, **extra):
   return ours, run(reference)
 
 
+# "bias" and "none" alone under -m exhaustive: the combinations have both.
+@pytest.mark.sample(
+  1, "where", "sum", "smoothing", "z_loss", "soft_cap", "all-mean", "all-sum", "all-none"
+)
 @pytest.mark.parametrize("name", OPTIONS)
 def test_float64_matches_autodiff_of_the_composition(name):
   (v, grads), (v_ref, grads_ref) = _both(OPTIONS[name])
@@ -131,6 +135,7 @@ def test_float32_loss_within_1e5_of_float64():
     assert rel_err(g, g_ref) < 1e-5
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
 def test_half_precision_against_float32_of_the_same_inputs(dtype):
   """Half precision inputs give a float32 loss within 1e-2 of float32's on the same (rounded)
@@ -470,6 +475,7 @@ def test_concrete_labels_out_of_range_are_a_value_error_unless_masked():
 INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 
 
+@pytest.mark.sample(1, "int16", "uint16", "uint32", "int64", "uint64")
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_labels_of_every_integer_dtype_are_their_values(dtype):
   """V = 70000 is beyond int8/uint8/int16/uint16: each dtype's labels give the loss of the values
@@ -602,6 +608,7 @@ def _weighted_reference(x, w, labels, weights, *, where=None, reduction="mean", 
   return jnp.sum(loss) / (jnp.sum(weights) if reduction == "mean" else 1)
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_weights_scale_each_token_and_the_mean_divides_by_their_sum(reduction):
   x, w, b, labels, where = inputs()

@@ -28,9 +28,11 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 T, D, V = 256, 128, 1024
 
 
-# The Hopper kernels run by default in test_lce_mosaic.py (7 s in the interpreter).
-@pytest.mark.sample(1, "xla-bfloat16")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+# The Hopper kernels run by default in test_lce_mosaic.py (7 s in the interpreter). Off a GPU
+# implementation=None is the XLA path, which test_lce.py checks in float32 against float64 with
+# these options by default: by default the automatic choice in bfloat16 only.
+@pytest.mark.sample(1)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("implementation", backends(FAMILY))
 def test_equals_autodiff_of_the_formula(implementation, dtype):
   """Mean loss over (256, 128) tokens and a (128, 1024) head, a bias, a where-mask, soft cap."""
@@ -51,7 +53,10 @@ def test_equals_autodiff_of_the_formula(implementation, dtype):
   assert_trees_close(got, want, TOL[dtype])
 
 
-@pytest.mark.sample(1, "xla-bfloat16")
+# Off a GPU every default case here is the XLA path, which test_log_probs.py checks by default
+# with the same options (test_float32_within_1e5_of_the_float64_reference, in float32;
+# test_half_precision_is_computed_in_float32[bfloat16]); the kernels' cases run under -m exhaustive.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("implementation", backends(FAMILY))
 def test_log_probs_and_entropy_equal_autodiff_of_the_formula(implementation, dtype):

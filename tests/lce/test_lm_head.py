@@ -214,6 +214,7 @@ class _TiedLM(nn.Module):
     return _reference_options(embed.attend(h), labels, where, weights)
 
 
+@pytest.mark.sample(1)  # bfloat16 heads: test_nnx_head_is_nnx_linear_and_its_loss[bf16]
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["float32", "bf16"])
 def test_linen_tied_head_is_embed_attend_and_its_loss(dtype):
   """attend_cross_entropy in a model whose table both embeds and scores: the loss and

@@ -287,23 +287,26 @@ def test_the_entropy_of_a_temperature_past_1e34_stays_below_log_v():
 # ------------------------------------------------------------- no token, and vmap over batches
 
 
-def _all_losses(x, xt, w, tokens, mask, adv, idx, lpk):
-  """Each loss of the family on one batch: ``{name: (loss, gradient in x)}``-able outputs."""
+def _losses(x, xt, w, tokens, mask, adv, idx, lpk):
+  """Each loss of the family on one batch: ``{name: () -> loss}``, each computed when called."""
   ref = jnp.zeros(tokens.shape[:-1], jnp.float32)
   pref = dict(chosen_mask=mask, rejected_mask=mask, vocab_block_size=BLOCK)
+
+  def policy(lt):
+    return lambda: jaxact.policy_gradient_loss(
+      x, w, tokens, adv, mask=mask, loss_type=lt, ref_log_probs=0 * tokens - 3.0, beta=0.1
+    )[0]
+
   return {
-    "cross_entropy": jaxact.linear_cross_entropy(x, w, tokens, where=mask),
-    "log_probs": jnp.sum(jaxact.linear_log_probs(x, w, tokens, where=mask, temperature=0.5)),
-    **{
-      f"policy-{lt}": jaxact.policy_gradient_loss(
-        x, w, tokens, adv, mask=mask, loss_type=lt, ref_log_probs=0 * tokens - 3.0, beta=0.1
-      )[0]
-      for lt in ("grpo", "dapo", "dr_grpo", "gspo", "ppo")
-    },
-    "dpo": jaxact.preference_loss(
+    "cross_entropy": lambda: jaxact.linear_cross_entropy(x, w, tokens, where=mask),
+    "log_probs": lambda: jnp.sum(
+      jaxact.linear_log_probs(x, w, tokens, where=mask, temperature=0.5)
+    ),
+    **{f"policy-{lt}": policy(lt) for lt in ("grpo", "dapo", "dr_grpo", "gspo", "ppo")},
+    "dpo": lambda: jaxact.preference_loss(
       x, xt, w, tokens, tokens, ref_chosen_log_probs=ref, ref_rejected_log_probs=ref, **pref
     )[0],
-    "kto": jaxact.preference_loss(
+    "kto": lambda: jaxact.preference_loss(
       x,
       xt,
       w,
@@ -314,11 +317,16 @@ def _all_losses(x, xt, w, tokens, mask, adv, idx, lpk):
       ref_rejected_log_probs=ref,
       **pref,
     )[0],
-    "jsd": jaxact.distillation_loss(
+    "jsd": lambda: jaxact.distillation_loss(
       x, w, xt, w, mask=mask, divergence="jsd", labels=tokens, hard_label_weight=0.5
     )[0],
-    "top_k": jaxact.top_k_distillation_loss(x, w, idx, lpk, mask=mask, temperature=0.7)[0],
+    "top_k": lambda: jaxact.top_k_distillation_loss(x, w, idx, lpk, mask=mask, temperature=0.7)[0],
   }
+
+
+def _all_losses(*args):
+  """Each loss of the family on one batch (:func:`_losses`' arguments): ``{name: loss}``."""
+  return {name: loss() for name, loss in _losses(*args).items()}
 
 
 @pytest.mark.parametrize("shape", [(0, 3), (2, 0)], ids=["no_sequence", "no_position"])
@@ -331,8 +339,8 @@ def test_no_token_gives_zero_losses_with_zero_gradients(shape):
   args = (jnp.zeros(shape[:-1], jnp.float32), jnp.zeros((*shape, K), jnp.int32))
   lpk = jnp.full((*shape, K), -3.0, jnp.float32)
   losses = _all_losses(x, x, f32(W), tokens, mask, args[0], args[1] + jnp.arange(K), lpk)
-  for name in losses:
-    f = lambda x, name=name: _all_losses(x, x, f32(W), tokens, mask, args[0], args[1], lpk)[name]
+  for name in losses:  # each loss and its gradient alone
+    f = lambda x, name=name: _losses(x, x, f32(W), tokens, mask, args[0], args[1], lpk)[name]()
     value, grad = jax.value_and_grad(f)(x)
     assert float(value) == 0.0 and grad.shape == x.shape, name
   _, metrics = jaxact.policy_gradient_loss(x, f32(W), tokens, args[0], loss_type="gspo")

@@ -92,7 +92,7 @@ def _errors(f, x, w, want):
 
 
 @pytest.mark.sample(
-  2, "log_probs-0.001", "forward_kl-1.0", "reverse_kl-0.001", "jsd-0.001", "top_k-0.01"
+  1, "log_probs-0.001", "forward_kl-1.0", "reverse_kl-0.001", "jsd-0.001", "top_k-0.01"
 )
 @pytest.mark.parametrize("t", TEMPERATURES, ids=str)
 @pytest.mark.parametrize("name", ["log_probs", "forward_kl", "reverse_kl", "jsd", "top_k"])
