@@ -135,6 +135,9 @@ def site(tmp_path_factory):
   return path, json.loads(result.read_text())
 
 
+# The site's build (mkdocs, 10 s) runs under -m exhaustive, which CI runs: the snippets above and
+# the link and index checks are the default run's share of the docs.
+@pytest.mark.exhaustive
 def test_docs_build_strict(site):
   path, build = site
   assert build["returncode"] == 0, build["output"]
@@ -182,6 +185,7 @@ def test_offsite_fetches_are_found():
   assert not offsite_fetches(local + '<link rel="stylesheet" href="assets/main.css">')
 
 
+@pytest.mark.exhaustive
 def test_docs_site_loads_nothing_from_elsewhere(site):
   """Read offline, every page shows all it has: no script, stylesheet or font from another
   host, and the math is MathML, drawn without a script."""
