@@ -107,7 +107,10 @@ def moments(
     c = x * inv - mean
     m1, m2 = pmean((mean_of(c), mean_of(jnp.square(c))))
     mean, var = mean + m1, jnp.maximum(0, m2 - m1 * m1)
-  v = var + jnp.square(se * inv)  # eps inv^2 underflows only where negligible
+  # eps inv^2, which underflows only where negligible; behind a barrier, or XLA's simplifier may
+  # form it as inv^2 * eps (jax 0.11's did): inf * 0 where eps is below the normals
+  e = lax.optimization_barrier(se * inv)
+  v = var + e * e
   # below the smallest normal only where x is constant (x_hat = 0 whatever r) and eps inv^2
   # underflowed: sigma is then sqrt(eps)
   r = lax.rsqrt(jnp.maximum(v, fi.tiny))

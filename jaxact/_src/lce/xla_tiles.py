@@ -85,11 +85,13 @@ def _factors(num: float, den: float, dtype) -> tuple[float, ...]:
 
 def _times(d: Array, factors: tuple[float, ...], clip: bool) -> Array:
   """``d`` times the product of `factors`; with `clip` (``d <= 0``) at least ``_FAR``, clipped
-  before each factor above 1 too, so that no far difference overflows to -inf."""
+  before each factor above 1 too, so that no far difference overflows to -inf. Several factors are
+  scalars behind a barrier: XLA's simplifier would fold them into one constant (jax 0.11's did),
+  the overflowing product they are there to avoid."""
   for f in factors:
     if clip and f > 1:
       d = jnp.maximum(d, _FAR)
-    d = d * f
+    d = d * (f if len(factors) == 1 else lax.optimization_barrier(jnp.asarray(f, d.dtype)))
   return jnp.maximum(d, _FAR) if clip else d
 
 
