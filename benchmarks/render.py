@@ -182,7 +182,8 @@ def provenance(job: str, job_rows: list[dict]) -> list[str]:
       f"average {m.get('load')} at its first figure."
     )
   return render.wrap(
-    " ".join(sentences) + f" Rendered from `data/{job}.rows.jsonl` by `python -m benchmarks render`."
+    " ".join(sentences)
+    + f" Rendered from `data/{job}.rows.jsonl` by `python -m benchmarks render`."
   )
 
 
@@ -194,8 +195,14 @@ def job_block(job: str, section: str | None, job_rows: list[dict]) -> list[str]:
   lines = list(module.tables(job_rows, section))
   while lines and not lines[0]:
     lines.pop(0)
-  # a section's block names the run that measured it (a rows file may hold several runs)
-  these = [r for r in job_rows if section is None or r["section"] == section]
+  # a block names the runs that measured it (a rows file may hold several runs); a whole-job
+  # block leaves out the sections its module draws only in blocks of their own
+  alone = getattr(module, "SEPARATE_SECTIONS", ())
+  these = [
+    r
+    for r in job_rows
+    if r["section"] == section or (section is None and r["section"] not in alone)
+  ]
   return [*provenance(job, these), "", *lines]
 
 

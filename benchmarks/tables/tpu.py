@@ -10,6 +10,7 @@ from benchmarks.tables.h100 import POINT as POINT
 
 GiB = 2**30
 SLICE_SECTIONS = ("slice", "slice-fit")
+SEPARATE_SECTIONS = SLICE_SECTIONS  # drawn in blocks of their own (benchmarks.render)
 
 
 def _gib(b) -> str:
@@ -123,7 +124,7 @@ def tables(rows: list[dict], section: str | None = None) -> list[str]:
   front = [r for r in rows if r["section"] not in SLICE_SECTIONS]
   if section is not None or any(r["section"] == "point" for r in front):
     lines += h100.tables(front, section)
-  for name in SLICE_SECTIONS:
+  for name in SLICE_SECTIONS if not front else ():  # a run of the slice alone: its own tables
     if any(r["section"] == name for r in rows):
       lines += ["", render.section_heading(name), "", *tables(rows, name)]
   return lines
