@@ -24,7 +24,7 @@ B, T, N, K, H = 2, 64, 4, 2, 32
 
 # None takes the XLA path off a GPU (rules.FAMILY: every target): none-float32 is that path by
 # default; bfloat16 through it is test_attention.py's half precision against float32.
-@pytest.mark.sample(1, "pallas-bfloat16", "cudnn-float32")
+@pytest.mark.sample(1, "pallas-bfloat16", "cudnn-float32", "splash-bfloat16")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("implementation", backends(FAMILY))
 def test_equals_autodiff_of_the_formula(implementation, dtype):

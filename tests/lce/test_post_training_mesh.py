@@ -290,6 +290,8 @@ def results(request, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize(
   "name", [pytest.param(n, marks=[] if n in DEFAULT else EXHAUSTIVE) for n in CASES]
 )
+# Under -m exhaustive (CI runs it): the default run's sharded LCE is tests/lce/test_log_probs.py's.
+@pytest.mark.exhaustive
 def test_sharded_equals_one_device(results, name):
   """The loss, every metric and the gradients of x, w and the bias as on one device (float32,
   relative 1e-5); under Explicit axes the gradients typed as their inputs; no collective of the

@@ -25,7 +25,15 @@ def _op(x, p, **kw):
   return jaxact.moe_mlp(x, p["gate"]["kernel"], p["w1"], p["w3"], p["w2"], top_k=K, **kw)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(score="sigmoid", normalize_top_k=False, features=6)])
+@pytest.mark.parametrize(
+  "kw",  # the sigmoid router's options: the op's own tests (tests/moe/test_moe.py) by default
+  [
+    {},
+    pytest.param(
+      dict(score="sigmoid", normalize_top_k=False, features=6), marks=pytest.mark.exhaustive
+    ),
+  ],
+)
 def test_linen_layer_is_the_op_of_its_parameters(kw):
   layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, **kw)
   x = _inputs()
