@@ -32,6 +32,7 @@ from jax import lax
 
 from benchmarks import gated, moe
 from benchmarks.harness import roofline, rows
+from jaxact._src.moe import reference
 from support import tpu
 
 CHIP = "v5p"
@@ -51,19 +52,7 @@ def megablox_product(lhs, rhs, sizes):
   return gmm(lhs, rhs, sizes, lhs.dtype, _tiles(m, k, n))
 
 
-def composition(x, router, w_gate, w_up, w_down, *, top_k, product=lax.ragged_dot):
-  """:func:`jaxact._src.moe.reference.ragged_composition` with its grouped products `product`."""
-  x = x.reshape(-1, x.shape[-1])
-  p = jax.nn.softmax((x @ router).astype(jnp.float32), -1)
-  _, idx = lax.top_k(lax.stop_gradient(p), top_k)
-  w = jnp.take_along_axis(p, idx, -1)
-  w = (w / jnp.sum(w, -1, keepdims=True)).astype(x.dtype)
-  order = jnp.argsort(idx.reshape(-1), stable=True)
-  sizes = jnp.bincount(idx.reshape(-1), length=router.shape[1]).astype(jnp.int32)
-  xs = x[order // top_k]
-  a, b = product(xs, w_gate, sizes), product(xs, w_up, sizes)
-  o = product(jax.nn.silu(a) * b, w_down, sizes)[jnp.argsort(order)]
-  return jnp.einsum("tk,tkd->td", w, o.reshape(*idx.shape, -1))
+composition = reference.ragged_composition  # its grouped products `product=`
 
 
 def loss_of(step: str, top_k: int):

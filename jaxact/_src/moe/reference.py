@@ -59,11 +59,14 @@ def moe_reference(
   return y.reshape(*lead, -1), aux
 
 
-def ragged_composition(x, router, w_gate, w_up, w_down, *, top_k, names=None):
+def ragged_composition(
+  x, router, w_gate, w_up, w_down, *, top_k, names=None, product=lax.ragged_dot
+):
   """The same op as users write it with ``jax.lax.ragged_dot`` (softmax scores, normalized top-k
   weights, dropless, silu), for JAX's autodiff to differentiate: the peer whose memory the op is
   measured against. `names`: two ``checkpoint_name``s for the gate and up projections (MaxText's
-  ``mlpwi_0`` / ``mlpwi_1``)."""
+  ``mlpwi_0`` / ``mlpwi_1``). `product`: the grouped products, ``ragged_dot``'s signature (a TPU
+  user's megablox ``gmm`` in the benchmarks)."""
   lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
   p = jax.nn.softmax((x @ router).astype(jnp.float32), -1)
   _, idx = lax.top_k(lax.stop_gradient(p), top_k)
@@ -72,9 +75,9 @@ def ragged_composition(x, router, w_gate, w_up, w_down, *, top_k, names=None):
   order = jnp.argsort(idx.reshape(-1), stable=True)
   sizes = jnp.bincount(idx.reshape(-1), length=router.shape[1]).astype(jnp.int32)
   xs = x[order // top_k]
-  a, b = lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes)
+  a, b = product(xs, w_gate, sizes), product(xs, w_up, sizes)
   if names is not None:
     a, b = checkpoint_name(a, names[0]), checkpoint_name(b, names[1])
-  o = lax.ragged_dot(jax.nn.silu(a) * b, w_down, sizes)[jnp.argsort(order)]
+  o = product(jax.nn.silu(a) * b, w_down, sizes)[jnp.argsort(order)]
   y = jnp.einsum("tk,tkd->td", w, o.reshape(*idx.shape, -1))
   return y.reshape(*lead, -1)
