@@ -60,6 +60,9 @@ def _jaxact_functions() -> dict[Callable[..., Array], str]:
 # Checked by tests/activations/test_activation_resolution.py against the functions' signatures and
 # values.
 FOREIGN_NAMESPACES = ("jax.nn", "flax.linen", "flax.nnx")
+# The attribute by which a function put in those namespaces' place while jaxact.linen.intercept
+# routes them (jaxact/_src/swap/activations.py) names the one it replaced.
+ROUTED_ORIGINAL = "_jaxact_routed_original"
 
 
 @functools.cache
@@ -70,7 +73,8 @@ def _foreign_functions(loaded: tuple[str, ...]) -> dict[Callable[..., Array], st
   for module in loaded:
     namespace = sys.modules[module]
     for name in names:
-      f = getattr(namespace, name, None)
+      # a name routed to jaxact (jaxact.linen.intercept) stands for the function it replaced
+      f = getattr(getattr(namespace, name, None), ROUTED_ORIGINAL, getattr(namespace, name, None))
       if callable(f):
         with contextlib.suppress(TypeError):  # unhashable: not a function of the namespace's
           found.setdefault(f, activations.get_spec(name).name)
@@ -81,6 +85,7 @@ def _jaxact_name(f) -> str | None:
   """The spec name of `f` if it is a public jaxact activation function or one of jax.nn's (or
   Flax's re-export of it), else None."""
   try:
+    f = getattr(f, ROUTED_ORIGINAL, f)
     name = _jaxact_functions().get(f)
     if name is None:
       loaded = tuple(m for m in FOREIGN_NAMESPACES if m in sys.modules)

@@ -1,0 +1,181 @@
+"""jax.nn's and Flax's activation functions routed to jaxact's while a routing is active, and a
+layer fused with the activation its output goes straight into.
+
+While :func:`routing` is active (on this thread), the activation functions of ``jax.nn``,
+``flax.linen`` and ``flax.nnx`` that jaxact's spec table computes with the same parameters
+(``resolve.FOREIGN_NAMESPACES``) run jaxact's function of the same name. The namespaces' attributes
+are replaced while any routing is active on any thread; on a thread without one, and inside
+jaxact's own code (which calls jax.nn), the replacement calls the function it replaced. A call
+jaxact refuses (an integer input, an argument it lacks) runs the original and is reported.
+
+A routed layer (:func:`offer`) registers its output with a ``fuse(activation)`` that computes
+``activation(layer(x))`` as one jaxact op. An activation called on exactly that array (the same
+object: nothing between them) returns the fused op's output instead; under ``jax.jit`` the layer's
+own output, then unused, is removed by XLA, so the step keeps what the fused op keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxact._src.activations import api as activations
+from jaxact._src.activations import resolve
+from jaxact._src.core.spec import ALIASES
+from jaxact._src.swap.report import Report
+
+# Not elementwise: routed, never fused into a layer's epilogue.
+_NOT_FUSED = frozenset({"glu", "softmax", "log_softmax"})
+
+
+@dataclasses.dataclass
+class _Offer:
+  y: Any  # the layer's output (kept to compare identity: an id alone could be reused)
+  where: str
+  what: str
+  op: str
+  fuse: Callable[[Any], Any]
+  fused: bool = False
+
+
+@dataclasses.dataclass
+class Routing:
+  """One active routing: its report and the layers' outputs offered for fusion."""
+
+  report: Report
+  offers: dict[int, _Offer] = dataclasses.field(default_factory=dict)
+
+  def activation(self, what: str, name: str, original, args, kwargs):
+    x = args[0] if args else kwargs.get("x")
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      why = f"input {type(x).__name__} of dtype {dtype}: not a float array"
+      self.report.add("", what, None, why)
+      return original(*args, **kwargs)
+    function = activations.get_activation(name)
+    offer = self.offers.get(id(x))
+    if offer is not None and offer.y is x and name not in _NOT_FUSED:
+      try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+        params = {k: v for k, v in bound.arguments.items() if k != "x"}
+        act = functools.partial(function, **params) if params else name
+        with inside():
+          out = offer.fuse(act)
+      except (TypeError, ValueError, NotImplementedError) as e:
+        self.report.add(offer.where, f"{offer.what} + {what}", None, f"not fused: {e}")
+      else:
+        offer.fused = True
+        self.report.add(offer.where, f"{offer.what} + {what}", f"jaxact.{offer.op}({name})")
+        return out
+    try:
+      with inside():
+        out = function(*args, **kwargs)
+    except (TypeError, ValueError, NotImplementedError) as e:
+      self.report.add("", what, None, str(e))
+      return original(*args, **kwargs)
+    self.report.add("", what, f"jaxact.{name}")
+    return out
+
+  def close(self) -> None:
+    for offer in self.offers.values():
+      if not offer.fused:
+        self.report.add(offer.where, offer.what, f"jaxact.{offer.op}")
+    self.offers.clear()
+
+
+class _Local(threading.local):
+  def __init__(self):
+    self.stack: list[Routing] = []
+    self.inside = 0
+
+
+_local = _Local()
+_lock = threading.Lock()
+_active = 0  # routings active on every thread: the namespaces are patched while it is positive
+_replaced: list[tuple[Any, str, Any]] = []  # (namespace, name, original)
+
+
+def current() -> Routing | None:
+  """This thread's innermost routing, or None (none active, or inside jaxact's own code)."""
+  return _local.stack[-1] if _local.stack and not _local.inside else None
+
+
+@contextlib.contextmanager
+def inside() -> Iterator[None]:
+  """jaxact's own code runs: the namespaces' functions are the originals again."""
+  _local.inside += 1
+  try:
+    yield
+  finally:
+    _local.inside -= 1
+
+
+def offer(y, *, where: str, what: str, op: str, fuse: Callable[[Any], Any]) -> None:
+  """Register `y`, the output of layer `what` at `where` computed by jaxact's `op`, with
+  ``fuse(activation) -> activation(layer(x))`` as one op; reported at the routing's end as
+  taken unfused unless an activation fused it."""
+  if (r := current()) is not None:
+    r.offers[id(y)] = _Offer(y, where, what, op, fuse)
+
+
+def _routed(namespace: str, attr: str, name: str, original):
+  what = f"{namespace}.{attr}"
+
+  @functools.wraps(original)
+  def routed(*args, **kwargs):
+    r = current()
+    if r is None:
+      return original(*args, **kwargs)
+    return r.activation(what, name, original, args, kwargs)
+
+  setattr(routed, resolve.ROUTED_ORIGINAL, original)
+  return routed
+
+
+def _patch() -> None:
+  names = [n for n in (*activations.ACTIVATIONS, *ALIASES) if n != "identity"]
+  for namespace in resolve.FOREIGN_NAMESPACES:
+    module = sys.modules.get(namespace)
+    if module is None:
+      continue
+    known = resolve._foreign_functions((namespace,))
+    for attr in names:
+      f = getattr(module, attr, None)
+      if f is not None and not hasattr(f, resolve.ROUTED_ORIGINAL) and f in known:
+        _replaced.append((module, attr, f))
+        setattr(module, attr, _routed(namespace, attr, known[f], f))
+
+
+def _unpatch() -> None:
+  while _replaced:
+    module, attr, f = _replaced.pop()
+    setattr(module, attr, f)
+
+
+@contextlib.contextmanager
+def routing(report: Report) -> Iterator[Routing]:
+  """Route the activation functions (and fuse offered layers) until the block ends."""
+  global _active
+  r = Routing(report)
+  with _lock:
+    if _active == 0:
+      _patch()
+    _active += 1
+  _local.stack.append(r)
+  try:
+    yield r
+  finally:
+    _local.stack.pop()
+    r.close()
+    with _lock:
+      _active -= 1
+      if _active == 0:
+        _unpatch()
