@@ -42,6 +42,8 @@ from jaxact._src.norm_act.linen import GroupNorm as GroupNorm  # noqa: E402 (aft
 from jaxact._src.norm_act.linen_conv import NormActConv as NormActConv  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.linen import RMSNorm as RMSNorm  # noqa: E402 (after the check)
+from jaxact._src.swap.linen import intercept as intercept  # noqa: E402 (after the check)
+from jaxact._src.swap.report import Report as Report  # noqa: E402 (after the check)
 
 __all__ = [
   "DenseAct",
@@ -57,4 +59,6 @@ __all__ = [
   "ConvNormAct",
   "NormActConv",
   "dot_product_attention",
+  "intercept",
+  "Report",
 ]

@@ -101,6 +101,7 @@ _local = _Local()
 _lock = threading.Lock()
 _active = 0  # routings active on every thread: the namespaces are patched while it is positive
 _replaced: list[tuple[Any, str, Any]] = []  # (namespace, name, original)
+_wrappers: dict[Any, Any] = {}  # original function -> its routed wrapper (the first namespace's)
 
 
 def current() -> Routing | None:
@@ -151,10 +152,24 @@ def _patch() -> None:
       f = getattr(module, attr, None)
       if f is not None and not hasattr(f, resolve.ROUTED_ORIGINAL) and f in known:
         _replaced.append((module, attr, f))
-        setattr(module, attr, _routed(namespace, attr, known[f], f))
+        setattr(module, attr, wrapper := _routed(namespace, attr, known[f], f))
+        _wrappers.setdefault(f, wrapper)
+
+
+def routed(value):
+  """The routed version of `value` when it is an activation function the namespaces hold (or a
+  ``functools.partial`` of one), as a module attribute such as ``act: Callable = nn.relu`` holds
+  it; else None."""
+  try:
+    if isinstance(value, functools.partial) and value.func in _wrappers:
+      return functools.partial(_wrappers[value.func], *value.args, **value.keywords)
+    return _wrappers.get(value)
+  except TypeError:  # unhashable
+    return None
 
 
 def _unpatch() -> None:
+  _wrappers.clear()
   while _replaced:
     module, attr, f = _replaced.pop()
     setattr(module, attr, f)
