@@ -155,10 +155,8 @@ def _where(module: nn.Module) -> str:
 
 
 def _what(module: nn.Module) -> str:
-  for cls in type(module).__mro__:
-    if cls.__module__.startswith("flax.linen"):
-      return f"flax.linen.{cls.__name__}"
-  return type(module).__name__
+  cls = type(module)
+  return f"flax.linen.{cls.__name__}" if cls.__module__.startswith("flax.linen") else cls.__name__
 
 
 def _layer(layer: _Layer, module, next_fun, args, kwargs, report: Report):
@@ -230,7 +228,9 @@ def _interceptor(report: Report):
     if type(module) in ATTENTION:
       return _attention(module, next_fun, args, kwargs, report)
     if isinstance(module, (*LAYERS, *ATTENTION)) and not _is_jaxact(module):
-      report.add(_where(module), _what(module), None, "a subclass: its own call runs")
+      flax = next(c for c in type(module).__mro__ if c in LAYERS or c in ATTENTION)
+      why = f"a subclass of flax.linen.{flax.__name__}: its own call runs"
+      report.add(_where(module), _what(module), None, why)
     with _routed_fields(module):
       return next_fun(*args, **kwargs)
 

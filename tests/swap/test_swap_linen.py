@@ -1,0 +1,173 @@
+"""``jaxact.linen.intercept``: Flax models run unchanged on jaxact's ops, compared with the same
+models without it (Flax's own modules and jax.nn: the independent reference)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxact.linen as jnn
+import lm1b_example as lm1b
+import resnet_example as resnet
+
+
+def _close(a, b, rtol, atol):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+TOKENS = jnp.array([[3, 5, 7, 9, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])  # padding in row 0
+
+
+def _lm1b(dtype=jnp.float32):
+  model = lm1b.TransformerLM(lm1b.Config(dtype=dtype, deterministic=True))
+  params = model.init(jax.random.key(0), TOKENS)["params"]
+  return model, jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def test_lm1b_runs_unchanged_with_flax_s_parameters_logits_and_gradients():
+  model, params = _lm1b()
+  with jnn.intercept():
+    same = model.init(jax.random.key(0), TOKENS)["params"]
+  assert jax.tree.structure(same) == jax.tree.structure(params)
+  _close(same, params, 0, 0)  # the same initializers drawing the same keys
+
+  def loss(params):  # and every logit, the padding rows' too (their every key is masked)
+    logits = model.apply({"params": params}, TOKENS)
+    return lm1b.weighted_cross_entropy(logits, TOKENS), logits
+
+  want = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  with jnn.intercept() as report:
+    got = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  _close(got, want, 2e-5, 2e-6)
+  ran = {(c.what, c.ran) for c in report.calls}
+  assert ("flax.linen.Dense + flax.linen.relu", "jaxact.dense_bias_act(relu)") in ran
+  assert ("flax.linen.SelfAttention", "jaxact.dot_product_attention") in ran
+  assert ("flax.linen.LayerNorm", "jaxact.layer_norm") in ran
+  assert ("jax.nn.log_softmax", "jaxact.log_softmax") in ran
+  assert report.left == [] and len(report.taken) == 2 * 5 + 3
+  assert jax.nn.relu is nn.relu and not hasattr(nn.relu, "_jaxact_routed_original")  # given back
+
+
+@pytest.mark.exhaustive  # the float32 test runs the same calls by default
+def test_lm1b_in_float64_to_float64_rounding():
+  with jax.enable_x64(True):
+    model, params = _lm1b(jnp.float64)
+    loss = functools.partial(lm1b.loss_fn, model)
+    want = jax.jit(jax.value_and_grad(loss))(params, TOKENS)
+    with jnn.intercept():
+      got = jax.jit(jax.value_and_grad(loss))(params, TOKENS)
+    assert got[0].dtype == jnp.float64
+    _close(got, want, 1e-11, 1e-13)
+
+
+@pytest.mark.exhaustive  # steps agreeing: the ResNet test's by default
+def test_lm1b_trains_the_same_with_dropout_off_and_draws_dropout_with_it_on():
+  model, params = _lm1b()
+  tx = optax.adam(1e-2)
+
+  def train(params, steps=3):
+    state = tx.init(params)
+    step = jax.jit(jax.value_and_grad(functools.partial(lm1b.loss_fn, model)))
+    for _ in range(steps):
+      loss, grads = step(params, TOKENS)
+      updates, state = tx.update(grads, state)
+      params = optax.apply_updates(params, updates)
+    return loss, params
+
+  want = train(params)
+  with jnn.intercept():
+    got = train(params)
+  _close(got, want, 1e-4, 1e-5)
+  dropping = lm1b.TransformerLM(lm1b.Config())  # dropout 0.1 everywhere: a finite, changed loss
+  with jnn.intercept():
+    a, b = (lm1b.loss_fn(dropping, params, TOKENS, jax.random.key(k)) for k in (1, 2))
+  assert np.isfinite(a) and a != b
+
+
+def test_resnet_batch_norm_statistics_and_steps_match_flax_under_its_axis_name():
+  model = resnet.ResNet(
+    stage_sizes=[1, 1], block_cls=resnet.ResNetBlock, num_classes=10, num_filters=8
+  )
+  images = jax.random.normal(jax.random.key(1), (2, 2, 16, 16, 3))  # 2 "devices" of 2 images
+  batch = {"image": images, "label": jnp.array([[1, 2], [3, 4]])}
+  init = jax.vmap(lambda x: model.init(jax.random.key(0), x, train=False), axis_name="batch")
+  variables = jax.tree.map(lambda a: a[0], init(images))
+  momentum = optax.sgd(0.1, momentum=0.9, nesterov=True).init(variables["params"])
+  step = jax.vmap(
+    functools.partial(resnet.train_step, model.apply),
+    in_axes=(None, None, None, 0),
+    axis_name="batch",
+  )
+
+  def two_steps():  # a new function each time: jit's cache keeps what a function traced
+    state = (variables["params"], variables["batch_stats"], momentum)
+    for _ in range(2):
+      *state, metrics = step(*state, batch)
+      state = jax.tree.map(lambda a: a[0], state)
+    return state, metrics
+
+  want = jax.jit(two_steps)()
+  with jnn.intercept() as report:
+    got = jax.jit(lambda: two_steps())()
+  _close(got, want, 2e-4, 2e-5)
+  ran = {(c.what, c.ran) for c in report.calls}
+  assert ("flax.linen.BatchNorm + jax.nn.relu", "jaxact.batch_norm_act(relu)") in ran  # self.act
+  assert ("flax.linen.BatchNorm + flax.linen.relu", "jaxact.batch_norm_act(relu)") in ran
+  assert report.left == []
+
+
+class _Odd(nn.Module):
+  """What the interceptor must leave to Flax: each reported with its reason."""
+
+  act: Callable = nn.gelu
+
+  @nn.compact
+  def __call__(self, x):
+    custom = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+    x = nn.Dense(8, dot_general=custom)(x)
+    x = type("MyDense", (nn.Dense,), {})(8)(x)  # a subclass: its own call
+    x = nn.LayerNorm(reduction_axes=(-2, -1), feature_axes=-1)(x)  # a scale per feature only
+    x = self.act(nn.Dense(8)(x))  # an attribute holding jax.nn.gelu: routed and fused
+    return nn.relu(x.astype(jnp.int32))  # integers: jax.nn's own
+
+
+def test_what_it_cannot_take_runs_flax_s_code_and_says_why():
+  x = jax.random.normal(jax.random.key(0), (3, 4, 8))
+  params = _Odd().init(jax.random.key(1), x)
+  with jnn.intercept() as report:
+    got = _Odd().apply(params, x)
+  np.testing.assert_array_equal(got, _Odd().apply(params, x))
+  left = {c.what: c.why for c in report.left}
+  assert left["flax.linen.Dense"] == "a custom dot_general / dot_general_cls"
+  assert left["MyDense"] == "a subclass of flax.linen.Dense: its own call runs"
+  assert "feature_axes" in left["flax.linen.LayerNorm"]
+  assert "int32" in left["flax.linen.relu"]
+  ran = {(c.what, c.ran) for c in report.taken}
+  assert ("flax.linen.Dense + jax.nn.gelu", "jaxact.dense_bias_act(gelu)") in ran
+  assert "left" in str(report) and "taken" in str(report)
+
+
+def test_the_decorator_form_routes_what_jit_traces_and_prints_its_report(capsys):
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  layer = nn.Dense(16)
+  params = layer.init(jax.random.key(1), x)
+
+  @jax.jit
+  @jnn.intercept(report=True)
+  def f(params, x):
+    return jax.nn.silu(layer.apply(params, x))
+
+  np.testing.assert_allclose(f(params, x), jax.nn.silu(layer.apply(params, x)), rtol=1e-6)
+  assert "flax.linen.Dense + jax.nn.silu -> jaxact.dense_bias_act(silu)" in capsys.readouterr().out
+
+
+def test_bad_arguments_name_themselves():
+  with pytest.raises(TypeError, match=r"jaxact.linen.intercept: `report` must be True or False"):
+    jnn.intercept(report="yes")
