@@ -43,6 +43,9 @@ JOBS = {
   "lm": Job("lm", "a byte-level LM trained with Flax and with jaxact: the losses"),
   "dropin": Job("dropin", "jaxact swapped into a Flax example's MLP block"),
   "gemma": Job("gemma", "Flax's Gemma example ported to jaxact"),
+  "oneline": Job(
+    "oneline", "Flax's lm1b and ResNet-50 unchanged under jaxact.linen.intercept", cpu=True
+  ),
   "h100": Job(
     "h100", "the main job's frontiers compiled for an H100, step time estimated", cpu=True
   ),

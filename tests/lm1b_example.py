@@ -34,6 +34,7 @@ class Config:
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
   deterministic: bool = False
+  remat: bool = False  # each block under nn.remat (the user's own memory saving; not in lm1b)
   kernel_init: Callable = XAVIER
   bias_init: Callable = TINY_NORMAL
 
@@ -82,23 +83,29 @@ class DecoderBlock(nn.Module):
     return x + MlpBlock(c)(nn.LayerNorm(dtype=c.dtype)(x))
 
 
+def decoder(c: Config, inputs):
+  """The model up to the head's input, its modules created in the calling module's compact call."""
+  mask = nn.combine_masks(
+    nn.make_attention_mask(inputs > 0, inputs > 0, dtype=c.dtype),
+    nn.make_causal_mask(inputs, dtype=c.dtype),
+  )
+  y = jnp.pad(inputs, ((0, 0), (1, 0)))[:, :-1]  # shifted right
+  y = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=nn.initializers.normal(1.0))(y)
+  y = y + _sinusoids(c.max_len, c.emb_dim)[:, : inputs.shape[1]]
+  y = nn.Dropout(rate=c.dropout_rate)(y, deterministic=c.deterministic).astype(c.dtype)
+  block = nn.remat(DecoderBlock) if c.remat else DecoderBlock
+  for i in range(c.num_layers):
+    y = block(c, name=f"encoderdecoderblock_{i}")(y, mask)
+  return nn.LayerNorm(dtype=c.dtype, name="encoderdecoder_norm")(y)
+
+
 class TransformerLM(nn.Module):
   config: Config
 
   @nn.compact
   def __call__(self, inputs):
     c = self.config
-    mask = nn.combine_masks(
-      nn.make_attention_mask(inputs > 0, inputs > 0, dtype=c.dtype),
-      nn.make_causal_mask(inputs, dtype=c.dtype),
-    )
-    y = jnp.pad(inputs, ((0, 0), (1, 0)))[:, :-1]  # shifted right
-    y = nn.Embed(c.vocab_size, c.emb_dim, embedding_init=nn.initializers.normal(1.0))(y)
-    y = y + _sinusoids(c.max_len, c.emb_dim)[:, : inputs.shape[1]]
-    y = nn.Dropout(rate=c.dropout_rate)(y, deterministic=c.deterministic).astype(c.dtype)
-    for i in range(c.num_layers):
-      y = DecoderBlock(c, name=f"encoderdecoderblock_{i}")(y, mask)
-    y = nn.LayerNorm(dtype=c.dtype, name="encoderdecoder_norm")(y)
+    y = decoder(c, inputs)
     dense = dict(dtype=c.dtype, kernel_init=c.kernel_init, bias_init=c.bias_init)
     return nn.Dense(c.vocab_size, name="logitdense", **dense)(y).astype(c.dtype)
 

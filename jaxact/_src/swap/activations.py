@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxact._src.activations import api as activations
 from jaxact._src.activations import resolve
 from jaxact._src.core.spec import ALIASES
-from jaxact._src.swap.report import Report
+from jaxact._src.swap.report import Call, Report
 
 # Not elementwise: routed, never fused into a layer's epilogue.
 _NOT_FUSED = frozenset({"glu", "softmax", "log_softmax"})
@@ -42,8 +42,11 @@ class _Offer:
   where: str
   what: str
   op: str
-  fuse: Callable[[Any], Any]
+  fuse: Callable[..., Any]  # (activation, dropout=None) -> the fused op's output
   fused: bool = False
+  activation: Any = None  # the activation fused already: only a dropout may follow
+  drops: bool = False  # the op can end with a dropout
+  line: int | None = None  # the report's line of the activation fused already
 
 
 @dataclasses.dataclass
@@ -62,7 +65,7 @@ class Routing:
       return original(*args, **kwargs)
     function = activations.get_activation(name)
     offer = self.offers.get(id(x))
-    if offer is not None and offer.y is x and name not in _NOT_FUSED:
+    if offer is not None and offer.y is x and offer.activation is None and name not in _NOT_FUSED:
       try:
         bound = inspect.signature(function).bind(*args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "x"}
@@ -74,6 +77,14 @@ class Routing:
       else:
         offer.fused = True
         self.report.add(offer.where, f"{offer.what} + {what}", f"jaxact.{offer.op}({name})")
+        if offer.drops:  # a dropout straight after may join the op too
+          self.offers[id(out)] = dataclasses.replace(
+            offer,
+            y=out,
+            what=f"{offer.what} + {what}",
+            activation=act,
+            line=len(self.report.calls) - 1,
+          )
         return out
     try:
       with inside():
@@ -119,12 +130,42 @@ def inside() -> Iterator[None]:
     _local.inside -= 1
 
 
-def offer(y, *, where: str, what: str, op: str, fuse: Callable[[Any], Any]) -> None:
+def offer(
+  y, *, where: str, what: str, op: str, fuse: Callable[..., Any], drops: bool = False
+) -> None:
   """Register `y`, the output of layer `what` at `where` computed by jaxact's `op`, with
-  ``fuse(activation) -> activation(layer(x))`` as one op; reported at the routing's end as
+  ``fuse(activation, dropout=None) -> activation(layer(x))`` as one op (`drops`: then dropped by
+  ``dropout = (rate, key, broadcast_dims)``, Flax's formula); reported at the routing's end as
   taken unfused unless an activation fused it."""
   if (r := current()) is not None:
-    r.offers[id(y)] = _Offer(y, where, what, op, fuse)
+    r.offers[id(y)] = _Offer(y, where, what, op, fuse, drops=drops)
+
+
+def offered(x) -> _Offer | None:
+  """The offer of an op that gave `x` (exactly that array) and can end with a dropout, or None."""
+  r = current()
+  offer = None if r is None else r.offers.get(id(x))
+  return offer if offer is not None and offer.y is x and offer.drops else None
+
+
+def dropped(x, rate: float, key, broadcast_dims, what: str):
+  """The offered op that gave `x` (exactly that array) ending with the dropout, or None where no
+  offered op that can end with one gave it."""
+  r, offer = current(), offered(x)
+  if r is None or offer is None:
+    return None
+  with inside():
+    out = offer.fuse(offer.activation, (rate, key, tuple(broadcast_dims)))
+  name = offer.activation if isinstance(offer.activation, str) else "identity"
+  if isinstance(offer.activation, functools.partial):
+    name = offer.activation.func.__name__
+  call = Call(offer.where, f"{offer.what} + {what}", f"jaxact.{offer.op}({name}, dropout)")
+  if offer.line is not None:  # one op: its line replaces the activation's
+    r.report.calls[offer.line] = call
+  else:
+    r.report.calls.append(call)
+  offer.fused = True
+  return out
 
 
 def _routed(namespace: str, attr: str, name: str, original):

@@ -101,6 +101,7 @@ class _Layer:
   op: str
   refuse: Any = None  # (module, args, kwargs) -> why Flax's call runs instead, or None
   fuses: bool = False  # offers its output for an activation
+  drops: bool = False  # the op can end with nn.Dropout's dropout
 
   @functools.cached_property
   def call(self):
@@ -140,7 +141,7 @@ def _masked(m, args, kwargs):
 
 
 LAYERS: dict[type, _Layer] = {
-  nn.Dense: _Layer(fused_linen.DenseAct, "dense_bias_act", _custom_dot, fuses=True),
+  nn.Dense: _Layer(fused_linen.DenseAct, "dense_bias_act", _custom_dot, fuses=True, drops=True),
   nn.Conv: _Layer(fused_linen.ConvAct, "conv_bias_act", _custom_conv, fuses=True),
   nn.LayerNorm: _Layer(norms_linen.LayerNorm, "layer_norm", _norm_refused),
   nn.RMSNorm: _Layer(norms_linen.RMSNorm, "rms_norm", _norm_refused),
@@ -171,11 +172,32 @@ def _layer(layer: _Layer, module, next_fun, args, kwargs, report: Report):
     report.add(where, what, f"jaxact.{layer.op}")
     return y
 
-  def fuse(activation):
-    return layer.call(view.replay(activation=activation), *args, **kwargs)
+  def fuse(activation, dropout=None):
+    extra = {"activation": "identity" if activation is None else activation}
+    if dropout is None:
+      return layer.call(view.replay(**extra), *args, **kwargs)
+    rate, key, dims = dropout
+    extra |= {"dropout_rate": rate, "dropout_broadcast_dims": dims, "deterministic": False}
+    return layer.call(view.replay(**extra), *args, rng=key, **kwargs)
 
-  activations.offer(y, where=where, what=what, op=layer.op, fuse=fuse)
+  activations.offer(y, where=where, what=what, op=layer.op, fuse=fuse, drops=layer.drops)
   return y
+
+
+def _dropout(module, next_fun, args, kwargs, report: Report):
+  """``nn.Dropout`` of an offered op's output: the op ends with it (Flax's key and formula: the
+  same bits), keeping no mask; any other dropout is Flax's."""
+  x = args[0] if args else kwargs.get("inputs")
+  deterministic = args[1] if len(args) > 1 else kwargs.get("deterministic")
+  rng = args[2] if len(args) > 2 else kwargs.get("rng")
+  deterministic = nn.merge_param("deterministic", module.deterministic, deterministic)
+  if deterministic or not 0 < module.rate < 1:
+    return next_fun(*args, **kwargs)
+  offered = activations.offered(x)
+  if offered is None:
+    return next_fun(*args, **kwargs)
+  key = rng if rng is not None else module.make_rng(module.rng_collection)
+  return activations.dropped(x, module.rate, key, module.broadcast_dims, "flax.linen.Dropout")
 
 
 def _keyless_rows_as_flax(out, value, mask):
@@ -227,6 +249,8 @@ def _interceptor(report: Report):
       return _layer(layer, module, next_fun, args, kwargs, report)
     if type(module) in ATTENTION:
       return _attention(module, next_fun, args, kwargs, report)
+    if type(module) is nn.Dropout:
+      return _dropout(module, next_fun, args, kwargs, report)
     if isinstance(module, (*LAYERS, *ATTENTION)) and not _is_jaxact(module):
       flax = next(c for c in type(module).__mro__ if c in LAYERS or c in ATTENTION)
       why = f"a subclass of flax.linen.{flax.__name__}: its own call runs"

@@ -1,0 +1,143 @@
+"""`python -m benchmarks oneline [--sections lm1b,lm1b-h100,resnet,resnet-h100]`: Flax's examples
+trained under jaxact's one line (``jaxact.linen.intercept``), the models as written.
+
+The compiled temp of one training step (``jit(value_and_grad)``, dropout on as the examples train)
+of Flax's lm1b LM (its default size: 6 blocks, D 512, MLP 2048, 8 heads, V 30000; 32 sequences of
+128 tokens, the example's per-device batch) and ImageNet ResNet-50 (32 images of 224 x 224, batch
+statistics under the example's ``axis_name``), the models of ``tests/lm1b_example.py`` and
+``tests/resnet_example.py``. Ways: the example as written; the same with each block under
+``nn.remat`` (the user's own saving); the one line; the one line with remat; and for lm1b the one
+line with the head's one change (``jaxact.linen.LMHead`` given the labels: the loss without the
+``(tokens x vocabulary)`` logits). On CPU in float32 and compiled for an H100 in bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import jaxact.linen as jnn
+import support
+from benchmarks.harness import rows
+from benchmarks.tables import oneline as page
+from support import examples
+
+SECTIONS = ("lm1b", "lm1b-h100", "resnet", "resnet-h100")
+LM1B = dict(vocab_size=30000, emb_dim=512, num_heads=8, num_layers=6, qkv_dim=512, mlp_dim=2048)
+LM1B_BATCH, LM1B_LENGTH, RESNET_BATCH = 32, 128, 32
+
+
+def _lm1b(dtype, remat: bool, head: bool):
+  lm1b = examples.load("lm1b_example")
+  import flax.linen as nn
+
+  c = lm1b.Config(**LM1B, max_len=LM1B_LENGTH, dtype=dtype, remat=remat)
+
+  class WithHead(nn.Module):  # the one change: the head given the labels returns the loss
+    @nn.compact
+    def __call__(self, inputs):
+      y = lm1b.decoder(c, inputs)
+      head = jnn.LMHead(c.vocab_size, dtype=c.dtype, kernel_init=c.kernel_init, name="logitdense")
+      return head(y, inputs, where=inputs > 0)
+
+  model = WithHead() if head else lm1b.TransformerLM(c)
+  tokens = jax.ShapeDtypeStruct((LM1B_BATCH, LM1B_LENGTH), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones(tokens.shape, jnp.int32)))
+
+  def loss(params, tokens):
+    out = model.apply(params, tokens, rngs={"dropout": jax.random.key(1)})
+    return out if head else lm1b.weighted_cross_entropy(out, tokens)
+
+  return loss, params, tokens
+
+
+def _resnet(dtype, remat: bool):
+  resnet = examples.load("resnet_example")
+  import flax.linen as nn
+
+  block = nn.remat(resnet.BottleneckResNetBlock) if remat else resnet.BottleneckResNetBlock
+  model = resnet.ResNet50(num_classes=1000, dtype=dtype, block_cls=block)
+  images = jax.ShapeDtypeStruct((1, RESNET_BATCH, 224, 224, 3), dtype)
+  init = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="batch")
+  variables = jax.eval_shape(init, jnp.zeros(images.shape, dtype))
+
+  def loss(variables, images):
+    def one(variables, x):
+      logits, _ = model.apply(variables, x, mutable=["batch_stats"])
+      return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), -1) - logits[:, 0])
+
+    return jax.vmap(one, axis_name="batch")(variables, images).mean()
+
+  return loss, variables, images
+
+
+def _temp(loss, params, x, gpu: bool) -> int:
+  leaves, tree = jax.tree.flatten(params)
+
+  def step(x, *leaves):
+    return jax.value_and_grad(loss)(jax.tree.unflatten(tree, leaves), x)
+
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *leaves)]
+  if gpu:
+    compiled = support.compile_for(step, shapes)
+  else:
+    compiled = jax.jit(step).lower(*shapes).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def measure(section: str) -> list[str]:
+  gpu = section.endswith("-h100")
+  dtype = jnp.bfloat16 if gpu else jnp.float32
+  if section.startswith("lm1b"):
+    model, size = "Flax's lm1b LM", f"{LM1B_BATCH} x {LM1B_LENGTH} tokens, D 512, 6 blocks, V 30000"
+    ways = {
+      "the example": (False, False, False),
+      "the example + remat": (False, True, False),
+      "one line": (True, False, False),
+      "one line + remat": (True, True, False),
+      "one line + the head's change": (True, False, True),
+      "one line + the head's change + remat": (True, True, True),
+    }
+    build = {
+      w: functools.partial(_lm1b, dtype, remat, head) for w, (_, remat, head) in ways.items()
+    }
+  else:
+    model, size = "Flax's ImageNet ResNet-50", f"{RESNET_BATCH} images of 224 x 224"
+    ways = {
+      "the example": (False, False),
+      "the example + remat": (False, True),
+      "one line": (True, False),
+      "one line + remat": (True, True),
+    }
+    build = {w: functools.partial(_resnet, dtype, remat) for w, (_, remat) in ways.items()}
+  base = None
+  for way, spec in ways.items():
+    loss, params, x = build[way]()
+    if spec[0]:
+      with jnn.intercept():
+        temp = _temp(loss, params, x, gpu)
+    else:
+      temp = _temp(loss, params, x, gpu)
+    base = temp if base is None else base
+    rows.add(section, way, way=way, model=model, size=size, temp_bytes=temp, ratio=temp / base)
+    print(f"  {section}: {way}: {temp / 2**20:.1f} MiB ({temp / base:.2f}x)", flush=True)
+  return page.tables(rows.current().rows, section)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sections", default=",".join(SECTIONS))
+  parser.add_argument("--out", default="bench-out", help="the folder of oneline.rows.jsonl")
+  a = parser.parse_args(argv)
+  wanted = a.sections.split(",")
+  if unknown := [s for s in wanted if s not in SECTIONS]:
+    parser.error(f"sections {unknown} are not known; choose from {', '.join(SECTIONS)}")
+  if any(s.endswith("-h100") for s in wanted) and not support.use_gpu_compiler():
+    print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
+    return 1
+  for section in wanted:
+    print("\n".join(measure(section)), flush=True)
+  return 0

@@ -1,0 +1,27 @@
+"""The oneline job's tables from its rows (sections ``lm1b``, ``lm1b-h100``, ``resnet``,
+``resnet-h100``)."""
+
+from __future__ import annotations
+
+from benchmarks.harness import render
+
+
+def _cells(f: dict) -> list[str]:
+  return [f["way"], f"{f['temp_bytes'] / 2**20:.1f}", f"{f['ratio']:.2f}x"]
+
+
+TABLE = render.Table(("way", "temp MiB", "/ the example as written"), _cells, "lrr")
+WHERE = {"": "CPU, float32", "-h100": "compiled for an H100 on this machine, bfloat16"}
+
+
+def _draw(rows: list[dict], section: str) -> list[str]:
+  if not rows:
+    return []
+  f = rows[0]["figures"]
+  where = WHERE["-h100" if section.endswith("-h100") else ""]
+  return [f"{f['model']}, {f['size']}; {where}.", "", *TABLE.lines(rows)]
+
+
+def tables(rows: list[dict], section: str | None = None) -> list[str]:
+  draw = {s: _draw for s in ("lm1b", "lm1b-h100", "resnet", "resnet-h100")}
+  return render.by_section(draw, rows, section)
