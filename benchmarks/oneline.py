@@ -81,10 +81,7 @@ def _temp(loss, params, x, gpu: bool) -> int:
     return jax.value_and_grad(loss)(jax.tree.unflatten(tree, leaves), x)
 
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *leaves)]
-  if gpu:
-    compiled = support.compile_for(step, shapes)
-  else:
-    compiled = jax.jit(step).lower(*shapes).compile()
+  compiled = support.compile_for(step, shapes) if gpu else jax.jit(step).lower(*shapes).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
 
