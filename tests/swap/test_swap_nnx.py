@@ -80,7 +80,7 @@ def _cnn_batch(dtype=jnp.float32):
 def _cast(model, dtype=jnp.float64):
   """`model` with its floating-point state in `dtype`."""
   state = nnx.state(model)
-  cast = lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v  # noqa: E731
+  cast = lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
   nnx.update(model, jax.tree.map(cast, state))
   return model
 
@@ -155,7 +155,7 @@ def test_transformer_trains_as_the_flax_original():
 
 @pytest.mark.exhaustive
 def test_swapped_without_and_with_the_routing_train_as_the_flax_original():
-  make = lambda: LM(acts=("gelu", "relu"), rngs=nnx.Rngs(0))  # noqa: E731
+  make = lambda: LM(acts=("gelu", "relu"), rngs=nnx.Rngs(0))
   _, routing = _parity(make, _lm_batch(), 2e-5)
   fused = {c.ran for c in routing.taken if c.what.startswith("flax.nnx.Linear + ")}
   assert fused == {"jaxact.dense_bias_act(gelu)", "jaxact.dense_bias_act(relu)"}
@@ -163,7 +163,7 @@ def test_swapped_without_and_with_the_routing_train_as_the_flax_original():
 
 
 def test_cnn_trains_as_the_flax_original_batch_stats_included():
-  make = lambda: CNN(rngs=nnx.Rngs(0))  # noqa: E731
+  make = lambda: CNN(rngs=nnx.Rngs(0))
   report, routing = _parity(make, _cnn_batch(), 2e-5, routes=(True,))
   assert {c.ran for c in report.taken} == {
     "jaxact.nnx.ConvAct",

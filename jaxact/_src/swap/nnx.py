@@ -283,7 +283,8 @@ def swap(model: nnx.Module, report: bool = False) -> Report:
   Examples:
     >>> from flax import nnx
     >>> from jaxact import nnx as jnnx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs))
     >>> print(jnnx.swap(model))
     2 taken, 0 left
          1 x flax.nnx.Linear -> jaxact.nnx.LinearAct
