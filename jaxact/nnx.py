@@ -11,8 +11,9 @@ mixture-of-experts block (router ``gate``, experts ``w1`` / ``w3`` / ``w2``) as 
 that, called with labels, returns :func:`jaxact.linear_cross_entropy` of its kernel and bias;
 ``attend_cross_entropy`` is that loss for a head tied to an ``nnx.Embed`` (its ``attend``).
 ``RMSNorm`` and ``LayerNorm`` are Flax's, computed by :func:`jaxact.rms_norm` /
-:func:`jaxact.layer_norm` (keeping their output). This module imports Flax; ``import jaxact``
-alone does not::
+:func:`jaxact.layer_norm` (keeping their output). ``swap(model)`` turns a model's own Flax layers
+into these, in place, and ``route_activations()`` routes its activation functions to jaxact's
+(docs/one-line.md). This module imports Flax; ``import jaxact`` alone does not::
 
   from flax import nnx
   from jaxact import nnx as jnnx
@@ -39,6 +40,8 @@ from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after
 from jaxact._src.norm_act.nnx_conv import NormActConv as NormActConv  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import LayerNorm as LayerNorm  # noqa: E402 (after the check)
 from jaxact._src.norms.nnx import RMSNorm as RMSNorm  # noqa: E402 (after the check)
+from jaxact._src.swap.nnx import route_activations as route_activations  # noqa: E402 (after the check)
+from jaxact._src.swap.nnx import swap as swap  # noqa: E402 (after the check)
 
 __all__ = [
   "LinearAct",
@@ -54,4 +57,6 @@ __all__ = [
   "ConvNormAct",
   "NormActConv",
   "dot_product_attention",
+  "swap",
+  "route_activations",
 ]
