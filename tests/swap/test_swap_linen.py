@@ -183,6 +183,18 @@ def test_a_dropout_straight_after_a_dense_op_joins_it_with_flax_s_bits():
   ]
 
 
+def test_nn_sequential_s_activations_are_routed_and_given_back():
+  model = nn.Sequential([nn.Dense(32), nn.gelu, nn.LayerNorm(), nn.Dense(4)])
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  params = model.init(jax.random.key(1), x)
+  want = jax.grad(lambda p: jnp.sum(jnp.sin(model.apply(p, x))))(params)
+  with jnn.intercept() as report:
+    got = jax.grad(lambda p: jnp.sum(jnp.sin(model.apply(p, x))))(params)
+  _close(got, want, 1e-5, 1e-6)
+  assert report.calls[0].ran == "jaxact.dense_bias_act(gelu)"
+  assert model.layers[1] is jax.nn.gelu
+
+
 def test_the_decorator_form_routes_what_jit_traces_and_prints_its_report(capsys):
   x = jax.random.normal(jax.random.key(0), (4, 8))
   layer = nn.Dense(16)

@@ -264,13 +264,20 @@ def _interceptor(report: Report):
 @contextlib.contextmanager
 def _routed_fields(module: nn.Module):
   """An attribute holding an activation function (``act: Callable = nn.relu``, bound when the
-  class was written, before any routing) routed for this call, and given back after it."""
+  class was written, before any routing), or a list or tuple of them among other things
+  (``nn.Sequential``'s layers), routed for this call, and given back after it."""
   swapped = []
   for field in dataclasses.fields(module):
     if field.name in ("parent", "name"):
       continue
     value = getattr(module, field.name, None)
-    if (r := activations.routed(value)) is not None:
+    if isinstance(value, (list, tuple)):  # nn.Sequential's layers: functions among modules
+      items = [activations.routed(v) or v for v in value]
+      changed = any(a is not b for a, b in zip(items, value, strict=True))
+      r = (list(items) if isinstance(value, list) else tuple(items)) if changed else None
+    else:
+      r = activations.routed(value)
+    if r is not None:
       swapped.append((field.name, value))
       object.__setattr__(module, field.name, r)
   try:
