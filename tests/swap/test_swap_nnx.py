@@ -326,3 +326,18 @@ def test_report_true_prints_it(capsys):
   assert (
     capsys.readouterr().out == "1 taken, 0 left\n     1 x flax.nnx.Linear -> jaxact.nnx.LinearAct\n"
   )
+
+
+def test_attention_rows_whose_every_key_is_masked_keep_flax_s_value():
+  def make():
+    return nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=nnx.Rngs(0))
+
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8), jnp.float32)
+  tokens = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+  mask = nnx.combine_masks(
+    nnx.make_attention_mask(tokens > 0, tokens > 0), nnx.make_causal_mask(tokens)
+  )
+  want = make()(x, mask=mask)
+  swapped = make()
+  jnnx.swap(swapped)
+  np.testing.assert_allclose(swapped(x, mask=mask), want, rtol=1e-5, atol=1e-6)  # padding rows too

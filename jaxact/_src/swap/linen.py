@@ -23,7 +23,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
@@ -32,7 +31,7 @@ from jaxact._src.fused import linen as fused_linen
 from jaxact._src.norm_act import linen as norm_act_linen
 from jaxact._src.norms import api as norms_api
 from jaxact._src.norms import linen as norms_linen
-from jaxact._src.swap import activations
+from jaxact._src.swap import activations, attention
 from jaxact._src.swap.report import Report
 
 
@@ -200,17 +199,6 @@ def _dropout(module, next_fun, args, kwargs, report: Report):
   return activations.dropped(x, module.rate, key, module.broadcast_dims, "flax.linen.Dropout")
 
 
-def _keyless_rows_as_flax(out, value, mask):
-  """Flax's value for a query row whose every key is masked: the mean of the values (its masked
-  logits are all one large negative number); jaxact's attention gives 0 there."""
-  if mask is None:
-    return out
-  keyless = ~jnp.any(jnp.asarray(mask, bool), axis=-1)  # (..., heads or 1, q)
-  keyless = jnp.swapaxes(keyless, -1, -2)[..., None]  # (..., q, heads or 1, 1)
-  mean = jnp.mean(value, axis=-3, keepdims=True).astype(out.dtype)  # (..., 1, heads, d)
-  return jnp.where(keyless, mean, out)
-
-
 def _attention(module, next_fun, args, kwargs, report: Report):
   where, what = _where(module), _what(module)
   flax_fn = module.attention_fn
@@ -229,7 +217,7 @@ def _attention(module, next_fun, args, kwargs, report: Report):
       report.add(where, what, None, str(e))
       return flax_fn(query, key, value, *a, **k)
     report.add(where, what, "jaxact.dot_product_attention")
-    return _keyless_rows_as_flax(out, value, k.get("mask"))
+    return attention.keyless_rows_as_flax(out, value, k.get("mask"))
 
   routed._jaxact_routed = True  # type: ignore[attr-defined]
   object.__setattr__(module, "attention_fn", routed)  # for this call only

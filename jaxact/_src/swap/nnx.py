@@ -32,7 +32,7 @@ from jaxact._src.attention.nnx import nnx_dot_product_attention
 from jaxact._src.fused import nnx as fused_nnx
 from jaxact._src.norm_act import nnx as norm_act_nnx
 from jaxact._src.norms import nnx as norms_nnx
-from jaxact._src.swap import activations
+from jaxact._src.swap import activations, attention
 from jaxact._src.swap.report import Report
 
 _WHERE = "_jaxact_where"  # the swapped instance's path, named in the fusion's report
@@ -224,6 +224,14 @@ _BY_TYPE = {kind.flax: kind for kind in _KINDS}
 _FLAX_ATTENTION = flax_attention.dot_product_attention
 
 
+@functools.wraps(nnx_dot_product_attention)
+def _attention_fn(query, key, value, *args, **kwargs):
+  """jaxact's ``attention_fn`` with Flax's value for a row whose every key is masked."""
+  out = nnx_dot_product_attention(query, key, value, *args, **kwargs)
+  mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+  return attention.keyless_rows_as_flax(out, value, mask)
+
+
 def _flax_name(cls: type) -> str:
   short = f"flax.nnx.{cls.__name__}"
   return short if getattr(nnx, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__name__}"
@@ -248,8 +256,8 @@ def _visit(node, where: str, report: Report) -> None:
     report.add(where, what, kind.ran)
   elif cls is nnx.MultiHeadAttention:
     if node.attention_fn is _FLAX_ATTENTION:
-      node.attention_fn = nnx_dot_product_attention
-    if node.attention_fn is nnx_dot_product_attention:
+      node.attention_fn = _attention_fn
+    if node.attention_fn is _attention_fn:
       report.add(where, "flax.nnx.MultiHeadAttention", "jaxact.nnx.dot_product_attention")
     else:
       report.add(where, "flax.nnx.MultiHeadAttention", None, "a custom attention_fn")
