@@ -9,6 +9,8 @@ statistics under the example's ``axis_name``), the models of ``tests/lm1b_exampl
 ``nn.remat`` (the user's own saving); the one line; the one line with remat; and for lm1b the one
 line with the head's one change (``jaxact.linen.LMHead`` given the labels: the loss without the
 ``(tokens x vocabulary)`` logits). On CPU in float32 and compiled for an H100 in bfloat16.
+Section ``time``: each example's CPU step time under the one line against as written (lm1b at 8
+sequences, ResNet-50 at 8 images of 112 x 112; alternated rounds, the median ratio).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from benchmarks.harness import rows
 from benchmarks.tables import oneline as page
 from support import examples
 
-SECTIONS = ("lm1b", "lm1b-h100", "resnet", "resnet-h100")
+SECTIONS = ("lm1b", "lm1b-h100", "resnet", "resnet-h100", "time")
+TIME_LM1B_BATCH, TIME_RESNET = 8, (8, 112)  # CPU step times: smaller batches, the same models
 LM1B = dict(vocab_size=30000, emb_dim=512, num_heads=8, num_layers=6, qkv_dim=512, mlp_dim=2048)
 LM1B_BATCH, LM1B_LENGTH, RESNET_BATCH = 32, 128, 32
 
@@ -54,13 +57,13 @@ def _lm1b(dtype, remat: bool, head: bool):
   return jax.value_and_grad(loss), params, tokens
 
 
-def _resnet(dtype, remat: bool):
+def _resnet(dtype, remat: bool, batch: int = RESNET_BATCH, side: int = 224):
   resnet = examples.load("resnet_example")
   import flax.linen as nn
 
   block = nn.remat(resnet.BottleneckResNetBlock) if remat else resnet.BottleneckResNetBlock
   model = resnet.ResNet50(num_classes=1000, dtype=dtype, block_cls=block)
-  images = jax.ShapeDtypeStruct((1, RESNET_BATCH, 224, 224, 3), dtype)
+  images = jax.ShapeDtypeStruct((1, batch, side, side, 3), dtype)
   init = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="batch")
   variables = jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
@@ -85,6 +88,63 @@ def _temp(value_and_grad, params, x, gpu: bool) -> int:
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *leaves)]
   compiled = support.compile_for(step, shapes) if gpu else jax.jit(step).lower(*shapes).compile()
   return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _concrete(tree, key):
+  """Arrays for shapes (tokens in [1, 100), everything else normal)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  made = [
+    jax.random.randint(k, s.shape, 1, 100, s.dtype)
+    if jnp.issubdtype(s.dtype, jnp.integer)
+    else jax.random.normal(k, s.shape, s.dtype)
+    for k, s in zip(keys, leaves, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, made)
+
+
+def time_rows(runs: int) -> list[str]:
+  """Each example's CPU step time under the one line against as written: alternated rounds, the
+  median of the within-round ratios."""
+  global LM1B_BATCH
+  import statistics
+  import time
+
+  saved, LM1B_BATCH = LM1B_BATCH, TIME_LM1B_BATCH
+  try:
+    models = {
+      f"lm1b, {TIME_LM1B_BATCH} x {LM1B_LENGTH} tokens": functools.partial(
+        _lm1b, jnp.float32, False, False
+      ),
+      f"ResNet-50, {TIME_RESNET[0]} images of {TIME_RESNET[1]}": functools.partial(
+        _resnet, jnp.float32, False, *TIME_RESNET
+      ),
+    }
+    for model, build in models.items():
+      step, params, x = build()
+      params, x = _concrete(params, jax.random.key(0)), _concrete(x, jax.random.key(1))
+      plain = jax.jit(step)
+      with jnn.intercept():
+        line = jax.jit(functools.partial(step)).lower(params, x).compile()  # a new function
+      plain = plain.lower(params, x).compile()
+      jax.block_until_ready((plain(params, x), line(params, x)))  # warm
+      ratios, seconds = [], []
+      for _ in range(runs):
+        t = []
+        for f in (plain, line):
+          start = time.perf_counter()
+          jax.block_until_ready(f(params, x))
+          t.append(time.perf_counter() - start)
+        ratios.append(t[1] / t[0])
+        seconds.append(t[0])
+      ratio = statistics.median(ratios)
+      rows.add(
+        "time", model, model=model, runs=runs, example_s=statistics.median(seconds), ratio=ratio
+      )
+      print(f"  time: {model}: {ratio:.3f}x the example's step", flush=True)
+  finally:
+    LM1B_BATCH = saved
+  return page.tables(rows.current().rows, "time")
 
 
 def measure(section: str) -> list[str]:
@@ -130,6 +190,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sections", default=",".join(SECTIONS))
   parser.add_argument("--out", default="bench-out", help="the folder of oneline.rows.jsonl")
+  parser.add_argument("--runs", type=int, default=5, help="alternated rounds (section time)")
   a = parser.parse_args(argv)
   wanted = a.sections.split(",")
   if unknown := [s for s in wanted if s not in SECTIONS]:
@@ -138,5 +199,6 @@ def main(argv=None) -> int:
     print("the H100 sections need jax's CUDA compiler: python tests/install_gpu_compiler.py")
     return 1
   for section in wanted:
-    print("\n".join(measure(section)), flush=True)
+    lines = time_rows(a.runs) if section == "time" else measure(section)
+    print("\n".join(lines), flush=True)
   return 0

@@ -192,17 +192,17 @@ def job_block(job: str, section: str | None, job_rows: list[dict]) -> list[str]:
   module = importlib.import_module(f"benchmarks.tables.{job}")
   if section is not None and not any(r["section"] == section for r in job_rows):
     raise ValueError(f"data/{job}.rows.jsonl has no section {section!r}")
-  lines = list(module.tables(job_rows, section))
-  while lines and not lines[0]:
-    lines.pop(0)
-  # a block names the runs that measured it (a rows file may hold several runs); a whole-job
-  # block leaves out the sections its module draws only in blocks of their own
+  # a block draws and names the runs that measured it (a rows file may hold several runs); a
+  # whole-job block leaves out the sections its module draws only in blocks of their own
   alone = getattr(module, "SEPARATE_SECTIONS", ())
   these = [
     r
     for r in job_rows
     if r["section"] == section or (section is None and r["section"] not in alone)
   ]
+  lines = list(module.tables(job_rows if section is not None else these, section))
+  while lines and not lines[0]:
+    lines.pop(0)
   return [*provenance(job, these), "", *lines]
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from benchmarks.harness import render
 from benchmarks.tables import tpu
 
+# The TPU sections are drawn in blocks of their own (results/tpu-families.md; benchmarks.render)
+SEPARATE_SECTIONS = ("tpu",)
+
 BITS = (None, 8, 4, 2)
 KEYS = tuple("exact" if b is None else f"{b} bits" for b in BITS)  # the ratios' keys
 

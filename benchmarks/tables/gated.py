@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from benchmarks.tables import tpu
 
+# The TPU sections are drawn in blocks of their own (results/tpu-families.md; benchmarks.render)
+SEPARATE_SECTIONS = ("tpu",)
+
 BLOCKS = 8  # the stack's blocks
 LABELS = {
   "flax": "Flax",

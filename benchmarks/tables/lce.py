@@ -6,6 +6,9 @@ from __future__ import annotations
 from benchmarks.harness import render
 from benchmarks.tables import tpu
 
+# The TPU sections are drawn in blocks of their own (results/tpu-families.md; benchmarks.render)
+SEPARATE_SECTIONS = ("head-tpu", "decoder-tpu")
+
 MiB, GiB = 2**20, 2**30
 HEAD_CPU = (4096, 512)  # tokens, D
 HEAD_GPU = (16384, 4096)

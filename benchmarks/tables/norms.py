@@ -6,6 +6,9 @@ from __future__ import annotations
 from benchmarks.harness import render
 from benchmarks.tables import tpu
 
+# The TPU sections are drawn in blocks of their own (results/tpu-families.md; benchmarks.render)
+SEPARATE_SECTIONS = ("stack-tpu", "decoder-tpu")
+
 MiB = 2**20
 SECTIONS = (
   "stack", "stack-h100", "stack-tpu", "decoder", "decoder-h100", "decoder-tpu", "time", "precision"

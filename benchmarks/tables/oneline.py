@@ -1,5 +1,5 @@
 """The oneline job's tables from its rows (sections ``lm1b``, ``lm1b-h100``, ``resnet``,
-``resnet-h100``)."""
+``resnet-h100``, ``time``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def _draw(rows: list[dict], section: str) -> list[str]:
   return [f"{f['model']}, {f['size']}; {where}.", "", *TABLE.lines(rows)]
 
 
+def _time(f: dict) -> list[str]:
+  return [f["model"], f"{f['example_s']:.2f}", f"{f['ratio']:.3f}x"]
+
+
+TIME = render.Table(
+  ("model (CPU float32)", "example's step, s", "one line / example"), _time, "lrr"
+)
+
+
+def _draw_time(rows: list[dict], section: str) -> list[str]:
+  return TIME.lines(rows) if rows else []
+
+
 def tables(rows: list[dict], section: str | None = None) -> list[str]:
-  draw = {s: _draw for s in ("lm1b", "lm1b-h100", "resnet", "resnet-h100")}
+  draw = {s: _draw for s in ("lm1b", "lm1b-h100", "resnet", "resnet-h100")} | {"time": _draw_time}
   return render.by_section(draw, rows, section)
