@@ -86,7 +86,9 @@ def _temp(value_and_grad, params, x, gpu: bool) -> int:
     return value_and_grad(jax.tree.unflatten(tree, leaves), x)
 
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *leaves)]
-  compiled = support.compile_for(step, shapes) if gpu else jax.jit(step).lower(*shapes).compile()
+  compiled = (
+    support.compile_for(step, shapes, auto=True) if gpu else jax.jit(step).lower(*shapes).compile()
+  )
   return compiled.memory_analysis().temp_size_in_bytes
 
 
