@@ -138,6 +138,7 @@ class _Odd(nn.Module):
     x = type("MyDense", (nn.Dense,), {})(8)(x)  # a subclass: its own call
     x = nn.LayerNorm(reduction_axes=(-2, -1), feature_axes=-1)(x)  # a scale per feature only
     x = self.act(nn.Dense(8)(x))  # an attribute holding jax.nn.gelu: routed and fused
+    x = x + nn.Dense(8, dtype=jnp.complex64, param_dtype=jnp.float32)(x).real  # not real floats
     return nn.relu(x.astype(jnp.int32))  # integers: jax.nn's own
 
 
@@ -147,8 +148,10 @@ def test_what_it_cannot_take_runs_flax_s_code_and_says_why():
   with jnn.intercept() as report:
     got = _Odd().apply(params, x)
   np.testing.assert_array_equal(got, _Odd().apply(params, x))
+  left = {(c.what, c.why) for c in report.left}
+  assert ("flax.linen.Dense", "a custom dot_general / dot_general_cls") in left
+  assert ("flax.linen.Dense", "dtype complex64, param_dtype float32: not real floats") in left
   left = {c.what: c.why for c in report.left}
-  assert left["flax.linen.Dense"] == "a custom dot_general / dot_general_cls"
   assert left["MyDense"] == "a subclass of flax.linen.Dense: its own call runs"
   assert "feature_axes" in left["flax.linen.LayerNorm"]
   assert "int32" in left["flax.linen.relu"]

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
@@ -112,10 +113,20 @@ class _Layer:
     return {f.name: f.default for f in dataclasses.fields(self.jaxact) if f.name not in flax_fields}
 
 
+def _not_float(m, args, kwargs) -> str | None:
+  """Why the fused op would not compute a Dense / Conv as Flax does: dtypes it would not
+  promote to a real float (jaxact's layer would then run Flax's computation itself)."""
+  x = args[0] if args else kwargs.get("inputs")
+  dtype = m.dtype if m.dtype is not None else jnp.result_type(x, m.param_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or not jnp.issubdtype(m.param_dtype, jnp.floating):
+    return f"dtype {jnp.dtype(dtype)}, param_dtype {jnp.dtype(m.param_dtype)}: not real floats"
+  return None
+
+
 def _custom_dot(m, args, kwargs):
   if m.dot_general not in (None, lax.dot_general) or m.dot_general_cls is not None:
     return "a custom dot_general / dot_general_cls"
-  return None
+  return _not_float(m, args, kwargs)
 
 
 def _custom_conv(m, args, kwargs):
@@ -123,7 +134,7 @@ def _custom_conv(m, args, kwargs):
     return "a custom conv_general_dilated"
   if m.conv_general_dilated_cls is not None:
     return "a custom conv_general_dilated_cls"
-  return None
+  return _not_float(m, args, kwargs)
 
 
 def _norm_refused(m, args, kwargs):
