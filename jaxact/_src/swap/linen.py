@@ -295,8 +295,22 @@ class intercept(contextlib.ContextDecorator):
 
   ``with jaxact.linen.intercept(): ...`` around ``init`` / ``apply`` (or ``@intercept()`` on the
   function that ``jax.jit`` traces: the routing acts while a step is traced, so a step traced
-  before, and cached by ``jit``, keeps what it traced). Entering gives the :class:`Report` of every
-  call taken and left; ``report=True`` also prints it at the end.
+  before, and cached by ``jit``, keeps what it traced). Entering gives the
+  :class:`~jaxact._src.swap.report.Report` of every call taken and left; ``report=True`` also
+  prints it at the end.
+
+  Example usage::
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import jaxact.linen as jnn
+    >>> layer = nn.Dense(4)
+    >>> x = jnp.ones((2, 3))
+    >>> params = layer.init(jax.random.key(0), x)
+    >>> with jnn.intercept() as report:
+    ...   y = nn.gelu(layer.apply(params, x))
+    >>> print(report)
+    1 taken, 0 left
+         1 x flax.linen.Dense + flax.linen.gelu -> jaxact.dense_bias_act(gelu)
   """
 
   def __init__(self, *, report: bool = False):
