@@ -181,7 +181,7 @@ def test_flax_lm1b_nnx_example_trains_unchanged_under_the_swap():
   none = "jaxact has no layer for it"
   assert report.summary() == {
     ("flax.nnx.Embed", None, none): 1,
-    ("flax.nnx.Dropout", None, none): 2 * blocks + 1,  # each MLP's one Dropout called twice
+    ("flax.nnx.Dropout", None, none): 2 * blocks + 1,  # a block's, its MLP's, the decoder's
     ("flax.nnx.LayerNorm", "jaxact.nnx.LayerNorm", ""): 2 * blocks + 1,
     ("flax.nnx.MultiHeadAttention", "jaxact.nnx.dot_product_attention", ""): blocks,
     ("flax.nnx.LinearGeneral", None, none): 4 * blocks,  # the attention's projections
