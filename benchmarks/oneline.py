@@ -1,5 +1,6 @@
-"""`python -m benchmarks oneline [--sections lm1b,lm1b-h100,resnet,resnet-h100]`: Flax's examples
-trained under jaxact's one line (``jaxact.linen.intercept``), the models as written.
+"""`python -m benchmarks oneline [--sections lm1b,lm1b-h100,lm1b-nnx,resnet,...]`: Flax's examples
+trained under jaxact's one line (``jaxact.linen.intercept``; for nnx ``jaxact.nnx.swap`` and
+``jaxact.nnx.route_activations``), the models as written.
 
 The compiled temp of one training step (``jit(value_and_grad)``, dropout on as the examples train)
 of Flax's lm1b LM (its default size: 6 blocks, D 512, MLP 2048, 8 heads, V 30000; 32 sequences of
@@ -8,7 +9,11 @@ statistics under the example's ``axis_name``), the models of ``tests/lm1b_exampl
 ``tests/resnet_example.py``. Ways: the example as written; the same with each block under
 ``nn.remat`` (the user's own saving); the one line; the one line with remat; and for lm1b the one
 line with the head's one change (``jaxact.linen.LMHead`` given the labels: the loss without the
-``(tokens x vocabulary)`` logits). On CPU in float32 and compiled for an H100 in bfloat16.
+``(tokens x vocabulary)`` logits). Sections ``lm1b-nnx``: Flax's ``examples/lm1b_nnx`` model
+(``tests/lm1b_nnx_example.py``) at the same size, dropout's keys passed to the call as its
+``train.py`` does; ways: the example, the example with each block under ``nnx.remat``, swapped,
+swapped and routed, swapped and routed with remat. On CPU in float32 and compiled for an H100 in
+bfloat16.
 Section ``time``: each example's CPU step time under the one line against as written (lm1b at 8
 sequences, ResNet-50 at 8 images of 112 x 112; alternated rounds, the median ratio).
 """
@@ -16,18 +21,20 @@ sequences, ResNet-50 at 8 images of 112 x 112; alternated rounds, the median rat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
 import jaxact.linen as jnn
+import jaxact.nnx as jnnx
 import support
 from benchmarks.harness import rows
 from benchmarks.tables import oneline as page
 from support import examples
 
-SECTIONS = ("lm1b", "lm1b-h100", "resnet", "resnet-h100", "time")
+SECTIONS = ("lm1b", "lm1b-h100", "lm1b-nnx", "lm1b-nnx-h100", "resnet", "resnet-h100", "time")
 TIME_LM1B_BATCH, TIME_RESNET = 8, (8, 112)  # CPU step times: smaller batches, the same models
 LM1B = dict(vocab_size=30000, emb_dim=512, num_heads=8, num_layers=6, qkv_dim=512, mlp_dim=2048)
 LM1B_BATCH, LM1B_LENGTH, RESNET_BATCH = 32, 128, 32
@@ -55,6 +62,26 @@ def _lm1b(dtype, remat: bool, head: bool):
     return out if head else lm1b.weighted_cross_entropy(out, tokens)
 
   return jax.value_and_grad(loss), params, tokens
+
+
+def _lm1b_nnx(dtype, swapped: bool, routed: bool, remat: bool):
+  lm1b = examples.load("lm1b_nnx_example")
+  from flax import nnx
+
+  sizes = LM1B | {"output_vocab_size": LM1B["vocab_size"]}
+  c = lm1b.TransformerConfig(**sizes, max_len=LM1B_LENGTH, dtype=dtype, remat=remat)
+  model = nnx.eval_shape(lambda: lm1b.TransformerLM(c, rngs=nnx.Rngs(0)))
+  model.set_attributes(deterministic=False, decode=False)  # as train.py trains it
+  if swapped:
+    jnnx.swap(model)
+  graphdef, params = nnx.split(model)
+  tokens = jax.ShapeDtypeStruct((LM1B_BATCH, LM1B_LENGTH), jnp.int32)
+
+  def loss(params, tokens):
+    model = nnx.merge(graphdef, params)
+    return lm1b.loss_fn(model, tokens, nnx.Rngs(dropout=jax.random.key(1)))
+
+  return jax.value_and_grad(jnnx.route_activations()(loss) if routed else loss), params, tokens
 
 
 def _resnet(dtype, remat: bool, batch: int = RESNET_BATCH, side: int = 224):
@@ -152,7 +179,19 @@ def time_rows(runs: int) -> list[str]:
 def measure(section: str) -> list[str]:
   gpu = section.endswith("-h100")
   dtype = jnp.bfloat16 if gpu else jnp.float32
-  if section.startswith("lm1b"):
+  intercepted: set[str] = set()
+  if section.startswith("lm1b-nnx"):
+    model = "Flax's lm1b_nnx LM"
+    size = f"{LM1B_BATCH} x {LM1B_LENGTH} tokens, D 512, 6 blocks, V 30000"
+    ways = {  # (swapped, routed, remat)
+      "the example": (False, False, False),
+      "the example + remat": (False, False, True),
+      "swap": (True, False, False),
+      "swap + route_activations": (True, True, False),
+      "swap + route_activations + remat": (True, True, True),
+    }
+    build = {w: functools.partial(_lm1b_nnx, dtype, *spec) for w, spec in ways.items()}
+  elif section.startswith("lm1b"):
     model, size = "Flax's lm1b LM", f"{LM1B_BATCH} x {LM1B_LENGTH} tokens, D 512, 6 blocks, V 30000"
     ways = {
       "the example": (False, False, False),
@@ -165,6 +204,7 @@ def measure(section: str) -> list[str]:
     build = {
       w: functools.partial(_lm1b, dtype, remat, head) for w, (_, remat, head) in ways.items()
     }
+    intercepted = {w for w, spec in ways.items() if spec[0]}
   else:
     model, size = "Flax's ImageNet ResNet-50", f"{RESNET_BATCH} images of 224 x 224"
     ways = {
@@ -174,13 +214,11 @@ def measure(section: str) -> list[str]:
       "one line + remat": (True, True),
     }
     build = {w: functools.partial(_resnet, dtype, remat) for w, (_, remat) in ways.items()}
+    intercepted = {w for w, spec in ways.items() if spec[0]}
   base = None
-  for way, spec in ways.items():
+  for way in ways:
     step, params, x = build[way]()
-    if spec[0]:
-      with jnn.intercept():
-        temp = _temp(step, params, x, gpu)
-    else:
+    with jnn.intercept() if way in intercepted else contextlib.nullcontext():
       temp = _temp(step, params, x, gpu)
     base = temp if base is None else base
     rows.add(section, way, way=way, model=model, size=size, temp_bytes=temp, ratio=temp / base)

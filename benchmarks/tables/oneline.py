@@ -1,5 +1,5 @@
-"""The oneline job's tables from its rows (sections ``lm1b``, ``lm1b-h100``, ``resnet``,
-``resnet-h100``, ``time``)."""
+"""The oneline job's tables from its rows (sections ``lm1b``, ``lm1b-h100``, ``lm1b-nnx``,
+``lm1b-nnx-h100``, ``resnet``, ``resnet-h100``, ``time``)."""
 
 from __future__ import annotations
 
@@ -36,5 +36,6 @@ def _draw_time(rows: list[dict], section: str) -> list[str]:
 
 
 def tables(rows: list[dict], section: str | None = None) -> list[str]:
-  draw = {s: _draw for s in ("lm1b", "lm1b-h100", "resnet", "resnet-h100")} | {"time": _draw_time}
+  sections = ("lm1b", "lm1b-h100", "lm1b-nnx", "lm1b-nnx-h100", "resnet", "resnet-h100")
+  draw = {s: _draw for s in sections} | {"time": _draw_time}
   return render.by_section(draw, rows, section)

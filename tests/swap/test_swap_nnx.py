@@ -2,6 +2,7 @@
 original does (the original Flax model is the reference), and says what it took and left."""
 
 import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from flax import nnx
 from jax import lax
 
 import jaxact.nnx as jnnx
+import lm1b_nnx_example as lm1b_nnx
 from jaxact._src.swap import nnx as swap_nnx
 
 
@@ -102,16 +104,17 @@ def _assert_close(got, want, tol):
     np.testing.assert_allclose(got[path], want[path], rtol=tol, atol=tol, err_msg=str(path))
 
 
-def _train(model, batch, routed: bool, steps: int = 3):
+def _train(model, batch, routed: bool, steps: int = 3, loss=_loss):
   """(loss, grads) of the first step, the routing's report, and the state after `steps` steps of
-  adam, each step under nnx.jit (the routing active while it is traced)."""
+  adam on `loss(model, *batch)`, each step under nnx.jit (the routing active while it is
+  traced)."""
   optimizer = nnx.Optimizer(model, optax.adam(1e-2, eps=1e-3), wrt=nnx.Param)
   route = jnnx.route_activations()
 
-  def step(model, optimizer, x, labels):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, labels)
+  def step(model, optimizer, *batch):
+    value, grads = nnx.value_and_grad(loss)(model, *batch)
     optimizer.update(model, grads)
-    return loss, grads
+    return value, grads
 
   step = nnx.jit(route(step) if routed else step)
   first = step(model, optimizer, *batch)
@@ -151,6 +154,47 @@ def test_transformer_trains_as_the_flax_original():
   # the MLPs' up-projections fuse with the activation after them: one op each
   fused = {c.ran for c in routing.taken if c.what.startswith("flax.nnx.Linear + ")}
   assert fused == {"jaxact.dense_bias_act(gelu)"}
+
+
+def test_flax_lm1b_nnx_example_trains_unchanged_under_the_swap():
+  # Flax's examples/lm1b_nnx model as written, dropout off (train.py's eval setting). Padding at
+  # the ends of two rows: their query rows see no key, and only the logits read them (the loss
+  # weighs them 0); the swap keeps Flax's value there.
+  original = lm1b_nnx.TransformerLM(lm1b_nnx.TransformerConfig(), rngs=nnx.Rngs(0))
+  original.set_attributes(deterministic=True, decode=False)
+  swapped = copy.deepcopy(original)
+  report = jnnx.swap(swapped)
+  _assert_close(nnx.state(swapped), nnx.state(original), 0)  # the same tree and values
+  tokens = jax.random.randint(jax.random.key(4), (3, 8), 1, 64, jnp.int32)
+  tokens = tokens.at[0, 5:].set(0).at[2, 2:].set(0)
+  logits = nnx.jit(jnnx.route_activations()(lambda model, x: model(x)))
+  np.testing.assert_allclose(logits(swapped, tokens), original(tokens), rtol=2e-5, atol=2e-5)
+
+  train = functools.partial(_train, batch=(tokens,), loss=lm1b_nnx.loss_fn)
+  (want_loss, want_grads), _, want_state = train(original, routed=False)
+  (loss, grads), routing, state = train(swapped, routed=True)
+  np.testing.assert_allclose(loss, want_loss, rtol=2e-5)
+  _assert_close(grads, want_grads, 2e-5)
+  _assert_close(state, want_state, 2e-5)
+
+  blocks = original.config.num_layers
+  none = "jaxact has no layer for it"
+  assert report.summary() == {
+    ("flax.nnx.Embed", None, none): 1,
+    ("flax.nnx.Dropout", None, none): 2 * blocks + 1,  # a block's, its MLP's, the decoder's
+    ("flax.nnx.LayerNorm", "jaxact.nnx.LayerNorm", ""): 2 * blocks + 1,
+    ("flax.nnx.MultiHeadAttention", "jaxact.nnx.dot_product_attention", ""): blocks,
+    ("flax.nnx.LinearGeneral", None, none): 4 * blocks,  # the attention's projections
+    ("flax.nnx.Linear", "jaxact.nnx.LinearAct", ""): 2 * blocks + 1,
+  }
+  # each MLP's linear1 -> relu is one op; linear2 and the head run jaxact's dense alone
+  assert routing.summary() == {
+    ("flax.nnx.Linear + flax.nnx.relu", "jaxact.dense_bias_act(relu)", ""): blocks,
+    ("flax.nnx.log_softmax", "jaxact.log_softmax", ""): 1,
+    ("flax.nnx.Linear", "jaxact.dense_bias_act", ""): blocks + 1,
+  }
+  fused = [c.where for c in routing.taken if "relu" in c.what]
+  assert fused == [f"decoder/encoderdecoderblock_{i}/mlp/linear1" for i in range(blocks)]
 
 
 @pytest.mark.exhaustive
