@@ -44,7 +44,7 @@ JOBS = {
   "dropin": Job("dropin", "jaxact swapped into a Flax example's MLP block"),
   "gemma": Job("gemma", "Flax's Gemma example ported to jaxact"),
   "oneline": Job(
-    "oneline", "Flax's lm1b and ResNet-50 unchanged under jaxact.linen.intercept", cpu=True
+    "oneline", "Flax's lm1b (linen, nnx) and ResNet-50 unchanged under the one line", cpu=True
   ),
   "h100": Job(
     "h100", "the main job's frontiers compiled for an H100, step time estimated", cpu=True

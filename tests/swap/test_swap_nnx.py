@@ -142,6 +142,7 @@ def _parity(make, batch, tol: float, routes=(False, True)):
   return reports[0], routing
 
 
+@pytest.mark.exhaustive  # Flax's lm1b_nnx example runs the same path by default (but RMSNorm, gelu)
 def test_transformer_trains_as_the_flax_original():
   # the swap alone, unrouted: test_swapped_without_and_with_the_routing_train_as_... (exhaustive)
   report, routing = _parity(lambda: LM(rngs=nnx.Rngs(0)), _lm_batch(), 2e-5, routes=(True,))
@@ -372,6 +373,7 @@ def test_report_true_prints_it(capsys):
   )
 
 
+@pytest.mark.exhaustive  # the lm1b_nnx example's padding rows check it by default
 def test_attention_rows_whose_every_key_is_masked_keep_flax_s_value():
   def make():
     return nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=nnx.Rngs(0))
