@@ -511,4 +511,4 @@ def test_the_backward_reads_do_and_o_only_inside_its_loop():
         seen.update(e.outvars)
       else:
         readers.add(e.primitive.name)
-  assert readers == {"scan"}, readers  # the fori_loop over key blocks
+  assert readers == {"while"}, readers  # the fori_loop over key blocks

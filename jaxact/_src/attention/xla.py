@@ -120,10 +120,14 @@ def forward(plan: AttentionPlan, x: Inputs) -> tuple[Array, Array]:
 
 
 def _loop(lo, hi, body, init):
-  """``fori_loop(lo, hi, body, init)``, the body called once in place when there is one step."""
+  """``fori_loop(lo, hi, body, init)``, the body called once in place when there is one step.
+
+  The bounds go in as traced integers: a while loop. With static bounds ``fori_loop`` is a
+  ``scan``, and under ``jax.checkpoint`` the step then kept the blocks' intermediates (about four
+  arrays a layer where the checkpoint keeps its input: tests/attention/test_attention_remat.py)."""
   if isinstance(lo, int) and isinstance(hi, int) and hi - lo == 1:
     return body(lo, init)
-  return lax.fori_loop(lo, hi, body, init)
+  return lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, init)
 
 
 # --------------------------------------------------------------------------- backward
