@@ -22,12 +22,14 @@ def _temp(attention, layers: int) -> int:
   return jax.jit(jax.grad(loss)).lower(x).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+  "causal", [False, pytest.param(True, marks=pytest.mark.exhaustive)], ids=["full", "causal"]
+)
 def test_a_checkpointed_layer_keeps_only_its_input(causal):
   def attention(q, k, v):
     blocks = dict(block_sizes=(128, 128))
     return jaxact.dot_product_attention(q, k, v, is_causal=causal, implementation="xla", **blocks)
 
-  growth = (_temp(attention, 6) - _temp(attention, 2)) / 4
+  growth = (_temp(attention, 4) - _temp(attention, 2)) / 2
   one_input = B * T * H * D * 4
   assert growth <= 1.25 * one_input, growth / one_input  # was about 4 inputs without causal

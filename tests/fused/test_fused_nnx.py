@@ -425,6 +425,7 @@ def train(model, x, y, steps: int):
   return np.array([float(step(model, optimizer)) for _ in range(steps)])
 
 
+@pytest.mark.exhaustive  # by default the swap's nnx tests train LinearAct against nnx.Linear
 def test_digits_training():
   """LinearAct trains like nnx.Linear (the same losses, step by step), 93% held out."""
   x_tr, y_tr, x_te, y_te = digits()

@@ -32,27 +32,28 @@ def _lm1b(dtype=jnp.float32):
 
 
 def test_lm1b_runs_unchanged_with_flax_s_parameters_logits_and_gradients():
-  model, params = _lm1b()
-  want = jax.jit(lambda key: model.init(key, TOKENS))(jax.random.key(0))["params"]
-  with jnn.intercept():  # a new function: jit's cache keeps what a function traced
-    same = jax.jit(lambda key: model.init(key, TOKENS))(jax.random.key(0))["params"]
-  assert jax.tree.structure(same) == jax.tree.structure(want)
-  _close(same, want, 0, 0)  # the same initializers drawing the same keys
+  model = lm1b.TransformerLM(lm1b.Config(deterministic=True))
 
   def loss(params):  # and every logit, the padding rows' too (their every key is masked)
     logits = model.apply({"params": params}, TOKENS)
     return lm1b.weighted_cross_entropy(logits, TOKENS), logits
 
-  want = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  with jnn.intercept() as report:
-    got = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  _close(got, want, 2e-5, 2e-6)
+  def run(key):  # the parameters init makes, then the loss, logits and gradients at them
+    params = model.init(key, TOKENS)["params"]
+    return params, jax.value_and_grad(loss, has_aux=True)(params)
+
+  want = jax.jit(run)(jax.random.key(0))
+  with jnn.intercept() as report:  # a new function: jit's cache keeps what a function traced
+    got = jax.jit(lambda key: run(key))(jax.random.key(0))
+  assert jax.tree.structure(got[0]) == jax.tree.structure(want[0])
+  _close(got[0], want[0], 0, 0)  # the same initializers drawing the same keys
+  _close(got[1], want[1], 2e-5, 2e-6)
   ran = {(c.what, c.ran) for c in report.calls}
   assert ("flax.linen.Dense + flax.linen.relu", "jaxact.dense_bias_act(relu)") in ran
   assert ("flax.linen.SelfAttention", "jaxact.dot_product_attention") in ran
   assert ("flax.linen.LayerNorm", "jaxact.layer_norm") in ran
   assert ("jax.nn.log_softmax", "jaxact.log_softmax") in ran
-  assert report.left == [] and len(report.taken) == 2 * 5 + 3
+  assert report.left == [] and len(report.taken) == (2 * 5 + 2) + (2 * 5 + 3)  # init, then apply
   assert jax.nn.relu is nn.relu and not hasattr(nn.relu, "_jaxact_routed_original")  # given back
 
 
@@ -98,29 +99,28 @@ def test_lm1b_trains_the_same_with_dropout_off_and_draws_dropout_with_it_on():
   _close(got, want, 2e-5, 2e-6)
 
 
-def test_resnet_batch_norm_statistics_and_its_step_match_flax_under_its_axis_name():
+def test_resnet_batch_norm_statistics_and_gradients_match_flax_under_its_axis_name():
   model = resnet.ResNet(
     stage_sizes=[1, 1], block_cls=resnet.ResNetBlock, num_classes=10, num_filters=8
   )
   images = jax.random.normal(jax.random.key(1), (2, 2, 16, 16, 3))  # 2 "devices" of 2 images
-  batch = {"image": images, "label": jnp.array([[1, 2], [3, 4]])}
   init = jax.vmap(lambda x: model.init(jax.random.key(0), x, train=False), axis_name="batch")
   variables = jax.tree.map(lambda a: a[0], init(images))
-  momentum = optax.sgd(0.1, momentum=0.9, nesterov=True).init(variables["params"])
-  step = jax.vmap(
-    functools.partial(resnet.train_step, model.apply),
-    in_axes=(None, None, None, 0),
-    axis_name="batch",
-  )
 
-  def train():  # a new function each time: jit's cache keeps what a function traced
-    *state, metrics = step(variables["params"], variables["batch_stats"], momentum, batch)
-    return jax.tree.map(lambda a: a[0], state), metrics
+  def loss(params, x):  # train.py's loss_fn: the logits' cross-entropy, the batch statistics
+    logits, state = model.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"]
+    )
+    return resnet.cross_entropy_loss(logits, jnp.array([1, 2])), state
 
-  want = jax.jit(train)()
+  def step():  # a new function each time: jit's cache keeps what a function traced
+    grad = jax.value_and_grad(loss, has_aux=True)
+    return jax.vmap(grad, in_axes=(None, 0), axis_name="batch")(variables["params"], images)
+
+  want = jax.jit(step)()
   with jnn.intercept() as report:
-    got = jax.jit(lambda: train())()
-  _close(got, want, 2e-4, 2e-5)
+    got = jax.jit(lambda: step())()
+  _close(got, want, 2e-4, 2e-5)  # loss, batch statistics (averaged over "batch"), gradients
   ran = {(c.what, c.ran) for c in report.calls}
   assert ("flax.linen.BatchNorm + jax.nn.relu", "jaxact.batch_norm_act(relu)") in ran  # self.act
   assert ("flax.linen.BatchNorm + flax.linen.relu", "jaxact.batch_norm_act(relu)") in ran
