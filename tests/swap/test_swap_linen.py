@@ -99,6 +99,7 @@ def test_lm1b_trains_the_same_with_dropout_off_and_draws_dropout_with_it_on():
   _close(got, want, 2e-5, 2e-6)
 
 
+@pytest.mark.exhaustive  # by default: the same layers in the small block below
 def test_resnet_batch_norm_statistics_and_gradients_match_flax_under_its_axis_name():
   model = resnet.ResNet(
     stage_sizes=[1, 1], block_cls=resnet.ResNetBlock, num_classes=10, num_filters=8
@@ -125,6 +126,48 @@ def test_resnet_batch_norm_statistics_and_gradients_match_flax_under_its_axis_na
   assert ("flax.linen.BatchNorm + jax.nn.relu", "jaxact.batch_norm_act(relu)") in ran  # self.act
   assert ("flax.linen.BatchNorm + flax.linen.relu", "jaxact.batch_norm_act(relu)") in ran
   assert report.left == []
+
+
+class _Block(nn.Module):
+  """ResNet's block in small: conv -> BatchNorm -> relu as an attribute (``act``), and as
+  ``nn.relu`` after the residual add; batch statistics over the example's ``axis_name``."""
+
+  act: Callable = nn.relu
+
+  @nn.compact
+  def __call__(self, x):
+    norm = functools.partial(nn.BatchNorm, use_running_average=False, axis_name="batch")
+    y = self.act(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
+    return nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(y)) + x)
+
+
+def test_batch_norm_statistics_and_gradients_match_flax_under_an_axis_name():
+  x = jax.random.normal(jax.random.key(1), (2, 2, 6, 6, 8))  # 2 "devices" of 2 images
+  variables = jax.vmap(lambda x: _Block().init(jax.random.key(0), x), axis_name="batch")(x)
+  variables = jax.tree.map(lambda a: a[0], variables)
+
+  def loss(params, x):
+    y, state = _Block().apply(
+      {"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"]
+    )
+    return jnp.sum(jnp.sin(y)), state
+
+  def step():  # a new function each time: jit's cache keeps what a function traced
+    grad = jax.value_and_grad(loss, has_aux=True)
+    return jax.vmap(grad, in_axes=(None, 0), axis_name="batch")(variables["params"], x)
+
+  want = jax.jit(step)()
+  with jnn.intercept() as report:
+    got = jax.jit(lambda: step())()
+  _close(got, want, 2e-5, 2e-5)  # loss, batch statistics (averaged over "batch"), gradients
+  assert sorted(c.ran for c in report.calls) == [  # the first norm fused with `act`; the
+    "jaxact.batch_norm_act",  # second's relu follows an add; the convolutions feed norms
+    "jaxact.batch_norm_act(relu)",
+    "jaxact.conv_bias_act",
+    "jaxact.conv_bias_act",
+    "jaxact.relu",
+  ]
+  assert report.calls[0].what == "flax.linen.BatchNorm + jax.nn.relu"
 
 
 class _Odd(nn.Module):
