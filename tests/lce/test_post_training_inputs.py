@@ -347,6 +347,7 @@ def test_no_token_gives_zero_losses_with_zero_gradients(shape):
   assert all(np.all(np.isfinite(np.asarray(v))) for v in metrics.values())
 
 
+@pytest.mark.exhaustive  # by default test_lce.py's jit/vmap/remat/scan test maps the head
 def test_vmap_over_a_batch_axis_equals_the_calls_one_by_one():
   """Every loss under ``vmap`` over a leading axis of 3 batches (the tokens traced, so their
   range is not read): values and gradients in ``x`` as the three calls give them."""

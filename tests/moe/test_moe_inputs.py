@@ -228,6 +228,7 @@ def test_vmap_is_a_loop_of_independent_calls(kw_name, axes_name):
   assert_close(summed, want_summed, 1e-12, "grad(vmap)")
 
 
+@pytest.mark.exhaustive  # by default test_vmap_is_a_loop_of_independent_calls maps each argument
 def test_nested_vmap_and_the_cotangents_mapped_alone():
   """vmap of vmap (the outer over x, the inner over x and the experts' weights, or x alone), and a
   jacobian's rows (``vmap`` of the pullback: only the cotangent mapped)."""
