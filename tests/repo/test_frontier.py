@@ -151,7 +151,7 @@ def test_table_marks_the_front_and_shows_the_rounds_spread():
   assert "| Flax | 1266 | 1.00 | — | yes |" in rows
 
 
-@pytest.mark.exhaustive  # in CI's exhaustive stage; by default the rows and GPU-run tests import theirs
+@pytest.mark.exhaustive  # CI's exhaustive stage; the rows and GPU-run tests import theirs
 def test_every_benchmark_module_imports():
   """The main job and every benchmark import against the library as it is laid out now (a moved
   private module broke `python -m benchmarks` once while every test passed)."""
