@@ -194,7 +194,7 @@ def _layer(layer: _Layer, module, next_fun, args, kwargs, report: Report):
   return y
 
 
-def _dropout(module, next_fun, args, kwargs, report: Report):
+def _dropout(module, next_fun, args, kwargs):
   """``nn.Dropout`` of an offered op's output: the op ends with it (Flax's key and formula: the
   same bits), keeping no mask; any other dropout is Flax's."""
   x = args[0] if args else kwargs.get("inputs")
@@ -249,7 +249,7 @@ def _interceptor(report: Report):
     if type(module) in ATTENTION:
       return _attention(module, next_fun, args, kwargs, report)
     if type(module) is nn.Dropout:
-      return _dropout(module, next_fun, args, kwargs, report)
+      return _dropout(module, next_fun, args, kwargs)  # reported by the routing
     if isinstance(module, (*LAYERS, *ATTENTION)) and not _is_jaxact(module):
       flax = next(c for c in type(module).__mro__ if c in LAYERS or c in ATTENTION)
       why = f"a subclass of flax.linen.{flax.__name__}: its own call runs"
