@@ -41,7 +41,7 @@ def mosaic_forward_only(x, w, labels):
 
   tokens, vocab = x.shape[0], w.shape[1]
   plan = LcePlan(
-    block=kernel_block(default_block(tokens, vocab, gpu=True), vocab),
+    block=kernel_block(default_block(tokens, vocab, "gpu"), vocab),
     decision=dispatch.Decision("mosaic", "xla", forced=True, target=dispatch.target()),
   )
   return per_token_loss(plan, x, w, None, labels.astype(jnp.int32), None).mean()

@@ -303,3 +303,18 @@ def test_unknown_tpu_target_is_refused():
     tpu.compile_for_tpu(jnp.sin, [s(4)], "v4x")
   with pytest.raises(ValueError, match=r"mesh axes \{'data': 3\} do not cover the 4 chips"):
     tpu.mesh("v5p:2x2x1", {"data": 3})
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("target", CHIPS)
+def test_the_lm_head_is_at_the_chips_flops(target):
+  """The vocabulary-blocked head's step compiled for the chip (16384 tokens, D 4096, V 131072):
+  by XLA's cost analysis its HBM traffic takes no longer than its flops at the chip's peaks (too
+  narrow a block re-reads x from HBM for every few columns: 256 columns took a v6e 4.3x as long)."""
+  from benchmarks.harness import roofline
+
+  shapes = [s(16384, 4096), s(4096, 131072), s(16384, dtype=jnp.int32)]
+  compiled = tpu.compile_for_tpu(_head(_jaxact_lce), shapes, target)
+  cost = roofline.cost(compiled.as_text(), jax.devices("cpu")[0].client)
+  rates = tpu.chip(target).rates
+  assert cost.bytes / rates["bytes_per_s"] <= cost.flops / rates["flops_per_s"], target

@@ -133,7 +133,8 @@ def linear_cross_entropy(
       cannot run, e.g. with ``return_predictions`` or ``w_layout="vd"``).
     vocab_block_size: columns of ``w`` per block of the backward (and of the XLA path's forward);
       None: chosen from the sizes, about 8 MiB of float32 logits a block on CPU, 256 MiB for a GPU,
-      and for ``"mosaic"`` a multiple of 256 that divides V.
+      2048 columns on a TPU v6e and 512 on a v5p or v5e, and for ``"mosaic"`` a multiple of 256
+      that divides V.
 
   Returns:
     The loss: a scalar, or ``labels.shape`` for ``reduction="none"``; float32 for half precision

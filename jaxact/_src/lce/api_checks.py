@@ -214,7 +214,9 @@ def block_size(fn: str, vocab_block_size, tokens: int, vocab: int, implementatio
   sizes and the target (:func:`~jaxact._src.lce.plan.default_block`), whole blocks of the Hopper
   backward kernel's 256 columns for ``"mosaic"``."""
   if vocab_block_size is None:
-    block = default_block(tokens, vocab, gpu=dispatch.target().cuda)
+    target = dispatch.target()
+    platform = "gpu" if target.cuda else "tpu" if target.tpu else "cpu"
+    block = default_block(tokens, vocab, platform, target.device_kind or "")
     return kernel_block(block, vocab) if implementation == "mosaic" else block
   if (
     isinstance(vocab_block_size, bool)

@@ -83,14 +83,26 @@ def t5x_smoothing(alpha: float, vocab: int) -> tuple[float, float]:
 # stays under an eighth of the logits.
 _CPU_BLOCK_BYTES = 8 << 20
 _GPU_BLOCK_BYTES = 256 << 20
+# On a TPU a block's columns are its matmuls' arithmetic intensity (x is read again for every
+# block, whatever the tokens), so they follow the chip's flops per HBM byte. Estimated from the
+# compiled step (16384 tokens, D 4096, V 131072; benchmarks/results/tpu-families.md): a v6e's head
+# at 256 columns took 4.3x the step of 2048 (HBM-bound; 1024: 1.4x; 4096 no faster); v5p's and
+# v5e's are at their chips' flops from 512 columns.
+_TPU_BLOCK_COLUMNS = {"TPU v5": 512, "TPU v4": 512}  # a device kind's start -> columns
+_TPU_DEFAULT_COLUMNS = 2048  # v6e, and chips not measured
 
 
-def default_block(tokens: int, vocab: int, gpu: bool = False) -> int:
-  """Columns a block for the vocabulary-blocked XLA path: a multiple of 128 near
-  ``_*_BLOCK_BYTES / (4 * tokens)`` and at least 256, at most an eighth of the vocabulary
-  (rounded up to 128), and the whole vocabulary when it is small."""
-  budget = (_GPU_BLOCK_BYTES if gpu else _CPU_BLOCK_BYTES) // (4 * max(tokens, 1))
-  block = max(256, budget // 128 * 128)
+def default_block(tokens: int, vocab: int, platform: str = "cpu", device_kind: str = "") -> int:
+  """Columns a block for the vocabulary-blocked XLA path: on a ``"tpu"`` those of its
+  `device_kind` (``_TPU_BLOCK_COLUMNS``), else a multiple of 128 near
+  ``_*_BLOCK_BYTES / (4 * tokens)`` (`platform` ``"cpu"`` or ``"gpu"``) and at least 256; at most
+  an eighth of the vocabulary (rounded up to 128), and the whole vocabulary when it is small."""
+  if platform == "tpu":
+    starts = [c for k, c in _TPU_BLOCK_COLUMNS.items() if (device_kind or "").startswith(k)]
+    block = starts[0] if starts else _TPU_DEFAULT_COLUMNS
+  else:
+    budget = (_GPU_BLOCK_BYTES if platform == "gpu" else _CPU_BLOCK_BYTES) // (4 * max(tokens, 1))
+    block = max(256, budget // 128 * 128)
   block = min(block, max(128, -(-vocab // 8 // 128) * 128))
   return min(block, vocab)
 
