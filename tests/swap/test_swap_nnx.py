@@ -182,7 +182,9 @@ def test_flax_lm1b_nnx_example_trains_unchanged_under_the_swap():
   none = "jaxact has no layer for it"
   assert report.summary() == {
     ("flax.nnx.Embed", None, none): 1,
-    ("flax.nnx.Dropout", None, none): 2 * blocks + 1,  # a block's, its MLP's, the decoder's
+    # a block's, its MLP's, the decoder's; off here (deterministic), joined to a Linear before it
+    # when on (test_a_dropout_after_a_swapped_linear_joins_its_op_with_nnx_s_bits)
+    ("flax.nnx.Dropout", "jaxact's dense op before it (route_activations)", ""): 2 * blocks + 1,
     ("flax.nnx.LayerNorm", "jaxact.nnx.LayerNorm", ""): 2 * blocks + 1,
     ("flax.nnx.MultiHeadAttention", "jaxact.nnx.dot_product_attention", ""): blocks,
     ("flax.nnx.LinearGeneral", None, none): 4 * blocks,  # the attention's projections
@@ -388,3 +390,51 @@ def test_attention_rows_whose_every_key_is_masked_keep_flax_s_value():
   swapped = make()
   jnnx.swap(swapped)
   np.testing.assert_allclose(call(swapped, x), want, rtol=1e-5, atol=1e-6)  # padding rows too
+
+
+class _DroppedMLP(nnx.Module):  # lm1b_nnx's MLP: Linear -> relu -> Dropout -> Linear -> Dropout
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.up = nnx.Linear(6, 16, rngs=rngs)
+    self.down = nnx.Linear(16, 6, rngs=rngs)
+    self.dropout = nnx.Dropout(0.3, rngs=rngs)
+    self.out_dropout = nnx.Dropout(0.5, broadcast_dims=(0,), deterministic=False, rngs=rngs)
+
+  def __call__(self, x, *, rngs=None):
+    x = self.dropout(nnx.relu(self.up(x)), rngs=rngs)
+    return self.out_dropout(self.down(x)) + self.dropout(x.mean(-1, keepdims=True), rngs=rngs)
+
+
+def test_a_dropout_after_a_swapped_linear_joins_its_op_with_nnx_s_bits():
+  """nnx.Dropout of a swapped Linear's output (after its fused activation, or alone) joins the op
+  with nnx's key and formula: the training matches the original's with dropout on, every key
+  drawn from the same streams (the call's Rngs, the layer's own); a dropout of anything else,
+  and a deterministic one, stay nnx's."""
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+
+  def loss(model, x, rngs):
+    return jnp.sum(model(x, rngs=rngs) ** 2)
+
+  def train(routed: bool):
+    model = _DroppedMLP(rngs=nnx.Rngs(0, dropout=1))
+    model.set_attributes(deterministic=False)
+    report = jnnx.swap(model) if routed else None
+    return _train(model, (x, nnx.Rngs(dropout=2)), routed, loss=loss), report
+
+  (want, _, want_state), _ = train(False)
+  ((got, routing, state), report) = train(True)
+  _assert_close(got, want, 1e-6)
+  keys = lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+  # the parameters, and the streams' keys and counts: the same draws
+  _assert_close(jax.tree.map(keys, state), jax.tree.map(keys, want_state), 1e-6)
+  assert (
+    report.summary()[("flax.nnx.Dropout", "jaxact's dense op before it (route_activations)", "")]
+    == 2
+  )
+  assert routing.summary() == {
+    (
+      "flax.nnx.Linear + flax.nnx.relu + flax.nnx.Dropout",
+      "jaxact.dense_bias_act(relu, dropout)",
+      "",
+    ): 1,
+    ("flax.nnx.Linear + flax.nnx.Dropout", "jaxact.dense_bias_act(identity, dropout)", ""): 1,
+  }

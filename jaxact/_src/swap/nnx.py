@@ -3,7 +3,8 @@
 
 ``swap`` walks the model's graph and changes the class of each instance whose type is exactly one
 of Flax's (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.BatchNorm``,
-``nnx.GroupNorm``) to jaxact's subclass of it, setting the attributes jaxact's ``__init__`` adds to
+``nnx.GroupNorm``; ``nnx.Dropout``, which then joins a swapped Linear before it) to jaxact's
+subclass of it, setting the attributes jaxact's ``__init__`` adds to
 their defaults: the object and its Variables stay the same, so an ``nnx.Optimizer`` built on the
 model, its state and checkpoints carry over. An ``nnx.MultiHeadAttention`` whose ``attention_fn``
 is Flax's gets jaxact's. What jaxact's layer would not compute as Flax does (a custom
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 import typing as tp
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import attention as flax_attention
@@ -38,23 +40,40 @@ from jaxact._src.swap.report import Report
 _WHERE = "_jaxact_where"  # the swapped instance's path, named in the fusion's report
 
 
-def _with_activation(layer, call: tp.Callable[[], tp.Any], activation):
-  """`call()` (jaxact's layer call) with the layer's activation `activation` for this call only.
+def _with(layer, call: tp.Callable[[], tp.Any], attributes: dict[str, tp.Any]):
+  """`call()` (jaxact's layer call) with the layer's `attributes` (its activation, its dropout)
+  set for this call only.
 
-  The attribute is static and restored before returning, so nnx's transforms see no change."""
-  saved = layer.activation
-  object.__setattr__(layer, "activation", activation)
+  The attributes are static and restored before returning, so nnx's transforms see no change."""
+  saved = {name: getattr(layer, name) for name in attributes}
+  for name, value in attributes.items():
+    object.__setattr__(layer, name, value)
   try:
     return call()
   finally:
-    object.__setattr__(layer, "activation", saved)
+    for name, value in saved.items():
+      object.__setattr__(layer, name, value)
 
 
-def _offer(layer, y, what: str, op: str, call: tp.Callable[[], tp.Any]) -> None:
-  """Offer `y` for fusion with the activation it goes into (only while a routing is active)."""
+def _with_activation(layer, call: tp.Callable[[], tp.Any], activation, dropout=None):
+  """`call()` with the layer's activation `activation`; `dropout` ``(rate, key, broadcast_dims)``
+  (a layer with jaxact's dropout attributes only): then `call(deterministic=False, rngs=key)`
+  with that dropout."""
+  attributes = {"activation": "identity" if activation is None else activation}
+  if dropout is None:
+    return _with(layer, call, attributes)
+  rate, key, dims = dropout
+  attributes |= {"dropout_rate": rate, "dropout_broadcast_dims": dims}
+  return _with(layer, functools.partial(call, deterministic=False, rngs=key), attributes)
+
+
+def _offer(layer, y, what: str, op: str, call, drops: bool = False) -> None:
+  """Offer `y` for fusion with the activation it goes into (only while a routing is active);
+  `drops`: then with an ``nnx.Dropout`` after it."""
   if layer.activation == "identity" and activations.current() is not None:
     fuse = functools.partial(_with_activation, layer, call)
-    activations.offer(y, where=getattr(layer, _WHERE, ""), what=what, op=op, fuse=fuse)
+    where = getattr(layer, _WHERE, "")
+    activations.offer(y, where=where, what=what, op=op, fuse=fuse, drops=drops)
 
 
 class Linear(fused_nnx.LinearAct):
@@ -65,7 +84,7 @@ class Linear(fused_nnx.LinearAct):
     y = super().__call__(inputs, out_sharding, **kwargs)
     if self.dropout_rate == 0:
       call = functools.partial(fused_nnx.LinearAct.__call__, self, inputs, out_sharding)
-      _offer(self, y, "flax.nnx.Linear", "dense_bias_act", call)
+      _offer(self, y, "flax.nnx.Linear", "dense_bias_act", call, drops=True)
     return y
 
 
@@ -132,6 +151,28 @@ class GroupNorm(norm_act_nnx.GroupNorm):
     call = functools.partial(norm_act_nnx.GroupNorm.__call__, self, x)
     _offer(self, y, "flax.nnx.GroupNorm", "group_norm_act", call)
     return y
+
+
+class Dropout(nnx.Dropout):
+  """``flax.nnx.Dropout`` swapped: under :func:`route_activations`, a dropout of exactly the output
+  of a swapped ``nnx.Linear`` (or of its fused activation) joins that op, with the key nnx's call
+  would draw and nnx's formula (the same bits), so that no mask is kept; any other call is
+  ``nnx.Dropout``'s own."""
+
+  def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
+    decided = deterministic if deterministic is not None else self.deterministic
+    stream = rngs if rngs is not None else self.rngs
+    if decided is not False or not 0 < self.rate < 1 or activations.offered(inputs) is None:
+      return nnx.Dropout.__call__(self, inputs, deterministic=deterministic, rngs=rngs)
+    if isinstance(stream, nnx.Rngs):
+      key = stream[self.rng_collection]()
+    elif isinstance(stream, nnx.RngStream):
+      key = stream()
+    elif isinstance(stream, jax.Array):
+      key = stream
+    else:  # nnx's call raises its own error
+      return nnx.Dropout.__call__(self, inputs, deterministic=deterministic, rngs=rngs)
+    return activations.dropped(inputs, self.rate, key, self.broadcast_dims, "flax.nnx.Dropout")
 
 
 # -------------------------------------------------------------------------- what swap takes
@@ -218,6 +259,7 @@ _KINDS = (
     _norm_refusal,
   ),
   _Kind(nnx.BatchNorm, BatchNorm, "jaxact.nnx.BatchNorm", {"activation": "identity"}, _taken),
+  _Kind(nnx.Dropout, Dropout, "jaxact's dense op before it (route_activations)", {}, _taken),
   _Kind(nnx.GroupNorm, GroupNorm, "jaxact.nnx.GroupNorm", {"activation": "identity"}, _taken),
 )
 _BY_TYPE = {kind.flax: kind for kind in _KINDS}
@@ -286,7 +328,9 @@ def swap(model: nnx.Module, report: bool = False) -> Report:
 
   A swapped ``nnx.Linear`` / ``nnx.Conv`` / ``nnx.BatchNorm`` / ``nnx.GroupNorm`` whose output goes
   straight into an activation function (``nnx.relu(self.linear(x))``) runs both as one jaxact op
-  when the step is traced under :func:`route_activations`.
+  when the step is traced under :func:`route_activations`, and an ``nnx.Dropout`` (swapped too) of
+  exactly a swapped Linear's output, or its fused activation's, joins that op with the key and
+  bits nnx's call would draw.
 
   Examples:
     >>> from flax import nnx
