@@ -16,7 +16,7 @@ compiler (``support.tpu``), for each way to attend:
 * ``splash, fused bwd``: the same with splash's fused backward kernel (dq with dk and dv).
 
 Each row: the compiled temp (XLA's buffer assignment for the chip: exact) and the step's time
-ESTIMATED as a roofline (:mod:`benchmarks.harness.roofline`) against the chip's published peaks.
+ESTIMATED as a roofline (:mod:`support.roofline`) against the chip's published peaks.
 XLA's cost analysis counts the XLA ops, its loops their trip counts (the causal inner loops of
 jaxact's XLA path, whose bounds are computed, their mean ``(n + 1) / 2`` for ``n`` blocks); a
 Pallas kernel is a custom call whose flops it cannot see, so the splash kernels' are counted here
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxact
-from benchmarks.harness import roofline, rows
+from benchmarks.harness import rows
 from jaxact._src.attention.plan import default_blocks
-from support import tpu
+from support import roofline, tpu
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 16, 4, 128, 2
 SEQS = (2048, 4096, 8192)

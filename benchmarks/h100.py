@@ -5,7 +5,7 @@ Every point of every model of the main job's frontier (the same definitions: Fla
 remat policy, jaxact, with codes, under remat), compiled for an H100 on this machine
 (``support.compile_for``) in bfloat16 at a size a GPU trains (:func:`_models`): its compiled temp,
 and its step time ESTIMATED from the compiled program's flops and bytes against the H100's peak
-rates (:mod:`benchmarks.harness.roofline`), until a GPU measures it. A point whose program calls a
+rates (:mod:`support.roofline`), until a GPU measures it. A point whose program calls a
 Pallas kernel (whose flops XLA cannot see) takes its flops from the same step compiled for this
 machine's CPU, where every op is XLA's: the same arithmetic. The front is drawn over temp and the
 estimate; the rows (``h100.rows.jsonl``) give ``benchmarks/results/frontier.md``'s H100
@@ -27,9 +27,10 @@ import jax.numpy as jnp
 
 import support
 from benchmarks import cnn, cnn_models, decoder, fused_models, fused_scanned, gated, moe
-from benchmarks.harness import roofline, rows
+from benchmarks.harness import rows
 from benchmarks.harness.blocks import stack
 from benchmarks.tables import h100 as page
+from support import roofline
 
 BF16 = jnp.bfloat16
 

@@ -14,7 +14,7 @@ XLA's TPU compiler runs ``ragged_dot`` as a Mosaic kernel of its own, as megablo
 calls whose flops XLA's cost analysis cannot see, but both carry a cost estimate (the useful
 ``2 m k n`` flops; the bytes their grids read), which :func:`roofline.cost` counts. Each row: the
 compiled temp (exact) and the step's time ESTIMATED as a roofline against the chip's published
-peaks (:mod:`benchmarks.harness.roofline`), once with those flops, once with the grouped products
+peaks (:mod:`support.roofline`), once with those flops, once with the grouped products
 counted as the kernels run them (:func:`products_flops`: every row tile a group visits, XLA's of
 128 rows, megablox's of 512). Nothing runs on a TPU.
 """
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks import gated, moe
-from benchmarks.harness import roofline, rows
+from benchmarks.harness import rows
 from jaxact._src.moe import reference
-from support import tpu
+from support import roofline, tpu
 
 CHIP = "v5p"
 TILING = (512, 1024, 1024)  # MaxText's megablox tiles (m, k, n)

@@ -4,7 +4,7 @@ frontiers compiled for a TPU chip, and its decoder sharded over a v5p slice; ste
 Compiled on this machine by libtpu's compiler (``support.tpu``; install it with ``python
 tests/install_tpu_compiler.py``): the compiled temp (XLA's buffer assignment for the chip's HBM:
 exact) and the step time ESTIMATED from XLA's cost analysis of the compiled program against the
-chip's published bf16 and HBM peaks (:mod:`benchmarks.harness.roofline`). No TPU is lent to this
+chip's published bf16 and HBM peaks (:mod:`support.roofline`). No TPU is lent to this
 project: nothing here is timed. Sections:
 
 * ``front`` (the default): the points of :mod:`benchmarks.h100` (the same models, sizes and ways

@@ -5,7 +5,7 @@
 compile-only devices of any TPU slice. On a CPU machine that gives the program as the TPU would run
 it (XLA's TPU fusions and layouts, Pallas TPU kernels compiled by Mosaic TPU) and XLA's buffer
 assignment for the chip (``memory_analysis()``: exact), and XLA's cost analysis of the compiled
-program (flops, bytes), from which :mod:`benchmarks.harness.roofline` ESTIMATES a step's time
+program (flops, bytes), from which :mod:`support.roofline` ESTIMATES a step's time
 against the chip's published peaks. Nothing runs, so nothing is timed.
 
 ``tests/install_tpu_compiler.py`` installs libtpu into :data:`TPU_COMPILER`, outside the venv's
@@ -50,7 +50,7 @@ class Chip:
 
   @property
   def rates(self) -> dict[str, float]:
-    """:func:`benchmarks.harness.roofline.seconds`'s rates."""
+    """:func:`support.roofline.seconds`'s rates."""
     return {"flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s}
 
 

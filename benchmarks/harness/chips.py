@@ -3,7 +3,7 @@ figures every TPU section records of it.
 
 Per chip: the compiled temp, arguments and outputs (XLA's buffer assignment for the chip's HBM:
 exact), and the step time ESTIMATED from XLA's cost analysis of the compiled program against the
-chip's published bf16 and HBM peaks (:mod:`benchmarks.harness.roofline`). A program the chip's
+chip's published bf16 and HBM peaks (:mod:`support.roofline`). A program the chip's
 HBM cannot hold is refused by the compiler (``CompileTimeHbmOom``): its figures are then what the
 compiler says it needed for its temporaries, ``over_hbm`` set, and no estimate.
 
@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from benchmarks.harness import roofline
-from support import tpu
+from support import roofline, tpu
 
 TPU_CHIPS = ("v5p", "v6e")  # the chips a TPU section compiles for unless told
 _OVER = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
