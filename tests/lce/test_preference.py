@@ -434,7 +434,8 @@ STATIC = dict(static_argnames=("loss", "beta", "label_smoothing", "simpo_gamma",
 def test_the_compiled_gradient_holds_no_tokens_by_vocabulary_array():
   """jit(grad) of DPO at B = 4 pairs of 128 + 128 tokens, V = 32768, D = 64: the temp is a few
   blocks of logits, never one (tokens, V) float32 array (128 MiB over both completions) as the
-  plain composition's."""
+  plain composition's; with ``rpo_alpha`` and ``ld_alpha`` too (their NLL and weights use the
+  same log-probabilities)."""
   b, t, d, v = 4, 128, 64, 32768
   rng = np.random.default_rng(0)
   x_c, x_r = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32) for _ in range(2))
@@ -446,7 +447,7 @@ def test_the_compiled_gradient_holds_no_tokens_by_vocabulary_array():
   kw |= dict(ref_rejected_log_probs=ref)
 
   def ours(x_c, x_r, w):
-    return jaxact.preference_loss(x_c, x_r, w, t_c, t_r, **kw)[0]
+    return jaxact.preference_loss(x_c, x_r, w, t_c, t_r, rpo_alpha=1.0, ld_alpha=0.5, **kw)[0]
 
   def theirs(x_c, x_r, w):
     return preference_reference(x_c, x_r, w, t_c, t_r, **kw)[0]
