@@ -1,6 +1,6 @@
 """The preference losses of post-training from the hidden states and the LM head, without the
 logits: :func:`preference_loss` (DPO and the other losses of TRL's DPOTrainer, SimPO, ORPO, CPO,
-KTO)
+KTO).
 
 Every loss is a function of each completion's sequence log-probability, the sum (or, for IPO,
 SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the completion's
@@ -101,7 +101,7 @@ def preference_loss(
     2024) :math:`(\rho_c - \tfrac{1}{2\beta})^2 + (\rho_r + \tfrac{1}{2\beta})^2`,
     :math:`\rho = \pi - \pi^{\text{ref}}`; ``"apo_zero"`` and ``"apo_down"`` (APO, D'Oosterlinck
     et al. 2024, eqs. 7, 8) :math:`\sigma(-r_c) + \sigma(r_r)` and :math:`\sigma(r_c) +
-    \sigma(-u)`; ``"discopop"`` (Chris Lu et al. 2024, eq. 5) :math:`\sigma(-u/\tau)
+    \sigma(-u)`; ``"discopop"`` (Lu et al. 2024, eq. 5) :math:`\sigma(-u/\tau)
     (-\log\sigma(u)) + \sigma(u/\tau) e^{-u}` (``discopop_tau`` :math:`\tau`);
   - ``"simpo"`` (Meng et al. 2024, no reference):
     :math:`\ell_\varepsilon(\beta (\bar\pi_c - \bar\pi_r) - \gamma)` (``simpo_gamma``
