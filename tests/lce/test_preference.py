@@ -73,6 +73,7 @@ TRL_CASES = {
   "apo_down": dict(loss="apo_down", beta=0.5),
   "discopop": dict(loss="discopop", discopop_tau=0.3, ld_alpha=0.3),
   "ipo-ld": dict(loss="ipo", beta=0.5, ld_alpha=0.7, rpo_alpha=0.1),
+  "sigmoid_norm": dict(loss="sigmoid_norm", beta=2.0),
   "simpo-rpo": dict(loss="simpo", beta=2.0, simpo_gamma=0.7, label_smoothing=0.05, rpo_alpha=0.4),
 }
 
@@ -213,6 +214,9 @@ def trl_dpo_loss(x_c, x_r, w, bias, t_c, t_r, m_c, m_r, ref_heads, case):
     if loss_type == "ipo":
       ipo_delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
       losses = (ipo_delta - 1 / (2 * beta)) ** 2
+    elif loss_type == "sigmoid_norm":
+      delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
+      losses = -logsig(beta * delta)
     elif loss_type == "exo_pair":
       qw, log_qw = sig(beta * delta_score), logsig(beta * delta_score)
       ql, log_ql = sig(-beta * delta_score), logsig(-beta * delta_score)
@@ -291,8 +295,8 @@ def test_trl_losses_equal_a_transcription_of_trl(name):
   )
   assert loss.dtype == jnp.float64 and rel_err(loss, want) < 1e-12, (loss, want)
   for key, v in want_metrics.items():
-    if case["loss"] == "ipo" and key != "nll_loss":
-      continue  # jaxact gives IPO's rewards and logps on the means, as its loss; TRL on the sums
+    if case["loss"] in ("ipo", "sigmoid_norm") and key != "nll_loss":
+      continue  # jaxact gives these rewards and logps on the means, as the loss; TRL on the sums
     assert rel_err(metrics[key], v) < 1e-12, (key, metrics[key], v)
   for what, g, r in zip(("dx_c", "dx_r", "dw", "dbias"), grads, want_grads, strict=True):
     assert np.any(np.asarray(r)) and rel_err(g, r) < 1e-12, (what, rel_err(g, r))

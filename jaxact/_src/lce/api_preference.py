@@ -3,12 +3,12 @@ logits: :func:`preference_loss` (DPO and the other losses of TRL's DPOTrainer, S
 KTO).
 
 Every loss is a function of each completion's sequence log-probability, the sum (or, for IPO,
-SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the completion's
-mask. Chosen and rejected completions (and the reference's, when computed in the call) go through
-one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens concatenated
-along the sequence axis (the batch's data-parallel sharding kept), so one vocabulary loop a pass
-serves both (:mod:`jaxact._src.lce.api_preference_inputs`, with the checks of the inputs); the
-losses' own arithmetic is on (batch,) numbers and lives in
+sigmoid_norm, SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the
+completion's mask. Chosen and rejected completions (and the reference's, when computed in the call)
+go through one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens
+concatenated along the sequence axis (the batch's data-parallel sharding kept), so one vocabulary
+loop a pass serves both (:mod:`jaxact._src.lce.api_preference_inputs`, with the checks of the
+inputs); the losses' own arithmetic is on (batch,) numbers and lives in
 :mod:`jaxact._src.lce.api_preference_losses`.
 """
 
@@ -32,7 +32,7 @@ from jaxact._src.lce import api_preference_losses as losses
 _FN = "preference_loss"
 Loss = Literal[
   "dpo", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-  "apo_down", "discopop", "simpo", "orpo", "cpo", "kto",
+  "apo_down", "discopop", "sigmoid_norm", "simpo", "orpo", "cpo", "kto",
 ]  # fmt: skip
 
 
@@ -103,6 +103,7 @@ def preference_loss(
     et al. 2024, eqs. 7, 8) :math:`\sigma(-r_c) + \sigma(r_r)` and :math:`\sigma(r_c) +
     \sigma(-u)`; ``"discopop"`` (Lu et al. 2024, eq. 5) :math:`\sigma(-u/\tau)
     (-\log\sigma(u)) + \sigma(u/\tau) e^{-u}` (``discopop_tau`` :math:`\tau`);
+    ``"sigmoid_norm"`` :math:`-\log\sigma(\beta h)` with :math:`h` from the means, as IPO;
   - ``"simpo"`` (Meng et al. 2024, no reference):
     :math:`\ell_\varepsilon(\beta (\bar\pi_c - \bar\pi_r) - \gamma)` (``simpo_gamma``
     :math:`\gamma`);

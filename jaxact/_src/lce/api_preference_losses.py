@@ -16,11 +16,11 @@ from jaxact._src.lce import api_checks as checks
 # TRL's DPOTrainer losses (jaxact's "dpo" is its "sigmoid"), then the reference-free ones and KTO.
 DPO_LOSSES = (
   "dpo", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-  "apo_down", "discopop",
+  "apo_down", "discopop", "sigmoid_norm",
 )  # fmt: skip
 LOSSES = (*DPO_LOSSES, "simpo", "orpo", "cpo", "kto")
 REFERENCED = frozenset({*DPO_LOSSES, "kto"})
-NORMALISED = frozenset({"ipo", "simpo", "orpo"})  # mean per-token log-probs
+NORMALISED = frozenset({"ipo", "sigmoid_norm", "simpo", "orpo"})  # mean per-token log-probs
 SMOOTHED = frozenset({"dpo", "robust", "exo_pair", "simpo", "cpo"})
 NLL = frozenset({"orpo", "cpo"})
 # Each option, the losses that take it, and its default (any other loss must leave it there).
@@ -126,7 +126,7 @@ def _dpo_family(loss: str, hyper, rho_c: Array, rho_r: Array, delta: Array | Non
   beta, eps = hyper["beta"], hyper["label_smoothing"]
   u, r_c, r_r = beta * (rho_c - rho_r), beta * rho_c, beta * rho_r
   log_sig = jax.nn.log_sigmoid
-  if loss == "dpo":
+  if loss in ("dpo", "sigmoid_norm"):  # sigmoid_norm: on the mean log-probabilities
     return _smoothed(u, eps)
   if loss == "robust":
     return (-(1 - eps) * log_sig(u) + eps * log_sig(-u)) / (1 - 2 * eps)
@@ -176,7 +176,7 @@ def compute(
   pi_c, pi_r = (mean_c, mean_r) if normalised else (sum_c, sum_r)
   if ref is not None:
     ref_c, ref_r = ref
-    if normalised:  # IPO: the reference's sums over the same lengths
+    if normalised:  # IPO, sigmoid_norm: the reference's sums over the same lengths
       ref_c = ref_c / jnp.maximum(jnp.sum(m_c, -1), 1).astype(ref_c.dtype)
       ref_r = ref_r / jnp.maximum(jnp.sum(m_r, -1), 1).astype(ref_r.dtype)
     rho_c, rho_r = pi_c - ref_c, pi_r - ref_r
