@@ -61,16 +61,30 @@ VARIANTS = {
   "kto": dict(loss="kto", beta=0.1, desirable_weight=1.33, undesirable_weight=0.8),
   "kto-kl": dict(loss="kto", beta=0.3, kto_kl=0.25),
 }
-REFERENCED = {"dpo", "ipo", "hinge", "robust", "kto"}
 IDS = list(VARIANTS)
+
+# Each new loss type once, the options spread over them: TRL's defaults but where a case says.
+TRL_CASES = {
+  "exo_pair": dict(loss="exo_pair", beta=0.3, label_smoothing=1e-3),
+  "nca_pair": dict(loss="nca_pair", rpo_alpha=0.5),
+  "bco_pair": dict(loss="bco_pair", beta=0.2, bco_reward_mean=0.3),
+  "sppo_hard": dict(loss="sppo_hard", ld_alpha=0.5),
+  "apo_zero": dict(loss="apo_zero", rpo_alpha=1.0, ld_alpha=0.0),
+  "apo_down": dict(loss="apo_down", beta=0.5),
+  "discopop": dict(loss="discopop", discopop_tau=0.3, ld_alpha=0.3),
+  "ipo-ld": dict(loss="ipo", beta=0.5, ld_alpha=0.7, rpo_alpha=0.1),
+  "sigmoid_norm": dict(loss="sigmoid_norm", beta=2.0),
+  "simpo-rpo": dict(loss="simpo", beta=2.0, simpo_gamma=0.7, label_smoothing=0.05, rpo_alpha=0.4),
+}
 
 
 def _args(name, data, dtype):
   ref_c, ref_r = data[-2:]
-  opts = dict(VARIANTS[name])
-  if "kto_kl" in opts:
-    opts["kto_kl"] = jnp.asarray(opts["kto_kl"], jnp.promote_types(dtype, jnp.float32))
-  if opts["loss"] in REFERENCED:
+  opts = dict(VARIANTS[name] if name in VARIANTS else TRL_CASES[name])
+  for given in ("kto_kl", "bco_reward_mean"):
+    if given in opts:
+      opts[given] = jnp.asarray(opts[given], jnp.promote_types(dtype, jnp.float32))
+  if opts["loss"] not in ("simpo", "orpo", "cpo"):
     opts |= dict(ref_chosen_log_probs=ref_c, ref_rejected_log_probs=ref_r)
   return opts
 
@@ -148,6 +162,144 @@ def test_half_precision_is_computed_in_float32(name, dtype):
   assert ours[0][0].dtype == jnp.float32
   assert [g.dtype for g in ours[1]] == [dtype] * 4
   _assert_close(ours, theirs, 1e-5, grad_tol=4 * float(jnp.finfo(dtype).eps))
+
+
+# ----------------------------------------------------------- TRL's DPOTrainer losses, rpo, ld
+
+
+def trl_dpo_loss(x_c, x_r, w, bias, t_c, t_r, m_c, m_r, ref_heads, case):
+  """``(loss, metrics)`` transcribed from TRL's DPOTrainer (1.x ``_compute_loss``: ``ld_alpha``'s
+  shared and tail masks, f-divergence ``reverse_kl``, each ``loss_type``'s per-sequence loss;
+  0.28's ``rpo_alpha`` NLL, a cross-entropy over the chosen completions' tokens, and bco_pair's
+  running mean ``delta``; CPOTrainer's ``simpo`` with ``cpo_alpha``) in plain jnp on the full
+  log_softmax; the reference is the second head of ``ref_heads``."""
+  beta, eps, ld = case.get("beta", 0.1), case.get("label_smoothing", 0.0), case.get("ld_alpha")
+  t = max(TC, TR)  # TRL's batch: [chosen, rejected], right-padded to one length
+
+  def padded(a_c, a_r):
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, t - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+    return jnp.concatenate([pad(a_c), pad(a_r)])
+
+  mask = padded(m_c, m_r)
+
+  def logps(x, w, b):
+    logits = padded(*x) @ w + b
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits), padded(t_c, t_r)[..., None], -1)[..., 0]
+    lp = jnp.where(mask, lp, 0.0)
+    if ld is None:
+      return lp.sum(1), lp
+    comp_pos = jnp.cumsum(mask, 1)
+    lens_c, lens_r = jnp.split(mask.sum(1), 2)
+    shared = jnp.tile(jnp.minimum(lens_c, lens_r), 2)[:, None]
+    shared_mask, tail_mask = (comp_pos > 0) & (comp_pos <= shared), comp_pos > shared
+    return (lp * shared_mask).sum(1) + ld * (lp * tail_mask).sum(1), lp
+
+  both, lp = logps((x_c, x_r), w, bias)
+  chosen_logps, rejected_logps = jnp.split(both, 2)
+  loss_type = case["loss"]
+  if loss_type == "simpo":  # CPOTrainer, average_log_prob
+    chosen_logps, rejected_logps = chosen_logps / m_c.sum(1), rejected_logps / m_r.sum(1)
+    logits = (chosen_logps - rejected_logps) - case["simpo_gamma"] / beta
+    losses = -jax.nn.log_sigmoid(beta * logits) * (1 - eps) - jax.nn.log_sigmoid(
+      -beta * logits) * eps  # fmt: skip
+    chosen_logratios, rejected_logratios = chosen_logps, rejected_logps
+  else:
+    rx_c, rx_r, rw, rb = ref_heads
+    ref_chosen_logps, ref_rejected_logps = jnp.split(jax.lax.stop_gradient(logps(
+      (rx_c, rx_r), rw, rb)[0]), 2)  # fmt: skip
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    delta_score = chosen_logratios - rejected_logratios
+    sig, logsig = jax.nn.sigmoid, jax.nn.log_sigmoid
+    if loss_type == "ipo":
+      ipo_delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
+      losses = (ipo_delta - 1 / (2 * beta)) ** 2
+    elif loss_type == "sigmoid_norm":
+      delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
+      losses = -logsig(beta * delta)
+    elif loss_type == "exo_pair":
+      qw, log_qw = sig(beta * delta_score), logsig(beta * delta_score)
+      ql, log_ql = sig(-beta * delta_score), logsig(-beta * delta_score)
+      losses = qw * (log_qw - jnp.log1p(-eps)) + ql * (log_ql - jnp.log(eps))
+    elif loss_type == "nca_pair":
+      cr, rr = beta * chosen_logratios, beta * rejected_logratios
+      losses = -logsig(cr) - 0.5 * logsig(-cr) - 0.5 * logsig(-rr)
+    elif loss_type == "bco_pair":
+      delta = case.get("bco_reward_mean", 0.0)
+      losses = -logsig(beta * chosen_logratios - delta) - logsig(
+        -(beta * rejected_logratios - delta))  # fmt: skip
+    elif loss_type == "sppo_hard":
+      losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+      losses = 1 - sig(beta * chosen_logratios) + sig(beta * rejected_logratios)
+    elif loss_type == "apo_down":
+      losses = sig(beta * chosen_logratios) + 1 - sig(beta * delta_score)
+    else:
+      assert loss_type == "discopop"
+      logits = delta_score * beta
+      modulation = sig(logits / case.get("discopop_tau", 0.05))
+      losses = -logsig(logits) * (1 - modulation) + jnp.exp(-logits) * modulation
+  loss = losses.mean()
+  metrics = {
+    "rewards/chosen": (beta * chosen_logratios).mean(),
+    "rewards/rejected": (beta * rejected_logratios).mean(),
+    "rewards/accuracies": (chosen_logratios > rejected_logratios).mean(),
+    "logps/chosen": chosen_logps.mean(),
+    "logps/rejected": rejected_logps.mean(),
+  }
+  alpha = case.get("rpo_alpha")
+  if alpha is not None:  # F.cross_entropy over the chosen completions' tokens
+    nll = -jnp.sum(lp[: len(m_c)]) / m_c.sum()
+    loss, metrics["nll_loss"] = loss + alpha * nll, nll
+  return loss, metrics
+
+
+@pytest.mark.parametrize("name", list(TRL_CASES))
+def test_trl_losses_equal_a_transcription_of_trl(name):
+  """Each of TRL's DPOTrainer losses jaxact adds, ``rpo_alpha`` and ``ld_alpha``: the loss, the
+  metrics and the gradients in x_chosen, x_rejected, w and bias equal TRL's code transcribed
+  (:func:`trl_dpo_loss`) and JAX's autodiff of it, float64, to 1e-12. Where ``ld_alpha`` is set
+  the reference is computed in the call (weighted as the policy), else passed in as sums."""
+  case = TRL_CASES[name]
+  x_c, x_r, w, bias, t_c, t_r, m_c, m_r, *_ = batch()
+  ref_heads = batch(seed=5)[:4]
+  opts = dict(case)
+  if "bco_reward_mean" in opts:
+    opts["bco_reward_mean"] = jnp.asarray(opts["bco_reward_mean"], jnp.float64)
+  if case["loss"] != "simpo":
+    if "ld_alpha" in case:
+      opts |= dict(
+        zip(("ref_x_chosen", "ref_x_rejected", "ref_w", "ref_bias"), ref_heads, strict=True)
+      )
+    else:
+      sums = [
+        log_probs_reference(x, ref_heads[2], t, where=m, bias=ref_heads[3]).sum(-1)
+        for x, t, m in ((ref_heads[0], t_c, m_c), (ref_heads[1], t_r, m_r))
+      ]
+      opts |= dict(ref_chosen_log_probs=sums[0], ref_rejected_log_probs=sums[1])
+
+  def ours(x_c, x_r, w, bias):
+    return jaxact.preference_loss(
+      x_c, x_r, w, t_c, t_r, chosen_mask=m_c, rejected_mask=m_r, bias=bias,
+      vocab_block_size=BLOCK, **opts,
+    )  # fmt: skip
+
+  def theirs(x_c, x_r, w, bias):
+    return trl_dpo_loss(x_c, x_r, w, bias, t_c, t_r, m_c, m_r, ref_heads, case)
+
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True))(
+    x_c, x_r, w, bias
+  )
+  (want, want_metrics), want_grads = jax.value_and_grad(theirs, (0, 1, 2, 3), has_aux=True)(
+    x_c, x_r, w, bias
+  )
+  assert loss.dtype == jnp.float64 and rel_err(loss, want) < 1e-12, (loss, want)
+  for key, v in want_metrics.items():
+    if case["loss"] in ("ipo", "sigmoid_norm") and key != "nll_loss":
+      continue  # jaxact gives these rewards and logps on the means, as the loss; TRL on the sums
+    assert rel_err(metrics[key], v) < 1e-12, (key, metrics[key], v)
+  for what, g, r in zip(("dx_c", "dx_r", "dw", "dbias"), grads, want_grads, strict=True):
+    assert np.any(np.asarray(r)) and rel_err(g, r) < 1e-12, (what, rel_err(g, r))
 
 
 # ------------------------------------------------------------------------------- the reference
@@ -246,8 +398,8 @@ def test_empty_sequences_do_not_count(name):
 # ---------------------------------------------------------------------------------- extremes
 
 
-@pytest.mark.sample(1, "orpo", "ipo")
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.sample(1, "orpo", "ipo", "discopop", "exo_pair")
+@pytest.mark.parametrize("name", IDS + list(TRL_CASES))
 def test_huge_margins_and_certain_tokens_stay_finite(name):
   """float32 log-probs of order -1e4 a token (margins of 1e4 and more), and chosen completions
   whose every token has probability 1 in float32 (a mean log-prob of 0: ORPO's odds would be
@@ -275,8 +427,9 @@ def test_huge_margins_and_certain_tokens_stay_finite(name):
   assert all(np.all(np.isfinite(g)) for g in grads)
 
 
-STATIC = dict(static_argnames=("loss", "beta", "label_smoothing", "simpo_gamma", "nll_weight",
-  "desirable_weight", "undesirable_weight", "temperature", "logit_soft_cap"))  # fmt: skip
+STATIC = dict(static_argnames=("loss", "beta", "label_smoothing", "simpo_gamma", "discopop_tau",
+  "nll_weight", "rpo_alpha", "ld_alpha", "desirable_weight", "undesirable_weight", "temperature",
+  "logit_soft_cap"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -285,7 +438,8 @@ STATIC = dict(static_argnames=("loss", "beta", "label_smoothing", "simpo_gamma",
 def test_the_compiled_gradient_holds_no_tokens_by_vocabulary_array():
   """jit(grad) of DPO at B = 4 pairs of 128 + 128 tokens, V = 32768, D = 64: the temp is a few
   blocks of logits, never one (tokens, V) float32 array (128 MiB over both completions) as the
-  plain composition's."""
+  plain composition's; with ``rpo_alpha`` and ``ld_alpha`` too (their NLL and weights use the
+  same log-probabilities)."""
   b, t, d, v = 4, 128, 64, 32768
   rng = np.random.default_rng(0)
   x_c, x_r = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32) for _ in range(2))
@@ -297,7 +451,7 @@ def test_the_compiled_gradient_holds_no_tokens_by_vocabulary_array():
   kw |= dict(ref_rejected_log_probs=ref)
 
   def ours(x_c, x_r, w):
-    return jaxact.preference_loss(x_c, x_r, w, t_c, t_r, **kw)[0]
+    return jaxact.preference_loss(x_c, x_r, w, t_c, t_r, rpo_alpha=1.0, ld_alpha=0.5, **kw)[0]
 
   def theirs(x_c, x_r, w):
     return preference_reference(x_c, x_r, w, t_c, t_r, **kw)[0]
@@ -352,6 +506,19 @@ ONES = jnp.ones((B, TC, D), jnp.float32)
     (dict(desirable_weight=2.0), ValueError, r"`desirable_weight` .* of 'kto'"),
     (dict(loss="kto", undesirable_weight=0.0), ValueError, r"`undesirable_weight` is 0\.0"),
     (dict(kto_kl=0.1), ValueError, r"`kto_kl` is KTO's reference point; loss='dpo' takes None"),
+    (dict(loss="exo_pair"), ValueError, r"`label_smoothing` is 0\.0; accepted for loss='exo_pair'"),
+    (dict(loss="discopop", discopop_tau=0.0), ValueError, r"`discopop_tau` is 0\.0; accepted"),
+    (dict(discopop_tau=0.1), ValueError, r"`discopop_tau` is 0\.1, but loss='dpo' does not use"),
+    (dict(rpo_alpha=-1.0), ValueError, r"`rpo_alpha` is -1\.0; accepted: .*\[0\.0, inf\)"),
+    (dict(loss="orpo", rpo_alpha=1.0), ValueError, r"`rpo_alpha` is 1\.0, but loss='orpo'"),
+    (dict(ld_alpha=1.5), ValueError, r"`ld_alpha` is 1\.5; accepted: .*\[0\.0, 1\.0\]"),
+    (dict(loss="kto", ld_alpha=0.5), ValueError, r"`ld_alpha` is 0\.5, but loss='kto'"),
+    (dict(bco_reward_mean=0.1), ValueError, r"`bco_reward_mean` is BCO's reward shift; loss='dpo'"),
+    (
+      dict(loss="bco_pair", bco_reward_mean=jnp.ones(2)),
+      ValueError,
+      r"`bco_reward_mean` must be a floating-point scalar",
+    ),
     (dict(loss="kto", kto_kl=jnp.ones(2)), ValueError, r"`kto_kl` must be a floating-point scalar"),
     (dict(loss="simpo"), ValueError, r"loss='simpo' is reference-free; it takes no `ref_chosen_"),
     (NO_REF, ValueError, r"loss='dpo' needs the reference: pass `ref_chosen_log_probs`"),

@@ -1,13 +1,15 @@
 """The preference losses of post-training from the hidden states and the LM head, without the
-logits: :func:`preference_loss` (DPO, IPO, hinge, robust DPO, SimPO, ORPO, CPO, KTO).
+logits: :func:`preference_loss` (DPO and the other losses of TRL's DPOTrainer, SimPO, ORPO, CPO,
+KTO).
 
 Every loss is a function of each completion's sequence log-probability, the sum (or, for IPO,
-SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the completion's
-mask. Chosen and rejected completions (and the reference's, when computed in the call) go through
-one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens concatenated
-along the sequence axis (the batch's data-parallel sharding kept), so one vocabulary loop a pass
-serves both; the losses' own arithmetic is on (batch,) numbers and
-lives in :mod:`jaxact._src.lce.api_preference_losses`.
+sigmoid_norm, SimPO and ORPO, the mean) of its tokens' :func:`jaxact.linear_log_probs` over the
+completion's mask. Chosen and rejected completions (and the reference's, when computed in the call)
+go through one :func:`~jaxact._src.lce.api_log_probs.linear_log_probs` call each, their tokens
+concatenated along the sequence axis (the batch's data-parallel sharding kept), so one vocabulary
+loop a pass serves both (:mod:`jaxact._src.lce.api_preference_inputs`, with the checks of the
+inputs); the losses' own arithmetic is on (batch,) numbers and lives in
+:mod:`jaxact._src.lce.api_preference_losses`.
 """
 
 from __future__ import annotations
@@ -21,77 +23,17 @@ import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from jaxact._src.core import args, dispatch, shardings, validation
+from jaxact._src.core import args, dispatch
 from jaxact._src.core.dispatch import Implementation
 from jaxact._src.lce import api_checks as checks
+from jaxact._src.lce import api_preference_inputs as inputs
 from jaxact._src.lce import api_preference_losses as losses
-from jaxact._src.lce.api_log_probs import log_probs
 
 _FN = "preference_loss"
-Loss = Literal["dpo", "ipo", "hinge", "robust", "simpo", "orpo", "cpo", "kto"]
-
-
-def _err(msg: str) -> str:
-  return checks.err(_FN, msg)
-
-
-def _tokens(tokens, name: str) -> Array:
-  tokens = checks.as_labels(_FN, tokens, name)
-  if tokens.ndim < 1:
-    raise ValueError(
-      _err(f"`{name}` must have rank >= 1 (..., sequence); got shape {tokens.shape}")
-    )
-  return tokens
-
-
-def _mask(mask, shape, name: str, of: str) -> Array:
-  if mask is None:
-    return jnp.ones(shape, bool)
-  return checks.as_where(_FN, mask, shape, of, name=name)
-
-
-def _hidden(x: Array, tokens: Array, name: str, of: str, features: int | None) -> None:
-  if x.ndim != tokens.ndim + 1 or x.shape[:-1] != tokens.shape:
-    raise ValueError(
-      _err(
-        f"`{name}` must have shape {of}.shape + (features,) = {tokens.shape} + (D,); got "
-        f"{name}.shape={x.shape}, {of}.shape={tokens.shape}"
-      )
-    )
-  if features is not None and x.shape[-1] != features:
-    raise ValueError(
-      _err(f"`{name}` has {x.shape[-1]} features but `w` expects {features} (w.shape given)")
-    )
-
-
-def _features(w: Array, layout: str, name: str) -> int:
-  if w.ndim != 2:
-    axes = "(features, vocabulary)" if layout == "dv" else "(vocabulary, features)"
-    raise ValueError(_err(f"`{name}` must have rank 2 {axes}; got shape {w.shape}"))
-  return w.shape[0] if layout == "dv" else w.shape[1]
-
-
-def _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options) -> tuple[Array, Array]:
-  """Per-token log-probs of both completions (0 where masked), each of its tokens' shape: one
-  :func:`jaxact.linear_log_probs` call over their tokens concatenated along the sequence axis
-  where the batch shapes agree (the batch axes, and their data-parallel sharding, kept: no
-  device's rows move), else (KTO's unpaired batches, or a sequence axis split over devices) one
-  call each."""
-  spec = shardings.spec(x_c)
-  if t_c.shape[:-1] == t_r.shape[:-1] and (spec is None or not spec[-2]):
-    if spec is not None:  # the same sharding on both sides, as the concatenation needs
-      x_r = shardings.to_spec(x_r, spec)
-      t_c, t_r, m_c, m_r = (shardings.to_spec(a, spec[:-1]) for a in (t_c, t_r, m_c, m_r))
-    x = jnp.concatenate([x_c, x_r], axis=-2)
-    tokens = jnp.concatenate([t_c, t_r], axis=-1)
-    where = jnp.concatenate([m_c, m_r], axis=-1)
-    logp = log_probs(_FN, x, w, tokens, bias=b, where=where, **options)
-    n = t_c.shape[-1]
-    return logp[..., :n], logp[..., n:]
-  return tuple(
-    log_probs(_FN, x, w, t, bias=b, where=m, **options)
-    for x, t, m in ((x_c, t_c, m_c), (x_r, t_r, m_r))
-  )
+Loss = Literal[
+  "dpo", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+  "apo_down", "discopop", "sigmoid_norm", "simpo", "orpo", "cpo", "kto",
+]  # fmt: skip
 
 
 def preference_loss(
@@ -107,7 +49,11 @@ def preference_loss(
   beta: float = 0.1,
   label_smoothing: float = 0.0,
   simpo_gamma: float = 0.5,
+  discopop_tau: float = 0.05,
   nll_weight: float = 1.0,
+  rpo_alpha: float | None = None,
+  ld_alpha: float | None = None,
+  bco_reward_mean: ArrayLike | None = None,
   desirable_weight: float = 1.0,
   undesirable_weight: float = 1.0,
   kto_kl: ArrayLike | None = None,
@@ -145,6 +91,19 @@ def preference_loss(
     mean log-probabilities :math:`\bar\pi` (TRL's form; the paper writes sums);
   - ``"hinge"`` (SLiC-HF, Zhao et al. 2023, with the reference-normalised margin of RSO, Liu et
     al. 2024): :math:`\max(0, 1 - \beta h)`;
+  - TRL's DPOTrainer losses of the same names, with :math:`u = \beta h` and the rewards
+    :math:`r = \beta (\pi - \pi^{\text{ref}})`: ``"exo_pair"`` (EXO, Ji et al. 2024, eq. 16)
+    :math:`\sigma(u) (\log\sigma(u) - \log(1 - \varepsilon)) + \sigma(-u) (\log\sigma(-u) -
+    \log\varepsilon)`, :math:`\varepsilon \in (0, 1/2]`; ``"nca_pair"`` (NCA, Chen et al. 2024)
+    :math:`-\log\sigma(r_c) - \tfrac12 \log\sigma(-r_c) - \tfrac12 \log\sigma(-r_r)`;
+    ``"bco_pair"`` (BCO, Jung et al. 2024) :math:`-\log\sigma(r_c - \delta) - \log\sigma(\delta -
+    r_r)` (``bco_reward_mean`` :math:`\delta`, 0 by default); ``"sppo_hard"`` (SPPO, Wu et al.
+    2024) :math:`(\rho_c - \tfrac{1}{2\beta})^2 + (\rho_r + \tfrac{1}{2\beta})^2`,
+    :math:`\rho = \pi - \pi^{\text{ref}}`; ``"apo_zero"`` and ``"apo_down"`` (APO, D'Oosterlinck
+    et al. 2024, eqs. 7, 8) :math:`\sigma(-r_c) + \sigma(r_r)` and :math:`\sigma(r_c) +
+    \sigma(-u)`; ``"discopop"`` (Lu et al. 2024, eq. 5) :math:`\sigma(-u/\tau)
+    (-\log\sigma(u)) + \sigma(u/\tau) e^{-u}` (``discopop_tau`` :math:`\tau`);
+    ``"sigmoid_norm"`` :math:`-\log\sigma(\beta h)` with :math:`h` from the means, as IPO;
   - ``"simpo"`` (Meng et al. 2024, no reference):
     :math:`\ell_\varepsilon(\beta (\bar\pi_c - \bar\pi_r) - \gamma)` (``simpo_gamma``
     :math:`\gamma`);
@@ -162,8 +121,13 @@ def preference_loss(
     :math:`z_0 = \max(0, \operatorname{mean}(\rho))` over the batch's completions, detached
     (``kto_kl`` gives it instead, e.g. from mismatched pairs as the paper estimates it).
 
-  The loss is the mean over pairs (KTO: over completions); the negative log-likelihood of CPO
-  and ORPO is the mean over the counted chosen completions' tokens (TRL's cross-entropy).
+  The loss is the mean over pairs (KTO: over completions). The chosen completions' negative
+  log-likelihood (CPO's and ORPO's, weighted by ``nll_weight``; any other paired loss's with
+  ``rpo_alpha``) is the mean over the counted chosen completions' tokens (TRL's and Liger's
+  cross-entropy), from the same log-probabilities. With ``ld_alpha`` (LD-DPO, Liu et al. 2024;
+  TRL's DPOTrainer losses) each sequence sum weights the tokens past the pair's shared length
+  :math:`\min(|y_c|, |y_r|)` by :math:`\alpha`, the policy's and a reference computed here alike
+  (reference sums passed in must be weighted so already).
 
   **Empty sequences.** A sequence with no unmasked token has no log-probability: a pair with one
   (KTO: such a completion) does not count; it adds 0 to the loss, its tokens get zero gradients,
@@ -195,14 +159,21 @@ def preference_loss(
     chosen_mask: bool, broadcastable to ``chosen_tokens``: the completion's positions (prompt and
       padding False); None counts every position.
     rejected_mask: the same for the rejected completions.
-    loss: ``"dpo"``, ``"ipo"``, ``"hinge"``, ``"robust"``, ``"simpo"``, ``"orpo"``, ``"cpo"`` or
-      ``"kto"``.
+    loss: one of the losses above.
     beta: :math:`\beta > 0` (ORPO's :math:`\lambda`).
     label_smoothing: :math:`\varepsilon \in [0, 1/2]` for ``"dpo"``, ``"simpo"`` and ``"cpo"``,
-      :math:`[0, 1/2)` for ``"robust"``; the others take 0 only.
+      :math:`[0, 1/2)` for ``"robust"``, :math:`(0, 1/2]` for ``"exo_pair"``; the others take 0.
     simpo_gamma: SimPO's target margin :math:`\gamma \ge 0` (``"simpo"`` only).
+    discopop_tau: DiscoPOP's :math:`\tau > 0` (``"discopop"`` only).
     nll_weight: the weight :math:`\ge 0` of the chosen completions' negative log-likelihood
       (``"orpo"`` and ``"cpo"`` only; TRL's ``cpo_alpha``).
+    rpo_alpha: the weight :math:`\ge 0` of the chosen completions' negative log-likelihood added
+      to any paired loss but ORPO and CPO (TRL's ``rpo_alpha``, Liger's ``alpha`` with
+      ``compute_nll_loss``); None adds none.
+    ld_alpha: LD-DPO's :math:`\alpha \in [0, 1]` (TRL's DPOTrainer losses); None weights every
+      token 1.
+    bco_reward_mean: BCO's reward shift :math:`\delta` (a scalar, detached; TRL's running mean of
+      the rewards); None is 0 (``"bco_pair"`` only).
     desirable_weight: KTO's :math:`\lambda_D > 0` (``"kto"`` only).
     undesirable_weight: KTO's :math:`\lambda_U > 0` (``"kto"`` only).
     kto_kl: KTO's reference point :math:`z_0` (a scalar, used as given, detached); None
@@ -233,7 +204,7 @@ def preference_loss(
     ``"rewards/accuracies"`` (the fraction of pairs whose chosen reward is the larger; not for
     KTO), ``"logps/chosen"``, ``"logps/rejected"`` (the policy's :math:`\pi`, or :math:`\bar\pi`);
     ORPO adds ``"log_odds_ratio"`` (the mean :math:`\log \sigma(r)`) and ``"log_odds_chosen"``
-    (the mean :math:`r`), ORPO and CPO ``"nll_loss"``, KTO ``"kl"`` (:math:`z_0`).
+    (the mean :math:`r`), ORPO, CPO and ``rpo_alpha`` ``"nll_loss"``, KTO ``"kl"`` (:math:`z_0`).
 
   Examples:
     >>> import jax.numpy as jnp, jaxact
@@ -252,7 +223,7 @@ def preference_loss(
   with jax.named_scope(f"jaxact.{_FN}"):
     if not isinstance(loss, str) or loss not in losses.LOSSES:
       raise ValueError(
-        _err(f"`loss` {loss!r} is not known; choose one of: {', '.join(losses.LOSSES)}")
+        inputs.err(f"`loss` {loss!r} is not known; choose one of: {', '.join(losses.LOSSES)}")
       )
     dispatch.check_implementation(_FN, implementation)
     checks.w_layout(_FN, w_layout)
@@ -262,16 +233,19 @@ def preference_loss(
       beta=beta,
       label_smoothing=label_smoothing,
       simpo_gamma=simpo_gamma,
+      discopop_tau=discopop_tau,
       nll_weight=nll_weight,
+      rpo_alpha=rpo_alpha,
+      ld_alpha=ld_alpha,
       desirable_weight=desirable_weight,
       undesirable_weight=undesirable_weight,
     )
-    t_c = _tokens(chosen_tokens, "chosen_tokens")
-    t_r = _tokens(rejected_tokens, "rejected_tokens")
+    t_c = inputs.tokens(chosen_tokens, "chosen_tokens")
+    t_r = inputs.tokens(rejected_tokens, "rejected_tokens")
     paired = loss != "kto"
     if paired and t_c.shape[:-1] != t_r.shape[:-1]:
       raise ValueError(
-        _err(
+        inputs.err(
           f"`chosen_tokens` and `rejected_tokens` must have the same batch shape (all but the "
           f"last axis) for loss={loss!r}; got {t_c.shape} and {t_r.shape}"
         )
@@ -280,14 +254,14 @@ def preference_loss(
       _FN, {"x_chosen": x_chosen, "x_rejected": x_rejected, "w": w, "bias": bias}, None
     )
     x_c, x_r, w, b = (arrays[k] for k in ("x_chosen", "x_rejected", "w", "bias"))
-    features = _features(w, w_layout, "w")
-    _hidden(x_c, t_c, "x_chosen", "chosen_tokens", features)
-    _hidden(x_r, t_r, "x_rejected", "rejected_tokens", features)
+    features = inputs.features(w, w_layout, "w")
+    inputs.hidden(x_c, t_c, "x_chosen", "chosen_tokens", features)
+    inputs.hidden(x_r, t_r, "x_rejected", "rejected_tokens", features)
     vocab = w.shape[1] if w_layout == "dv" else w.shape[0]
     if b is not None and b.shape != (vocab,):
-      raise ValueError(_err(f"`bias` has shape {b.shape}; accepted: ({vocab},) or None"))
-    m_c = _mask(chosen_mask, t_c.shape, "chosen_mask", "chosen_tokens")
-    m_r = _mask(rejected_mask, t_r.shape, "rejected_mask", "rejected_tokens")
+      raise ValueError(inputs.err(f"`bias` has shape {b.shape}; accepted: ({vocab},) or None"))
+    m_c = inputs.mask(chosen_mask, t_c.shape, "chosen_mask", "chosen_tokens")
+    m_r = inputs.mask(rejected_mask, t_r.shape, "rejected_mask", "rejected_tokens")
     checks.check_label_range(_FN, t_c, m_c, None, vocab, "chosen_tokens", mask="chosen_mask")
     checks.check_label_range(_FN, t_r, m_r, None, vocab, "rejected_tokens", mask="rejected_mask")
     acc = np.dtype(acc)
@@ -303,95 +277,20 @@ def preference_loss(
       implementation=implementation,
       vocab_block_size=vocab_block_size,
     )
-    ref = _reference(
+    weights = losses.ld_weights(m_c, m_r, hyper["ld_alpha"], acc)
+    ref = inputs.reference(
       loss,
       (t_c, t_r, m_c, m_r, vocab, acc),
       (ref_chosen_log_probs, ref_rejected_log_probs),
       (ref_x_chosen, ref_x_rejected, ref_w, ref_bias),
       options,
+      weights,
     )
-    kl = None if kto_kl is None else _kto_kl(loss, kto_kl, acc)
+    kl = inputs.given(loss, "kto_kl", kto_kl, acc)
+    shift = inputs.given(loss, "bco_reward_mean", bco_reward_mean, acc)
     if math.prod(t_c.shape) + math.prod(t_r.shape) == 0:
       lp_c, lp_r = jnp.zeros(t_c.shape, acc), jnp.zeros(t_r.shape, acc)
     else:
-      lp_c, lp_r = _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options)
-    return losses.compute(loss, hyper, lp_c, lp_r, m_c, m_r, ref, kl)
-
-
-def _kto_kl(loss: str, kto_kl, acc) -> Array:
-  if loss != "kto":
-    raise ValueError(_err(f"`kto_kl` is KTO's reference point; loss={loss!r} takes None"))
-  kl = validation.as_real_array(_FN, kto_kl, "kto_kl")
-  if kl.shape != () or not validation.is_floating(kl.dtype):
-    raise ValueError(
-      _err(f"`kto_kl` must be a floating-point scalar; got shape {kl.shape}, dtype {kl.dtype}")
-    )
-  return lax.stop_gradient(kl.astype(acc))
-
-
-def _reference(loss, batch, given, inputs, options) -> tuple[Array, Array] | None:
-  """The reference's sequence log-probabilities (chosen, rejected), detached: passed in
-  (`given`), computed from its hidden states and head (`inputs`), or None for the reference-free
-  losses; an error where the loss and what is passed disagree."""
-  t_c, t_r, m_c, m_r, vocab, acc = batch
-  names = ("ref_chosen_log_probs", "ref_rejected_log_probs")
-  in_names = ("ref_x_chosen", "ref_x_rejected", "ref_w", "ref_bias")
-  passed = [n for n, a in zip(names + in_names, given + inputs, strict=True) if a is not None]
-  if loss not in losses.REFERENCED:
-    if passed:
-      raise ValueError(
-        _err(f"loss={loss!r} is reference-free; it takes no {', '.join(f'`{n}`' for n in passed)}")
-      )
-    return None
-  if any(a is not None for a in given):
-    if any(a is not None for a in inputs):
-      raise ValueError(
-        _err(
-          "pass the reference's log-probabilities (`ref_chosen_log_probs`, "
-          "`ref_rejected_log_probs`) or its inputs (`ref_x_chosen`, `ref_x_rejected`, `ref_w`), "
-          f"not both; got {', '.join(f'`{n}`' for n in passed)}"
-        )
-      )
-    out = []
-    for name, a, t in zip(names, given, (t_c, t_r), strict=True):
-      if a is None:
-        raise ValueError(_err(f"`{name}` is missing: loss={loss!r} needs both reference sums"))
-      a = validation.as_real_array(_FN, a, name)
-      if not validation.is_floating(a.dtype) or a.shape != t.shape[:-1]:
-        raise ValueError(
-          _err(
-            f"`{name}` must be floating point of the batch shape {t.shape[:-1]} (one sum a "
-            f"sequence); got shape {a.shape}, dtype {a.dtype}"
-          )
-        )
-      out.append(lax.stop_gradient(a.astype(acc)))
-    return out[0], out[1]
-  x_c, x_r, w, b = inputs
-  for name, a in zip(in_names[:3], inputs[:3], strict=True):
-    if a is None:
-      raise ValueError(
-        _err(
-          f"loss={loss!r} needs the reference: pass `ref_chosen_log_probs` and "
-          "`ref_rejected_log_probs`, or `ref_x_chosen`, `ref_x_rejected` and `ref_w`"
-          + ("" if not passed else f" (`{name}` is missing)")
-        )
-      )
-  arrays, _, _ = args.prepare_arrays(
-    _FN, {"ref_x_chosen": x_c, "ref_x_rejected": x_r, "ref_w": w, "ref_bias": b}, None
-  )
-  x_c, x_r, w, b = (lax.stop_gradient(a) if a is not None else None for a in arrays.values())
-  features = _features(w, options["w_layout"], "ref_w")
-  _hidden(x_c, t_c, "ref_x_chosen", "chosen_tokens", features)
-  _hidden(x_r, t_r, "ref_x_rejected", "rejected_tokens", features)
-  ref_vocab = w.shape[1] if options["w_layout"] == "dv" else w.shape[0]
-  if ref_vocab != vocab or (b is not None and b.shape != (vocab,)):
-    raise ValueError(
-      _err(
-        f"the reference's head must have the policy's vocabulary ({vocab}); got ref_w.shape="
-        f"{w.shape}" + ("" if b is None else f", ref_bias.shape={b.shape}")
-      )
-    )
-  if t_c.size + t_r.size == 0:
-    return jnp.zeros(t_c.shape[:-1], acc), jnp.zeros(t_r.shape[:-1], acc)
-  lp_c, lp_r = _per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options)
-  return lax.stop_gradient(lp_c.sum(-1).astype(acc)), lax.stop_gradient(lp_r.sum(-1).astype(acc))
+      lp_c, lp_r = inputs.per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options)
+    given = kl if loss == "kto" else shift
+    return losses.compute(loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given)

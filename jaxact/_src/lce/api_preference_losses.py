@@ -13,32 +13,40 @@ from jax import Array, lax
 
 from jaxact._src.lce import api_checks as checks
 
-LOSSES = ("dpo", "ipo", "hinge", "robust", "simpo", "orpo", "cpo", "kto")
-REFERENCED = frozenset({"dpo", "ipo", "hinge", "robust", "kto"})
-NORMALISED = frozenset({"ipo", "simpo", "orpo"})  # mean per-token log-probs
-SMOOTHED = frozenset({"dpo", "robust", "simpo", "cpo"})
+# TRL's DPOTrainer losses (jaxact's "dpo" is its "sigmoid"), then the reference-free ones and KTO.
+DPO_LOSSES = (
+  "dpo", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+  "apo_down", "discopop", "sigmoid_norm",
+)  # fmt: skip
+LOSSES = (*DPO_LOSSES, "simpo", "orpo", "cpo", "kto")
+REFERENCED = frozenset({*DPO_LOSSES, "kto"})
+NORMALISED = frozenset({"ipo", "sigmoid_norm", "simpo", "orpo"})  # mean per-token log-probs
+SMOOTHED = frozenset({"dpo", "robust", "exo_pair", "simpo", "cpo"})
 NLL = frozenset({"orpo", "cpo"})
 # Each option, the losses that take it, and its default (any other loss must leave it there).
 _OPTIONS = {
   "label_smoothing": (SMOOTHED, 0.0),
   "simpo_gamma": (frozenset({"simpo"}), 0.5),
+  "discopop_tau": (frozenset({"discopop"}), 0.05),
   "nll_weight": (NLL, 1.0),
+  "rpo_alpha": (frozenset({*DPO_LOSSES, "simpo"}), None),
+  "ld_alpha": (frozenset(DPO_LOSSES), None),
   "desirable_weight": (frozenset({"kto"}), 1.0),
   "undesirable_weight": (frozenset({"kto"}), 1.0),
 }
+_LOW_OPEN = frozenset({"discopop_tau", "desirable_weight", "undesirable_weight"})
+_HIGH = {"label_smoothing": 0.5, "ld_alpha": 1.0}
 
 
-def hyperparameters(fn: str, loss: str, **values) -> dict[str, float]:
+def hyperparameters(fn: str, loss: str, **values) -> dict[str, float | None]:
   """The checked hyperparameters: numbers in their ranges, and options the loss does not use left
   at their defaults (``ValueError`` naming the option and the losses that take it)."""
   out = {"beta": checks.number(fn, "beta", values.pop("beta"), low=0.0, low_open=True)}
   for name, value in values.items():
     takers, default = _OPTIONS[name]
-    low_open = name in ("desirable_weight", "undesirable_weight")
-    high = None
-    if name == "label_smoothing":
-      high = 0.5
-    v = checks.number(fn, name, value, low=0.0, high=high, low_open=low_open)
+    v = value
+    if value is not None or default is not None:
+      v = checks.number(fn, name, value, low=0.0, high=_HIGH.get(name), low_open=name in _LOW_OPEN)
     if loss not in takers and v != default:
       raise ValueError(
         checks.err(
@@ -48,7 +56,8 @@ def hyperparameters(fn: str, loss: str, **values) -> dict[str, float]:
         )
       )
     out[name] = v
-  if loss == "robust" and out["label_smoothing"] == 0.5:
+  eps = out["label_smoothing"]
+  if loss == "robust" and eps == 0.5:
     raise ValueError(
       checks.err(
         fn,
@@ -56,7 +65,28 @@ def hyperparameters(fn: str, loss: str, **values) -> dict[str, float]:
         "divides by 1 - 2 label_smoothing)",
       )
     )
+  if loss == "exo_pair" and eps == 0:
+    raise ValueError(
+      checks.err(
+        fn,
+        "`label_smoothing` is 0.0; accepted for loss='exo_pair': (0, 0.5] (EXO's target puts "
+        "label_smoothing on the rejected completion and takes its log; the paper uses 1e-3)",
+      )
+    )
   return out
+
+
+def ld_weights(m_c: Array, m_r: Array, ld_alpha: float | None, dtype) -> tuple[Array, Array]:
+  """LD-DPO's token weights (TRL's ``ld_alpha``): 1 on each completion's first
+  ``min(|y_c|, |y_r|)`` counted tokens (the pair's shared length), ``ld_alpha`` on the rest; the
+  masks themselves without it."""
+  if ld_alpha is None:
+    return m_c.astype(dtype), m_r.astype(dtype)
+  shared = jnp.minimum(jnp.sum(m_c, -1), jnp.sum(m_r, -1))[..., None]
+  return tuple(
+    jnp.where(m, jnp.where(jnp.cumsum(m, -1) <= shared, 1.0, ld_alpha), 0.0).astype(dtype)
+    for m in (m_c, m_r)
+  )
 
 
 def log1mexp(a: Array) -> Array:
@@ -82,46 +112,83 @@ def _mean(values: Array, counted: Array) -> Array:
   return total / jnp.maximum(jnp.sum(counted), 1).astype(total.dtype)
 
 
-def _sequences(lp: Array, mask: Array) -> tuple[Array, Array, Array]:
-  """Sequence sums, mean log-probs (length clamped at 1) and whether the sequence has a token."""
+def _sequences(lp: Array, mask: Array, weight: Array) -> tuple[Array, Array, Array]:
+  """Sequence sums (each token weighted), mean log-probs (over the counted tokens, at least 1)
+  and whether the sequence has a token."""
   count = jnp.sum(mask, axis=-1)
-  total = jnp.sum(lp, axis=-1)
+  total = jnp.sum(lp * weight, axis=-1)
   return total, total / jnp.maximum(count, 1).astype(lp.dtype), count > 0
 
 
-def compute(loss, hyper, lp_c, lp_r, m_c, m_r, ref, kl) -> tuple[Array, dict[str, Array]]:
-  """``(loss, metrics)`` from the per-token log-probs (0 where masked), the masks, the
-  reference's sequence sums (or None) and KTO's given reference point (or None)."""
+def _dpo_family(loss: str, hyper, rho_c: Array, rho_r: Array, delta: Array | None) -> Array:
+  """Each pair's loss from the policy's log-ratios to the reference, as TRL's DPOTrainer forms
+  it (``delta``: BCO's reward shift, or None)."""
+  beta, eps = hyper["beta"], hyper["label_smoothing"]
+  u, r_c, r_r = beta * (rho_c - rho_r), beta * rho_c, beta * rho_r
+  log_sig = jax.nn.log_sigmoid
+  if loss in ("dpo", "sigmoid_norm"):  # sigmoid_norm: on the mean log-probabilities
+    return _smoothed(u, eps)
+  if loss == "robust":
+    return (-(1 - eps) * log_sig(u) + eps * log_sig(-u)) / (1 - 2 * eps)
+  if loss == "ipo":
+    return jnp.square(rho_c - rho_r - 1 / (2 * beta))
+  if loss == "hinge":
+    return jax.nn.relu(1 - u)
+  if loss == "exo_pair":  # KL(softmax over the pair || (1 - eps, eps)), EXO eq. 16
+    return jax.nn.sigmoid(u) * (log_sig(u) - math.log1p(-eps)) + jax.nn.sigmoid(-u) * (
+      log_sig(-u) - math.log(eps)
+    )
+  if loss == "nca_pair":
+    return -log_sig(r_c) - 0.5 * log_sig(-r_c) - 0.5 * log_sig(-r_r)
+  if loss == "bco_pair":
+    if delta is not None:
+      r_c, r_r = r_c - delta, r_r - delta
+    return -log_sig(r_c) - log_sig(-r_r)
+  if loss == "sppo_hard":
+    return jnp.square(rho_c - 0.5 / beta) + jnp.square(rho_r + 0.5 / beta)
+  if loss == "apo_zero":  # 1 - sigmoid(r_c) + sigmoid(r_r)
+    return jax.nn.sigmoid(-r_c) + jax.nn.sigmoid(r_r)
+  if loss == "apo_down":  # sigmoid(r_c) + 1 - sigmoid(u)
+    return jax.nn.sigmoid(r_c) + jax.nn.sigmoid(-u)
+  # discopop: the logistic loss and exp(-u) mixed by sigmoid(u / tau); the exponential's share
+  # formed as exp(log_sigmoid(u / tau) - u), finite where exp(-u) alone overflows.
+  tau = hyper["discopop_tau"]
+  return jax.nn.sigmoid(-u / tau) * -log_sig(u) + jnp.exp(log_sig(u / tau) - u)
+
+
+def _nll(lp_c: Array, m_c: Array, counted: Array) -> Array:
+  """The chosen completions' negative log-likelihood: the mean over the counted pairs' counted
+  chosen tokens (TRL's and Liger's cross-entropy over the batch's tokens)."""
+  tokens = m_c & counted[..., None]
+  return -jnp.sum(jnp.where(tokens, lp_c, 0)) / jnp.maximum(jnp.sum(tokens), 1).astype(lp_c.dtype)
+
+
+def compute(
+  loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given
+) -> tuple[Array, dict[str, Array]]:
+  """``(loss, metrics)`` from the per-token log-probs (0 where masked), the masks, the tokens'
+  weights in the sums (:func:`ld_weights`), the reference's sequence sums (or None) and the given
+  detached scalar (KTO's reference point or BCO's reward shift; or None)."""
   beta = hyper["beta"]
-  sum_c, mean_c, has_c = _sequences(lp_c, m_c)
-  sum_r, mean_r, has_r = _sequences(lp_r, m_r)
+  sum_c, mean_c, has_c = _sequences(lp_c, m_c, weights[0])
+  sum_r, mean_r, has_r = _sequences(lp_r, m_r, weights[1])
   normalised = loss in NORMALISED
   pi_c, pi_r = (mean_c, mean_r) if normalised else (sum_c, sum_r)
   if ref is not None:
     ref_c, ref_r = ref
-    if normalised:  # IPO: the reference's sums over the same lengths
+    if normalised:  # IPO, sigmoid_norm: the reference's sums over the same lengths
       ref_c = ref_c / jnp.maximum(jnp.sum(m_c, -1), 1).astype(ref_c.dtype)
       ref_r = ref_r / jnp.maximum(jnp.sum(m_r, -1), 1).astype(ref_r.dtype)
     rho_c, rho_r = pi_c - ref_c, pi_r - ref_r
   else:
     rho_c, rho_r = pi_c, pi_r
   if loss == "kto":
-    return _kto(hyper, rho_c, rho_r, pi_c, pi_r, has_c, has_r, kl)
+    return _kto(hyper, rho_c, rho_r, pi_c, pi_r, has_c, has_r, given)
   counted = has_c & has_r
   eps = hyper["label_smoothing"]
   metrics = {}
-  if loss in ("dpo", "robust", "ipo", "hinge"):
-    h = rho_c - rho_r
-    if loss == "dpo":
-      per_pair = _smoothed(beta * h, eps)
-    elif loss == "robust":
-      per_pair = (
-        -(1 - eps) * jax.nn.log_sigmoid(beta * h) + eps * jax.nn.log_sigmoid(-beta * h)
-      ) / (1 - 2 * eps)
-    elif loss == "ipo":
-      per_pair = jnp.square(h - 1 / (2 * beta))
-    else:
-      per_pair = jax.nn.relu(1 - beta * h)
+  if loss in DPO_LOSSES:
+    per_pair = _dpo_family(loss, hyper, rho_c, rho_r, given)
   elif loss == "simpo":
     per_pair = _smoothed(beta * (pi_c - pi_r) - hyper["simpo_gamma"], eps)
   elif loss == "cpo":
@@ -136,10 +203,10 @@ def compute(loss, hyper, lp_c, lp_r, m_c, m_r, ref, kl) -> tuple[Array, dict[str
     metrics["log_odds_ratio"] = _mean(ratio, counted)
     metrics["log_odds_chosen"] = _mean(log_odds, counted)
   value = _mean(per_pair, counted)
-  if loss in NLL:
-    tokens = m_c & counted[..., None]
-    nll = -jnp.sum(jnp.where(tokens, lp_c, 0)) / jnp.maximum(jnp.sum(tokens), 1).astype(lp_c.dtype)
-    value = value + hyper["nll_weight"] * nll
+  nll_weight = hyper["nll_weight"] if loss in NLL else hyper["rpo_alpha"]
+  if nll_weight is not None:
+    nll = _nll(lp_c, m_c, counted)
+    value = value + nll_weight * nll
     metrics["nll_loss"] = nll
   reward_c, reward_r = beta * rho_c, beta * rho_r
   metrics |= {
