@@ -663,6 +663,8 @@ def test_delta_bounds_a_negative_advantage_and_cispo_sapo_stay_finite_past_overf
       "importance_sampling_mode",
     ),
     (dict(sampling_log_probs=jnp.zeros((G,))), ValueError, "sampling_log_probs"),
+    (dict(importance_sampling_clip_max=2.0), ValueError, "sampling_log_probs"),
+    (dict(use_bias_correction_kl=True), ValueError, "ref_log_probs"),
     (dict(top_entropy_quantile=1.5), ValueError, "top_entropy_quantile"),
     (dict(off_policy_mask_threshold=-0.1), ValueError, "off_policy_mask_threshold"),
     (dict(use_bias_correction_kl=1), TypeError, "use_bias_correction_kl"),

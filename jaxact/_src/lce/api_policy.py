@@ -259,6 +259,19 @@ def policy_gradient_loss(
       raise ValueError(checks.err(_FN, f"`max_length` must be an int >= 1; got {max_length!r}"))
     if beta and ref_log_probs is None:
       raise ValueError(checks.err(_FN, "`beta` is not 0 but `ref_log_probs` is None"))
+    if bias_kl and ref_log_probs is None:
+      raise ValueError(
+        checks.err(_FN, "`use_bias_correction_kl` is set but `ref_log_probs` is None")
+      )
+    sampling_set = (importance_sampling_mode, clip_lo, clip_hi) != ("sequence_mask", None, 3.0)
+    if sampling_set and sampling_log_probs is None:
+      raise ValueError(
+        checks.err(
+          _FN,
+          "`importance_sampling_mode`, `importance_sampling_clip_min` or "
+          "`importance_sampling_clip_max` is set but `sampling_log_probs` is None (no correction)",
+        )
+      )
     mask = checks.as_where(_FN, mask, tokens.shape, "tokens", name="mask")
     logp, entropy = log_probs(
       _FN,
