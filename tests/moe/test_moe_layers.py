@@ -133,3 +133,18 @@ def test_router_bias_is_routing_state_given_to_the_op():
   np.testing.assert_array_equal(y_nnx, y)
   grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0]))(model, x)
   assert "router_bias" not in grads and "w1" in grads
+
+
+def test_layers_pass_token_mask_and_return_stats_to_the_op():
+  x = _inputs()
+  mask = jnp.arange(5)[None, :] >= jnp.array([[0], [2]])  # the second row left-padded by 2
+  layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, return_stats=True)
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+  y, aux = jax.jit(layer.apply)({"params": params}, x, mask)
+  y_op, aux_op = jax.jit(lambda x, p: _op(x, p, token_mask=mask, return_stats=True))(x, params)
+  np.testing.assert_array_equal(y, y_op)
+  assert sorted(aux) == sorted(aux_op) and float(aux["tokens"]) == 8
+  jax.tree.map(np.testing.assert_array_equal, aux, aux_op)
+  model = jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=K, return_stats=True, rngs=nnx.Rngs(0))
+  _, aux_nnx = model(x, mask)
+  assert float(aux_nnx["tokens"]) == 8 and aux_nnx["expert_counts"].shape == (E,)

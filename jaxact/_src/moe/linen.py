@@ -79,6 +79,8 @@ class MoEMLP(nn.Module):
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
     use_router_bias: hold a ``router_bias`` variable in the ``"routing"`` collection (default
       False; see above).
+    return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
+      for a model to pool over its layers (default False).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
@@ -95,6 +97,7 @@ class MoEMLP(nn.Module):
   normalize_top_k: bool = True
   capacity_factor: float | None = None
   use_router_bias: bool = False
+  return_stats: bool = False
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   precision: PrecisionLike = None
@@ -102,8 +105,11 @@ class MoEMLP(nn.Module):
   expert_init: Initializer = default_expert_init
 
   @nn.compact
-  def __call__(self, inputs: Array) -> tuple[Array, dict[str, Array]]:
-    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`."""
+  def __call__(
+    self, inputs: Array, token_mask: Array | None = None
+  ) -> tuple[Array, dict[str, Array]]:
+    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`; `token_mask`
+    (``inputs``' leading shape, zero at padding) as the op's."""
     name = "jaxact.linen.MoEMLP"
     layers.check_features(name, "num_experts", self.num_experts)
     layers.check_features(name, "hidden_features", self.hidden_features)
@@ -132,5 +138,7 @@ class MoEMLP(nn.Module):
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
       router_bias=bias,
+      token_mask=token_mask,
+      return_stats=self.return_stats,
       precision=self.precision,
     )

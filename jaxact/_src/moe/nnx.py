@@ -66,6 +66,8 @@ class MoEMLP(nnx.Module):
     normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
     use_router_bias: hold a :class:`RouterBias` ``router_bias`` (default False; see above).
+    return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
+      for a model to pool over its layers (default False).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
@@ -87,6 +89,7 @@ class MoEMLP(nnx.Module):
     normalize_top_k: bool = True,
     capacity_factor: float | None = None,
     use_router_bias: bool = False,
+    return_stats: bool = False,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     precision: PrecisionLike = None,
@@ -123,12 +126,16 @@ class MoEMLP(nnx.Module):
     self.score = score
     self.normalize_top_k = normalize_top_k
     self.capacity_factor = capacity_factor
+    self.return_stats = return_stats
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
 
-  def __call__(self, inputs: Array) -> tuple[Array, dict[str, Array]]:
-    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`."""
+  def __call__(
+    self, inputs: Array, token_mask: Array | None = None
+  ) -> tuple[Array, dict[str, Array]]:
+    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`; `token_mask`
+    (``inputs``' leading shape, zero at padding) as the op's."""
     bias = None if self.router_bias is None else self.router_bias[...]
     arrays = (inputs, self.gate.kernel[...], self.w1[...], self.w3[...], self.w2[...], bias)
     x, router, w1, w3, w2, bias = dtypes.promote_dtype(arrays, dtype=self.dtype)
@@ -144,5 +151,7 @@ class MoEMLP(nnx.Module):
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
       router_bias=bias,
+      token_mask=token_mask,
+      return_stats=self.return_stats,
       precision=self.precision,
     )
