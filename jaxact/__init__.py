@@ -58,6 +58,9 @@ from jaxact._src.lce.api_policy import policy_gradient_loss as policy_gradient_l
 from jaxact._src.lce.api_preference import preference_loss as preference_loss
 from jaxact._src.lce.api_top_k import top_k_distillation_loss as top_k_distillation_loss
 from jaxact._src.moe.api import moe_mlp as moe_mlp
+from jaxact._src.moe.api_transformers import (
+  moe_params_from_transformers as moe_params_from_transformers,
+)
 from jaxact._src.moe.vjp import CHECKPOINT_NAMES as MOE_CHECKPOINT_NAMES
 from jaxact._src.norm_act.api import batch_norm_act as batch_norm_act
 from jaxact._src.norm_act.api import group_norm_act as group_norm_act
@@ -105,6 +108,7 @@ __all__ = [
   "gated_mlp",
   "GATED_CHECKPOINT_NAMES",
   "moe_mlp",
+  "moe_params_from_transformers",
   "MOE_CHECKPOINT_NAMES",
   "linear_cross_entropy",
   "linear_log_probs",

@@ -34,6 +34,7 @@ from jaxact._src.gated.nnx import GatedMLP as GatedMLP  # noqa: E402 (after the 
 from jaxact._src.lce.nnx import LMHead as LMHead  # noqa: E402 (after the check)
 from jaxact._src.lce.nnx import attend_cross_entropy as attend_cross_entropy  # noqa: E402 (after the check)
 from jaxact._src.moe.nnx import MoEMLP as MoEMLP  # noqa: E402 (after the check)
+from jaxact._src.moe.nnx import RouterBias as RouterBias  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import BatchNorm as BatchNorm  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import ConvNormAct as ConvNormAct  # noqa: E402 (after the check)
 from jaxact._src.norm_act.nnx import GroupNorm as GroupNorm  # noqa: E402 (after the check)
@@ -48,6 +49,7 @@ __all__ = [
   "ConvAct",
   "GatedMLP",
   "MoEMLP",
+  "RouterBias",
   "LMHead",
   "attend_cross_entropy",
   "RMSNorm",

@@ -104,3 +104,47 @@ def test_layer_errors_name_the_layer_and_attribute():
     )
   with pytest.raises(ValueError, match=r"`top_k` is 5; accepted: 1 to the number of experts"):
     jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=5, rngs=nnx.Rngs(0))(_inputs())
+
+
+def test_router_bias_is_routing_state_given_to_the_op():
+  """DeepSeek-V3's balancing bias: a zero-initialized variable outside ``params`` (linen's
+  ``routing`` collection, nnx's RouterBias), given to the op as its router_bias, no gradient."""
+  bias = jnp.array([0.0, 0.6, -0.6, 0.3], jnp.float32)  # large enough to change the choice
+  kw = dict(num_experts=E, top_k=K, score="sigmoid", use_router_bias=True)
+  layer = jaxact.linen.MoEMLP(hidden_features=F, **kw)
+  x = _inputs()
+  variables = jax.jit(layer.init)(jax.random.key(0), x)
+  params = variables["params"]
+  assert sorted(variables) == ["params", "routing"] and sorted(params) == ["gate", "w1", "w2", "w3"]
+  np.testing.assert_array_equal(variables["routing"]["router_bias"], np.zeros(E, np.float32))
+  y, _ = jax.jit(layer.apply)({"params": params, "routing": {"router_bias": bias}}, x)
+  y_op, _ = jax.jit(lambda x, p: _op(x, p, score="sigmoid", router_bias=bias))(x, params)
+  np.testing.assert_array_equal(y, y_op)
+  y_unbiased, _ = jax.jit(lambda x, p: _op(x, p, score="sigmoid"))(x, params)
+  assert not np.allclose(y, y_unbiased)  # the bias changed some token's experts
+
+  model = jaxact.nnx.MoEMLP(D, F, **kw, rngs=nnx.Rngs(0))
+  assert isinstance(model.router_bias, jaxact.nnx.RouterBias) and model.router_bias.shape == (E,)
+  model.gate.kernel[...] = params["gate"]["kernel"]
+  for name in ("w1", "w3", "w2"):
+    getattr(model, name)[...] = params[name]
+  model.router_bias[...] = bias
+  y_nnx, _ = model(x)
+  np.testing.assert_array_equal(y_nnx, y)
+  grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0]))(model, x)
+  assert "router_bias" not in grads and "w1" in grads
+
+
+def test_layers_pass_token_mask_and_return_stats_to_the_op():
+  x = _inputs()
+  mask = jnp.arange(5)[None, :] >= jnp.array([[0], [2]])  # the second row left-padded by 2
+  layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, return_stats=True)
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+  y, aux = jax.jit(layer.apply)({"params": params}, x, mask)
+  y_op, aux_op = jax.jit(lambda x, p: _op(x, p, token_mask=mask, return_stats=True))(x, params)
+  np.testing.assert_array_equal(y, y_op)
+  assert sorted(aux) == sorted(aux_op) and float(aux["tokens"]) == 8
+  jax.tree.map(np.testing.assert_array_equal, aux, aux_op)
+  model = jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=K, return_stats=True, rngs=nnx.Rngs(0))
+  _, aux_nnx = model(x, mask)
+  assert float(aux_nnx["tokens"]) == 8 and aux_nnx["expert_counts"].shape == (E,)

@@ -86,6 +86,24 @@ def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
     )
 
 
+def _check_mask(fn_name, token_mask, lead) -> Array | None:
+  """The (T,) bool mask of `token_mask` (x's leading shape, bool or integer; nonzero: a token)."""
+  if token_mask is None:
+    return None
+  mask = jnp.asarray(token_mask)
+  if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.integer)):
+    raise TypeError(
+      f"jaxact.{fn_name}: `token_mask` has dtype {mask.dtype}; accepted: bool or integer "
+      "(nonzero: a token, zero: padding), or None"
+    )
+  if mask.shape != lead:
+    raise ValueError(
+      f"jaxact.{fn_name}: `token_mask` has shape {mask.shape}; accepted: x's leading shape "
+      f"{lead}, one entry a token, or None"
+    )
+  return mask.reshape(-1) != 0
+
+
 def _unflatten(y: Array, x: Array, lead: tuple[int, ...], out: int) -> Array:
   """The (T, out) `y` as (*lead, out); sharded, with x's leading dimensions' sharding."""
   spec = shardings.spec(x)
@@ -108,6 +126,8 @@ def moe_mlp(
   normalize_top_k: bool = True,
   capacity_factor: float | None = None,
   router_bias: ArrayLike | None = None,
+  token_mask: ArrayLike | None = None,
+  return_stats: bool = False,
   precision: lax.PrecisionLike = None,
   implementation: Implementation | None = None,
 ) -> tuple[Array, dict[str, Array]]:
@@ -181,6 +201,13 @@ def moe_mlp(
     normalize_top_k: divide each token's top-k weights by their sum (default True).
     capacity_factor: None (default: dropless) or a positive number (see above).
     router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
+    token_mask: None (default: every row a token) or a bool or integer array of ``x``'s leading
+      shape, zero where a row is padding (transformers' ``attention_mask``): a padding row goes
+      to no expert (its output is zero; it takes no capacity and no grouped-product rows, the
+      capacity staying that of all the rows, a static size) and counts in no auxiliary loss or
+      statistic. Not with expert parallelism (``NotImplementedError``).
+    return_stats: also return the balance loss's statistics, summed over the tokens so that
+      layers pool by adding them (default False; see Returns).
     precision: passed to the matmuls, forward and backward.
     implementation: the experts' grouped products: ``None`` (the best available: XLA until a GPU
       measures the kernels, see the dispatch docs), ``"xla"`` (:func:`jax.lax.ragged_dot`) or
@@ -191,7 +218,13 @@ def moe_mlp(
   Returns:
     ``(y, aux)``: ``y`` of shape ``(..., out)`` in the input dtype, and a dict of scalars
     ``{"load_balancing_loss": ..., "router_z_loss": ...}`` (float32, float64 for float64 inputs)
-    for the caller to weigh (Switch: 0.01; ST-MoE: z-loss 0.001).
+    for the caller to weigh (Switch: 0.01; ST-MoE: z-loss 0.001). With ``return_stats``,
+    ``aux`` also holds ``"expert_counts"`` (``(experts,)``, the assignments each expert was given
+    before any drop, a constant), ``"router_prob_sums"`` (``(experts,)``, the sums over the
+    tokens of :math:`P`, differentiable) and ``"tokens"`` (their number): the balance loss of
+    several layers pooled, as transformers' ``load_balancing_loss_func`` pools their router
+    logits, is :math:`E \sum_e c_e p_e / N^2` of the layers' summed counts :math:`c`, sums
+    :math:`p` and tokens :math:`N` (``docs/moe.md``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxact
@@ -220,7 +253,12 @@ def moe_mlp(
     _check_shapes(fn_name, x, router, w_gate, w_up, w_down, router_bias)
     n_experts = router.shape[1]
     _check_options(fn_name, top_k, n_experts, score, capacity_factor)
+    if not isinstance(return_stats, bool):
+      raise TypeError(
+        f"jaxact.{fn_name}: `return_stats` must be a bool; got {type(return_stats).__name__}"
+      )
     lead = x.shape[:-1]
+    mask = _check_mask(fn_name, token_mask, lead)
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     tokens = x2.shape[0]
     capacity = None
@@ -236,7 +274,11 @@ def moe_mlp(
     if tokens == 0:  # nothing routed: the empty output, losses 0, every gradient 0
       zero = jnp.zeros((), acc)
       y = jnp.zeros((*lead, w_down.shape[2]), out)
-      return y, {"load_balancing_loss": zero, "router_z_loss": zero}
+      aux = {"load_balancing_loss": zero, "router_z_loss": zero}
+      if return_stats:
+        per_expert = jnp.zeros((n_experts,), acc)
+        aux |= {"expert_counts": per_expert, "router_prob_sums": per_expert, "tokens": zero}
+      return y, aux
     plan = MoEPlan(
       act=act,
       precision=args.hashable_precision(precision),
@@ -253,7 +295,7 @@ def moe_mlp(
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
     plan = dataclasses.replace(plan, decision=decision)
     if pat is None:
-      routing, z, log_s = api_routing.route(plan, x2, router, router_bias)
+      routing, z, log_s = api_routing.route(plan, x2, router, router_bias, mask)
       y = experts(
         plan,
         x2,
@@ -268,11 +310,19 @@ def moe_mlp(
       )
       counts = routing.counts
     else:  # expert parallel: each device sorts and sends its own tokens
+      if mask is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: `token_mask` with the experts split over mesh axes (expert "
+          "parallel) is not supported; without it the padding is routed as tokens"
+        )
       x2 = shardings.to_spec(x2, (pat.tokens, ()))
       pick = functools.partial(sharding.top_k, pat)
       weights, chosen, z, log_s = api_routing.choose(plan, x2, router, router_bias, pick)
       placed = sharding.place(pat, x2, weights, chosen, w_gate, w_up, w_down)
       y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
       counts = api_routing.counts_of(plan, chosen)
-    aux = api_routing.aux_losses(plan, counts, z, log_s)
+    stats = api_routing.statistics(plan, counts, log_s, mask)
+    aux = api_routing.aux_losses(plan, stats, z, mask)
+    if return_stats:
+      aux |= stats
     return _unflatten(y, x, lead, w_down.shape[2]), aux

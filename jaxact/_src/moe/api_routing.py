@@ -1,6 +1,6 @@
 """The routing of :func:`jaxact.moe_mlp`, plain JAX: router scores, the top-k experts and their
-weights, the assignments sorted by expert (what the grouped matmuls read), the capacity drop, and
-the auxiliary losses.
+weights, the assignments sorted by expert (what the grouped matmuls read), the capacity drop and
+the padding's, the balance statistics and the auxiliary losses.
 
 Only the top-k weights carry a gradient (to the router and the input, through the scores); the
 indices, the sort and the group sizes are integers. Everything here is of (tokens, experts) or
@@ -72,20 +72,23 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   return weights, experts, z, log_s
 
 
-def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None):
-  """``(routing, logits, log_scores)`` of the (T, D) input."""
+def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, mask=None):
+  """``(routing, logits, log_scores)`` of the (T, D) input; the tokens of a False (T,) `mask`
+  go to no expert: they are sorted after every group, as the capacity's drop, and not counted."""
   weights, experts, z, log_s = choose(plan, x, router, router_bias)
   flat = experts.reshape(-1)
+  if mask is not None:  # a masked token's assignments: expert E, past every group
+    flat = jnp.where(jnp.repeat(mask, plan.top_k), flat, plan.experts)
   # Stable: within an expert, its assignments stay in token order (the capacity drops the last).
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  counts = jnp.bincount(flat, length=plan.experts).astype(jnp.int32)
+  counts = jnp.bincount(flat, length=plan.experts + 1)[: plan.experts].astype(jnp.int32)
   group_sizes = counts
   if plan.capacity is not None:
     ranked = flat[order]
     starts = jnp.cumsum(counts) - counts
-    position = jnp.arange(flat.size, dtype=jnp.int32) - starts[ranked]
+    position = jnp.arange(flat.size, dtype=jnp.int32) - jnp.take(starts, ranked, mode="clip")
     # The dropped assignments go after every group: ragged_dot gives their rows zeros.
-    key = jnp.where(position < plan.capacity, ranked, plan.experts)
+    key = jnp.where((position < plan.capacity) & (ranked < plan.experts), ranked, plan.experts)
     order = order[jnp.argsort(key, stable=True)]
     group_sizes = jnp.minimum(counts, plan.capacity)
   inverse = jnp.argsort(order).astype(jnp.int32)
@@ -106,14 +109,38 @@ def counts_of(plan: MoEPlan, experts: Array) -> Array:
   return jnp.sum(jax.nn.one_hot(experts, plan.experts, dtype=jnp.int32), axis=(0, 1))
 
 
-def aux_losses(plan: MoEPlan, counts: Array, z: Array, log_s: Array) -> dict[str, Array]:
-  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted, from
-  the (E,) `counts` of assignments each expert was given (before any drop)."""
-  t = plan.tokens
-  # f_e: the fraction of tokens sent to expert e (before any drop; sums to k), a constant.
-  fraction = counts.astype(plan.acc_dtype) / t
-  # P_e: the mean router probability; sigmoid scores are normalized per token (DeepSeek-V3).
+def statistics(plan: MoEPlan, counts: Array, log_s: Array, mask=None) -> dict[str, Array]:
+  """What the load-balancing loss is made of, summed over the (unmasked) tokens, so that layers
+  pool by adding them: the (E,) assignments each expert was given (before any drop), the (E,)
+  sums of the router probabilities (differentiable) and the number of tokens."""
+  # P: the router probabilities; sigmoid scores are normalized per token (DeepSeek-V3).
   p = softmax(log_s, axis=-1)
-  balance = plan.experts * jnp.sum(fraction * jnp.mean(p, axis=0))
-  z_loss = jnp.mean(jax.nn.logsumexp(z, axis=-1) ** 2)
-  return {"load_balancing_loss": balance, "router_z_loss": z_loss}
+  if mask is None:
+    tokens = jnp.asarray(plan.tokens, plan.acc_dtype)
+  else:
+    p = jnp.where(mask[:, None], p, 0)
+    tokens = jnp.sum(mask, dtype=plan.acc_dtype)
+  return {
+    "expert_counts": counts.astype(plan.acc_dtype),
+    "router_prob_sums": jnp.sum(p, axis=0),
+    "tokens": tokens,
+  }
+
+
+def balance_loss(stats: dict[str, Array]) -> Array:
+  """Switch's / transformers' load-balancing loss of (pooled) :func:`statistics`: E sum_e f_e P_e,
+  0 for no tokens."""
+  tokens = jnp.maximum(stats["tokens"], 1)
+  fraction = stats["expert_counts"] / tokens  # f_e: sums to k, a constant
+  return fraction.size * jnp.sum(fraction * (stats["router_prob_sums"] / tokens))
+
+
+def aux_losses(plan: MoEPlan, stats: dict[str, Array], z: Array, mask=None) -> dict[str, Array]:
+  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted, over
+  the unmasked tokens."""
+  lse2 = jax.nn.logsumexp(z, axis=-1) ** 2
+  if mask is None:
+    z_loss = jnp.mean(lse2)
+  else:
+    z_loss = jnp.sum(jnp.where(mask, lse2, 0)) / jnp.maximum(stats["tokens"], 1)
+  return {"load_balancing_loss": balance_loss(stats), "router_z_loss": z_loss}

@@ -49,6 +49,14 @@ class MoEMLP(nn.Module):
   Returns ``(y, aux)``: ``aux`` holds the load-balancing loss and the router z-loss (see
   :func:`jaxact.moe_mlp`), unweighted.
 
+  With ``use_router_bias=True`` the layer holds DeepSeek-V3's auxiliary-loss-free balancing bias
+  (transformers' ``gate.e_score_correction_bias``) as the variable ``router_bias``
+  ``(num_experts,)`` of the ``"routing"`` collection, not ``"params"``: zeros at init, given to
+  the op as its ``router_bias`` (added to the scores for the choice only, no gradient) and updated
+  by the caller outside the gradient, as ``batch_stats`` are. Pass it back with
+  ``apply({"params": ..., "routing": ...}, x)``. It is cast to the computation dtype with the
+  parameters.
+
   Example usage::
 
     >>> import jax, jax.numpy as jnp
@@ -69,6 +77,10 @@ class MoEMLP(nn.Module):
     score: ``"softmax"`` (default) or ``"sigmoid"``, as :func:`jaxact.moe_mlp`.
     normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
+    use_router_bias: hold a ``router_bias`` variable in the ``"routing"`` collection (default
+      False; see above).
+    return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
+      for a model to pool over its layers (default False).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
@@ -84,6 +96,8 @@ class MoEMLP(nn.Module):
   score: str = "softmax"
   normalize_top_k: bool = True
   capacity_factor: float | None = None
+  use_router_bias: bool = False
+  return_stats: bool = False
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   precision: PrecisionLike = None
@@ -91,8 +105,11 @@ class MoEMLP(nn.Module):
   expert_init: Initializer = default_expert_init
 
   @nn.compact
-  def __call__(self, inputs: Array) -> tuple[Array, dict[str, Array]]:
-    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`."""
+  def __call__(
+    self, inputs: Array, token_mask: Array | None = None
+  ) -> tuple[Array, dict[str, Array]]:
+    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`; `token_mask`
+    (``inputs``' leading shape, zero at padding) as the op's."""
     name = "jaxact.linen.MoEMLP"
     layers.check_features(name, "num_experts", self.num_experts)
     layers.check_features(name, "hidden_features", self.hidden_features)
@@ -105,7 +122,10 @@ class MoEMLP(nn.Module):
     w1 = self.param("w1", self.expert_init, (e, d, f), self.param_dtype)
     w3 = self.param("w3", self.expert_init, (e, d, f), self.param_dtype)
     w2 = self.param("w2", self.expert_init, (e, f, out), self.param_dtype)
-    x, router, w1, w3, w2 = promote_dtype(inputs, router, w1, w3, w2, dtype=self.dtype)
+    bias = None
+    if self.use_router_bias:  # state, not a parameter: the caller updates it outside the gradient
+      bias = self.variable("routing", "router_bias", jnp.zeros, (e,), self.param_dtype).value
+    x, router, w1, w3, w2, bias = promote_dtype(inputs, router, w1, w3, w2, bias, dtype=self.dtype)
     return moe.moe_mlp(
       x,
       router,
@@ -117,5 +137,8 @@ class MoEMLP(nn.Module):
       score=self.score,
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
+      router_bias=bias,
+      token_mask=token_mask,
+      return_stats=self.return_stats,
       precision=self.precision,
     )

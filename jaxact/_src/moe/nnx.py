@@ -21,6 +21,11 @@ Array = jax.Array
 default_expert_init = nnx.initializers.lecun_normal(batch_axis=(0,))
 
 
+class RouterBias(nnx.Variable):
+  """DeepSeek-V3's balancing bias of :class:`MoEMLP`: state, not an ``nnx.Param``, so that
+  ``nnx.grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)`` leave it to the caller's update."""
+
+
 class MoEMLP(nnx.Module):
   """A mixture-of-experts MLP (Mixtral's sparse MoE block) as one :func:`jaxact.moe_mlp`.
 
@@ -31,6 +36,12 @@ class MoEMLP(nnx.Module):
   router, as :class:`jaxact.linen.MoEMLP` lays them out (Mixtral's names; Qwen3-MoE's
   ``gate_proj`` / ``up_proj`` / ``down_proj``). The call returns ``(y, aux)`` (see
   :func:`jaxact.moe_mlp`).
+
+  With ``use_router_bias=True`` the layer holds DeepSeek-V3's auxiliary-loss-free balancing bias
+  (transformers' ``gate.e_score_correction_bias``) as ``router_bias``, a :class:`RouterBias`
+  variable ``(num_experts,)`` of zeros (not an ``nnx.Param``): given to the op as its
+  ``router_bias`` (added to the scores for the choice only, no gradient) and updated by the
+  caller outside the gradient. It is cast to the computation dtype with the parameters.
 
   Example usage::
 
@@ -54,6 +65,9 @@ class MoEMLP(nnx.Module):
     score: ``"softmax"`` (default) or ``"sigmoid"``, as :func:`jaxact.moe_mlp`.
     normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
+    use_router_bias: hold a :class:`RouterBias` ``router_bias`` (default False; see above).
+    return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
+      for a model to pool over its layers (default False).
     dtype: the dtype of the computation (default: infer from input and params).
     param_dtype: the dtype passed to parameter initializers (default: float32).
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
@@ -74,6 +88,8 @@ class MoEMLP(nnx.Module):
     score: str = "softmax",
     normalize_top_k: bool = True,
     capacity_factor: float | None = None,
+    use_router_bias: bool = False,
+    return_stats: bool = False,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     precision: PrecisionLike = None,
@@ -100,6 +116,7 @@ class MoEMLP(nnx.Module):
     self.w1 = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype))
     self.w3 = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype))
     self.w2 = nnx.Param(expert_init(rngs.params(), (e, f, out_features), param_dtype))
+    self.router_bias = RouterBias(jnp.zeros((e,), param_dtype)) if use_router_bias else None
     self.in_features = in_features
     self.hidden_features = hidden_features
     self.out_features = out_features
@@ -109,14 +126,19 @@ class MoEMLP(nnx.Module):
     self.score = score
     self.normalize_top_k = normalize_top_k
     self.capacity_factor = capacity_factor
+    self.return_stats = return_stats
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
 
-  def __call__(self, inputs: Array) -> tuple[Array, dict[str, Array]]:
-    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`."""
-    arrays = (inputs, self.gate.kernel[...], self.w1[...], self.w3[...], self.w2[...])
-    x, router, w1, w3, w2 = dtypes.promote_dtype(arrays, dtype=self.dtype)
+  def __call__(
+    self, inputs: Array, token_mask: Array | None = None
+  ) -> tuple[Array, dict[str, Array]]:
+    """``(y, aux)`` of :func:`jaxact.moe_mlp` over the last dimension of `inputs`; `token_mask`
+    (``inputs``' leading shape, zero at padding) as the op's."""
+    bias = None if self.router_bias is None else self.router_bias[...]
+    arrays = (inputs, self.gate.kernel[...], self.w1[...], self.w3[...], self.w2[...], bias)
+    x, router, w1, w3, w2, bias = dtypes.promote_dtype(arrays, dtype=self.dtype)
     return moe.moe_mlp(
       x,
       router,
@@ -128,5 +150,8 @@ class MoEMLP(nnx.Module):
       score=self.score,
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
+      router_bias=bias,
+      token_mask=token_mask,
+      return_stats=self.return_stats,
       precision=self.precision,
     )
