@@ -131,7 +131,10 @@ def test_masked_vocabulary_and_extreme_logits_stay_finite():
     (dict(divergence_weight=True), TypeError, "divergence_weight"),
     (dict(reduction="max"), ValueError, "reduction"),
     (dict(teacher_x=jnp.zeros((B, T + 1, DT))), ValueError, "teacher_x"),
-    (dict(teacher_w=jnp.zeros((DT, V + 1))), ValueError, "teacher_w"),
+    (dict(teacher_w=jnp.zeros((DT, V + 1))), ValueError, "teacher_w.*student_pad_logit"),
+    (dict(teacher_w=jnp.zeros((DT, V - 1)), student_pad_logit=0.0), ValueError, "teacher_w"),
+    (dict(teacher_w=jnp.zeros((DT, V + 1)), student_pad_logit=np.inf), ValueError, "pad_logit"),
+    (dict(teacher_w=jnp.zeros((DT, V + 1)), student_pad_logit="0"), TypeError, "pad_logit"),
     (dict(teacher_bias=jnp.zeros((V - 1,))), ValueError, "teacher_bias"),
     (dict(mask=jnp.ones((B, T), jnp.int32)), TypeError, "mask"),
   ],
@@ -156,3 +159,95 @@ def test_no_tokens_by_vocabulary_array_in_the_compiled_step():
   ours, plain = temp(ours).temp_size_in_bytes, temp(plain).temp_size_in_bytes
   logits = t * v * 4
   assert ours < logits / 2 and plain >= 2 * logits and ours < plain / 5
+
+
+VT = V + 21  # the teacher's padded vocabulary: 21 extra columns, in blocks of 16 that overlap
+
+
+def _liger(x, w, b, xt, wt, bt, labels, mask, divergence, beta, temperature, pad, cap, weights):
+  """Liger-Kernel's ``LigerFusedLinearDistillationBase._compute_loss`` with its JSD's
+  ``distillation_loss_fn`` (``chunked_loss/fused_linear_distillation.py``, ``jsd_loss.py``; beta
+  0 and 1 its two KLs), in plain jnp on full logits: the hard loss on the student's unpadded
+  logits at temperature 1, both logits divided by the temperature, the student's then padded on
+  the right with `pad` to the teacher's vocabulary, ``F.kl_div(..., log_target=True)`` as
+  ``exp(target) (target - input)`` (0 where ``exp(target)`` is, for a pad of -inf), each sum over
+  the vocabulary masked, everything over the counted tokens. `cap` (not Liger's) soft-caps both
+  heads first."""
+  zs, zt = jnp.einsum("btd,dv->btv", x, w) + b, jnp.einsum("btd,dv->btv", xt, wt) + bt
+  if cap is not None:
+    zs, zt = cap * jnp.tanh(zs / cap), cap * jnp.tanh(zt / cap)
+  hard = -jnp.take_along_axis(jax.nn.log_softmax(zs), labels[..., None], -1)[..., 0]
+  zs, zt = zs / temperature, zt / temperature
+  zs = jnp.concatenate([zs, jnp.full((*zs.shape[:-1], zt.shape[-1] - V), pad)], -1)
+  ls, lt = jax.nn.log_softmax(zs), jax.nn.log_softmax(zt)
+
+  def kl_div(inp, target):
+    on = jnp.exp(target) > 0
+    return jnp.where(on, jnp.exp(target) * (jnp.where(on, target, 0) - jnp.where(on, inp, 0)), 0)
+
+  beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": beta}[divergence]
+  if beta == 0:
+    soft = kl_div(ls, lt)
+  elif beta == 1:
+    soft = kl_div(lt, ls)
+  else:
+    lm = jnp.logaddexp(ls + np.log(1 - beta), lt + np.log(beta))
+    soft = beta * kl_div(lm, lt) + (1 - beta) * kl_div(lm, ls)
+  count = jnp.maximum(jnp.sum(mask), 1)
+  per_token = weights[0] * hard + weights[1] * jnp.sum(soft, -1)
+  return jnp.sum(jnp.where(mask, per_token, 0)) / count
+
+
+PADS = {  # (student_pad_logit, soft cap, temperature)
+  "liger": (0.0, None, 0.7),
+  "capped": (0.5, 3.0, 0.7),
+  "-inf": (-np.inf, None, 1.3),
+}
+
+
+@pytest.mark.sample(2, "jsd-liger")
+@pytest.mark.parametrize("pad", PADS)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_a_larger_teacher_vocabulary_pads_the_student_as_liger(divergence, pad):
+  """``student_pad_logit``: a teacher of 58 columns, a student of 37, equal to Liger-Kernel's
+  padding transcribed on full logits, values and gradients in float64 (the teacher's extra
+  columns in blocks that overlap), with hard labels, a mask and a temperature; a pad of -inf
+  gives the student probability 0 there (a forward KL of +inf)."""
+  value, cap, temperature = PADS[pad]
+  x, w, b, xt, _, _, labels, mask = _heads()
+  k = jax.random.split(jax.random.key(5), 2)
+  wt = 0.8 * jax.random.normal(k[0], (DT, VT), jnp.float64)
+  bt = 0.3 * jax.random.normal(k[1], (VT,), jnp.float64)
+  kw = dict(divergence=divergence, temperature=temperature, mask=mask, labels=labels)
+  kw.update(hard_label_weight=0.4, divergence_weight=0.6, student_pad_logit=value)
+  kw.update(logit_soft_cap=cap, teacher_logit_soft_cap=cap)
+  if divergence == "jsd":
+    kw["beta"] = 0.3
+
+  def ours(x, w, b):
+    return jaxact.distillation_loss(
+      x, w, xt, wt, bias=b, teacher_bias=bt, vocab_block_size=16, **kw
+    )[0]
+
+  def liger(x, w, b):
+    args = (labels, mask, divergence, 0.3, temperature, value, cap, (0.4, 0.6))
+    return _liger(x, w, b, xt, wt, bt, *args)
+
+  got = jax.jit(jax.value_and_grad(ours, range(3)))(x, w, b)
+  if pad == "-inf" and divergence == "forward_kl":
+    assert float(got[0]) == np.inf
+    return
+  assert_trees_close(got, jax.jit(jax.value_and_grad(liger, range(3)))(x, w, b), 1e-12)
+
+
+@pytest.mark.exhaustive
+def test_a_larger_teacher_vocabulary_builds_no_tokens_by_vocabulary_array():
+  """The padded student's columns are computed in the loop: a teacher of V + 4096 columns keeps
+  the compiled temp under half of one (tokens, V) float32 array."""
+  t, v = 512, 32768
+  x = jax.ShapeDtypeStruct((t, 64), jnp.float32)
+  w = jax.ShapeDtypeStruct((64, v), jnp.float32)
+  xt, wt = jnp.zeros((t, 128), jnp.float32), jnp.zeros((128, v + 4096), jnp.float32)
+  ours = lambda x, w: jaxact.distillation_loss(x, w, xt, wt, student_pad_logit=0.0)[0]
+  temp = jax.jit(jax.grad(ours, (0, 1))).lower(x, w).compile().memory_analysis()
+  assert temp.temp_size_in_bytes < t * v * 4 / 2, temp.temp_size_in_bytes

@@ -320,3 +320,70 @@ def test_no_tokens_by_vocabulary_array_in_the_compiled_step():
     plain,
     logits,
   )
+
+
+def _trl_without_tail(x, w, b, idx, lp, mask, divergence, beta, temperature, cap):
+  """TRL's ``loss_add_tail=False`` (``trl/experimental/iw_opd/iw_opd_trainer.py``'s
+  ``generalized_jsd_loss`` with a given support, ``server_distillation``'s forward KL), written on
+  the student's full logits in plain jnp: the student's full log-softmax gathered at the teacher's
+  entries, both set to -inf where the teacher's is -inf (``valid``), each renormalized by its
+  log-sum-exp over the K, ``_jsd_divergence`` with that support mask, mean over the counted
+  tokens."""
+  z = jnp.einsum("btd,dv->btv", x, w) + b
+  z = z if cap is None else cap * jnp.tanh(z / cap)
+  student = jnp.take_along_axis(jax.nn.log_softmax(z / temperature), idx, -1)
+  valid = lp > -jnp.inf
+  student, teacher = jnp.where(valid, student, -jnp.inf), jnp.where(valid, lp, -jnp.inf)
+  student = student - jax.nn.logsumexp(student, -1, keepdims=True)
+  teacher = teacher - jax.nn.logsumexp(teacher, -1, keepdims=True)
+  safe_s, safe_t = jnp.where(valid, student, 0), jnp.where(valid, teacher, 0)
+  q, p = jnp.where(valid, jnp.exp(student), 0), jnp.where(valid, jnp.exp(teacher), 0)
+  beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": beta}[divergence]
+  if beta == 0:
+    terms = p * (safe_t - safe_s)
+  elif beta == 1:
+    terms = q * (safe_s - safe_t)
+  else:
+    tiny = jnp.finfo(q.dtype).tiny
+    m = jnp.where(valid, jnp.log(jnp.maximum((1 - beta) * q + beta * p, tiny)), 0)
+    terms = beta * p * (safe_t - m) + (1 - beta) * q * (safe_s - m)
+  per_token = jnp.sum(terms, -1)
+  return jnp.sum(jnp.where(mask, per_token, 0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+@pytest.mark.sample(1, "jsd")
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_without_the_tail_is_trls_renormalized_top_k(divergence):
+  """``add_tail=False`` equals TRL's ``loss_add_tail=False`` transcribed on full logits, value and
+  gradients (float64), under a temperature, a soft cap and a mask, with a teacher entry of -inf
+  (left out of both sides) in one token; K = 1 gives 0."""
+  x, w, b, idx, lp, _, mask = _case()
+  lp = lp.at[0, 1, 2].set(-jnp.inf)
+  kw = dict(divergence=divergence, beta=0.3, temperature=0.7)
+  if divergence != "jsd":
+    kw.pop("beta")
+
+  def ours(x, w, b):
+    return jaxact.top_k_distillation_loss(
+      x,
+      w,
+      idx,
+      lp,
+      bias=b,
+      mask=mask,
+      logit_soft_cap=3.0,
+      add_tail=False,
+      vocab_block_size=16,
+      **kw,
+    )[0]
+
+  def trl(x, w, b):
+    return _trl_without_tail(x, w, b, idx, lp, mask, divergence, 0.3, 0.7, 3.0)
+
+  got = jax.jit(jax.value_and_grad(ours, range(3)))(x, w, b)
+  assert_trees_close(got, jax.jit(jax.value_and_grad(trl, range(3)))(x, w, b), 1e-12)
+  assert float(got[0]) > 0
+  one = jaxact.top_k_distillation_loss(x, w, idx[..., :1], lp[..., :1], add_tail=False, **kw)
+  assert abs(float(one[0])) < 1e-15  # one entry each side: the same distribution
+  with pytest.raises(TypeError, match=r"top_k_distillation_loss.*add_tail"):
+    jaxact.top_k_distillation_loss(x, w, idx, lp, add_tail="no")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Literal
 
 import jax
@@ -21,20 +22,23 @@ from jaxact._src.lce import api_checks as checks
 from jaxact._src.lce import sharding_distill
 from jaxact._src.lce.api import linear_cross_entropy
 from jaxact._src.lce.plan import LcePlan
+from jaxact._src.lce.sharding import split_axes
 from jaxact._src.lce.vjp_distill import per_token_divergence
 from jaxact._src.lce.xla_distill import DIVERGENCES
 
 _FN = "distillation_loss"
 
 
-def _teacher(x: Array, tx: Array, tw: Array, tb: Array | None, layout: str, vocab: int) -> None:
-  """The teacher's shapes against the student's: the same tokens, the same vocabulary."""
+def _teacher(x: Array, tx: Array, tw: Array, tb, layout: str, vocab: int, pad) -> int:
+  """The teacher's shapes against the student's: the same tokens, the same vocabulary (a larger
+  one with a `pad`); its vocabulary."""
   if tx.ndim < 1 or tx.shape[:-1] != x.shape[:-1]:
     raise ValueError(
       checks.err(_FN, f"`teacher_x` has shape {tx.shape}; accepted: {x.shape[:-1]} + (features,)")
     )
   want = (tx.shape[-1], vocab) if layout == "dv" else (vocab, tx.shape[-1])
-  if tw.shape != want:
+  vocab_t = tw.shape[layout.index("v")] if tw.ndim == 2 else 0
+  if tw.ndim != 2 or tw.shape[layout.index("d")] != tx.shape[-1] or vocab_t < vocab:
     raise ValueError(
       checks.err(
         _FN,
@@ -42,8 +46,29 @@ def _teacher(x: Array, tx: Array, tw: Array, tb: Array | None, layout: str, voca
         f"student's vocabulary {vocab}, teacher_w_layout={layout!r})",
       )
     )
-  if tb is not None and tb.shape != (vocab,):
-    raise ValueError(checks.err(_FN, f"`teacher_bias` has shape {tb.shape}; accepted: ({vocab},)"))
+  if vocab_t > vocab and pad is None:
+    raise ValueError(
+      checks.err(
+        _FN,
+        f"`teacher_w` has a vocabulary of {vocab_t}, the student's {vocab}; accepted: the "
+        "student's, or a larger one with `student_pad_logit` set (0.0 pads the student's logits "
+        "with zeros, as Liger-Kernel's distillation losses do)",
+      )
+    )
+  if tb is not None and tb.shape != (vocab_t,):
+    raise ValueError(
+      checks.err(_FN, f"`teacher_bias` has shape {tb.shape}; accepted: ({vocab_t},)")
+    )
+  return vocab_t
+
+
+def _pad_logit(value) -> float | None:
+  """``student_pad_logit`` checked: None, a finite number or -inf."""
+  if value is None:
+    return None
+  if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == -math.inf:
+    return -math.inf
+  return checks.number(_FN, "student_pad_logit", value, low=-math.inf)
 
 
 def distillation_loss(
@@ -68,6 +93,7 @@ def distillation_loss(
   teacher_w_layout: Literal["dv", "vd"] = "dv",
   precision: lax.PrecisionLike = None,
   vocab_block_size: int | None = None,
+  student_pad_logit: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   r"""Distil a teacher's next-token distribution into a student's, from both models' hidden
   states and heads, without either model's (tokens, vocabulary) logits.
@@ -98,11 +124,21 @@ def distillation_loss(
   :math:`0 \cdot \infty`); one the student masks and the teacher does not gives a forward KL of
   ``+inf``, as it is. Half precision inputs are computed in float32.
 
+  A teacher of a larger vocabulary ``V_t > V`` (one tokenizer, the teacher's head padded, as
+  Qwen's are) needs ``student_pad_logit``: the student's logits are padded on the right to
+  ``V_t`` columns with that value, after the temperature, before the softmax, as Liger-Kernel's
+  distillation losses pad them with 0 (``student_pad_logit=0.0``: each padded entry then has the
+  student's probability :math:`e^0 / Z`, not 0; ``-inf`` gives them probability 0, and a forward
+  KL of ``+inf`` wherever the teacher gives one of them mass). The padded columns have no
+  parameters and get no gradient; the hard-label term uses the student's ``V`` columns. They are
+  computed in the vocabulary loop, never stored. Not under a mesh that splits the vocabulary.
+
   Args:
     x: the student's hidden states, ``(..., D)``.
     w: the student's head, ``(D, V)`` (``(V, D)`` for ``w_layout="vd"``).
     teacher_x: the teacher's hidden states, ``(..., D_t)`` over the same tokens.
-    teacher_w: the teacher's head, ``(D_t, V)`` (``(V, D_t)`` for ``teacher_w_layout="vd"``).
+    teacher_w: the teacher's head, ``(D_t, V)`` (``(V, D_t)`` for ``teacher_w_layout="vd"``);
+      ``V_t > V`` columns with ``student_pad_logit``.
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the JSD's :math:`\beta`, in ``(0, 1)`` (the teacher's weight in the mixture).
     temperature: both heads' logits are divided by it (the divergence's only).
@@ -113,13 +149,15 @@ def distillation_loss(
     reduction: ``"mean"`` over the selected tokens (0 when none), ``"sum"``, or ``"none"`` (each
       token's weighted terms, 0 where not selected).
     bias: the student's head bias ``(V,)`` or None.
-    teacher_bias: the teacher's head bias ``(V,)`` or None.
+    teacher_bias: the teacher's head bias ``(V,)`` (``(V_t,)``) or None.
     logit_soft_cap: the student's soft cap :math:`c_s`, or None.
     teacher_logit_soft_cap: the teacher's, or None.
     w_layout: ``"dv"`` or ``"vd"``, the student head's layout.
     teacher_w_layout: ``"dv"`` or ``"vd"``, the teacher head's layout.
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
     vocab_block_size: columns a block of the loops (None: chosen from the sizes).
+    student_pad_logit: None (the vocabularies must be one), or the student's logit at each of a
+      larger teacher vocabulary's extra columns (0.0: Liger-Kernel's padding; -inf allowed).
 
   Returns:
     ``(loss, metrics)``: the loss (a scalar, or ``x.shape[:-1]`` for ``"none"``; float32, float64
@@ -153,12 +191,14 @@ def distillation_loss(
     xt, wt, bt = tarrays["teacher_x"], tarrays["teacher_w"], tarrays["teacher_bias"]
     shape = xs.shape[:-1]
     vocab = checks.check_shapes(_FN, xs, ws, jnp.zeros(shape, jnp.int32), bs, w_layout, "x")
-    _teacher(xs, xt, wt, bt, teacher_w_layout, vocab)
+    pad = _pad_logit(student_pad_logit)
+    vocab_t = _teacher(xs, xt, wt, bt, teacher_w_layout, vocab, pad)
     where = checks.as_where(_FN, mask, shape, "x", name="mask")
     labels = hard_labels(_FN, labels, hard, shape, where, vocab)
     acc = np.dtype(jnp.promote_types(acc_s, acc_t))
     count = math.prod(shape)
     block = checks.block_size(_FN, vocab_block_size, count, vocab, None)
+    pad = pad if vocab_t > vocab else None
     flat = lambda a: a.reshape(count, a.shape[-1])
     xs, xt = flat(xs), flat(xt)
     plan = lambda cap, layout, x, w, b: LcePlan(
@@ -173,11 +213,16 @@ def distillation_loss(
     ps, pt = plan(caps[0], w_layout, xs, ws, bs), plan(caps[1], teacher_w_layout, xt, wt, bt)
     pattern = sharding_distill.pattern_of(ps, pt, xs, ws, xt, wt)  # both heads run in it
     ps = dataclasses.replace(ps, decision=Decision(sharding=pattern))
+    if pad is not None and pattern is not None and split_axes(pattern, pattern.model):
+      raise NotImplementedError(
+        checks.err(_FN, "`student_pad_logit` with the vocabulary split over devices")
+      )
     d = per_token_divergence(
       ps,
       pt,
       divergence,
       float(beta),
+      pad,
       xs,
       ws,
       bs,

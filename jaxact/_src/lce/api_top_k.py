@@ -132,6 +132,17 @@ def bucket_divergence(kind: str, beta: float, lq: Array, lp: Array) -> Array:
   return jnp.sum(jnp.where(some, kl, 0), axis=-1)
 
 
+def _renormalized(lq: Array, lp: Array) -> tuple[Array, Array]:
+  """``add_tail=False``: the student's K log-probabilities and the teacher's, each renormalized
+  over the K entries (TRL's ``loss_add_tail=False``), the student's where the teacher's is -inf
+  dropped as TRL drops them; a token whose teacher gives all K entries -inf gives equal rows of
+  -inf (a divergence of 0)."""
+  lq = jnp.where(lp == -jnp.inf, -jnp.inf, lq[:, :-1])
+  none = jnp.all(lp == -jnp.inf, axis=-1, keepdims=True)
+  own = lambda a: a - jnp.where(none, 0, jax.nn.logsumexp(jnp.where(none, 0, a), -1, keepdims=True))
+  return own(lq), own(lp)
+
+
 def top_k_distillation_loss(
   x: ArrayLike,
   w: ArrayLike,
@@ -151,6 +162,7 @@ def top_k_distillation_loss(
   w_layout: Literal["dv", "vd"] = "dv",
   precision: lax.PrecisionLike = None,
   vocab_block_size: int | None = None,
+  add_tail: bool = True,
 ) -> tuple[Array, dict[str, Array]]:
   r"""Distil a teacher's stored top-k log-probabilities into a student's head, without the
   student's (tokens, vocabulary) logits and without a teacher model.
@@ -173,6 +185,13 @@ def top_k_distillation_loss(
   probability 0 on the left counts 0: a teacher tail of 0 adds nothing to the forward KL). The
   loss is ``divergence_weight`` times it reduced over the tokens ``mask`` selects, plus
   ``hard_label_weight`` times the student's cross-entropy against ``labels`` (temperature 1).
+
+  With ``add_tail=False`` (TRL's ``loss_add_tail=False``) there is no tail bucket: both
+  distributions are renormalized over the K entries, :math:`\hat p_k = p_k / \sum_j p_j` and
+  :math:`\hat q_k = q_k / \sum_j q_j` (the student's softmax of its K logits alone), and the
+  divergence is between these two over K entries (0 for K = 1). An entry whose stored
+  log-probability is -inf is left out of both, as TRL leaves it out (a token whose K entries are
+  all -inf counts 0).
 
   The temperature and the soft cap apply to the student only: the stored log-probabilities are
   used as given (store them at the temperature you want to match). The teacher's tail is
@@ -220,6 +239,8 @@ def top_k_distillation_loss(
     w_layout: ``"dv"`` or ``"vd"``, the student head's layout.
     precision: of the matmuls, as :func:`jax.lax.dot_general` takes it.
     vocab_block_size: columns a block of the loops (None: chosen from the sizes).
+    add_tail: True: the K + 1 buckets; False: the K entries renormalized (TRL's
+      ``loss_add_tail``).
 
   Returns:
     ``(loss, metrics)``: the loss (a scalar, or ``x.shape[:-1]`` for ``"none"``; float32, float64
@@ -243,6 +264,8 @@ def top_k_distillation_loss(
     hard = checks.number(_FN, "hard_label_weight", hard_label_weight, low=0.0)
     soft = checks.number(_FN, "divergence_weight", divergence_weight, low=0.0)
     checks.w_layout(_FN, w_layout)
+    if not isinstance(add_tail, (bool, np.bool_)):
+      raise TypeError(checks.err(_FN, f"`add_tail` is {add_tail!r}; accepted: True or False"))
     arrays, acc, _ = args.prepare_arrays(_FN, {"x": x, "w": w, "bias": bias}, None)
     xs, ws, bs = arrays["x"], arrays["w"], arrays["bias"]
     shape = xs.shape[:-1]
@@ -274,7 +297,7 @@ def top_k_distillation_loss(
       pattern = rules.per_device(rules.sharding_of(plan, xs, ws))
       plan = dataclasses.replace(plan, decision=Decision(sharding=pattern))
       lq = bucket_log_probs(plan, xs, ws, bs, idx)
-      lp = _teacher_buckets(lp, k == vocab)
+      lq, lp = (lq, _teacher_buckets(lp, k == vocab)) if add_tail else _renormalized(lq, lp)
       if where is not None:  # equal buckets where dropped: 0, and zero gradients
         lq = jnp.where(keep, lq, lp)
       d = bucket_divergence(divergence, float(beta), lq, lp).reshape(shape)

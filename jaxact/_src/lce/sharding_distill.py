@@ -51,21 +51,23 @@ def _in_specs(ps: LcePlan, pt: LcePlan, pattern) -> tuple:
   )
 
 
-def _local_norms(ps, pt, xs, ws, bs, xt, wt, bt, *, model):
-  (ms, ses), (mt, set_) = xla_distill.row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
+def _local_norms(ps, pt, xs, ws, bs, xt, wt, bt, *, model, pad):
+  (ms, ses), (mt, set_) = xla_distill.row_sums(ps, pt, xs, ws, bs, xt, wt, bt, pad)
   if model:  # the vocabulary split over devices: each head's sums over all of it
     (ms, ses), (mt, set_) = global_sums(ps, ms, ses, model), global_sums(pt, mt, set_, model)
   return ms, ses, mt, set_
 
 
-def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
-  """:func:`jaxact._src.lce.xla_distill.statistics`, on each device's shards when sharded."""
+def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt, pad=None):
+  """:func:`jaxact._src.lce.xla_distill.statistics`, on each device's shards when sharded (a
+  `pad` only where the vocabulary is not split: checked where the call is planned)."""
   pattern = ps.decision.sharding
   if pattern is None:
-    return xla_distill.statistics(ps, pt, xs, ws, bs, xt, wt, bt)
+    return xla_distill.statistics(ps, pt, xs, ws, bs, xt, wt, bt, pad)
   rows = pattern.x[:-1]
+  model = split_axes(pattern, pattern.model)
   ms, ses, mt, set_ = pallas_sharding.per_shard(
-    functools.partial(_local_norms, ps, pt, model=split_axes(pattern, pattern.model)),
+    functools.partial(_local_norms, ps, pt, model=model, pad=pad),
     (xs, ws, bs, xt, wt, bt),
     _in_specs(ps, pt, pattern),
     (rows,) * 4,
@@ -74,20 +76,21 @@ def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
   return (ms, ses), (mt, set_)
 
 
-def _local_divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, ms, ses, mt, set_):
+def _local_divergence(ps, pt, kind, beta, pad, xs, ws, bs, xt, wt, bt, ms, ses, mt, set_):
   norms = (ms, ses), (mt, set_)
-  return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, *norms)
+  return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, *norms, pad)
 
 
-def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
+def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, pad=None):
   """:func:`jaxact._src.lce.xla_distill.divergence`, on each device's shards when sharded: each
   device's sums over its columns, summed over the model axes."""
   pattern = ps.decision.sharding
   if pattern is None:
-    return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t)
+    norms = norm_s, norm_t
+    return xla_distill.divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, *norms, pad)
   rows = pattern.x[:-1]
   return pallas_sharding.per_shard(
-    functools.partial(_local_divergence, ps, pt, kind, beta),
+    functools.partial(_local_divergence, ps, pt, kind, beta, pad),
     (xs, ws, bs, xt, wt, bt, *norm_s, *norm_t),
     (*_in_specs(ps, pt, pattern), rows, rows, rows, rows),
     (rows, rows),

@@ -19,12 +19,17 @@ rounded to their own size. The mixture's ``log(m / q)`` and ``log(m / p)`` are `
 ``p expm1(-d)``. A term of ``p`` is 0 where ``p`` is 0 (a masked vocabulary entry: no
 ``0 * inf``), as one of ``q`` is; where the teacher gives an entry mass the student gives none, the
 forward KL is ``+inf``, as it is.
+
+A teacher of a larger vocabulary than the student's (``pad``, Liger-Kernel's padding) adds the
+teacher's columns past the student's, each of the student's there one logit ``pad``: each
+forward loop goes on over those columns, block by block, the student's block a constant; the
+backward has nothing to add there (a constant logit), as the statistics and ``aux`` count them.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 
 from jaxact._src.lce.plan import LcePlan
 from jaxact._src.lce.xla import add_block_grads, column_block, finish_grads, loop, zero_grads
@@ -43,6 +48,33 @@ def _head_block(plan: LcePlan, x, w, b, j, vocab):
   start, wj, bj, cols, fresh = column_block(plan, w, b, j, vocab)
   s, dcap = capped(plan, logits(plan, x, wj, bj))
   return s, dcap, start, wj, cols, fresh
+
+
+def _pad_units(ps: LcePlan, pad: float) -> float:
+  """The student's padding logit `pad` (in the softmax's units, after the temperature, as Liger
+  pads) in :func:`~jaxact._src.lce.xla_tiles.capped`'s units, which its blocks hold."""
+  return pad if ps.temperature == 1 else pad * ps.temperature / (ps.soft_cap or 1.0)
+
+
+def _pad_blocks(ps: LcePlan, pt: LcePlan, xt, wt, bt, pad: float | None, vocab: int):
+  """``(n, block)``: the stretch of the teacher's columns past the student's `vocab` in blocks,
+  ``block(j)`` giving ``(s, tt, cols, fresh)`` (the student's a constant block of `pad`); ``n`` 0
+  where the vocabularies are one."""
+  extra = wt.shape[pt.vocab_axis] - vocab
+  if pad is None or extra <= 0:
+    return 0, None
+  bv = min(pt.block, extra)
+
+  def block(j):
+    start = vocab + jnp.minimum(j * bv, extra - bv)
+    wj = lax.dynamic_slice_in_dim(wt, start, bv, axis=pt.vocab_axis)
+    bj = None if bt is None else lax.dynamic_slice_in_dim(bt, start, bv, axis=0)
+    tt, _ = capped(pt, logits(pt, xt, wj, bj))
+    s = jnp.full(tt.shape, _pad_units(ps, pad), ps.acc_dtype)
+    cols = start + jnp.arange(bv)
+    return s, tt, cols, None if extra % bv == 0 else cols - vocab >= j * bv
+
+  return -(-extra // bv), block
 
 
 def _block_probs(ps: LcePlan, pt: LcePlan, s, tt, norm_s, norm_t):
@@ -68,17 +100,28 @@ def _inverse(se: Array) -> Array:
   return jnp.where(se > 0, 1 / jnp.where(se > 0, se, 1), 0)
 
 
-def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
+def _both(ps, pt, xs, ws, bs, xt, wt, bt, vocab):
+  """Block `j`'s ``(s, tt, cols, fresh)`` of the student's and the teacher's heads."""
+
+  def block(j):
+    s, _, _, _, cols, fresh = _head_block(ps, xs, ws, bs, j, vocab)
+    tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
+    return s, tt, cols, fresh
+
+  return block
+
+
+def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt, pad=None):
   """Each row's ``(max, Σ exp(s - max))`` of the student's and of the teacher's logits over the
-  heads' columns, ``((m_s, se_s), (m_t, se_t))``, from one loop over both heads' column blocks."""
+  heads' columns, ``((m_s, se_s), (m_t, se_t))``, from one loop over both heads' column blocks
+  (and one over the teacher's columns past the student's, for a `pad`)."""
   vocab, n = _blocks(ps, ws)
   acc, t = ps.acc_dtype, xs.shape[0]
   labels = jnp.zeros((t,), jnp.int32)
 
-  def body(j, carry):
+  def body(block, j, carry):
     (ms, ses), (mt, set_) = carry
-    s, _, _, _, cols, fresh = _head_block(ps, xs, ws, bs, j, vocab)
-    tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
+    s, tt, cols, fresh = block(j)
     tms, tses, *_ = tile_stats(ps, s, labels, cols, fresh, vocab, None)
     tmt, tset, *_ = tile_stats(pt, tt, labels, cols, fresh, vocab, None)
     ms, ses, _, _ = merge(ps, (ms, ses, None, None), (tms, tses, None, None), vocab)
@@ -86,13 +129,16 @@ def row_sums(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
     return (ms, ses), (mt, set_)
 
   start = (jnp.full((t,), lowest(acc), acc), jnp.zeros((t,), acc))
-  return loop(n, body, (start, start))
+  both = _both(ps, pt, xs, ws, bs, xt, wt, bt, vocab)
+  sums = loop(n, lambda j, c: body(both, j, c), (start, start))
+  n_pad, pad_block = _pad_blocks(ps, pt, xt, wt, bt, pad, vocab)
+  return loop(n_pad, lambda j, c: body(pad_block, j, c), sums) if n_pad else sums
 
 
-def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt):
+def statistics(ps: LcePlan, pt: LcePlan, xs, ws, bs, xt, wt, bt, pad=None):
   """Each row's ``(max, Σ exp(s - max))`` of the student's and of the teacher's logits,
   ``(norm_s, norm_t)`` (:func:`row_sums`)."""
-  return row_sums(ps, pt, xs, ws, bs, xt, wt, bt)
+  return row_sums(ps, pt, xs, ws, bs, xt, wt, bt, pad)
 
 
 def _mixture(beta: float, d: Array) -> tuple[Array, Array]:
@@ -118,16 +164,15 @@ def _terms(kind: str, beta: float, q: Array, p: Array, d: Array):
   return beta * kl_p + (1 - beta) * kl_q, to_q, kl_q
 
 
-def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
+def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t, pad=None):
   """``(D, aux)`` a row: the divergence and what its backward needs besides the statistics (the
   reverse KL itself, ``KL(q || m)`` for the JSD; None for the forward KL)."""
   vocab, n = _blocks(ps, ws)
   acc, t = ps.acc_dtype, xs.shape[0]
 
-  def body(j, carry):
+  def body(block, j, carry):
     d, aux = carry
-    s, _, _, _, _, fresh = _head_block(ps, xs, ws, bs, j, vocab)
-    tt, _, _, _, _, _ = _head_block(pt, xt, wt, bt, j, vocab)
+    s, tt, _, fresh = block(j)
     terms, _, kl_q = _terms(kind, beta, *_block_probs(ps, pt, s, tt, norm_s, norm_t))
     if fresh is not None:  # an overlapped column counts once
       terms = jnp.where(fresh[None, :], terms, 0)
@@ -136,7 +181,11 @@ def divergence(ps, pt, kind, beta, xs, ws, bs, xt, wt, bt, norm_s, norm_t):
     return d, (aux if kl_q is None else aux + jnp.sum(kl_q, 1))
 
   zeros = jnp.zeros((t,), acc)
-  d, kl_q = loop(n, body, (zeros, zeros))
+  both = _both(ps, pt, xs, ws, bs, xt, wt, bt, vocab)
+  d, kl_q = loop(n, lambda j, c: body(both, j, c), (zeros, zeros))
+  n_pad, pad_block = _pad_blocks(ps, pt, xt, wt, bt, pad, vocab)
+  if n_pad:
+    d, kl_q = loop(n_pad, lambda j, c: body(pad_block, j, c), (d, kl_q))
   aux = {"forward_kl": None, "reverse_kl": d, "jsd": kl_q}[kind]
   return d, aux
 
