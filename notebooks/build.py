@@ -1044,11 +1044,299 @@ DISTILLATION = [
   ),
 ]
 
+TRAINER_OPTIONS = [
+  md(
+    f"""
+    # A trainer's options: DPO with its NLL term, GRPO with gradient accumulation
+
+    {colab_badge("05_trainer_options.ipynb")}
+
+    TRL's and Liger-Kernel's trainers set options on their losses that a JAX user porting a
+    recipe needs too ([the name tables](https://github.com/{GITHUB_PATH}/blob/main/docs/post-training.md)).
+    This notebook trains a tiny autoregressive policy twice, each step checked as it goes:
+
+    - **DPO with RPO's NLL term** (`jaxact.preference_loss(..., rpo_alpha=1.0)`: TRL's `rpo_alpha`,
+      Liger's `compute_nll_loss`), against the same loss written on `log_softmax` of the full
+      logits;
+    - **GRPO with gradient accumulation**: DAPO's token-level loss over micro-batches, each given
+      the whole batch's token count (`num_items_in_batch`, as TRL's trainers pass it), so that the
+      micro-batches' gradients add up to the whole batch's.
+
+    It runs on a CPU in well under a minute.
+    """
+  ),
+  code(install_cell("optax")),
+  code(
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import optax
+
+    import jaxact
+
+    print(f"jax {jax.__version__} on {jax.default_backend()}, jaxact {jaxact.__version__}")
+    """
+  ),
+  md(
+    """
+    ## The policy
+
+    The GRPO notebook's toy: a prompt is one token `s` of a vocabulary of 16, a completion 8
+    tokens, and the reward the fraction of them that count up by one from the token before. The
+    policy sees the previous token: its embedding, through a residual MLP of
+    `jaxact.dense_bias_act` layers, is the final hidden state, and `head` its logits' weights.
+    """
+  ),
+  code(
+    """
+    V, T, D, HIDDEN = 16, 8, 32, 64  # vocabulary, completion length, features, MLP width
+
+
+    def init(key):
+      k = jax.random.split(key, 4)
+      return {
+        "embed": jax.random.normal(k[0], (V, D)) * 0.5,
+        "w1": jax.random.normal(k[1], (D, HIDDEN)) * D**-0.5,
+        "b1": jnp.zeros(HIDDEN),
+        "w2": jax.random.normal(k[2], (HIDDEN, D)) * HIDDEN**-0.5,
+        "b2": jnp.zeros(D),
+        "head": jax.random.normal(k[3], (D, V)) * D**-0.5,
+      }
+
+
+    def hidden(params, prev):
+      # The final hidden state after each previous token: (...,) -> (..., D).
+      h = params["embed"][prev]
+      u = jaxact.dense_bias_act(h, params["w1"], params["b1"], activation="gelu")
+      return h + jaxact.dense_bias_act(u, params["w2"], params["b2"], activation="tanh")
+
+
+    def sample(params, prompts, key):
+      # One completion per prompt, a token at a time: (n,) -> (n, T).
+      def step(prev, k):
+        token = jax.random.categorical(k, hidden(params, prev) @ params["head"])
+        return token, token
+
+      _, tokens = jax.lax.scan(step, prompts, jax.random.split(key, T))
+      return tokens.T
+
+
+    def previous(prompts, tokens):
+      # The token before each completion position: the prompt, then the completion shifted.
+      return jnp.concatenate([prompts[:, None], tokens[:, :-1]], axis=1)
+
+
+    def reward(prompts, tokens):
+      return jnp.mean(tokens == (previous(prompts, tokens) + 1) % V, axis=-1)
+
+
+    def sequence_log_probs(params, prompts, tokens):
+      x = hidden(params, previous(prompts, tokens))
+      return jaxact.linear_log_probs(x, params["head"], tokens).sum(-1)
+
+
+    reference = init(jax.random.key(0))  # the initial policy, frozen: DPO's reference
+    optimizer = optax.adam(1e-2)
+    """
+  ),
+  md(
+    """
+    ## DPO with the NLL term
+
+    Each pair: a random prompt, the counting completion as the chosen one and a completion the
+    reference samples as the rejected one. The loss is DPO's, `-log sigmoid(beta h)` with `h` the
+    chosen completion's log-probability margin over the reference's less the rejected one's, plus
+    `rpo_alpha` times the chosen tokens' mean negative log-likelihood (RPO, Pang et al. 2024). The
+    reference's sequence log-probabilities are computed once a batch, outside the gradient.
+    """
+  ),
+  code(
+    """
+    PAIRS, BETA, RPO_ALPHA = 64, 0.1, 1.0
+
+
+    def dpo_loss(params, prompts, chosen, rejected, ref_chosen, ref_rejected):
+      return jaxact.preference_loss(
+        hidden(params, previous(prompts, chosen)),
+        hidden(params, previous(prompts, rejected)),
+        params["head"],
+        chosen,
+        rejected,
+        loss="dpo",
+        beta=BETA,
+        rpo_alpha=RPO_ALPHA,
+        ref_chosen_log_probs=ref_chosen,
+        ref_rejected_log_probs=ref_rejected,
+      )
+
+
+    def plain_dpo_loss(params, prompts, chosen, rejected, ref_chosen, ref_rejected):
+      # The same loss from the full logits: log_softmax, the tokens' entries, TRL's formula.
+      def log_probs(tokens):
+        logits = hidden(params, previous(prompts, tokens)) @ params["head"]
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0]
+
+      lp_c, lp_r = log_probs(chosen), log_probs(rejected)
+      h = (lp_c.sum(-1) - ref_chosen) - (lp_r.sum(-1) - ref_rejected)
+      return jnp.mean(-jax.nn.log_sigmoid(BETA * h)) + RPO_ALPHA * -jnp.mean(lp_c)
+
+
+    @jax.jit
+    def pairs(key):
+      k_prompts, k_sample = jax.random.split(key)
+      prompts = jax.random.randint(k_prompts, (PAIRS,), 0, V)
+      chosen = (prompts[:, None] + 1 + jnp.arange(T)) % V
+      rejected = sample(reference, prompts, k_sample)
+      ref = (sequence_log_probs(reference, prompts, y) for y in (chosen, rejected))
+      return (prompts, chosen, rejected, *ref)
+
+
+    @jax.jit
+    def dpo_step(params, opt_state, batch):
+      grad_fn = jax.value_and_grad(dpo_loss, has_aux=True)
+      (loss, metrics), grads = grad_fn(params, *batch)
+      plain, plain_grads = jax.value_and_grad(plain_dpo_loss)(params, *batch)
+      diffs = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), grads, plain_grads)
+      gap = jnp.max(jnp.stack(jax.tree.leaves(diffs)))
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss, metrics, loss - plain, gap
+
+
+    params, steps = init(jax.random.key(0)), 60
+    opt_state = optimizer.init(params)
+    dpo = {"loss": [], "nll_loss": [], "rewards/accuracies": []}
+    worst = 0.0
+    start = time.perf_counter()
+    for i in range(steps):
+      params, opt_state, loss, metrics, gap_loss, gap_grads = dpo_step(
+        params, opt_state, pairs(jax.random.key(200 + i))
+      )
+      worst = max(worst, abs(float(gap_loss)), float(gap_grads))
+      dpo["loss"].append(float(loss))
+      for name in ("nll_loss", "rewards/accuracies"):
+        dpo[name].append(float(metrics[name]))
+    print(f"{steps} DPO steps in {time.perf_counter() - start:.1f} s")
+    print(f"largest difference from the full logits' loss and gradients, every step: {worst:.1e}")
+    assert worst < 1e-4
+    prompts = jnp.arange(4) * 4
+    samples = sample(params, prompts, jax.random.key(1))
+    print("reward of the trained policy's samples:", np.asarray(reward(prompts, samples)))
+    """
+  ),
+  md(
+    """
+    ## GRPO with gradient accumulation
+
+    A step samples groups of 8 completions for 16 prompts (128 completions, 1024 tokens) and
+    splits them into 4 micro-batches of 32, as a trainer does when one batch does not fit. With
+    DAPO's token-level loss each micro-batch's loss is its tokens' sum divided by
+    `num_items_in_batch`, the whole batch's token count: the four gradients add up to the whole
+    batch's gradient, which the first step checks. Without it each micro-batch would be divided by
+    its own count (here the same, but not with masks of different lengths).
+    """
+  ),
+  code(
+    """
+    PROMPTS, GROUP, MICRO = 16, 8, 4
+
+
+    @jax.jit
+    def rollout(params, key):
+      k_prompts, k_sample = jax.random.split(key)
+      prompts = jnp.repeat(jax.random.randint(k_prompts, (PROMPTS,), 0, V), GROUP)
+      tokens = sample(params, prompts, k_sample)
+      rewards = reward(prompts, tokens).reshape(PROMPTS, GROUP)
+      mean, std = rewards.mean(1, keepdims=True), rewards.std(1, keepdims=True)
+      advantages = ((rewards - mean) / (std + 1e-4)).reshape(-1)
+      prev = previous(prompts, tokens)
+      old = jaxact.linear_log_probs(hidden(params, prev), params["head"], tokens)
+      return (prev, tokens, advantages, old), rewards.mean()
+
+
+    @jax.jit
+    def micro_grad(params, prev, tokens, advantages, old, num_items):
+      def loss(params):
+        return jaxact.policy_gradient_loss(
+          hidden(params, prev),
+          params["head"],
+          tokens,
+          advantages,
+          old_log_probs=old,
+          loss_type="dapo",
+          num_items_in_batch=num_items,
+        )[0]
+
+      return jax.grad(loss)(params)
+
+
+    def accumulated_grad(params, batch):
+      num_items = batch[1].size  # every completion token counts (no padding here)
+      micro = [jax.tree.map(lambda a, i=i: a[i::MICRO], batch) for i in range(MICRO)]
+      grads = [micro_grad(params, *m, num_items) for m in micro]
+      return jax.tree.map(lambda *g: sum(g), *grads), num_items
+
+
+    params = init(jax.random.key(0))
+    opt_state = optimizer.init(params)
+    batch, _ = rollout(params, jax.random.key(3))
+    accumulated, num_items = accumulated_grad(params, batch)
+    whole = micro_grad(params, *batch, num_items)
+    pairs_of_grads = zip(*map(jax.tree.leaves, (accumulated, whole)), strict=True)
+    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs_of_grads)
+    print(f"4 micro-batches against the whole batch: largest gradient difference {gap:.1e}")
+    assert gap < 1e-6
+
+    grpo = []
+    start = time.perf_counter()
+    for i in range(80):
+      batch, mean_reward = rollout(params, jax.random.key(100 + i))
+      grads, _ = accumulated_grad(params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      grpo.append(float(mean_reward))
+    print(f"80 GRPO steps of 4 micro-batches in {time.perf_counter() - start:.1f} s")
+    print(f"mean reward: first step {grpo[0]:.3f}, last 10 steps {np.mean(grpo[-10:]):.3f}")
+    """
+  ),
+  code(
+    """
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    axes[0].plot(dpo["loss"], label="DPO + NLL loss")
+    axes[0].plot(dpo["nll_loss"], label="its NLL term")
+    axes[0].set_title("DPO with rpo_alpha = 1")
+    axes[0].legend()
+    axes[1].plot(dpo["rewards/accuracies"])
+    axes[1].set_title("DPO: pairs whose chosen reward is larger")
+    axes[2].plot(grpo)
+    axes[2].axhline(1 / V, color="gray", ls=":", label="random policy")
+    axes[2].set_title("GRPO (DAPO loss, 4 micro-batches): mean reward")
+    axes[2].legend()
+    for ax in axes:
+      ax.set_xlabel("step")
+    fig.tight_layout()
+    """
+  ),
+  md(
+    """
+    Both losses are computed from the hidden states and the head, never from the
+    (tokens, vocabulary) logits (`jaxact.linear_log_probs` underneath); the memory this saves at a
+    real vocabulary is measured in the GRPO and distillation notebooks and by
+    `python -m benchmarks posttrain`. The tables mapping every TRL and Liger option to jaxact's
+    arguments, and saying why where one is not mapped, are in the docs' post-training page.
+    """
+  ),
+]
+
 NOTEBOOKS = {
   "01_quickstart.ipynb": QUICKSTART,
   "02_flax_training.ipynb": FLAX_TRAINING,
   "03_grpo.ipynb": GRPO,
   "04_distillation.ipynb": DISTILLATION,
+  "05_trainer_options.ipynb": TRAINER_OPTIONS,
 }
 
 

@@ -94,7 +94,13 @@ def test_python_snippets_run(path):
 
 @pytest.mark.parametrize(
   "name",
-  ["01_quickstart.ipynb", "02_flax_training.ipynb", "03_grpo.ipynb", "04_distillation.ipynb"],
+  [
+    "01_quickstart.ipynb",
+    "02_flax_training.ipynb",
+    "03_grpo.ipynb",
+    "04_distillation.ipynb",
+    "05_trainer_options.ipynb",
+  ],
 )
 def test_notebooks_are_committed_executed(name):
   # GitHub and the docs site (mkdocs-jupyter, execute: false) show the committed outputs.
