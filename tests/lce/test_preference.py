@@ -75,7 +75,21 @@ TRL_CASES = {
   "ipo-ld": dict(loss="ipo", beta=0.5, ld_alpha=0.7, rpo_alpha=0.1),
   "sigmoid_norm": dict(loss="sigmoid_norm", beta=2.0),
   "simpo-rpo": dict(loss="simpo", beta=2.0, simpo_gamma=0.7, label_smoothing=0.05, rpo_alpha=0.4),
+  # TRL's f-DPO: the divergence's margin in place of the log-ratio margin
+  "dpo-js": dict(loss="dpo", beta=0.5, label_smoothing=0.1, f_divergence_type="js_divergence"),
+  "hinge-alpha": dict(
+    loss="hinge", beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5
+  ),
+  "ipo-alpha": dict(loss="ipo", beta=0.5, f_divergence_type="alpha_divergence"),
+  "robust-js": dict(loss="robust", label_smoothing=0.2, f_divergence_type="js_divergence"),
+  "exo-alpha": dict(
+    loss="exo_pair",
+    label_smoothing=0.01,
+    f_divergence_type="alpha_divergence",
+    f_alpha_divergence_coef=2.0,
+  ),
 }
+F_SURVEY = ("hinge-alpha", "ipo-alpha", "robust-js", "exo-alpha")  # -m exhaustive
 
 
 def _args(name, data, dtype):
@@ -209,17 +223,37 @@ def trl_dpo_loss(x_c, x_r, w, bias, t_c, t_r, m_c, m_r, ref_heads, case):
       (rx_c, rx_r), rw, rb)[0]), 2)  # fmt: skip
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
-    delta_score = chosen_logratios - rejected_logratios
     sig, logsig = jax.nn.sigmoid, jax.nn.log_sigmoid
+
+    def f_logits(chosen_logratios, rejected_logratios):  # TRL 0.28's dpo_loss, f-divergences
+      alpha_coef = case.get("f_alpha_divergence_coef", 1.0)
+      cap_exp = lambda v: jnp.exp(jnp.minimum(v, jnp.log(jnp.finfo(v.dtype).max)))
+      if case.get("f_divergence_type") == "alpha_divergence":
+        return (
+          cap_exp(rejected_logratios * -alpha_coef) - cap_exp(chosen_logratios * -alpha_coef)
+        ) / alpha_coef
+      logits = chosen_logratios - rejected_logratios
+      if case.get("f_divergence_type") == "js_divergence":
+        logits -= jax.nn.softplus(chosen_logratios) - jax.nn.softplus(rejected_logratios)
+      return logits
+
+    delta_score = chosen_logratios - rejected_logratios
+    logits = f_logits(chosen_logratios, rejected_logratios)
     if loss_type == "ipo":
-      ipo_delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
-      losses = (ipo_delta - 1 / (2 * beta)) ** 2
+      ipo_logits = f_logits(chosen_logratios / m_c.sum(1), rejected_logratios / m_r.sum(1))
+      losses = (ipo_logits - 1 / (2 * beta)) ** 2
+    elif loss_type == "dpo":  # TRL's "sigmoid"
+      losses = -logsig(beta * logits) * (1 - eps) - logsig(-beta * logits) * eps
+    elif loss_type == "robust":
+      losses = (-logsig(beta * logits) * (1 - eps) + logsig(-beta * logits) * eps) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+      losses = jax.nn.relu(1 - beta * logits)
     elif loss_type == "sigmoid_norm":
       delta = chosen_logratios / m_c.sum(1) - rejected_logratios / m_r.sum(1)
       losses = -logsig(beta * delta)
     elif loss_type == "exo_pair":
-      qw, log_qw = sig(beta * delta_score), logsig(beta * delta_score)
-      ql, log_ql = sig(-beta * delta_score), logsig(-beta * delta_score)
+      qw, log_qw = sig(beta * logits), logsig(beta * logits)
+      ql, log_ql = sig(-beta * logits), logsig(-beta * logits)
       losses = qw * (log_qw - jnp.log1p(-eps)) + ql * (log_ql - jnp.log(eps))
     elif loss_type == "nca_pair":
       cr, rr = beta * chosen_logratios, beta * rejected_logratios
@@ -254,10 +288,13 @@ def trl_dpo_loss(x_c, x_r, w, bias, t_c, t_r, m_c, m_r, ref_heads, case):
   return loss, metrics
 
 
-@pytest.mark.parametrize("name", list(TRL_CASES))
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in F_SURVEY else n for n in TRL_CASES]
+)
 def test_trl_losses_equal_a_transcription_of_trl(name):
-  """Each of TRL's DPOTrainer losses jaxact adds, ``rpo_alpha`` and ``ld_alpha``: the loss, the
-  metrics and the gradients in x_chosen, x_rejected, w and bias equal TRL's code transcribed
+  """Each of TRL's DPOTrainer losses jaxact adds, ``rpo_alpha``, ``ld_alpha`` and the f-DPO
+  divergences (``f_divergence_type``, as TRL 0.28 forms them): the loss, the metrics and the
+  gradients in x_chosen, x_rejected, w and bias equal TRL's code transcribed
   (:func:`trl_dpo_loss`) and JAX's autodiff of it, float64, to 1e-12. Where ``ld_alpha`` is set
   the reference is computed in the call (weighted as the policy), else passed in as sums."""
   case = TRL_CASES[name]
@@ -558,6 +595,18 @@ ONES = jnp.ones((B, TC, D), jnp.float32)
     (dict(logit_soft_cap=-1.0), ValueError, r"`logit_soft_cap` is -1\.0"),
     (dict(w_layout="dd"), ValueError, r"`w_layout` 'dd' is not known"),
     (dict(implementation="cuda"), ValueError, r"`implementation` 'cuda' is not known"),
+    (dict(f_divergence_type="kl"), ValueError, r"`f_divergence_type` is 'kl'; accepted"),
+    (
+      dict(loss="nca_pair", f_divergence_type="js_divergence"),
+      ValueError,
+      r"`f_divergence_type` is 'js_divergence', but loss='nca_pair' does not use it",
+    ),
+    (dict(f_alpha_divergence_coef=0.5), ValueError, r"`f_alpha_divergence_coef` is 0\.5, but"),
+    (
+      dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.0),
+      ValueError,
+      r"`f_alpha_divergence_coef` is 0\.0",
+    ),
   ],
   ids=lambda v: None if isinstance(v, dict) else "",
 )

@@ -53,6 +53,8 @@ def preference_loss(
   nll_weight: float = 1.0,
   rpo_alpha: float | None = None,
   ld_alpha: float | None = None,
+  f_divergence_type: str = "reverse_kl",
+  f_alpha_divergence_coef: float = 1.0,
   bco_reward_mean: ArrayLike | None = None,
   desirable_weight: float = 1.0,
   undesirable_weight: float = 1.0,
@@ -172,6 +174,14 @@ def preference_loss(
       ``compute_nll_loss``); None adds none.
     ld_alpha: LD-DPO's :math:`\alpha \in [0, 1]` (TRL's DPOTrainer losses); None weights every
       token 1.
+    f_divergence_type: TRL's f-DPO (Wang et al. 2023) for ``"dpo"``, ``"robust"``, ``"ipo"``,
+      ``"hinge"`` and ``"exo_pair"``: ``"reverse_kl"`` (DPO's margin :math:`h`), or
+      ``"js_divergence"`` (:math:`h - (\operatorname{softplus}(\rho_c) -
+      \operatorname{softplus}(\rho_r))`) or ``"alpha_divergence"`` (:math:`(e^{-a \rho_r} -
+      e^{-a \rho_c}) / a`, the exponents capped at the float's largest as TRL caps them) in its
+      place, :math:`\rho = \pi - \pi^{\text{ref}}`.
+    f_alpha_divergence_coef: :math:`a > 0` of ``"alpha_divergence"`` (TRL's
+      ``f_alpha_divergence_coef``).
     bco_reward_mean: BCO's reward shift :math:`\delta` (a scalar, detached; TRL's running mean of
       the rewards); None is 0 (``"bco_pair"`` only).
     desirable_weight: KTO's :math:`\lambda_D > 0` (``"kto"`` only).
@@ -237,6 +247,8 @@ def preference_loss(
       nll_weight=nll_weight,
       rpo_alpha=rpo_alpha,
       ld_alpha=ld_alpha,
+      f_divergence_type=f_divergence_type,
+      f_alpha_divergence_coef=f_alpha_divergence_coef,
       desirable_weight=desirable_weight,
       undesirable_weight=undesirable_weight,
     )

@@ -23,6 +23,10 @@ REFERENCED = frozenset({*DPO_LOSSES, "kto"})
 NORMALISED = frozenset({"ipo", "sigmoid_norm", "simpo", "orpo"})  # mean per-token log-probs
 SMOOTHED = frozenset({"dpo", "robust", "exo_pair", "simpo", "cpo"})
 NLL = frozenset({"orpo", "cpo"})
+# TRL's f_divergence_type: the divergence whose difference between the chosen and rejected
+# completions replaces the log-ratio margin h in the losses TRL forms from it (its ``logits``).
+F_DIVERGENCES = ("reverse_kl", "js_divergence", "alpha_divergence")
+F_DIVERGENCE_LOSSES = frozenset({"dpo", "robust", "ipo", "hinge", "exo_pair"})
 # Each option, the losses that take it, and its default (any other loss must leave it there).
 _OPTIONS = {
   "label_smoothing": (SMOOTHED, 0.0),
@@ -33,15 +37,41 @@ _OPTIONS = {
   "ld_alpha": (frozenset(DPO_LOSSES), None),
   "desirable_weight": (frozenset({"kto"}), 1.0),
   "undesirable_weight": (frozenset({"kto"}), 1.0),
+  "f_alpha_divergence_coef": (F_DIVERGENCE_LOSSES, 1.0),
 }
-_LOW_OPEN = frozenset({"discopop_tau", "desirable_weight", "undesirable_weight"})
+_LOW_OPEN = frozenset(
+  {"discopop_tau", "desirable_weight", "undesirable_weight", "f_alpha_divergence_coef"}
+)
 _HIGH = {"label_smoothing": 0.5, "ld_alpha": 1.0}
 
 
-def hyperparameters(fn: str, loss: str, **values) -> dict[str, float | None]:
+def hyperparameters(fn: str, loss: str, **values) -> dict[str, float | str | None]:
   """The checked hyperparameters: numbers in their ranges, and options the loss does not use left
   at their defaults (``ValueError`` naming the option and the losses that take it)."""
   out = {"beta": checks.number(fn, "beta", values.pop("beta"), low=0.0, low_open=True)}
+  divergence = values.pop("f_divergence_type")
+  if divergence not in F_DIVERGENCES:
+    raise ValueError(
+      checks.err(fn, f"`f_divergence_type` is {divergence!r}; accepted: {F_DIVERGENCES}")
+    )
+  if divergence != "reverse_kl" and loss not in F_DIVERGENCE_LOSSES:
+    raise ValueError(
+      checks.err(
+        fn,
+        f"`f_divergence_type` is {divergence!r}, but loss={loss!r} does not use it; it is an "
+        f"option of {', '.join(repr(t) for t in LOSSES if t in F_DIVERGENCE_LOSSES)} (leave it "
+        "at 'reverse_kl')",
+      )
+    )
+  if divergence != "alpha_divergence" and values["f_alpha_divergence_coef"] != 1.0:
+    raise ValueError(
+      checks.err(
+        fn,
+        f"`f_alpha_divergence_coef` is {values['f_alpha_divergence_coef']!r}, but "
+        f"f_divergence_type={divergence!r} does not use it (leave it at 1.0)",
+      )
+    )
+  out["f_divergence_type"] = divergence
   for name, value in values.items():
     takers, default = _OPTIONS[name]
     v = value
@@ -120,18 +150,37 @@ def _sequences(lp: Array, mask: Array, weight: Array) -> tuple[Array, Array, Arr
   return total, total / jnp.maximum(count, 1).astype(lp.dtype), count > 0
 
 
+def _margin(hyper, rho_c: Array, rho_r: Array) -> Array:
+  """The margin h of TRL's f-DPO (Wang et al. 2023, TRL's ``f_divergence_type``), from the
+  policy's log-ratios to the reference rho: the reverse KL's ``rho_c - rho_r``; the JS
+  divergence's less ``softplus(rho_c) - softplus(rho_r)``; the alpha divergence's
+  ``(exp(-a rho_r) - exp(-a rho_c)) / a``, each exponent capped at the float's largest as TRL's
+  ``cap_exp`` caps it (its gradient 0 beyond)."""
+  divergence = hyper["f_divergence_type"]
+  if divergence == "alpha_divergence":
+    a = hyper["f_alpha_divergence_coef"]
+    cap = math.log(jnp.finfo(rho_c.dtype).max)
+    capped = lambda v: jnp.exp(jnp.minimum(v, cap))
+    return (capped(-a * rho_r) - capped(-a * rho_c)) / a
+  h = rho_c - rho_r
+  if divergence == "js_divergence":
+    h = h - (jax.nn.softplus(rho_c) - jax.nn.softplus(rho_r))
+  return h
+
+
 def _dpo_family(loss: str, hyper, rho_c: Array, rho_r: Array, delta: Array | None) -> Array:
   """Each pair's loss from the policy's log-ratios to the reference, as TRL's DPOTrainer forms
   it (``delta``: BCO's reward shift, or None)."""
   beta, eps = hyper["beta"], hyper["label_smoothing"]
-  u, r_c, r_r = beta * (rho_c - rho_r), beta * rho_c, beta * rho_r
+  h = _margin(hyper, rho_c, rho_r) if loss in F_DIVERGENCE_LOSSES else rho_c - rho_r
+  u, r_c, r_r = beta * h, beta * rho_c, beta * rho_r
   log_sig = jax.nn.log_sigmoid
   if loss in ("dpo", "sigmoid_norm"):  # sigmoid_norm: on the mean log-probabilities
     return _smoothed(u, eps)
   if loss == "robust":
     return (-(1 - eps) * log_sig(u) + eps * log_sig(-u)) / (1 - 2 * eps)
   if loss == "ipo":
-    return jnp.square(rho_c - rho_r - 1 / (2 * beta))
+    return jnp.square(h - 1 / (2 * beta))
   if loss == "hinge":
     return jax.nn.relu(1 - u)
   if loss == "exo_pair":  # KL(softmax over the pair || (1 - eps, eps)), EXO eq. 16
