@@ -522,6 +522,41 @@ NO_REF = dict(ref_chosen_log_probs=None, ref_rejected_log_probs=None)
 ONES = jnp.ones((B, TC, D), jnp.float32)
 
 
+def test_orpo_s_nll_over_the_prompt_too_as_trl_s_orpo_trainer():
+  """``nll_mask`` (TRL's ORPOTrainer: the NLL over the chosen sequence's prompt and completion,
+  the odds ratio over the completion): loss, NLL and gradients equal ORPO's formula on the full
+  log_softmax, float64; without it the NLL is the completion's, which differs."""
+  x_c, x_r, w, bias, t_c, t_r, m_c, m_r, *_ = batch()
+  attended = m_c | (jnp.arange(TC) < 1)  # the prompt position and the completion
+  beta = 0.3
+
+  def theirs(x_c, x_r, w, bias):  # ORPOTrainer.odds_ratio_loss and its cross-entropy
+    def lp(x, t):
+      return jnp.take_along_axis(jax.nn.log_softmax(x @ w + bias), t[..., None], -1)[..., 0]
+
+    lp_c, lp_r = lp(x_c, t_c), lp(x_r, t_r)
+    mean_c = jnp.sum(lp_c * m_c, -1) / m_c.sum(-1)
+    mean_r = jnp.sum(lp_r * m_r, -1) / m_r.sum(-1)
+    log_odds = (mean_c - mean_r) - (jnp.log1p(-jnp.exp(mean_c)) - jnp.log1p(-jnp.exp(mean_r)))
+    nll = -jnp.sum(lp_c * attended) / attended.sum()
+    return nll - beta * jnp.mean(jax.nn.log_sigmoid(log_odds)), nll
+
+  def ours(x_c, x_r, w, bias, nll_mask=attended):
+    loss, metrics = jaxact.preference_loss(
+      x_c, x_r, w, t_c, t_r, chosen_mask=m_c, rejected_mask=m_r, nll_mask=nll_mask, bias=bias,
+      loss="orpo", beta=beta, vocab_block_size=BLOCK,
+    )  # fmt: skip
+    return loss, metrics["nll_loss"]
+
+  args = (x_c, x_r, w, bias)
+  (loss, nll), grads = jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True)(*args)
+  (want, want_nll), want_grads = jax.value_and_grad(theirs, (0, 1, 2, 3), has_aux=True)(*args)
+  assert rel_err(loss, want) < 1e-12 and rel_err(nll, want_nll) < 1e-12, (loss, want)
+  for g, r in zip(grads, want_grads, strict=True):
+    assert rel_err(g, r) < 1e-12
+  assert rel_err(ours(*args, nll_mask=None)[1], want_nll) > 1e-3  # the completion's alone
+
+
 @pytest.mark.parametrize(
   "change, error, match",
   [
@@ -596,6 +631,12 @@ ONES = jnp.ones((B, TC, D), jnp.float32)
     (dict(w_layout="dd"), ValueError, r"`w_layout` 'dd' is not known"),
     (dict(implementation="cuda"), ValueError, r"`implementation` 'cuda' is not known"),
     (dict(f_divergence_type="kl"), ValueError, r"`f_divergence_type` is 'kl'; accepted"),
+    (dict(nll_mask=jnp.ones((B, TC), bool)), ValueError, r"`nll_mask` is given, but loss='dpo'"),
+    (
+      dict(loss="orpo", nll_mask=jnp.ones((B, TR), bool), ref_chosen_log_probs=None),
+      ValueError,
+      r"`nll_mask` has shape",
+    ),
     (
       dict(loss="nca_pair", f_divergence_type="js_divergence"),
       ValueError,

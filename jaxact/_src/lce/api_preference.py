@@ -51,6 +51,7 @@ def preference_loss(
   simpo_gamma: float = 0.5,
   discopop_tau: float = 0.05,
   nll_weight: float = 1.0,
+  nll_mask: ArrayLike | None = None,
   rpo_alpha: float | None = None,
   ld_alpha: float | None = None,
   f_divergence_type: str = "reverse_kl",
@@ -169,6 +170,9 @@ def preference_loss(
     discopop_tau: DiscoPOP's :math:`\tau > 0` (``"discopop"`` only).
     nll_weight: the weight :math:`\ge 0` of the chosen completions' negative log-likelihood
       (``"orpo"`` and ``"cpo"`` only; TRL's ``cpo_alpha``).
+    nll_mask: bool, broadcastable to ``chosen_tokens``: the chosen positions the NLL counts
+      (ORPO's, CPO's, ``rpo_alpha``'s); None: ``chosen_mask``'s. TRL's ORPOTrainer counts the
+      prompt too: pass the prompt's and the completion's positions (its attention mask).
     rpo_alpha: the weight :math:`\ge 0` of the chosen completions' negative log-likelihood added
       to any paired loss but ORPO and CPO (TRL's ``rpo_alpha``, Liger's ``alpha`` with
       ``compute_nll_loss``); None adds none.
@@ -274,6 +278,17 @@ def preference_loss(
       raise ValueError(inputs.err(f"`bias` has shape {b.shape}; accepted: ({vocab},) or None"))
     m_c = inputs.mask(chosen_mask, t_c.shape, "chosen_mask", "chosen_tokens")
     m_r = inputs.mask(rejected_mask, t_r.shape, "rejected_mask", "rejected_tokens")
+    m_nll = None
+    if nll_mask is not None:
+      if loss not in losses.NLL and hyper["rpo_alpha"] is None:
+        raise ValueError(
+          inputs.err(
+            f"`nll_mask` is given, but loss={loss!r} without `rpo_alpha` has no NLL term (ORPO's "
+            "and CPO's have one; any other paired loss with `rpo_alpha`)"
+          )
+        )
+      m_nll = inputs.mask(nll_mask, t_c.shape, "nll_mask", "chosen_tokens")
+      checks.check_label_range(_FN, t_c, m_nll, None, vocab, "chosen_tokens", mask="nll_mask")
     checks.check_label_range(_FN, t_c, m_c, None, vocab, "chosen_tokens", mask="chosen_mask")
     checks.check_label_range(_FN, t_r, m_r, None, vocab, "rejected_tokens", mask="rejected_mask")
     acc = np.dtype(acc)
@@ -303,6 +318,9 @@ def preference_loss(
     if math.prod(t_c.shape) + math.prod(t_r.shape) == 0:
       lp_c, lp_r = jnp.zeros(t_c.shape, acc), jnp.zeros(t_r.shape, acc)
     else:
-      lp_c, lp_r = inputs.per_token(x_c, x_r, w, b, t_c, t_r, m_c, m_r, options)
+      # where the NLL counts positions the completion does not (a prompt), their log-probs too;
+      # the sequence sums weigh only the completion's (`weights`)
+      counted_c = m_c if m_nll is None else m_c | m_nll
+      lp_c, lp_r = inputs.per_token(x_c, x_r, w, b, t_c, t_r, counted_c, m_r, options)
     given = kl if loss == "kto" else shift
-    return losses.compute(loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given)
+    return losses.compute(loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given, m_nll)

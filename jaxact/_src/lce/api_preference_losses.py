@@ -213,11 +213,12 @@ def _nll(lp_c: Array, m_c: Array, counted: Array) -> Array:
 
 
 def compute(
-  loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given
+  loss, hyper, lp_c, lp_r, m_c, m_r, weights, ref, given, nll_mask=None
 ) -> tuple[Array, dict[str, Array]]:
   """``(loss, metrics)`` from the per-token log-probs (0 where masked), the masks, the tokens'
-  weights in the sums (:func:`ld_weights`), the reference's sequence sums (or None) and the given
-  detached scalar (KTO's reference point or BCO's reward shift; or None)."""
+  weights in the sums (:func:`ld_weights`), the reference's sequence sums (or None), the given
+  detached scalar (KTO's reference point or BCO's reward shift; or None) and the chosen
+  positions the NLL counts (None: ``m_c``'s)."""
   beta = hyper["beta"]
   sum_c, mean_c, has_c = _sequences(lp_c, m_c, weights[0])
   sum_r, mean_r, has_r = _sequences(lp_r, m_r, weights[1])
@@ -254,7 +255,7 @@ def compute(
   value = _mean(per_pair, counted)
   nll_weight = hyper["nll_weight"] if loss in NLL else hyper["rpo_alpha"]
   if nll_weight is not None:
-    nll = _nll(lp_c, m_c, counted)
+    nll = _nll(lp_c, m_c if nll_mask is None else nll_mask, counted)
     value = value + nll_weight * nll
     metrics["nll_loss"] = nll
   reward_c, reward_r = beta * rho_c, beta * rho_r
