@@ -385,6 +385,15 @@ def _call(**over):
     (dict(score="relu"), ValueError, r"`score` 'relu' is not known"),
     (dict(capacity_factor=0.0), ValueError, r"`capacity_factor` is 0.0; accepted: None"),
     (dict(activation="relux"), ValueError, r"'relux' is not known"),
+    (dict(expert_groups=3), ValueError, r"`expert_groups` is 3; accepted: an int dividing"),
+    (dict(expert_groups=2.0), TypeError, r"`expert_groups` must be an int; got float"),
+    (dict(expert_groups=2, top_k_groups=3), ValueError, r"`top_k_groups` is 3; accepted: None"),
+    (dict(expert_groups=4, top_k_groups=2), ValueError, r"groups of 1 expert; a group is scored"),
+    (
+      dict(top_k=3, expert_groups=2, top_k_groups=1),
+      ValueError,
+      r"`top_k` is 3 but `top_k_groups`=1 groups of 2 experts hold only 2",
+    ),
   ],
   ids=lambda v: None if isinstance(v, dict) else "",
 )

@@ -86,6 +86,42 @@ def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
     )
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _check_groups(fn_name, expert_groups, top_k_groups, top_k, experts_) -> int:
+  """The number of groups a token may draw from (`top_k_groups`, None: all of them)."""
+  for name, v in (("expert_groups", expert_groups), ("top_k_groups", top_k_groups)):
+    if v is not None and not _is_int(v):
+      raise TypeError(f"jaxact.{fn_name}: `{name}` must be an int; got {type(v).__name__}")
+  if not 1 <= expert_groups <= experts_ or experts_ % expert_groups:
+    raise ValueError(
+      f"jaxact.{fn_name}: `expert_groups` is {expert_groups!r}; accepted: an int dividing the "
+      f"number of experts ({experts_})"
+    )
+  if top_k_groups is None:
+    return int(expert_groups)
+  if not 1 <= top_k_groups <= expert_groups:
+    raise ValueError(
+      f"jaxact.{fn_name}: `top_k_groups` is {top_k_groups!r}; accepted: None (every group) or "
+      f"an int from 1 to `expert_groups` ({expert_groups})"
+    )
+  size = experts_ // expert_groups
+  if top_k_groups < expert_groups and size < 2:
+    raise ValueError(
+      f"jaxact.{fn_name}: `expert_groups` is {expert_groups}: groups of {size} expert; a group "
+      "is scored by its two best experts, so limiting groups (`top_k_groups`) needs at least 2"
+    )
+  if top_k > top_k_groups * size:
+    raise ValueError(
+      f"jaxact.{fn_name}: `top_k` is {top_k} but `top_k_groups`={top_k_groups} groups of {size} "
+      f"experts hold only {top_k_groups * size}; accepted: top_k <= top_k_groups * experts / "
+      "expert_groups"
+    )
+  return int(top_k_groups)
+
+
 def _check_mask(fn_name, token_mask, lead) -> Array | None:
   """The (T,) bool mask of `token_mask` (x's leading shape, bool or integer; nonzero: a token)."""
   if token_mask is None:
@@ -126,6 +162,8 @@ def moe_mlp(
   normalize_top_k: bool = True,
   capacity_factor: float | None = None,
   router_bias: ArrayLike | None = None,
+  expert_groups: int = 1,
+  top_k_groups: int | None = None,
   token_mask: ArrayLike | None = None,
   return_stats: bool = False,
   precision: lax.PrecisionLike = None,
@@ -147,7 +185,11 @@ def moe_mlp(
   not normalize) or ``"sigmoid"`` (DeepSeek-V3, top-8 normalized, then multiplied by its
   ``routed_scaling_factor``, which is left to the caller). ``router_bias`` is DeepSeek-V3's
   auxiliary-loss-free balancing bias: added to the scores to pick the experts, not to the weights,
-  and given no gradient. Ties pick the lower expert index, as :func:`jax.lax.top_k` does. The
+  and given no gradient. With ``top_k_groups`` DeepSeek-V3's group-limited routing (its
+  ``n_group``, ``topk_group``): the experts split into ``expert_groups`` groups of consecutive
+  indices, each group scored by the sum of its two highest (bias-corrected) scores, and a token's
+  top-k drawn from its ``top_k_groups`` best groups only. Ties pick the lower expert index (and
+  group), as :func:`jax.lax.top_k` does. The
   router logits, scores and weights are computed in float32 (float64 for float64 inputs); the
   normalized weights as a softmax of the top-k log-scores, exact where the scores underflow.
 
@@ -201,6 +243,9 @@ def moe_mlp(
     normalize_top_k: divide each token's top-k weights by their sum (default True).
     capacity_factor: None (default: dropless) or a positive number (see above).
     router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
+    expert_groups: the experts' groups for ``top_k_groups``, dividing ``experts`` (default 1).
+    top_k_groups: None (default: every group) or the number of best groups a token's experts
+      come from, 1 to ``expert_groups``, holding at least ``top_k`` experts (see above).
     token_mask: None (default: every row a token) or a bool or integer array of ``x``'s leading
       shape, zero where a row is padding (transformers' ``attention_mask``): a padding row goes
       to no expert (its output is zero; it takes no capacity and no grouped-product rows, the
@@ -253,6 +298,7 @@ def moe_mlp(
     _check_shapes(fn_name, x, router, w_gate, w_up, w_down, router_bias)
     n_experts = router.shape[1]
     _check_options(fn_name, top_k, n_experts, score, capacity_factor)
+    top_k_groups = _check_groups(fn_name, expert_groups, top_k_groups, top_k, n_experts)
     if not isinstance(return_stats, bool):
       raise TypeError(
         f"jaxact.{fn_name}: `return_stats` must be a bool; got {type(return_stats).__name__}"
@@ -290,6 +336,8 @@ def moe_mlp(
       score=score,
       normalize_top_k=bool(normalize_top_k),
       capacity=capacity,
+      expert_groups=int(expert_groups),
+      top_k_groups=top_k_groups,
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)

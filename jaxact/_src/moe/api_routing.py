@@ -58,9 +58,9 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   if router_bias is None:
     select = lax.stop_gradient(log_s)
   else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights
-    # The scores themselves, not the log-scores' exp: for softmax those lack the normalizer.
-    scores = jnp.exp(log_s - _log_norm(plan, z))
-    select = lax.stop_gradient(scores) + router_bias.astype(plan.acc_dtype)
+    select = lax.stop_gradient(_scores(plan, z, log_s)) + router_bias.astype(plan.acc_dtype)
+  if plan.top_k_groups < plan.expert_groups:
+    select = _limit_groups(plan, z, log_s, select, router_bias)
   experts = pick(plan, select)
   chosen = jnp.take_along_axis(log_s, experts, axis=-1)
   if plan.normalize_top_k:
@@ -70,6 +70,28 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   else:
     weights = jnp.exp(chosen - _log_norm(plan, z))
   return weights, experts, z, log_s
+
+
+def _scores(plan: MoEPlan, z: Array, log_s: Array) -> Array:
+  """The scores themselves, not the log-scores' exp: for softmax those lack the normalizer."""
+  return jnp.exp(log_s - _log_norm(plan, z))
+
+
+def _limit_groups(plan: MoEPlan, z, log_s, select: Array, router_bias) -> Array:
+  """`select` with the experts outside each token's `plan.top_k_groups` best groups at -inf
+  (DeepSeek-V3's group-limited routing): the experts split into `plan.expert_groups` groups of
+  consecutive indices, a group scored by the sum of its two largest (bias-corrected) scores."""
+  scores = lax.stop_gradient(_scores(plan, z, log_s))
+  if router_bias is not None:
+    scores = scores + router_bias.astype(plan.acc_dtype)
+  groups = scores.reshape(scores.shape[0], plan.expert_groups, -1)
+  group_scores = jnp.sum(lax.top_k(groups, 2)[0], axis=-1)  # (T, G)
+  best = lax.top_k(group_scores, plan.top_k_groups)[1]  # ties: the lower group
+  eligible = jnp.sum(jax.nn.one_hot(best, plan.expert_groups, dtype=jnp.int32), axis=1) > 0
+  eligible = jnp.repeat(eligible, plan.experts // plan.expert_groups, axis=1)  # (T, E)
+  # -inf, as DeepSeek's inference code masks them; transformers fills 0.0, which picks the same
+  # experts unless fewer than top_k eligible ones have a positive bias-corrected score.
+  return jnp.where(eligible, select, -jnp.inf)
 
 
 def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, mask=None):

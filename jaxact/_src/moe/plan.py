@@ -28,4 +28,6 @@ class MoEPlan:
   score: Score = "softmax"
   normalize_top_k: bool = True
   capacity: int | None = None  # per expert; None: dropless
+  expert_groups: int = 1  # the experts split into this many equal groups (DeepSeek-V3's n_group)
+  top_k_groups: int = 1  # the best groups a token may draw its experts from (its topk_group)
   decision: Decision = dataclasses.field(default_factory=Decision)  # the grouped products'
