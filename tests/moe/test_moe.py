@@ -217,6 +217,53 @@ def test_aux_losses_follow_their_formulas():
     np.testing.assert_allclose(aux["router_z_loss"], (lse**2).mean(), rtol=1e-12)
 
 
+def deepseek_v3_balance_loss(x, router, top, mask):
+  """DeepSeek-V3's sequence-wise L_Bal (its report's eq. 17-20), float64, of sequences x[b]:
+  f_i = N_r / (K_r T) sum_t 1(s_it in TopK(s_t, K_r)), with `top` the raw scores' top-k;
+  P_i = 1/T sum_t s'_it, s' the scores normalized per token; sum_i f_i P_i, the mean over the
+  sequences with a token."""
+  losses = []
+  for b in range(x.shape[0]):
+    rows = np.flatnonzero(mask[b])
+    if rows.size == 0:
+      continue
+    s = jax.nn.sigmoid(x[b, rows] @ router)
+    n_r, k_r = s.shape[-1], top.shape[-1]
+    hits = (top[b, rows][..., None] == np.arange(n_r)).sum((0, 1))
+    f = n_r / (k_r * rows.size) * hits
+    p = jnp.mean(s / jnp.sum(s, -1, keepdims=True), 0)
+    losses.append(jnp.sum(f * p))
+  return sum(losses) / len(losses)
+
+
+def test_deepseek_v3_balance_loss_is_the_papers_l_bal():
+  """balance_loss="deepseek_v3": L_Bal per sequence (x's last leading dimension), counting the
+  raw top-k where the experts are chosen with a bias and a group limit; value and router
+  gradient. The default is top_k times it for one sequence and a plain choice."""
+  x, router, *ws = operands(lead=(3, 4))
+  mask = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]], bool)  # the last one all padding
+  bias = jnp.array([0.5, 0.0, -0.4, 0.2])  # changes the choice
+  kw = dict(top_k=2, score="sigmoid", router_bias=bias, expert_groups=2, top_k_groups=1)
+
+  def ours(router):
+    aux = jaxact.moe_mlp(x, router, *ws, **kw, balance_loss="deepseek_v3", token_mask=mask)[1]
+    return aux["load_balancing_loss"]
+
+  s = np.asarray(jax.nn.sigmoid(x @ router))
+  top = np.argsort(-s, -1, kind="stable")[..., :2]
+  want = deepseek_v3_balance_loss(x, router, top, mask)
+  np.testing.assert_allclose(ours(router), want, rtol=1e-12)
+  want_grad = jax.grad(deepseek_v3_balance_loss, 1)(x, router, top, mask)
+  np.testing.assert_allclose(jax.grad(ours)(router), want_grad, rtol=1e-10, atol=1e-14)
+  stats = jaxact.moe_mlp(x, router, *ws, **kw, token_mask=mask, return_stats=True)[1]
+  raw_counts = (top[mask][..., None] == np.arange(E)).sum((0, 1))
+  assert not np.array_equal(stats["expert_counts"], raw_counts)  # the choice is not the raw top-k
+
+  _, aux = jaxact.moe_mlp(x[0], router, *ws, top_k=2, score="sigmoid")
+  want = deepseek_v3_balance_loss(x[:1], router, top[:1], np.ones((1, 4), bool))
+  np.testing.assert_allclose(aux["load_balancing_loss"], 2 * want, rtol=1e-12)
+
+
 def test_sigmoid_scores_that_underflow_weigh_as_their_ratio_without_nan():
   """Logits of -6000 and less: every sigmoid score is 0 in float32, their ratio is not (the
   normalized weights are a softmax of the log-scores): expert 0 weighs 1, expert 1 exp(-600)."""
@@ -385,6 +432,7 @@ def _call(**over):
     (dict(score="relu"), ValueError, r"`score` 'relu' is not known"),
     (dict(capacity_factor=0.0), ValueError, r"`capacity_factor` is 0.0; accepted: None"),
     (dict(activation="relux"), ValueError, r"'relux' is not known"),
+    (dict(balance_loss="deepseek"), ValueError, r"`balance_loss` 'deepseek' is not known"),
     (dict(expert_groups=3), ValueError, r"`expert_groups` is 3; accepted: an int dividing"),
     (dict(expert_groups=2.0), TypeError, r"`expert_groups` must be an int; got float"),
     (dict(expert_groups=2, top_k_groups=3), ValueError, r"`top_k_groups` is 3; accepted: None"),

@@ -27,6 +27,7 @@ from jaxact._src.moe.plan import MoEPlan
 from jaxact._src.moe.vjp import experts
 
 SCORES = ("softmax", "sigmoid")
+BALANCE_LOSSES = ("switch", "deepseek_v3")
 
 
 def _shapes(x, router, w_gate, w_up, w_down, router_bias) -> str:
@@ -164,6 +165,7 @@ def moe_mlp(
   router_bias: ArrayLike | None = None,
   expert_groups: int = 1,
   top_k_groups: int | None = None,
+  balance_loss: str = "switch",
   token_mask: ArrayLike | None = None,
   return_stats: bool = False,
   precision: lax.PrecisionLike = None,
@@ -229,7 +231,13 @@ def moe_mlp(
   where :math:`f_e` is the fraction of tokens routed to expert :math:`e` (before any capacity
   drop; the :math:`f_e` sum to ``top_k``, so a uniform router gives ``top_k``), :math:`P_e` the
   mean over tokens of the softmax of the logits :math:`z = x R` (for sigmoid scores, the scores
-  normalized per token, as DeepSeek-V3's balance loss) and :math:`T` the number of tokens.
+  normalized per token, as DeepSeek-V3's balance loss) and :math:`T` the number of tokens. Its
+  :math:`f_e` count the chosen experts (``router_bias`` and the group limit included), and it is
+  ``top_k`` times DeepSeek-V3's :math:`L_\mathrm{Bal}`: weigh it :math:`\alpha / k` to copy that
+  paper's :math:`\alpha`. ``balance_loss="deepseek_v3"`` gives :math:`L_\mathrm{Bal}` itself
+  (its report's eq. 17-20, unweighted): per sequence (``x``'s last leading dimension, the others
+  indexing sequences), :math:`\sum_e f_e P_e` with :math:`f_e = E / (k T)` times the tokens whose
+  top-k scores (without bias or group limit) hold :math:`e`, the mean over the sequences.
 
   Args:
     x: input of shape ``(..., features)``, floating point; the leading dimensions are tokens.
@@ -246,6 +254,8 @@ def moe_mlp(
     expert_groups: the experts' groups for ``top_k_groups``, dividing ``experts`` (default 1).
     top_k_groups: None (default: every group) or the number of best groups a token's experts
       come from, 1 to ``expert_groups``, holding at least ``top_k`` experts (see above).
+    balance_loss: ``"switch"`` (default) or ``"deepseek_v3"``, the ``load_balancing_loss``
+      returned (see below); the statistics of ``return_stats`` are the same for both.
     token_mask: None (default: every row a token) or a bool or integer array of ``x``'s leading
       shape, zero where a row is padding (transformers' ``attention_mask``): a padding row goes
       to no expert (its output is zero; it takes no capacity and no grouped-product rows, the
@@ -299,6 +309,11 @@ def moe_mlp(
     n_experts = router.shape[1]
     _check_options(fn_name, top_k, n_experts, score, capacity_factor)
     top_k_groups = _check_groups(fn_name, expert_groups, top_k_groups, top_k, n_experts)
+    if balance_loss not in BALANCE_LOSSES:
+      raise ValueError(
+        f"jaxact.{fn_name}: `balance_loss` {balance_loss!r} is not known; choose one of: "
+        f"{BALANCE_LOSSES}"
+      )
     if not isinstance(return_stats, bool):
       raise TypeError(
         f"jaxact.{fn_name}: `return_stats` must be a bool; got {type(return_stats).__name__}"
@@ -338,6 +353,8 @@ def moe_mlp(
       capacity=capacity,
       expert_groups=int(expert_groups),
       top_k_groups=top_k_groups,
+      balance_loss=balance_loss,
+      sequences=math.prod(lead[:-1]),
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
@@ -370,7 +387,7 @@ def moe_mlp(
       y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
       counts = api_routing.counts_of(plan, chosen)
     stats = api_routing.statistics(plan, counts, log_s, mask)
-    aux = api_routing.aux_losses(plan, stats, z, mask)
+    aux = api_routing.aux_losses(plan, stats, z, log_s, mask)
     if return_stats:
       aux |= stats
     return _unflatten(y, x, lead, w_down.shape[2]), aux

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jaxact._src.activations.api import log_sigmoid, softmax
+from jaxact._src.core import shardings
 from jaxact._src.moe.plan import MoEPlan
 
 
@@ -157,12 +158,47 @@ def balance_loss(stats: dict[str, Array]) -> Array:
   return fraction.size * jnp.sum(fraction * (stats["router_prob_sums"] / tokens))
 
 
-def aux_losses(plan: MoEPlan, stats: dict[str, Array], z: Array, mask=None) -> dict[str, Array]:
-  """The load-balancing loss (Switch / Mixtral) and the router z-loss (ST-MoE), unweighted, over
-  the unmasked tokens."""
+def sequence_balance_loss(plan: MoEPlan, log_s: Array, mask=None) -> Array:
+  """DeepSeek-V3's sequence-wise balance loss L_Bal (its eq. 17-20, without alpha), the mean over
+  the sequences that hold a token: sum_i f_i P_i with f_i = E / (k T) times the tokens whose
+  top-k scores (no bias, no group limit) hold i and P_i the mean normalized score, over the T
+  (unmasked) tokens of the sequence."""
+  raw = lax.top_k(lax.stop_gradient(log_s), plan.top_k)[1]
+  hits = jnp.sum(jax.nn.one_hot(raw, plan.experts, dtype=plan.acc_dtype), axis=1)  # (T, E)
+  p = softmax(log_s, axis=-1)  # the scores normalized per token
+  if mask is not None:
+    hits, p = jnp.where(mask[:, None], hits, 0), jnp.where(mask[:, None], p, 0)
+  real = jnp.ones((plan.tokens, 1), plan.acc_dtype) if mask is None else mask[:, None]
+  hits, p, tokens = (_per_sequence(plan, v.astype(plan.acc_dtype)) for v in (hits, p, real))
+  n = jnp.maximum(tokens, 1)
+  per_sequence = jnp.sum(plan.experts / (plan.top_k * n) * hits * (p / n), axis=-1)
+  return jnp.sum(per_sequence) / jnp.maximum(jnp.sum(tokens > 0), 1)
+
+
+def _per_sequence(plan: MoEPlan, v: Array) -> Array:
+  """(S, C): the sums of the (T, C) `v` over each sequence's consecutive tokens."""
+  if shardings.spec(v) is None:
+    return jnp.sum(v.reshape(plan.sequences, -1, v.shape[-1]), axis=1)
+  # Tokens split over devices: a one-hot product, reduced where the tokens are (a reshape to
+  # (S, T / S) would split the sharded axis where the devices do not divide S).
+  seq = jnp.arange(plan.tokens, dtype=jnp.int32) // (plan.tokens // plan.sequences)
+  one_hot = jax.nn.one_hot(seq, plan.sequences, dtype=v.dtype)
+  one_hot = shardings.to_spec(one_hot, (shardings.spec(v)[0], ()))
+  return jnp.einsum("ts,tc->sc", one_hot, v, out_sharding=shardings.pspec(((), ())))
+
+
+def aux_losses(
+  plan: MoEPlan, stats: dict[str, Array], z: Array, log_s: Array, mask=None
+) -> dict[str, Array]:
+  """The load-balancing loss (Switch / Mixtral, or DeepSeek-V3's sequence-wise one) and the
+  router z-loss (ST-MoE), unweighted, over the unmasked tokens."""
   lse2 = jax.nn.logsumexp(z, axis=-1) ** 2
   if mask is None:
     z_loss = jnp.mean(lse2)
   else:
     z_loss = jnp.sum(jnp.where(mask, lse2, 0)) / jnp.maximum(stats["tokens"], 1)
-  return {"load_balancing_loss": balance_loss(stats), "router_z_loss": z_loss}
+  if plan.balance_loss == "deepseek_v3":
+    balance = sequence_balance_loss(plan, log_s, mask)
+  else:
+    balance = balance_loss(stats)
+  return {"load_balancing_loss": balance, "router_z_loss": z_loss}

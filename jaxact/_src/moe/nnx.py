@@ -68,6 +68,8 @@ class MoEMLP(nnx.Module):
     expert_groups: as :func:`jaxact.moe_mlp` (default 1; DeepSeek-V3's ``n_group``).
     top_k_groups: as :func:`jaxact.moe_mlp` (default None: every group; DeepSeek-V3's
       ``topk_group``).
+    balance_loss: as :func:`jaxact.moe_mlp` (default ``"switch"``; ``"deepseek_v3"``: that
+      report's sequence-wise L_Bal, over ``inputs``' last leading dimension).
     use_router_bias: hold a :class:`RouterBias` ``router_bias`` (default False; see above).
     return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
       for a model to pool over its layers (default False).
@@ -93,6 +95,7 @@ class MoEMLP(nnx.Module):
     capacity_factor: float | None = None,
     expert_groups: int = 1,
     top_k_groups: int | None = None,
+    balance_loss: str = "switch",
     use_router_bias: bool = False,
     return_stats: bool = False,
     dtype: Dtype | None = None,
@@ -133,6 +136,7 @@ class MoEMLP(nnx.Module):
     self.capacity_factor = capacity_factor
     self.expert_groups = expert_groups
     self.top_k_groups = top_k_groups
+    self.balance_loss = balance_loss
     self.return_stats = return_stats
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -160,6 +164,7 @@ class MoEMLP(nnx.Module):
       router_bias=bias,
       expert_groups=self.expert_groups,
       top_k_groups=self.top_k_groups,
+      balance_loss=self.balance_loss,
       token_mask=token_mask,
       return_stats=self.return_stats,
       precision=self.precision,

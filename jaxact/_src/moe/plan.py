@@ -30,4 +30,6 @@ class MoEPlan:
   capacity: int | None = None  # per expert; None: dropless
   expert_groups: int = 1  # the experts split into this many equal groups (DeepSeek-V3's n_group)
   top_k_groups: int = 1  # the best groups a token may draw its experts from (its topk_group)
+  balance_loss: str = "switch"  # or "deepseek_v3": the sequence-wise L_Bal
+  sequences: int = 1  # the sequences in the tokens: x's leading dimensions but the last
   decision: Decision = dataclasses.field(default_factory=Decision)  # the grouped products'
