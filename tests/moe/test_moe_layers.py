@@ -150,11 +150,12 @@ def test_layers_pass_token_mask_and_return_stats_to_the_op():
   assert float(aux_nnx["tokens"]) == 8 and aux_nnx["expert_counts"].shape == (E,)
 
 
-def test_layers_pass_the_group_limit_and_balance_loss_to_the_op():
-  """DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``) and sequence-wise balance
-  loss as layer attributes."""
+def test_layers_pass_the_group_limit_balance_loss_and_capacity_to_the_op():
+  """DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``), its sequence-wise balance
+  loss and the capacity per sequence as layer attributes."""
   x = _inputs()
   kw = dict(score="sigmoid", expert_groups=2, top_k_groups=1, balance_loss="deepseek_v3")
+  kw |= dict(capacity_factor=0.5, capacity_per_sequence=True)
   layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, **kw)
   params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
   y, aux = jax.jit(layer.apply)({"params": params}, x)

@@ -49,7 +49,12 @@ COLLECTIVE = re.compile(
   r"(?:-start)?\("
 )
 
-ERRORS = ("error_up_split_otherwise", "error_tokens_do_not_split", "error_vmap_expert_parallel")
+ERRORS = (
+  "error_up_split_otherwise",
+  "error_tokens_do_not_split",
+  "error_vmap_expert_parallel",
+  "error_capacity_per_sequence",
+)
 
 
 def _operands():
@@ -129,6 +134,10 @@ def error_case(name: str) -> None:
   if name == "error_up_split_otherwise":
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
     specs = (P("expert"), P(), P("expert"), P(), P("expert"))
+  elif name == "error_capacity_per_sequence":  # its drop is ranked over the whole batch
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
+    specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"))
+    call = functools.partial(call, capacity_factor=1.0, capacity_per_sequence=True)
   elif name == "error_vmap_expert_parallel":  # a batch axis mapped over an expert-parallel call
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
     specs = (P(None, "expert"), P(), P("expert"), P("expert"), P("expert"))
@@ -213,6 +222,8 @@ def test_layouts_it_cannot_run_are_refused_by_name(results):
   r = eight_devices.get(results, "error_tokens_do_not_split", SCRIPT)
   assert "`x` has 15 tokens, which do not split over the 4 devices" in r["error_text"]
   # vmap raised ragged_dot's "vmap over any dim but 0 - NYI" from inside the experts' shard_map.
+  r = eight_devices.get(results, "error_capacity_per_sequence", SCRIPT)
+  assert "`capacity_per_sequence` with the experts split over mesh axes" in r["error_text"], r
   r = eight_devices.get(results, "error_vmap_expert_parallel", SCRIPT)
   assert r["error_text"].startswith("NotImplementedError: jaxact.moe_mlp: jax.vmap of an "), r
 

@@ -162,6 +162,7 @@ def moe_mlp(
   score: str = "softmax",
   normalize_top_k: bool = True,
   capacity_factor: float | None = None,
+  capacity_per_sequence: bool = False,
   router_bias: ArrayLike | None = None,
   expert_groups: int = 1,
   top_k_groups: int | None = None,
@@ -207,7 +208,10 @@ def moe_mlp(
   Dropless by default: every expert computes every token routed to it. With ``capacity_factor``
   each expert computes at most ``ceil(capacity_factor * tokens * top_k / experts)`` tokens; the
   tokens beyond that, the later ones in token order, skip it (their weight times zero), as in
-  Switch Transformer.
+  Switch Transformer. With ``capacity_per_sequence`` the capacity is each sequence's (``x``'s
+  second-to-last axis; the axes before it index the sequences), ``ceil(capacity_factor *
+  sequence length * top_k / experts)``, and each sequence's tokens queue for it alone, as
+  Switch Transformer counts it per group (not with expert parallelism).
 
   Expert parallel under Explicit mesh axes: with the experts' dimension of ``w_gate``, ``w_up``
   and ``w_down`` split over mesh axes, each device routes its tokens and sends each routed token
@@ -250,6 +254,8 @@ def moe_mlp(
     score: ``"softmax"`` (default) or ``"sigmoid"``.
     normalize_top_k: divide each token's top-k weights by their sum (default True).
     capacity_factor: None (default: dropless) or a positive number (see above).
+    capacity_per_sequence: count the capacity per sequence rather than over every token
+      (default False; see above).
     router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
     expert_groups: the experts' groups for ``top_k_groups``, dividing ``experts`` (default 1).
     top_k_groups: None (default: every group) or the number of best groups a token's experts
@@ -322,9 +328,16 @@ def moe_mlp(
     mask = _check_mask(fn_name, token_mask, lead)
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     tokens = x2.shape[0]
+    if not isinstance(capacity_per_sequence, bool):
+      raise TypeError(
+        f"jaxact.{fn_name}: `capacity_per_sequence` must be a bool; got "
+        f"{type(capacity_per_sequence).__name__}"
+      )
+    sequences = math.prod(lead[:-1])
     capacity = None
     if capacity_factor is not None:
-      capacity = math.ceil(capacity_factor * tokens * top_k / n_experts)
+      queue = tokens // sequences if capacity_per_sequence and sequences else tokens
+      capacity = math.ceil(capacity_factor * queue * top_k / n_experts)
     a_shape = jax.ShapeDtypeStruct((tokens * top_k, w_gate.shape[2]), acc)
     act, dynamic = resolve_activation(fn_name, activation, a_shape, out)
     if act.rule is not None and act.rule.code is not None:
@@ -351,10 +364,11 @@ def moe_mlp(
       score=score,
       normalize_top_k=bool(normalize_top_k),
       capacity=capacity,
+      capacity_per_sequence=capacity_per_sequence,
       expert_groups=int(expert_groups),
       top_k_groups=top_k_groups,
       balance_loss=balance_loss,
-      sequences=math.prod(lead[:-1]),
+      sequences=sequences,
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
@@ -375,6 +389,11 @@ def moe_mlp(
       )
       counts = routing.counts
     else:  # expert parallel: each device sorts and sends its own tokens
+      if capacity_per_sequence and capacity is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: `capacity_per_sequence` with the experts split over mesh axes "
+          "(expert parallel) is not supported; its capacity is counted over the whole batch"
+        )
       if mask is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: `token_mask` with the experts split over mesh axes (expert "

@@ -73,6 +73,23 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   return weights, experts, z, log_s
 
 
+def _drop_per_sequence(plan: MoEPlan, flat: Array) -> tuple[Array, Array]:
+  """``(order, group_sizes)`` of the (T*k,) experts `flat` (E: masked) when each sequence's
+  assignments queue for their own `plan.capacity` of each expert, the later ones in token order
+  dropped: the assignments ranked within each (sequence, expert) segment."""
+  n_seg = plan.sequences * plan.experts
+  sequence = jnp.arange(flat.size, dtype=jnp.int32) // (flat.size // plan.sequences)
+  segment = jnp.where(flat < plan.experts, sequence * plan.experts + flat, n_seg)
+  by_segment = jnp.argsort(segment, stable=True)
+  sizes = jnp.bincount(segment, length=n_seg + 1)
+  ranked = segment[by_segment]
+  position = jnp.arange(flat.size, dtype=jnp.int32) - jnp.take(jnp.cumsum(sizes) - sizes, ranked)
+  kept = jnp.zeros(flat.shape, bool).at[by_segment].set(position < plan.capacity)
+  key = jnp.where(kept & (flat < plan.experts), flat, plan.experts)  # dropped: after every group
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  return order, jnp.bincount(key, length=plan.experts + 1)[: plan.experts].astype(jnp.int32)
+
+
 def _scores(plan: MoEPlan, z: Array, log_s: Array) -> Array:
   """The scores themselves, not the log-scores' exp: for softmax those lack the normalizer."""
   return jnp.exp(log_s - _log_norm(plan, z))
@@ -106,7 +123,9 @@ def route(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, mas
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   counts = jnp.bincount(flat, length=plan.experts + 1)[: plan.experts].astype(jnp.int32)
   group_sizes = counts
-  if plan.capacity is not None:
+  if plan.capacity is not None and plan.capacity_per_sequence:
+    order, group_sizes = _drop_per_sequence(plan, flat)
+  elif plan.capacity is not None:
     ranked = flat[order]
     starts = jnp.cumsum(counts) - counts
     position = jnp.arange(flat.size, dtype=jnp.int32) - jnp.take(starts, ranked, mode="clip")

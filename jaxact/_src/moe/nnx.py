@@ -65,6 +65,7 @@ class MoEMLP(nnx.Module):
     score: ``"softmax"`` (default) or ``"sigmoid"``, as :func:`jaxact.moe_mlp`.
     normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
+    capacity_per_sequence: as :func:`jaxact.moe_mlp` (default False: over every token).
     expert_groups: as :func:`jaxact.moe_mlp` (default 1; DeepSeek-V3's ``n_group``).
     top_k_groups: as :func:`jaxact.moe_mlp` (default None: every group; DeepSeek-V3's
       ``topk_group``).
@@ -93,6 +94,7 @@ class MoEMLP(nnx.Module):
     score: str = "softmax",
     normalize_top_k: bool = True,
     capacity_factor: float | None = None,
+    capacity_per_sequence: bool = False,
     expert_groups: int = 1,
     top_k_groups: int | None = None,
     balance_loss: str = "switch",
@@ -134,6 +136,7 @@ class MoEMLP(nnx.Module):
     self.score = score
     self.normalize_top_k = normalize_top_k
     self.capacity_factor = capacity_factor
+    self.capacity_per_sequence = capacity_per_sequence
     self.expert_groups = expert_groups
     self.top_k_groups = top_k_groups
     self.balance_loss = balance_loss
@@ -161,6 +164,7 @@ class MoEMLP(nnx.Module):
       score=self.score,
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
+      capacity_per_sequence=self.capacity_per_sequence,
       router_bias=bias,
       expert_groups=self.expert_groups,
       top_k_groups=self.top_k_groups,
