@@ -373,6 +373,7 @@ def moe_mlp(
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
     plan = dataclasses.replace(plan, decision=decision)
+    pick = api_routing.top_k
     if pat is None:
       routing, z, log_s = api_routing.route(plan, x2, router, router_bias, mask)
       y = experts(
@@ -406,7 +407,7 @@ def moe_mlp(
       y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
       counts = api_routing.counts_of(plan, chosen)
     stats = api_routing.statistics(plan, counts, log_s, mask)
-    aux = api_routing.aux_losses(plan, stats, z, log_s, mask)
+    aux = api_routing.aux_losses(plan, stats, z, log_s, mask, pick)
     if return_stats:
       aux |= stats
     return _unflatten(y, x, lead, w_down.shape[2]), aux

@@ -9,6 +9,7 @@ indices, the sort and the group sizes are integers. Everything here is of (token
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -45,7 +46,10 @@ def log_scores(plan: MoEPlan, z: Array) -> Array:
 
 
 def top_k(plan: MoEPlan, select: Array) -> Array:
-  """(T, k) int32: the indices of each row's `plan.top_k` largest, the lower index first on ties."""
+  """(T, k) int32: the indices of each row's `plan.top_k` largest, the lower index first on ties;
+  within its `plan.top_k_groups` best groups where those are fewer than the groups."""
+  if plan.top_k_groups < plan.expert_groups:
+    select = _limit_groups(plan, select)
   return lax.top_k(select, plan.top_k)[1].astype(jnp.int32)
 
 
@@ -56,12 +60,13 @@ def choose(plan: MoEPlan, x: Array, router: Array, router_bias: Array | None, pi
   expert-parallel path sorts on each device)."""
   z = logits(plan, x, router)
   log_s = log_scores(plan, z)
-  if router_bias is None:
+  if router_bias is None and plan.top_k_groups == plan.expert_groups:
     select = lax.stop_gradient(log_s)
-  else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights
-    select = lax.stop_gradient(_scores(plan, z, log_s)) + router_bias.astype(plan.acc_dtype)
-  if plan.top_k_groups < plan.expert_groups:
-    select = _limit_groups(plan, z, log_s, select, router_bias)
+  else:  # DeepSeek-V3: the bias is added to the scores to pick the experts, not to their weights;
+    # the groups are scored by the (bias-corrected) scores themselves.
+    select = lax.stop_gradient(_scores(plan, z, log_s))
+    if router_bias is not None:
+      select = select + router_bias.astype(plan.acc_dtype)
   experts = pick(plan, select)
   chosen = jnp.take_along_axis(log_s, experts, axis=-1)
   if plan.normalize_top_k:
@@ -95,14 +100,12 @@ def _scores(plan: MoEPlan, z: Array, log_s: Array) -> Array:
   return jnp.exp(log_s - _log_norm(plan, z))
 
 
-def _limit_groups(plan: MoEPlan, z, log_s, select: Array, router_bias) -> Array:
-  """`select` with the experts outside each token's `plan.top_k_groups` best groups at -inf
-  (DeepSeek-V3's group-limited routing): the experts split into `plan.expert_groups` groups of
-  consecutive indices, a group scored by the sum of its two largest (bias-corrected) scores."""
-  scores = lax.stop_gradient(_scores(plan, z, log_s))
-  if router_bias is not None:
-    scores = scores + router_bias.astype(plan.acc_dtype)
-  groups = scores.reshape(scores.shape[0], plan.expert_groups, -1)
+def _limit_groups(plan: MoEPlan, select: Array) -> Array:
+  """The (bias-corrected) scores `select` with the experts outside each token's
+  `plan.top_k_groups` best groups at -inf (DeepSeek-V3's group-limited routing): the experts split
+  into `plan.expert_groups` groups of consecutive indices, a group scored by the sum of its two
+  largest."""
+  groups = select.reshape(select.shape[0], plan.expert_groups, -1)
   group_scores = jnp.sum(lax.top_k(groups, 2)[0], axis=-1)  # (T, G)
   best = lax.top_k(group_scores, plan.top_k_groups)[1]  # ties: the lower group
   eligible = jnp.sum(jax.nn.one_hot(best, plan.expert_groups, dtype=jnp.int32), axis=1) > 0
@@ -177,12 +180,13 @@ def balance_loss(stats: dict[str, Array]) -> Array:
   return fraction.size * jnp.sum(fraction * (stats["router_prob_sums"] / tokens))
 
 
-def sequence_balance_loss(plan: MoEPlan, log_s: Array, mask=None) -> Array:
+def sequence_balance_loss(plan: MoEPlan, log_s: Array, mask=None, pick=top_k) -> Array:
   """DeepSeek-V3's sequence-wise balance loss L_Bal (its eq. 17-20, without alpha), the mean over
   the sequences that hold a token: sum_i f_i P_i with f_i = E / (k T) times the tokens whose
   top-k scores (no bias, no group limit) hold i and P_i the mean normalized score, over the T
-  (unmasked) tokens of the sequence."""
-  raw = lax.top_k(lax.stop_gradient(log_s), plan.top_k)[1]
+  (unmasked) tokens of the sequence. `pick` as :func:`choose` takes it."""
+  plain = dataclasses.replace(plan, top_k_groups=plan.expert_groups)  # no group limit
+  raw = pick(plain, lax.stop_gradient(log_s))
   hits = jnp.sum(jax.nn.one_hot(raw, plan.experts, dtype=plan.acc_dtype), axis=1)  # (T, E)
   p = softmax(log_s, axis=-1)  # the scores normalized per token
   if mask is not None:
@@ -207,7 +211,7 @@ def _per_sequence(plan: MoEPlan, v: Array) -> Array:
 
 
 def aux_losses(
-  plan: MoEPlan, stats: dict[str, Array], z: Array, log_s: Array, mask=None
+  plan: MoEPlan, stats: dict[str, Array], z: Array, log_s: Array, mask=None, pick=top_k
 ) -> dict[str, Array]:
   """The load-balancing loss (Switch / Mixtral, or DeepSeek-V3's sequence-wise one) and the
   router z-loss (ST-MoE), unweighted, over the unmasked tokens."""
@@ -217,7 +221,7 @@ def aux_losses(
   else:
     z_loss = jnp.sum(jnp.where(mask, lse2, 0)) / jnp.maximum(stats["tokens"], 1)
   if plan.balance_loss == "deepseek_v3":
-    balance = sequence_balance_loss(plan, log_s, mask)
+    balance = sequence_balance_loss(plan, log_s, mask, pick)
   else:
     balance = balance_loss(stats)
   return {"load_balancing_loss": balance, "router_z_loss": z_loss}
