@@ -151,7 +151,9 @@ def test_group_limited_routing_equals_deepseek_v3_router():
   2 best groups, top-4; ``expert_groups``, ``top_k_groups`` against transformers' rule."""
   prefix, kw = "model.layers.3.mlp.", dict(top_k=4, score="sigmoid")
   sd = state_dict("fused", prefix, bias=True, E=16)
-  sd[prefix + "gate.e_score_correction_bias"] *= 0.1  # every chosen score stays above 0
+  # Every score above 0, where transformers' 0.0 fill of the other groups and the op's exclusion
+  # of them agree (a test below takes the other case).
+  sd[prefix + "gate.e_score_correction_bias"] = np.abs(sd[prefix + "gate.e_score_correction_bias"])
   x = np.random.default_rng(1).normal(size=(64, H))
   groups = dict(n_group=4, topk_group=2)
   want = transformers_block(x, sd, prefix, **kw, normalize=True, scaling=2.5, **groups)
@@ -163,6 +165,25 @@ def test_group_limited_routing_equals_deepseek_v3_router():
   assert np.sum(np.abs(plain - want).max(-1) > 1e-6) >= 10
   y_all, _ = jaxact.moe_mlp(jnp.asarray(x), **params, **kw, expert_groups=4)  # every group
   np.testing.assert_allclose(2.5 * np.asarray(y_all), plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(
+  "experts, groups, top_groups, top_k", [(8, 2, 1, 2), (16, 8, 4, 8), (12, 3, 2, 5), (16, 4, 4, 4)]
+)
+def test_group_limited_routing_survey(experts, groups, top_groups, top_k):
+  prefix, kw = "mlp.", dict(top_k=top_k, score="sigmoid")
+  sd = state_dict(QWEN, prefix, bias=True, seed=experts + top_k, E=experts)
+  # Every score above 0: transformers' 0.0 fill of the other groups picks none of them.
+  sd[prefix + "gate.e_score_correction_bias"] = np.abs(sd[prefix + "gate.e_score_correction_bias"])
+  x = np.random.default_rng(2).normal(size=(48, H))
+  limit = dict(n_group=groups, topk_group=top_groups)
+  want = transformers_block(x, sd, prefix, **kw, normalize=True, **limit)
+  params = jaxact.moe_params_from_transformers(sd, prefix=prefix)
+  y, _ = jaxact.moe_mlp(
+    jnp.asarray(x), **params, **kw, expert_groups=groups, top_k_groups=top_groups
+  )
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
 
 
 def test_group_limit_excludes_the_other_groups_below_zero():
