@@ -44,6 +44,12 @@ CASES = {
     (P("expert"), P(), P("expert"), P("expert"), P("expert")),
     {"router_bias": True},
   ),
+  "ep_deepseek_v3": (  # the group limit and the sequence-wise balance loss, B sequences of S
+    (2, 4),
+    ("data", "expert"),
+    (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert")),
+    {"score": "sigmoid", "expert_groups": 4, "top_k_groups": 2, "balance_loss": "deepseek_v3"},
+  ),
   "ep_data_capacity": (
     (2, 4),
     ("data", "expert"),

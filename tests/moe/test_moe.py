@@ -217,6 +217,53 @@ def test_aux_losses_follow_their_formulas():
     np.testing.assert_allclose(aux["router_z_loss"], (lse**2).mean(), rtol=1e-12)
 
 
+def deepseek_v3_balance_loss(x, router, top, mask):
+  """DeepSeek-V3's sequence-wise L_Bal (its report's eq. 17-20), float64, of sequences x[b]:
+  f_i = N_r / (K_r T) sum_t 1(s_it in TopK(s_t, K_r)), with `top` the raw scores' top-k;
+  P_i = 1/T sum_t s'_it, s' the scores normalized per token; sum_i f_i P_i, the mean over the
+  sequences with a token."""
+  losses = []
+  for b in range(x.shape[0]):
+    rows = np.flatnonzero(mask[b])
+    if rows.size == 0:
+      continue
+    s = jax.nn.sigmoid(x[b, rows] @ router)
+    n_r, k_r = s.shape[-1], top.shape[-1]
+    hits = (top[b, rows][..., None] == np.arange(n_r)).sum((0, 1))
+    f = n_r / (k_r * rows.size) * hits
+    p = jnp.mean(s / jnp.sum(s, -1, keepdims=True), 0)
+    losses.append(jnp.sum(f * p))
+  return sum(losses) / len(losses)
+
+
+def test_deepseek_v3_balance_loss_is_the_papers_l_bal():
+  """balance_loss="deepseek_v3": L_Bal per sequence (x's last leading dimension), counting the
+  raw top-k where the experts are chosen with a bias and a group limit; value and router
+  gradient. The default is top_k times it for one sequence and a plain choice."""
+  x, router, *ws = operands(lead=(3, 4))
+  mask = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]], bool)  # the last one all padding
+  bias = jnp.array([0.5, 0.0, -0.4, 0.2])  # changes the choice
+  kw = dict(top_k=2, score="sigmoid", router_bias=bias, expert_groups=2, top_k_groups=1)
+
+  def ours(router):
+    aux = jaxact.moe_mlp(x, router, *ws, **kw, balance_loss="deepseek_v3", token_mask=mask)[1]
+    return aux["load_balancing_loss"]
+
+  s = np.asarray(jax.nn.sigmoid(x @ router))
+  top = np.argsort(-s, -1, kind="stable")[..., :2]
+  want = deepseek_v3_balance_loss(x, router, top, mask)
+  np.testing.assert_allclose(ours(router), want, rtol=1e-12)
+  want_grad = jax.grad(deepseek_v3_balance_loss, 1)(x, router, top, mask)
+  np.testing.assert_allclose(jax.grad(ours)(router), want_grad, rtol=1e-10, atol=1e-14)
+  stats = jaxact.moe_mlp(x, router, *ws, **kw, token_mask=mask, return_stats=True)[1]
+  raw_counts = (top[mask][..., None] == np.arange(E)).sum((0, 1))
+  assert not np.array_equal(stats["expert_counts"], raw_counts)  # the choice is not the raw top-k
+
+  _, aux = jaxact.moe_mlp(x[0], router, *ws, top_k=2, score="sigmoid")
+  want = deepseek_v3_balance_loss(x[:1], router, top[:1], np.ones((1, 4), bool))
+  np.testing.assert_allclose(aux["load_balancing_loss"], 2 * want, rtol=1e-12)
+
+
 def test_sigmoid_scores_that_underflow_weigh_as_their_ratio_without_nan():
   """Logits of -6000 and less: every sigmoid score is 0 in float32, their ratio is not (the
   normalized weights are a softmax of the log-scores): expert 0 weighs 1, expert 1 exp(-600)."""
@@ -385,12 +432,74 @@ def _call(**over):
     (dict(score="relu"), ValueError, r"`score` 'relu' is not known"),
     (dict(capacity_factor=0.0), ValueError, r"`capacity_factor` is 0.0; accepted: None"),
     (dict(activation="relux"), ValueError, r"'relux' is not known"),
+    (dict(capacity_per_sequence=1), TypeError, r"`capacity_per_sequence` must be a bool"),
+    (dict(balance_loss="deepseek"), ValueError, r"`balance_loss` 'deepseek' is not known"),
+    (dict(expert_groups=3), ValueError, r"`expert_groups` is 3; accepted: an int dividing"),
+    (dict(expert_groups=2.0), TypeError, r"`expert_groups` must be an int; got float"),
+    (dict(expert_groups=2, top_k_groups=3), ValueError, r"`top_k_groups` is 3; accepted: None"),
+    (dict(expert_groups=4, top_k_groups=2), ValueError, r"groups of 1 expert; a group is scored"),
+    (
+      dict(top_k=3, expert_groups=2, top_k_groups=1),
+      ValueError,
+      r"`top_k` is 3 but `top_k_groups`=1 groups of 2 experts hold only 2",
+    ),
   ],
   ids=lambda v: None if isinstance(v, dict) else "",
 )
 def test_bad_input_raises_naming_the_argument(over, exc, match):
   with pytest.raises(exc, match=match):
     _call(**over)
+
+
+def per_sequence_capacity_reference(x, router, w_gate, w_up, w_down, top_k, factor, mask):
+  """float64 numpy: softmax top-k routing, normalized; each sequence x[b] its own capacity
+  ceil(factor * S * k / E), each expert taking the sequence's (unmasked) tokens in order until it
+  is full."""
+  x, router, w_gate, w_up, w_down = (np.asarray(a) for a in (x, router, w_gate, w_up, w_down))
+  b, s, _ = x.shape
+  e = router.shape[1]
+  capacity = math.ceil(factor * s * top_k / e)
+  y = np.zeros((b, s, w_down.shape[2]))
+  for i in range(b):
+    taken = np.zeros(e, int)
+    for t in np.flatnonzero(mask[i]):
+      z = x[i, t] @ router
+      p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+      top = np.argsort(-p, kind="stable")[:top_k]
+      for ex, w in zip(top, p[top] / p[top].sum(), strict=True):
+        taken[ex] += 1
+        if taken[ex] <= capacity:
+          g = x[i, t] @ w_gate[ex]
+          y[i, t] += w * ((g / (1 + np.exp(-g)) * (x[i, t] @ w_up[ex])) @ w_down[ex])
+  return y
+
+
+def test_capacity_per_sequence_queues_each_sequence_alone():
+  """Three sequences of 4 tokens, factor 0.5: 1 token an expert a sequence (3 over the batch);
+  values with and without padding against the loop, gradients against the dense per-expert loop
+  of each sequence."""
+  x, router, *ws = operands(lead=(3, 4))
+  kw = dict(top_k=2, capacity_factor=0.5)
+  for mask in (np.ones((3, 4), bool), np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1]], bool)):
+    y, _ = jaxact.moe_mlp(x, router, *ws, **kw, capacity_per_sequence=True, token_mask=mask)
+    want = per_sequence_capacity_reference(x, router, *ws, 2, 0.5, mask)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+  y_batch, _ = jaxact.moe_mlp(x, router, *ws, **kw)
+  assert not np.allclose(y_batch, want)  # the batch's queue drops other tokens
+
+  ct = jax.random.normal(jax.random.key(7), x.shape, jnp.float64)
+
+  def per_sequence(*args):
+    ys = [moe_reference(args[0][b], *args[1:], **kw)[0] for b in range(3)]
+    return jnp.sum(jnp.stack(ys) * ct)
+
+  def op(*args):
+    return jnp.sum(jaxact.moe_mlp(*args, **kw, capacity_per_sequence=True)[0] * ct)
+
+  got = jax.grad(op, argnums=range(5))(x, router, *ws)
+  want = jax.grad(per_sequence, argnums=range(5))(x, router, *ws)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
 def test_capacity_is_ceil_of_the_factor_times_the_even_share():

@@ -148,3 +148,26 @@ def test_layers_pass_token_mask_and_return_stats_to_the_op():
   model = jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=K, return_stats=True, rngs=nnx.Rngs(0))
   _, aux_nnx = model(x, mask)
   assert float(aux_nnx["tokens"]) == 8 and aux_nnx["expert_counts"].shape == (E,)
+
+
+def test_layers_pass_the_group_limit_balance_loss_and_capacity_to_the_op():
+  """DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``), its sequence-wise balance
+  loss and the capacity per sequence as layer attributes."""
+  x = _inputs()
+  kw = dict(score="sigmoid", expert_groups=2, top_k_groups=1, balance_loss="deepseek_v3")
+  kw |= dict(capacity_factor=0.5, capacity_per_sequence=True)
+  layer = jaxact.linen.MoEMLP(num_experts=E, top_k=K, hidden_features=F, **kw)
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+  y, aux = jax.jit(layer.apply)({"params": params}, x)
+  y_op, aux_op = jax.jit(lambda x, p: _op(x, p, **kw))(x, params)
+  np.testing.assert_array_equal(y, y_op)
+  np.testing.assert_array_equal(aux["load_balancing_loss"], aux_op["load_balancing_loss"])
+  _, aux_switch = jax.jit(lambda x, p: _op(x, p, score="sigmoid"))(x, params)
+  assert not np.allclose(aux["load_balancing_loss"], aux_switch["load_balancing_loss"])
+  y_all, _ = jax.jit(lambda x, p: _op(x, p, score="sigmoid"))(x, params)
+  assert not np.allclose(y, y_all)  # the limit changed some token's experts
+  model = jaxact.nnx.MoEMLP(D, F, num_experts=E, top_k=K, **kw, rngs=nnx.Rngs(0))
+  model.gate.kernel[...] = params["gate"]["kernel"]
+  for name in ("w1", "w3", "w2"):
+    getattr(model, name)[...] = params[name]
+  np.testing.assert_array_equal(model(x)[0], y)

@@ -49,7 +49,12 @@ COLLECTIVE = re.compile(
   r"(?:-start)?\("
 )
 
-ERRORS = ("error_up_split_otherwise", "error_tokens_do_not_split", "error_vmap_expert_parallel")
+ERRORS = (
+  "error_up_split_otherwise",
+  "error_tokens_do_not_split",
+  "error_vmap_expert_parallel",
+  "error_capacity_per_sequence",
+)
 
 
 def _operands():
@@ -85,7 +90,9 @@ def case(name: str) -> None:
     kw["router_bias"] = jnp.zeros(E, jnp.float64).at[:2].set(100.0)
   one = _loss(jaxact.moe_mlp, ct, **kw)(x, router, wg, wu, wd)
   ref = _loss(lambda *a, **k: moe_reference(*a, act=jax.nn.silu, **k), ct, **kw)
-  dense = ref(x, router, wg, wu, wd)
+  # The dense loop has no group limit or sequence-wise loss: those cases against one device (whose
+  # routing tests/moe/test_moe_transformers.py checks against transformers').
+  dense = one if "expert_groups" in kw else ref(x, router, wg, wu, wd)
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
   with jax.set_mesh(mesh):
     args = [
@@ -129,6 +136,10 @@ def error_case(name: str) -> None:
   if name == "error_up_split_otherwise":
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
     specs = (P("expert"), P(), P("expert"), P(), P("expert"))
+  elif name == "error_capacity_per_sequence":  # its drop is ranked over the whole batch
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
+    specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"))
+    call = functools.partial(call, capacity_factor=1.0, capacity_per_sequence=True)
   elif name == "error_vmap_expert_parallel":  # a batch axis mapped over an expert-parallel call
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
     specs = (P(None, "expert"), P(), P("expert"), P("expert"), P("expert"))
@@ -153,7 +164,7 @@ def error_case(name: str) -> None:
 
 # The default suite: every axis kind at once, the capacity; the rest (the dropless extreme,
 # ep_skewed, among them) under `pytest -m exhaustive`.
-DEFAULT = {"ep_data_tensor", "ep_data_capacity"}
+DEFAULT = {"ep_data_tensor", "ep_data_capacity", "ep_deepseek_v3"}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +224,8 @@ def test_layouts_it_cannot_run_are_refused_by_name(results):
   r = eight_devices.get(results, "error_tokens_do_not_split", SCRIPT)
   assert "`x` has 15 tokens, which do not split over the 4 devices" in r["error_text"]
   # vmap raised ragged_dot's "vmap over any dim but 0 - NYI" from inside the experts' shard_map.
+  r = eight_devices.get(results, "error_capacity_per_sequence", SCRIPT)
+  assert "`capacity_per_sequence` with the experts split over mesh axes" in r["error_text"], r
   r = eight_devices.get(results, "error_vmap_expert_parallel", SCRIPT)
   assert r["error_text"].startswith("NotImplementedError: jaxact.moe_mlp: jax.vmap of an "), r
 

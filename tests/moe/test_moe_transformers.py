@@ -2,9 +2,9 @@
 
 jaxact.moe_params_from_transformers of a block's state dict, given to jaxact.moe_mlp, against
 transformers' forward on the transformers-layout weights (Mixtral's ``MixtralSparseMoeBlock``,
-Qwen2/3-MoE's sparse blocks, DeepSeek-V3's ``DeepseekV3MoE`` with one expert group), both layouts
-(transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``, the older per-expert
-``Linear`` weights). Two layers' ``return_stats`` pooled against transformers'
+Qwen2/3-MoE's sparse blocks, DeepSeek-V3's ``DeepseekV3MoE``, its group-limited routing too),
+both layouts (transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``, the older
+per-expert ``Linear`` weights). Two layers' ``return_stats`` pooled against transformers'
 ``load_balancing_loss_func`` of their concatenated router logits, with and without its
 attention_mask (value and router gradients); ``token_mask``: padding takes no capacity and gets no
 output. The errors.
@@ -30,21 +30,40 @@ def _silu(v):
   return v / (1 + np.exp(-v))
 
 
-def transformers_block(x, sd, prefix, *, top_k, score, normalize, scaling=1.0):
+def deepseek_v3_topk_indices(scores, bias, top_k, n_group, topk_group):
+  """``DeepseekV3TopkRouter.get_topk_indices``, float64: the scores plus the bias; each of the
+  ``n_group`` groups (consecutive experts) scored by the sum of its two highest; the experts
+  outside the ``topk_group`` best groups filled with 0.0; the top-k of the rest."""
+  choice = scores + bias
+  t, e = choice.shape
+  group_scores = np.sort(choice.reshape(t, n_group, e // n_group), -1)[..., -2:].sum(-1)
+  group_idx = np.argsort(-group_scores, -1, kind="stable")[:, :topk_group]
+  group_mask = np.zeros_like(group_scores)
+  np.put_along_axis(group_mask, group_idx, 1.0, -1)
+  score_mask = np.repeat(group_mask, e // n_group, -1).astype(bool)
+  choice = np.where(score_mask, choice, 0.0)
+  return np.argsort(-choice, -1, kind="stable")[:, :top_k]
+
+
+def transformers_block(
+  x, sd, prefix, *, top_k, score, normalize, scaling=1.0, n_group=1, topk_group=1
+):
   """transformers' MoE block forward, float64: the router on ``gate.weight`` (softmax: Mixtral,
-  Qwen; sigmoid with ``e_score_correction_bias`` for the choice: DeepSeek-V3, ``n_group=1``), then
-  each chosen expert's SwiGLU, from either layout, as ``F.linear`` computes it (``x @ W.T``)."""
+  Qwen; sigmoid with ``e_score_correction_bias`` and the group limit for the choice:
+  DeepSeek-V3), then each chosen expert's SwiGLU, from either layout, as ``F.linear`` computes
+  it (``x @ W.T``)."""
   logits = x @ sd[prefix + "gate.weight"].T
   if score == "softmax":
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    choice = probs
+    tops = np.argsort(-probs, -1, kind="stable")[:, :top_k]
   else:
     probs = 1 / (1 + np.exp(-logits))
-    choice = probs + sd[prefix + "gate.e_score_correction_bias"]
+    bias = sd[prefix + "gate.e_score_correction_bias"]
+    tops = deepseek_v3_topk_indices(probs, bias, top_k, n_group, topk_group)
   y = np.zeros_like(x)
   for t in range(x.shape[0]):
-    top = np.argsort(-choice[t], kind="stable")[:top_k]
+    top = tops[t]
     w = probs[t, top]
     if normalize:
       w = w / (w.sum() + (1e-20 if score == "sigmoid" else 0.0))
@@ -64,7 +83,7 @@ def transformers_block(x, sd, prefix, *, top_k, score, normalize, scaling=1.0):
   return y
 
 
-def state_dict(layout, prefix, bias, seed=0):
+def state_dict(layout, prefix, bias, seed=0, E=E):
   """A block's weights in transformers' layout, plus another layer's and shared experts' keys
   (which the loader must ignore)."""
   rng = np.random.default_rng(seed)
@@ -125,6 +144,62 @@ def test_converted_block_equals_transformers_forward(model):
   assert params["w_gate"].shape == (E, H, N) and params["w_down"].shape == (E, N, H)
   y, _ = jaxact.moe_mlp(jnp.asarray(x), **params, **kw)
   np.testing.assert_allclose(scaling * np.asarray(y), want, rtol=1e-12, atol=1e-12)
+
+
+def test_group_limited_routing_equals_deepseek_v3_router():
+  """DeepSeek-V3's n_group 8, topk_group 4, top-8 of 256 experts, scaled down: 4 groups of 4, the
+  2 best groups, top-4; ``expert_groups``, ``top_k_groups`` against transformers' rule."""
+  prefix, kw = "model.layers.3.mlp.", dict(top_k=4, score="sigmoid")
+  sd = state_dict("fused", prefix, bias=True, E=16)
+  # Every score above 0, where transformers' 0.0 fill of the other groups and the op's exclusion
+  # of them agree (a test below takes the other case).
+  sd[prefix + "gate.e_score_correction_bias"] = np.abs(sd[prefix + "gate.e_score_correction_bias"])
+  x = np.random.default_rng(1).normal(size=(64, H))
+  groups = dict(n_group=4, topk_group=2)
+  want = transformers_block(x, sd, prefix, **kw, normalize=True, scaling=2.5, **groups)
+  params = jaxact.moe_params_from_transformers(sd, prefix=prefix)
+  y, _ = jaxact.moe_mlp(jnp.asarray(x), **params, **kw, expert_groups=4, top_k_groups=2)
+  np.testing.assert_allclose(2.5 * np.asarray(y), want, rtol=1e-12, atol=1e-12)
+  # The limit decides: without it many tokens go to other experts.
+  plain = transformers_block(x, sd, prefix, **kw, normalize=True, scaling=2.5)
+  assert np.sum(np.abs(plain - want).max(-1) > 1e-6) >= 10
+  y_all, _ = jaxact.moe_mlp(jnp.asarray(x), **params, **kw, expert_groups=4)  # every group
+  np.testing.assert_allclose(2.5 * np.asarray(y_all), plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(
+  "experts, groups, top_groups, top_k", [(8, 2, 1, 2), (16, 8, 4, 8), (12, 3, 2, 5), (16, 4, 4, 4)]
+)
+def test_group_limited_routing_survey(experts, groups, top_groups, top_k):
+  prefix, kw = "mlp.", dict(top_k=top_k, score="sigmoid")
+  sd = state_dict(QWEN, prefix, bias=True, seed=experts + top_k, E=experts)
+  # Every score above 0: transformers' 0.0 fill of the other groups picks none of them.
+  sd[prefix + "gate.e_score_correction_bias"] = np.abs(sd[prefix + "gate.e_score_correction_bias"])
+  x = np.random.default_rng(2).normal(size=(48, H))
+  limit = dict(n_group=groups, topk_group=top_groups)
+  want = transformers_block(x, sd, prefix, **kw, normalize=True, **limit)
+  params = jaxact.moe_params_from_transformers(sd, prefix=prefix)
+  y, _ = jaxact.moe_mlp(
+    jnp.asarray(x), **params, **kw, expert_groups=groups, top_k_groups=top_groups
+  )
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
+
+
+def test_group_limit_excludes_the_other_groups_below_zero():
+  """The experts outside the best groups are never chosen, as DeepSeek's inference code masks
+  them (-inf); transformers' 0.0 fill would pick them here, every eligible score being negative."""
+  x = jnp.ones((3, H), jnp.float64)
+  router = jnp.zeros((H, 4), jnp.float64)  # every score 0.5
+  bias = jnp.array([-0.6, -0.7, -0.9, -0.95])  # group 0 scores -0.3, group 1 -0.85
+  w = jnp.ones((4, H, N), jnp.float64)
+  _, aux = jaxact.moe_mlp(
+    x, router, w, w, jnp.ones((4, N, H)), top_k=2, score="sigmoid", router_bias=bias,
+    expert_groups=2, top_k_groups=1, return_stats=True,
+  )  # fmt: skip
+  np.testing.assert_array_equal(aux["expert_counts"], [3, 3, 0, 0])
+  tops = deepseek_v3_topk_indices(np.full((3, 4), 0.5), np.asarray(bias), 2, 2, 1)
+  assert set(tops[0]) == {2, 3}  # transformers' rule, which the op departs from here
 
 
 def test_errors_name_what_is_missing_or_wrong():

@@ -27,6 +27,7 @@ from jaxact._src.moe.plan import MoEPlan
 from jaxact._src.moe.vjp import experts
 
 SCORES = ("softmax", "sigmoid")
+BALANCE_LOSSES = ("switch", "deepseek_v3")
 
 
 def _shapes(x, router, w_gate, w_up, w_down, router_bias) -> str:
@@ -86,6 +87,42 @@ def _check_options(fn_name, top_k, experts_, score, capacity_factor) -> None:
     )
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _check_groups(fn_name, expert_groups, top_k_groups, top_k, experts_) -> int:
+  """The number of groups a token may draw from (`top_k_groups`, None: all of them)."""
+  for name, v in (("expert_groups", expert_groups), ("top_k_groups", top_k_groups)):
+    if v is not None and not _is_int(v):
+      raise TypeError(f"jaxact.{fn_name}: `{name}` must be an int; got {type(v).__name__}")
+  if not 1 <= expert_groups <= experts_ or experts_ % expert_groups:
+    raise ValueError(
+      f"jaxact.{fn_name}: `expert_groups` is {expert_groups!r}; accepted: an int dividing the "
+      f"number of experts ({experts_})"
+    )
+  if top_k_groups is None:
+    return int(expert_groups)
+  if not 1 <= top_k_groups <= expert_groups:
+    raise ValueError(
+      f"jaxact.{fn_name}: `top_k_groups` is {top_k_groups!r}; accepted: None (every group) or "
+      f"an int from 1 to `expert_groups` ({expert_groups})"
+    )
+  size = experts_ // expert_groups
+  if top_k_groups < expert_groups and size < 2:
+    raise ValueError(
+      f"jaxact.{fn_name}: `expert_groups` is {expert_groups}: groups of {size} expert; a group "
+      "is scored by its two best experts, so limiting groups (`top_k_groups`) needs at least 2"
+    )
+  if top_k > top_k_groups * size:
+    raise ValueError(
+      f"jaxact.{fn_name}: `top_k` is {top_k} but `top_k_groups`={top_k_groups} groups of {size} "
+      f"experts hold only {top_k_groups * size}; accepted: top_k <= top_k_groups * experts / "
+      "expert_groups"
+    )
+  return int(top_k_groups)
+
+
 def _check_mask(fn_name, token_mask, lead) -> Array | None:
   """The (T,) bool mask of `token_mask` (x's leading shape, bool or integer; nonzero: a token)."""
   if token_mask is None:
@@ -125,7 +162,11 @@ def moe_mlp(
   score: str = "softmax",
   normalize_top_k: bool = True,
   capacity_factor: float | None = None,
+  capacity_per_sequence: bool = False,
   router_bias: ArrayLike | None = None,
+  expert_groups: int = 1,
+  top_k_groups: int | None = None,
+  balance_loss: str = "switch",
   token_mask: ArrayLike | None = None,
   return_stats: bool = False,
   precision: lax.PrecisionLike = None,
@@ -147,7 +188,11 @@ def moe_mlp(
   not normalize) or ``"sigmoid"`` (DeepSeek-V3, top-8 normalized, then multiplied by its
   ``routed_scaling_factor``, which is left to the caller). ``router_bias`` is DeepSeek-V3's
   auxiliary-loss-free balancing bias: added to the scores to pick the experts, not to the weights,
-  and given no gradient. Ties pick the lower expert index, as :func:`jax.lax.top_k` does. The
+  and given no gradient. With ``top_k_groups`` DeepSeek-V3's group-limited routing (its
+  ``n_group``, ``topk_group``): the experts split into ``expert_groups`` groups of consecutive
+  indices, each group scored by the sum of its two highest (bias-corrected) scores, and a token's
+  top-k drawn from its ``top_k_groups`` best groups only. Ties pick the lower expert index (and
+  group), as :func:`jax.lax.top_k` does. The
   router logits, scores and weights are computed in float32 (float64 for float64 inputs); the
   normalized weights as a softmax of the top-k log-scores, exact where the scores underflow.
 
@@ -163,7 +208,10 @@ def moe_mlp(
   Dropless by default: every expert computes every token routed to it. With ``capacity_factor``
   each expert computes at most ``ceil(capacity_factor * tokens * top_k / experts)`` tokens; the
   tokens beyond that, the later ones in token order, skip it (their weight times zero), as in
-  Switch Transformer.
+  Switch Transformer. With ``capacity_per_sequence`` the capacity is each sequence's (``x``'s
+  second-to-last axis; the axes before it index the sequences), ``ceil(capacity_factor *
+  sequence length * top_k / experts)``, and each sequence's tokens queue for it alone, as
+  Switch Transformer counts it per group (not with expert parallelism).
 
   Expert parallel under Explicit mesh axes: with the experts' dimension of ``w_gate``, ``w_up``
   and ``w_down`` split over mesh axes, each device routes its tokens and sends each routed token
@@ -187,7 +235,13 @@ def moe_mlp(
   where :math:`f_e` is the fraction of tokens routed to expert :math:`e` (before any capacity
   drop; the :math:`f_e` sum to ``top_k``, so a uniform router gives ``top_k``), :math:`P_e` the
   mean over tokens of the softmax of the logits :math:`z = x R` (for sigmoid scores, the scores
-  normalized per token, as DeepSeek-V3's balance loss) and :math:`T` the number of tokens.
+  normalized per token, as DeepSeek-V3's balance loss) and :math:`T` the number of tokens. Its
+  :math:`f_e` count the chosen experts (``router_bias`` and the group limit included), and it is
+  ``top_k`` times DeepSeek-V3's :math:`L_\mathrm{Bal}`: weigh it :math:`\alpha / k` to copy that
+  paper's :math:`\alpha`. ``balance_loss="deepseek_v3"`` gives :math:`L_\mathrm{Bal}` itself
+  (its report's eq. 17-20, unweighted): per sequence (``x``'s last leading dimension, the others
+  indexing sequences), :math:`\sum_e f_e P_e` with :math:`f_e = E / (k T)` times the tokens whose
+  top-k scores (without bias or group limit) hold :math:`e`, the mean over the sequences.
 
   Args:
     x: input of shape ``(..., features)``, floating point; the leading dimensions are tokens.
@@ -200,7 +254,14 @@ def moe_mlp(
     score: ``"softmax"`` (default) or ``"sigmoid"``.
     normalize_top_k: divide each token's top-k weights by their sum (default True).
     capacity_factor: None (default: dropless) or a positive number (see above).
+    capacity_per_sequence: count the capacity per sequence rather than over every token
+      (default False; see above).
     router_bias: None or ``(experts,)``: added to the scores for the choice only (DeepSeek-V3).
+    expert_groups: the experts' groups for ``top_k_groups``, dividing ``experts`` (default 1).
+    top_k_groups: None (default: every group) or the number of best groups a token's experts
+      come from, 1 to ``expert_groups``, holding at least ``top_k`` experts (see above).
+    balance_loss: ``"switch"`` (default) or ``"deepseek_v3"``, the ``load_balancing_loss``
+      returned (see below); the statistics of ``return_stats`` are the same for both.
     token_mask: None (default: every row a token) or a bool or integer array of ``x``'s leading
       shape, zero where a row is padding (transformers' ``attention_mask``): a padding row goes
       to no expert (its output is zero; it takes no capacity and no grouped-product rows, the
@@ -253,6 +314,12 @@ def moe_mlp(
     _check_shapes(fn_name, x, router, w_gate, w_up, w_down, router_bias)
     n_experts = router.shape[1]
     _check_options(fn_name, top_k, n_experts, score, capacity_factor)
+    top_k_groups = _check_groups(fn_name, expert_groups, top_k_groups, top_k, n_experts)
+    if balance_loss not in BALANCE_LOSSES:
+      raise ValueError(
+        f"jaxact.{fn_name}: `balance_loss` {balance_loss!r} is not known; choose one of: "
+        f"{BALANCE_LOSSES}"
+      )
     if not isinstance(return_stats, bool):
       raise TypeError(
         f"jaxact.{fn_name}: `return_stats` must be a bool; got {type(return_stats).__name__}"
@@ -261,9 +328,16 @@ def moe_mlp(
     mask = _check_mask(fn_name, token_mask, lead)
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     tokens = x2.shape[0]
+    if not isinstance(capacity_per_sequence, bool):
+      raise TypeError(
+        f"jaxact.{fn_name}: `capacity_per_sequence` must be a bool; got "
+        f"{type(capacity_per_sequence).__name__}"
+      )
+    sequences = math.prod(lead[:-1])
     capacity = None
     if capacity_factor is not None:
-      capacity = math.ceil(capacity_factor * tokens * top_k / n_experts)
+      queue = tokens // sequences if capacity_per_sequence and sequences else tokens
+      capacity = math.ceil(capacity_factor * queue * top_k / n_experts)
     a_shape = jax.ShapeDtypeStruct((tokens * top_k, w_gate.shape[2]), acc)
     act, dynamic = resolve_activation(fn_name, activation, a_shape, out)
     if act.rule is not None and act.rule.code is not None:
@@ -290,10 +364,16 @@ def moe_mlp(
       score=score,
       normalize_top_k=bool(normalize_top_k),
       capacity=capacity,
+      capacity_per_sequence=capacity_per_sequence,
+      expert_groups=int(expert_groups),
+      top_k_groups=top_k_groups,
+      balance_loss=balance_loss,
+      sequences=sequences,
     )
     pat = sharding.pattern(fn_name, plan, x2, router, w_gate, w_up, w_down, router_bias)
     decision = rules.decide(fn_name, implementation, plan, x2, w_gate, w_down)
     plan = dataclasses.replace(plan, decision=decision)
+    pick = api_routing.top_k
     if pat is None:
       routing, z, log_s = api_routing.route(plan, x2, router, router_bias, mask)
       y = experts(
@@ -310,6 +390,11 @@ def moe_mlp(
       )
       counts = routing.counts
     else:  # expert parallel: each device sorts and sends its own tokens
+      if capacity_per_sequence and capacity is not None:
+        raise NotImplementedError(
+          f"jaxact.{fn_name}: `capacity_per_sequence` with the experts split over mesh axes "
+          "(expert parallel) is not supported; its capacity is counted over the whole batch"
+        )
       if mask is not None:
         raise NotImplementedError(
           f"jaxact.{fn_name}: `token_mask` with the experts split over mesh axes (expert "
@@ -322,7 +407,7 @@ def moe_mlp(
       y = sharding.experts(plan, pat, *placed[:2], *placed[3:], placed[2], *dynamic)
       counts = api_routing.counts_of(plan, chosen)
     stats = api_routing.statistics(plan, counts, log_s, mask)
-    aux = api_routing.aux_losses(plan, stats, z, mask)
+    aux = api_routing.aux_losses(plan, stats, z, log_s, mask, pick)
     if return_stats:
       aux |= stats
     return _unflatten(y, x, lead, w_down.shape[2]), aux

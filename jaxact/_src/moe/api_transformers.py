@@ -53,7 +53,8 @@ def moe_params_from_transformers(
   Returns:
     ``{"router": (H, E), "w_gate": (E, H, I), "w_up": (E, H, I), "w_down": (E, I, H)}``, plus
     ``"router_bias": (E,)`` for DeepSeek-V3: ``jaxact.moe_mlp(x, **params, top_k=...)``. The
-    routing options are the model config's (``docs/moe.md`` has the table).
+    routing options are the model config's (``docs/moe.md`` has the table): DeepSeek-V3's
+    ``n_group`` and ``topk_group`` are ``expert_groups`` and ``top_k_groups``.
 
   Raises:
     ValueError: a key is missing, the shapes disagree, or the block is gpt-oss's (biased,

@@ -65,6 +65,12 @@ class MoEMLP(nnx.Module):
     score: ``"softmax"`` (default) or ``"sigmoid"``, as :func:`jaxact.moe_mlp`.
     normalize_top_k: as :func:`jaxact.moe_mlp` (default True, Mixtral's).
     capacity_factor: as :func:`jaxact.moe_mlp` (default None: dropless).
+    capacity_per_sequence: as :func:`jaxact.moe_mlp` (default False: over every token).
+    expert_groups: as :func:`jaxact.moe_mlp` (default 1; DeepSeek-V3's ``n_group``).
+    top_k_groups: as :func:`jaxact.moe_mlp` (default None: every group; DeepSeek-V3's
+      ``topk_group``).
+    balance_loss: as :func:`jaxact.moe_mlp` (default ``"switch"``; ``"deepseek_v3"``: that
+      report's sequence-wise L_Bal, over ``inputs``' last leading dimension).
     use_router_bias: hold a :class:`RouterBias` ``router_bias`` (default False; see above).
     return_stats: as :func:`jaxact.moe_mlp`: ``aux`` also holds the balance loss's statistics,
       for a model to pool over its layers (default False).
@@ -88,6 +94,10 @@ class MoEMLP(nnx.Module):
     score: str = "softmax",
     normalize_top_k: bool = True,
     capacity_factor: float | None = None,
+    capacity_per_sequence: bool = False,
+    expert_groups: int = 1,
+    top_k_groups: int | None = None,
+    balance_loss: str = "switch",
     use_router_bias: bool = False,
     return_stats: bool = False,
     dtype: Dtype | None = None,
@@ -126,6 +136,10 @@ class MoEMLP(nnx.Module):
     self.score = score
     self.normalize_top_k = normalize_top_k
     self.capacity_factor = capacity_factor
+    self.capacity_per_sequence = capacity_per_sequence
+    self.expert_groups = expert_groups
+    self.top_k_groups = top_k_groups
+    self.balance_loss = balance_loss
     self.return_stats = return_stats
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -150,7 +164,11 @@ class MoEMLP(nnx.Module):
       score=self.score,
       normalize_top_k=self.normalize_top_k,
       capacity_factor=self.capacity_factor,
+      capacity_per_sequence=self.capacity_per_sequence,
       router_bias=bias,
+      expert_groups=self.expert_groups,
+      top_k_groups=self.top_k_groups,
+      balance_loss=self.balance_loss,
       token_mask=token_mask,
       return_stats=self.return_stats,
       precision=self.precision,

@@ -27,5 +27,12 @@ class MoEPlan:
   top_k: int  # k: the experts each token goes to
   score: Score = "softmax"
   normalize_top_k: bool = True
-  capacity: int | None = None  # per expert; None: dropless
+  capacity: int | None = (
+    None  # per expert (and sequence, with capacity_per_sequence); None: dropless
+  )
+  capacity_per_sequence: bool = False  # each sequence's tokens queue for their own capacity
+  expert_groups: int = 1  # the experts split into this many equal groups (DeepSeek-V3's n_group)
+  top_k_groups: int = 1  # the best groups a token may draw its experts from (its topk_group)
+  balance_loss: str = "switch"  # or "deepseek_v3": the sequence-wise L_Bal
+  sequences: int = 1  # the sequences in the tokens: x's leading dimensions but the last
   decision: Decision = dataclasses.field(default_factory=Decision)  # the grouped products'
