@@ -162,9 +162,9 @@ def error_case(name: str) -> None:
   print(json.dumps(dict(case=name, devices=jax.device_count(), error_text=error)), flush=True)
 
 
-# The default suite: every axis kind at once, the capacity; the rest (the dropless extreme,
-# ep_skewed, among them) under `pytest -m exhaustive`.
-DEFAULT = {"ep_data_tensor", "ep_data_capacity", "ep_deepseek_v3"}
+# The default suite: every axis kind at once, the capacity; the rest (the dropless extreme, the
+# DeepSeek-V3 routing options, ep_skewed, among them) under `pytest -m exhaustive`.
+DEFAULT = {"ep_data_tensor", "ep_data_capacity"}
 
 
 @pytest.fixture(scope="module")
