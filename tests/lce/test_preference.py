@@ -436,7 +436,13 @@ def test_empty_sequences_do_not_count(name):
 
 
 @pytest.mark.sample(1, "orpo", "ipo", "discopop", "exo_pair")
-@pytest.mark.parametrize("name", IDS + list(TRL_CASES))
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(n, marks=pytest.mark.exhaustive) if n in F_SURVEY else n
+    for n in IDS + list(TRL_CASES)
+  ],
+)
 def test_huge_margins_and_certain_tokens_stay_finite(name):
   """float32 log-probs of order -1e4 a token (margins of 1e4 and more), and chosen completions
   whose every token has probability 1 in float32 (a mean log-prob of 0: ORPO's odds would be
