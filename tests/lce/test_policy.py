@@ -91,7 +91,7 @@ def test_some_ratios_are_clipped_in_the_off_policy_batch():
 
 
 @pytest.mark.sample(1, "bfloat16")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
 def test_lower_precisions_against_the_float32_formula(dtype):
   got, want = _both("grpo", dtype, temperature=0.8, logit_soft_cap=20.0)
   assert got[0].dtype == jnp.float32 and got[1][0].dtype == dtype

@@ -150,6 +150,7 @@ def test_layers_pass_token_mask_and_return_stats_to_the_op():
   assert float(aux_nnx["tokens"]) == 8 and aux_nnx["expert_counts"].shape == (E,)
 
 
+@pytest.mark.exhaustive  # the suite's time: each option's values are the op's tests'
 def test_layers_pass_the_group_limit_balance_loss_and_capacity_to_the_op():
   """DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``), its sequence-wise balance
   loss and the capacity per sequence as layer attributes."""

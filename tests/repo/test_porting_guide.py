@@ -202,6 +202,7 @@ def _train_step(module, model, batch):
   return flat(model), {k: float(v) for k, v in metrics.compute().items()}
 
 
+@pytest.mark.exhaustive  # the suite's time; the port without remat runs by default
 @jax.enable_x64(False)  # as train.py runs (Flax's metrics would cast float64 into float32)
 def test_train_pys_step_ported_with_block_remat_is_the_examples(gemma):
   """A packed, padded batch; the port with remat=True under jax.jit (the step's rngs never
