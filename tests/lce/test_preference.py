@@ -472,7 +472,7 @@ def test_huge_margins_and_certain_tokens_stay_finite(name):
 
 STATIC = dict(static_argnames=("loss", "beta", "label_smoothing", "simpo_gamma", "discopop_tau",
   "nll_weight", "rpo_alpha", "ld_alpha", "desirable_weight", "undesirable_weight", "temperature",
-  "logit_soft_cap"))  # fmt: skip
+  "logit_soft_cap", "f_divergence_type", "f_alpha_divergence_coef"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ memory

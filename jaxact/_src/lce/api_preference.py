@@ -182,8 +182,9 @@ def preference_loss(
       ``"hinge"`` and ``"exo_pair"``: ``"reverse_kl"`` (DPO's margin :math:`h`), or
       ``"js_divergence"`` (:math:`h - (\operatorname{softplus}(\rho_c) -
       \operatorname{softplus}(\rho_r))`) or ``"alpha_divergence"`` (:math:`(e^{-a \rho_r} -
-      e^{-a \rho_c}) / a`, the exponents capped at the float's largest as TRL caps them) in its
-      place, :math:`\rho = \pi - \pi^{\text{ref}}`.
+      e^{-a \rho_c}) / a`, each exponent capped at a quarter of the float's log range, where TRL
+      caps it at the whole range and float32 overflows) in its place,
+      :math:`\rho = \pi - \pi^{\text{ref}}`.
     f_alpha_divergence_coef: :math:`a > 0` of ``"alpha_divergence"`` (TRL's
       ``f_alpha_divergence_coef``).
     bco_reward_mean: BCO's reward shift :math:`\delta` (a scalar, detached; TRL's running mean of

@@ -154,12 +154,14 @@ def _margin(hyper, rho_c: Array, rho_r: Array) -> Array:
   """The margin h of TRL's f-DPO (Wang et al. 2023, TRL's ``f_divergence_type``), from the
   policy's log-ratios to the reference rho: the reverse KL's ``rho_c - rho_r``; the JS
   divergence's less ``softplus(rho_c) - softplus(rho_r)``; the alpha divergence's
-  ``(exp(-a rho_r) - exp(-a rho_c)) / a``, each exponent capped at the float's largest as TRL's
-  ``cap_exp`` caps it (its gradient 0 beyond)."""
+  ``(exp(-a rho_r) - exp(-a rho_c)) / a``, each exponent capped (its gradient 0 beyond) as TRL's
+  ``cap_exp`` caps it, but at a quarter of the float's log range rather than all of it, where
+  float32's exp is already infinite: every loss on h and its gradients stay finite (TRL's IPO
+  squares h)."""
   divergence = hyper["f_divergence_type"]
   if divergence == "alpha_divergence":
     a = hyper["f_alpha_divergence_coef"]
-    cap = math.log(jnp.finfo(rho_c.dtype).max)
+    cap = math.log(jnp.finfo(rho_c.dtype).max) / 4
     capped = lambda v: jnp.exp(jnp.minimum(v, cap))
     return (capped(-a * rho_r) - capped(-a * rho_c)) / a
   h = rho_c - rho_r
