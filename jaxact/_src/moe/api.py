@@ -28,6 +28,16 @@ from jaxact._src.moe.vjp import experts
 
 SCORES = ("softmax", "sigmoid")
 BALANCE_LOSSES = ("switch", "deepseek_v3")
+# The options the Flax layers (linen and nnx MoEMLP) hold as attributes of these names and pass on.
+LAYER_OPTIONS = (
+  "top_k", "activation", "score", "normalize_top_k", "capacity_factor", "capacity_per_sequence",
+  "expert_groups", "top_k_groups", "balance_loss", "return_stats", "precision",
+)  # fmt: skip
+
+
+def layer_options(layer) -> dict:
+  """A Flax MoE layer's :data:`LAYER_OPTIONS`, as :func:`moe_mlp`'s keyword arguments."""
+  return {name: getattr(layer, name) for name in LAYER_OPTIONS}
 
 
 def _shapes(x, router, w_gate, w_up, w_down, router_bias) -> str:

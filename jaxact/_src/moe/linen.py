@@ -137,22 +137,5 @@ class MoEMLP(nn.Module):
       bias = self.variable("routing", "router_bias", jnp.zeros, (e,), self.param_dtype).value
     x, router, w1, w3, w2, bias = promote_dtype(inputs, router, w1, w3, w2, bias, dtype=self.dtype)
     return moe.moe_mlp(
-      x,
-      router,
-      w1,
-      w3,
-      w2,
-      top_k=self.top_k,
-      activation=self.activation,
-      score=self.score,
-      normalize_top_k=self.normalize_top_k,
-      capacity_factor=self.capacity_factor,
-      capacity_per_sequence=self.capacity_per_sequence,
-      router_bias=bias,
-      expert_groups=self.expert_groups,
-      top_k_groups=self.top_k_groups,
-      balance_loss=self.balance_loss,
-      token_mask=token_mask,
-      return_stats=self.return_stats,
-      precision=self.precision,
+      x, router, w1, w3, w2, router_bias=bias, token_mask=token_mask, **moe.layer_options(self)
     )
