@@ -161,10 +161,10 @@ def test_batch_norm_statistics_and_gradients_match_flax_under_an_axis_name():
     got = jax.jit(lambda: step())()
   _close(got, want, 2e-5, 2e-5)  # loss, batch statistics (averaged over "batch"), gradients
   assert sorted(c.ran for c in report.calls) == [  # the first norm fused with `act`; the
-    "jaxact.batch_norm_act",  # second's relu follows an add; the convolutions feed norms
-    "jaxact.batch_norm_act(relu)",
+    "jaxact.batch_norm_act",  # second's relu follows an add; the convolutions feed norms, the
+    "jaxact.batch_norm_act(relu)",  # second from the first norm's x_hat
     "jaxact.conv_bias_act",
-    "jaxact.conv_bias_act",
+    "jaxact.conv_bias_act, its input made again from the norm's x_hat",
     "jaxact.relu",
   ]
   assert report.calls[0].what == "flax.linen.BatchNorm + jax.nn.relu"
@@ -256,3 +256,33 @@ def test_the_decorator_form_routes_what_jit_traces_and_prints_its_report(capsys)
 def test_bad_arguments_name_themselves():
   with pytest.raises(TypeError, match=r"jaxact.linen.intercept: `report` must be True or False"):
     jnn.intercept(report="yes")
+
+
+class _UNetBlock(nn.Module):
+  """A diffusion U-Net's residual block as Flax users write it: GroupNorm -> silu -> Conv, twice."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(x.shape[-1], (3, 3))(nn.silu(nn.GroupNorm(num_groups=4)(x)))
+    return x + nn.Conv(x.shape[-1], (3, 3))(nn.silu(nn.GroupNorm(num_groups=4)(h)))
+
+
+def test_a_conv_on_a_norm_s_activation_keeps_the_norm_s_x_hat_alone():
+  model = nn.Sequential([_UNetBlock(), _UNetBlock()])
+  x = jax.random.normal(jax.random.key(0), (4, 8, 8, 16))
+  params = model.init(jax.random.key(1), x)["params"]
+  f = lambda p, x: model.apply({"params": p}, x)
+  g = jax.random.normal(jax.random.key(2), x.shape)
+  step = lambda p, x: (lambda y, pull: (y, pull(g)))(*jax.vjp(f, p, x))
+  kept = lambda p, x: [a for a in jax.tree.leaves(jax.vjp(f, p, x)[1]) if a.size >= x.size]
+  want = jax.jit(step)(params, x)
+  with jnn.intercept() as report:
+    _close(jax.jit(lambda p, x: step(p, x))(params, x), want, 2e-5, 2e-5)
+    ours = jax.eval_shape(kept, params, x)
+  assert report.summary() == {  # 4 norms and 4 convolutions, traced twice
+    ("flax.linen.GroupNorm + flax.linen.silu", "jaxact.group_norm_act(silu)", ""): 8,
+    ("flax.linen.Conv", "jaxact.conv_bias_act, its input made again from the norm's x_hat", ""): 8,
+  }
+  # What the backward pass keeps: each norm's x_hat (4 norms), not also the silu's output that
+  # each convolution takes (8 arrays of x's size without the x_hat path)
+  assert len(ours) == 4, ours

@@ -438,3 +438,38 @@ def test_a_dropout_after_a_swapped_linear_joins_its_op_with_nnx_s_bits():
     ): 1,
     ("flax.nnx.Linear + flax.nnx.Dropout", "jaxact.dense_bias_act(identity, dropout)", ""): 1,
   }
+
+
+class _UNetBlock(nnx.Module):  # GroupNorm -> silu -> Conv, twice, and the residual
+  def __init__(self, c: int, *, rngs: nnx.Rngs):
+    self.gn1 = nnx.GroupNorm(c, num_groups=4, rngs=rngs)
+    self.gn2 = nnx.GroupNorm(c, num_groups=4, rngs=rngs)
+    self.conv1, self.conv2 = nnx.Conv(c, c, (3, 3), rngs=rngs), nnx.Conv(c, c, (3, 3), rngs=rngs)
+
+  def __call__(self, x):
+    h = self.conv1(nnx.silu(self.gn1(x)))
+    return x + self.conv2(nnx.silu(self.gn2(h)))
+
+
+def test_a_conv_on_a_norm_s_activation_keeps_the_norm_s_x_hat_alone():
+  original = _UNetBlock(16, rngs=nnx.Rngs(0))
+  swapped = copy.deepcopy(original)
+  jnnx.swap(swapped)
+  x = jax.random.normal(jax.random.key(0), (4, 8, 8, 16))
+  g = jax.random.normal(jax.random.key(1), x.shape)
+
+  def vjp(model):
+    graphdef, state = nnx.split(model)
+    return jax.vjp(lambda state, x: nnx.merge(graphdef, state)(x), state, x)
+
+  y, pull = vjp(original)
+  with jnnx.route_activations() as report:
+    y_ours, pull_ours = vjp(swapped)
+  np.testing.assert_allclose(y_ours, y, rtol=2e-5, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(pull_ours(g)), jax.tree.leaves(pull(g)), strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  assert "jaxact.conv_bias_act, its input made again from the norm's x_hat" in {
+    c.ran for c in report.calls
+  }
+  # each norm's x_hat, not also the silu's output each convolution takes (4 arrays without it)
+  assert len([a for a in jax.tree.leaves(pull_ours) if a.size >= x.size]) == 2

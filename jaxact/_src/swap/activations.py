@@ -47,6 +47,10 @@ class _Offer:
   activation: Any = None  # the activation fused already: only a dropout may follow
   drops: bool = False  # the op can end with a dropout
   line: int | None = None  # the report's line of the activation fused already
+  # A norm's: () -> (x_hat, scale, bias, tail), tail(x_hat, scale, bias, activation) making the
+  # norm's output again from its normalized input, for a layer that takes that output (`normalized`)
+  split: Callable[[], tuple] | None = None
+  note: str = ""  # after the op's name in the report
 
 
 @dataclasses.dataclass
@@ -76,8 +80,9 @@ class Routing:
         self.report.add(offer.where, f"{offer.what} + {what}", None, f"not fused: {e}")
       else:
         offer.fused = True
-        self.report.add(offer.where, f"{offer.what} + {what}", f"jaxact.{offer.op}({name})")
-        if offer.drops:  # a dropout straight after may join the op too
+        ran = f"jaxact.{offer.op}({name}){offer.note}"
+        self.report.add(offer.where, f"{offer.what} + {what}", ran)
+        if offer.drops or offer.split:  # a dropout (or a layer on the norm's output) may follow
           self.offers[id(out)] = dataclasses.replace(
             offer,
             y=out,
@@ -98,7 +103,7 @@ class Routing:
   def close(self) -> None:
     for offer in self.offers.values():
       if not offer.fused:
-        self.report.add(offer.where, offer.what, f"jaxact.{offer.op}")
+        self.report.add(offer.where, offer.what, f"jaxact.{offer.op}{offer.note}")
     self.offers.clear()
 
 
@@ -131,14 +136,32 @@ def inside() -> Iterator[None]:
 
 
 def offer(
-  y, *, where: str, what: str, op: str, fuse: Callable[..., Any], drops: bool = False
+  y,
+  *,
+  where: str,
+  what: str,
+  op: str,
+  fuse: Callable[..., Any],
+  drops: bool = False,
+  split: Callable[[], tuple] | None = None,
+  note: str = "",
 ) -> None:
   """Register `y`, the output of layer `what` at `where` computed by jaxact's `op`, with
   ``fuse(activation, dropout=None) -> activation(layer(x))`` as one op (`drops`: then dropped by
   ``dropout = (rate, key, broadcast_dims)``, Flax's formula); reported at the routing's end as
-  taken unfused unless an activation fused it."""
+  taken unfused unless an activation fused it. A norm gives `split` (see `_Offer`): a layer called
+  on its output, or on its fused activation's, may make that output again from the norm's
+  normalized input (:func:`normalized`)."""
   if (r := current()) is not None:
-    r.offers[id(y)] = _Offer(y, where, what, op, fuse, drops=drops)
+    r.offers[id(y)] = _Offer(y, where, what, op, fuse, drops=drops, split=split, note=note)
+
+
+def normalized(x) -> _Offer | None:
+  """The offer of a norm that gave `x` (exactly that array), its activation fused or not, or
+  None: ``offer.split()`` then gives what makes `x` again from the norm's normalized input."""
+  r = current()
+  offer = None if r is None else r.offers.get(id(x))
+  return offer if offer is not None and offer.y is x and offer.split is not None else None
 
 
 def offered(x) -> _Offer | None:

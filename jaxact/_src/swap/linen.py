@@ -23,16 +23,19 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
 from jaxact._src.attention import linen as attention_linen
 from jaxact._src.fused import linen as fused_linen
+from jaxact._src.norm_act import api as norm_act_api
 from jaxact._src.norm_act import linen as norm_act_linen
 from jaxact._src.norms import api as norms_api
 from jaxact._src.norms import linen as norms_linen
-from jaxact._src.swap import activations, attention
+from jaxact._src.swap import activations, attention, from_x_hat
 from jaxact._src.swap.report import Report
 
 
@@ -181,17 +184,78 @@ def _layer(layer: _Layer, module, next_fun, args, kwargs, report: Report):
   if not layer.fuses:
     report.add(where, what, f"jaxact.{layer.op}")
     return y
+  source = None
+  if layer.op in _TAKES_NORMALIZED and not view.is_initializing():
+    source = activations.normalized(args[0] if args else kwargs.get("inputs"))
+  if source is not None:  # a norm's output: made again from its x_hat (the first y is unused)
+    remade = _from_normalized(layer, view, source, args, kwargs)
+    y = remade({})
 
   def fuse(activation, dropout=None):
     extra = {"activation": "identity" if activation is None else activation}
-    if dropout is None:
-      return layer.call(view.replay(**extra), *args, **kwargs)
-    rate, key, dims = dropout
-    extra |= {"dropout_rate": rate, "dropout_broadcast_dims": dims, "deterministic": False}
-    return layer.call(view.replay(**extra), *args, rng=key, **kwargs)
+    rng = {}
+    if dropout is not None:
+      rate, key, dims = dropout
+      extra |= {"dropout_rate": rate, "dropout_broadcast_dims": dims, "deterministic": False}
+      rng = {"rng": key}
+    if source is not None:
+      return remade(extra, rng)
+    return layer.call(view.replay(**extra), *args, **kwargs, **rng)
 
-  activations.offer(y, where=where, what=what, op=layer.op, fuse=fuse, drops=layer.drops)
+  split = _split(layer, module, view, args, kwargs) if layer.op in _NORMS else None
+  note = from_x_hat.NOTE if source is not None else ""
+  activations.offer(
+    y, where=where, what=what, op=layer.op, fuse=fuse, drops=layer.drops, split=split, note=note
+  )
   return y
+
+
+_TAKES_NORMALIZED = frozenset({"dense_bias_act", "conv_bias_act"})  # from_x_hat's layers
+_NORMS = frozenset({"batch_norm_act", "group_norm_act"})
+
+
+def _split(layer: _Layer, module, view: _View, args, kwargs):
+  """A norm's ``split`` (``from_x_hat.split``): x_hat by its call without scale, bias or
+  activation (the statistics as recorded), its output in the dtype Flax's would have."""
+  x = args[0] if args else kwargs.get("x")
+  name = f"jaxact.linen.{layer.jaxact.__name__}"
+  if layer.op == "batch_norm_act":
+    axes = norm_act_api.canonical_axes(name, module.axis, jnp.ndim(x))
+  else:
+    axes = (jnp.ndim(x) - 1,)
+  scale, bias = view.recorded.get(("params", "scale")), view.recorded.get(("params", "bias"))
+  given = [a for a in (x, scale, bias) if a is not None]
+  out = flax_dtypes.canonicalize_dtype(*given, dtype=module.dtype)
+
+  def run():
+    plain = view.replay(activation="identity", use_scale=False, use_bias=False, dtype=None)
+    with activations.inside():
+      return layer.call(plain, *args, **kwargs), scale, bias
+
+  return from_x_hat.split(name, axes, run, out)
+
+
+def _from_normalized(layer: _Layer, view: _View, source, args, kwargs):
+  """``call(extra, rng) -> the layer's call`` (with jaxact attributes `extra`, and ``rng=`` a
+  dropout's key) on the norm's output made from its x_hat under ``jax.checkpoint``: the backward
+  pass keeps x_hat and the layer's variables, and makes the norm's scale, bias and activation
+  again (elementwise) for the layer's weight gradient."""
+  x_hat, scale, bias, tail = source.split()
+  activation = source.activation
+  names = list(view.recorded)
+  rest, kw = args[1:], {k: v for k, v in kwargs.items() if k != "inputs"}
+
+  def call(extra, rng=None):
+    def run(x_hat, scale, bias, values, rng):
+      z = tail(x_hat, scale, bias, activation)
+      replay = dict(zip(names, values, strict=True)) | {"initializing": False}
+      with activations.inside():
+        return layer.call(_View(view._module, view._extra | extra, replay), z, *rest, **kw, **rng)
+
+    values = [view.recorded[n] for n in names]
+    return jax.checkpoint(run)(x_hat, scale, bias, values, rng or {})
+
+  return call
 
 
 def _dropout(module, next_fun, args, kwargs):

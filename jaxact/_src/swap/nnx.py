@@ -32,9 +32,10 @@ from jax import lax
 
 from jaxact._src.attention.nnx import nnx_dot_product_attention
 from jaxact._src.fused import nnx as fused_nnx
+from jaxact._src.norm_act import api as norm_act_api
 from jaxact._src.norm_act import nnx as norm_act_nnx
 from jaxact._src.norms import nnx as norms_nnx
-from jaxact._src.swap import activations, attention
+from jaxact._src.swap import activations, attention, from_x_hat
 from jaxact._src.swap.report import Report
 
 _WHERE = "_jaxact_where"  # the swapped instance's path, named in the fusion's report
@@ -67,13 +68,15 @@ def _with_activation(layer, call: tp.Callable[[], tp.Any], activation, dropout=N
   return _with(layer, functools.partial(call, deterministic=False, rngs=key), attributes)
 
 
-def _offer(layer, y, what: str, op: str, call, drops: bool = False) -> None:
+def _offer(layer, y, what: str, op: str, call, drops: bool = False, split=None, note="") -> None:
   """Offer `y` for fusion with the activation it goes into (only while a routing is active);
-  `drops`: then with an ``nnx.Dropout`` after it."""
+  `drops`: then with an ``nnx.Dropout`` after it; `split`: a norm's (``activations.offer``)."""
   if layer.activation == "identity" and activations.current() is not None:
     fuse = functools.partial(_with_activation, layer, call)
     where = getattr(layer, _WHERE, "")
-    activations.offer(y, where=where, what=what, op=op, fuse=fuse, drops=drops)
+    activations.offer(
+      y, where=where, what=what, op=op, fuse=fuse, drops=drops, split=split, note=note
+    )
 
 
 class Linear(fused_nnx.LinearAct):
@@ -84,7 +87,14 @@ class Linear(fused_nnx.LinearAct):
     y = super().__call__(inputs, out_sharding, **kwargs)
     if self.dropout_rate == 0:
       call = functools.partial(fused_nnx.LinearAct.__call__, self, inputs, out_sharding)
-      _offer(self, y, "flax.nnx.Linear", "dense_bias_act", call, drops=True)
+      source = from_x_hat.nnx_source(self, inputs, kwargs)
+      if source is not None:
+        call = from_x_hat.nnx_call(
+          self, source, lambda m, z, **k: fused_nnx.LinearAct.__call__(m, z, out_sharding, **k)
+        )
+        y = call()
+      note = from_x_hat.NOTE if source is not None else ""
+      _offer(self, y, "flax.nnx.Linear", "dense_bias_act", call, drops=True, note=note)
     return y
 
 
@@ -94,7 +104,14 @@ class Conv(fused_nnx.ConvAct):
   def __call__(self, inputs, out_sharding=None):
     y = super().__call__(inputs, out_sharding)
     call = functools.partial(fused_nnx.ConvAct.__call__, self, inputs, out_sharding)
-    _offer(self, y, "flax.nnx.Conv", "conv_bias_act", call)
+    source = from_x_hat.nnx_source(self, inputs, {})
+    if source is not None:
+      call = from_x_hat.nnx_call(
+        self, source, lambda m, z, **k: fused_nnx.ConvAct.__call__(m, z, out_sharding, **k)
+      )
+      y = call()
+    note = from_x_hat.NOTE if source is not None else ""
+    _offer(self, y, "flax.nnx.Conv", "conv_bias_act", call, note=note)
     return y
 
 
@@ -136,7 +153,18 @@ class BatchNorm(norm_act_nnx.BatchNorm):
         self.mean[...], self.var[...] = after
         raise
 
-    _offer(self, y, "flax.nnx.BatchNorm", "batch_norm_act", again)
+    def normalized():  # x_hat, the statistics left as this call (or the fused one) left them
+      after = (self.mean[...], self.var[...])
+      self.mean[...], self.var[...] = before
+      try:
+        return norm_act_nnx.BatchNorm._run(self, x, use_running_average, None, affine=False)
+      finally:
+        self.mean[...], self.var[...] = after
+
+    name = "jaxact.nnx.BatchNorm"
+    axes = norm_act_api.canonical_axes(name, self.axis, x.ndim)
+    split = from_x_hat.split(name, axes, normalized)
+    _offer(self, y, "flax.nnx.BatchNorm", "batch_norm_act", again, split=split)
     return y
 
 
@@ -149,7 +177,9 @@ class GroupNorm(norm_act_nnx.GroupNorm):
       return nnx.GroupNorm.__call__(self, x, mask=mask)
     y = super().__call__(x)
     call = functools.partial(norm_act_nnx.GroupNorm.__call__, self, x)
-    _offer(self, y, "flax.nnx.GroupNorm", "group_norm_act", call)
+    normalized = functools.partial(norm_act_nnx.GroupNorm._run, self, x, None, affine=False)
+    split = from_x_hat.split("jaxact.nnx.GroupNorm", (x.ndim - 1,), normalized)
+    _offer(self, y, "flax.nnx.GroupNorm", "group_norm_act", call, split=split)
     return y
 
 
