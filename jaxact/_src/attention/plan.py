@@ -70,6 +70,11 @@ class AttentionPlan:
 _CPU_BLOCK_ELEMENTS = 1 << 17
 _GPU_BLOCK_ELEMENTS = 1 << 24
 _GPU_BLOCK_FRACTION = 8
+# The smallest side. On CPU 64: below it a block's loop overhead outweighs what the causal mask
+# skips (Flax's lm1b at T 128 under the one line, 8 x 8 maps: 32 x 32 blocks 1.074x the example's
+# step, 64 x 64 1.007x, the same temp; at 32 x 8 maps equal in time and temp; 2026-11-29,
+# benchmarks/results/oneline.md). A GPU keeps 32 (its T x H / 8 bound, not timed yet).
+_CPU_MIN_SIDE, _GPU_MIN_SIDE = 64, 32
 
 
 def _pow2_floor(n: int) -> int:
@@ -78,12 +83,14 @@ def _pow2_floor(n: int) -> int:
 
 def default_blocks(heads: int, q_len, kv_len, *, head_dim: int, gpu: bool) -> tuple:
   """``(block_q, block_k)`` for `heads` (batch x heads) attention maps of ``q_len x kv_len``:
-  square blocks of a power of two filling the element budget, from 32 to 512. Symbolic lengths
-  (``jax.export``) give symbolic blocks ``min(T, side)``, and no T x H bound on a GPU."""
+  square blocks of a power of two filling the element budget, from 64 (a GPU: 32) to 512.
+  Symbolic lengths (``jax.export``) give symbolic blocks ``min(T, side)``, and no T x H bound on
+  a GPU."""
   elements = (_GPU_BLOCK_ELEMENTS if gpu else _CPU_BLOCK_ELEMENTS) // max(1, heads)
   if gpu and not jax.export.is_symbolic_dim(q_len):
     elements = min(elements, int(q_len) * head_dim // _GPU_BLOCK_FRACTION)
-  side = min(512, max(32, _pow2_floor(int(elements**0.5))))
+  low = _GPU_MIN_SIDE if gpu else _CPU_MIN_SIDE
+  side = min(512, max(low, _pow2_floor(int(elements**0.5))))
   return args.dim_min(q_len, side), args.dim_min(kv_len, side)
 
 
