@@ -71,9 +71,8 @@ _CPU_BLOCK_ELEMENTS = 1 << 17
 _GPU_BLOCK_ELEMENTS = 1 << 24
 _GPU_BLOCK_FRACTION = 8
 # The smallest side. On CPU 64: below it a block's loop overhead outweighs what the causal mask
-# skips (Flax's lm1b at T 128 under the one line, 8 x 8 maps: 32 x 32 blocks 1.074x the example's
-# step, 64 x 64 1.007x, the same temp; at 32 x 8 maps equal in time and temp; 2026-11-29,
-# benchmarks/results/oneline.md). A GPU keeps 32 (its T x H / 8 bound, not timed yet).
+# skips (short sequences, many maps: benchmarks/results/oneline.md, "Step time"). A GPU keeps 32
+# (its T x H / 8 bound; not timed yet).
 _CPU_MIN_SIDE, _GPU_MIN_SIDE = 64, 32
 
 
