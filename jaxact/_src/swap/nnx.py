@@ -144,23 +144,26 @@ class BatchNorm(norm_act_nnx.BatchNorm):
     before = (self.mean[...], self.var[...])
     y = super().__call__(x, use_running_average)
 
-    def again():  # the statistics as they were before this call, updated by the fused call
+    def from_before(call, keep: bool):
+      """`call()` on the statistics as they were before this call: its updates kept (`keep`: the
+      fused call's, which replaces this one), else the statistics given back as they are."""
       after = (self.mean[...], self.var[...])
       self.mean[...], self.var[...] = before
       try:
-        return norm_act_nnx.BatchNorm.__call__(self, x, use_running_average)
+        out = call()
       except Exception:
         self.mean[...], self.var[...] = after
         raise
-
-    def normalized():  # x_hat, the statistics left as this call (or the fused one) left them
-      after = (self.mean[...], self.var[...])
-      self.mean[...], self.var[...] = before
-      try:
-        return norm_act_nnx.BatchNorm._run(self, x, use_running_average, None, affine=False)
-      finally:
+      if not keep:
         self.mean[...], self.var[...] = after
+      return out
 
+    fused = functools.partial(norm_act_nnx.BatchNorm.__call__, self, x, use_running_average)
+    again = functools.partial(from_before, fused, True)
+    plain = functools.partial(
+      norm_act_nnx.BatchNorm._run, self, x, use_running_average, None, affine=False
+    )
+    normalized = functools.partial(from_before, plain, False)  # x_hat, scale, bias
     name = "jaxact.nnx.BatchNorm"
     axes = norm_act_api.canonical_axes(name, self.axis, x.ndim)
     split = from_x_hat.split(name, axes, normalized)
